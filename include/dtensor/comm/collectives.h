@@ -1,0 +1,60 @@
+#pragma once
+// The collectives DTensor uses, on local tensors of one process group. Out-of-place,
+// counted by CommDebugMode, failing with the rank, group and collective on error or timeout.
+#include <ATen/core/Tensor.h>
+#include <torch/csrc/distributed/c10d/Work.hpp>
+
+#include <functional>
+#include <memory>
+
+#include "dtensor/comm/process_group.h"
+#include "dtensor/core/placement.h"
+
+namespace dtensor::comm {
+
+// A collective in flight. wait() returns the finished result (applying any post-processing
+// such as unpadding) and is idempotent.
+class PendingResult {
+ public:
+  PendingResult() = default;
+  PendingResult(c10::intrusive_ptr<c10d::Work> work, at::Tensor buffer,
+                std::function<at::Tensor(at::Tensor)> finish, std::string what);
+  bool ready() const { return !work_; }
+  at::Tensor wait();
+  // Chains one more local step to run after the collective completes.
+  void then(std::function<at::Tensor(at::Tensor)> f);
+
+ private:
+  c10::intrusive_ptr<c10d::Work> work_;
+  at::Tensor buffer_;
+  std::function<at::Tensor(at::Tensor)> finish_;
+  std::string what_;
+};
+
+// Sum/avg/max/min/product over the group.
+at::Tensor all_reduce(const at::Tensor& t, ReduceOp op, ProcessGroup& pg);
+PendingResult all_reduce_async(const at::Tensor& t, ReduceOp op, ProcessGroup& pg);
+
+// Concatenates every rank's `t` along `dim` (all inputs must have the same shape).
+at::Tensor all_gather_into_tensor(const at::Tensor& t, int64_t dim, ProcessGroup& pg);
+PendingResult all_gather_into_tensor_async(const at::Tensor& t, int64_t dim, ProcessGroup& pg);
+
+// Reduces `t` over the group and returns this rank's chunk along `dim`
+// (t.size(dim) must be divisible by the group size).
+at::Tensor reduce_scatter_tensor(const at::Tensor& t, int64_t dim, ReduceOp op, ProcessGroup& pg);
+PendingResult reduce_scatter_tensor_async(const at::Tensor& t, int64_t dim, ReduceOp op,
+                                          ProcessGroup& pg);
+
+// Splits `t` evenly along `split_dim`, sends chunk i to rank i, concatenates what it receives
+// along `concat_dim`.
+at::Tensor all_to_all_single(const at::Tensor& t, int64_t split_dim, int64_t concat_dim,
+                             ProcessGroup& pg);
+
+// Returns group rank `src`'s tensor on every rank (others pass a tensor of the same shape).
+at::Tensor broadcast(const at::Tensor& t, int src, ProcessGroup& pg);
+
+// Group rank `src` passes one tensor per rank (all the same shape); every rank receives its own.
+at::Tensor scatter(const std::vector<at::Tensor>& chunks_on_src, const at::Tensor& like, int src,
+                   ProcessGroup& pg);
+
+}  // namespace dtensor::comm

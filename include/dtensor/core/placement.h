@@ -1,0 +1,88 @@
+#pragma once
+// How a tensor is laid out along one mesh dimension: Shard(dim), Replicate, or Partial(op).
+#include <c10/util/SmallVector.h>
+
+#include <cstdint>
+#include <functional>
+#include <ostream>
+#include <string>
+#include <vector>
+
+namespace dtensor {
+
+enum class ReduceOp : uint8_t { Sum, Avg, Max, Min, Product };
+
+const char* reduce_op_name(ReduceOp op);
+
+class Placement {
+ public:
+  enum class Type : uint8_t { Replicate, Shard, Partial };
+
+  constexpr Placement() = default;  // Replicate
+  static constexpr Placement replicate() { return Placement(); }
+  static constexpr Placement shard(int64_t dim) { return Placement(Type::Shard, dim, ReduceOp::Sum); }
+  static constexpr Placement partial(ReduceOp op = ReduceOp::Sum) {
+    return Placement(Type::Partial, 0, op);
+  }
+
+  Type type() const { return type_; }
+  bool is_replicate() const { return type_ == Type::Replicate; }
+  bool is_shard() const { return type_ == Type::Shard; }
+  bool is_shard(int64_t dim) const { return type_ == Type::Shard && dim_ == dim; }
+  bool is_partial() const { return type_ == Type::Partial; }
+  // Shard dimension; only meaningful for is_shard().
+  int64_t dim() const { return dim_; }
+  ReduceOp reduce_op() const { return op_; }
+
+  // Shard(d) with d < 0 becomes Shard(d + ndim); others are returned unchanged.
+  Placement normalized(int64_t ndim) const;
+
+  bool operator==(const Placement& o) const {
+    return type_ == o.type_ && (type_ != Type::Shard || dim_ == o.dim_) &&
+           (type_ != Type::Partial || op_ == o.op_);
+  }
+  bool operator!=(const Placement& o) const { return !(*this == o); }
+  size_t hash() const {
+    return (static_cast<size_t>(type_) << 40) ^
+           (is_shard() ? static_cast<size_t>(dim_ + 1024) : 0) ^
+           (is_partial() ? (static_cast<size_t>(op_) << 20) : 0);
+  }
+
+  // Short form as PyTorch prints it: S(0), R, P(sum).
+  std::string str() const;
+  // Long form: Shard(dim=0), Replicate(), Partial(sum).
+  std::string repr() const;
+
+ private:
+  constexpr Placement(Type t, int64_t dim, ReduceOp op) : type_(t), op_(op), dim_(dim) {}
+  Type type_ = Type::Replicate;
+  ReduceOp op_ = ReduceOp::Sum;
+  int64_t dim_ = 0;
+};
+
+// PyTorch-style spellings: {Shard(0), Replicate()}, Partial(), Partial(ReduceOp::Max).
+inline constexpr Placement Shard(int64_t dim) { return Placement::shard(dim); }
+inline constexpr Placement Replicate() { return Placement::replicate(); }
+inline constexpr Placement Partial(ReduceOp op = ReduceOp::Sum) { return Placement::partial(op); }
+
+using Placements = c10::SmallVector<Placement, 4>;
+
+std::string to_string(c10::ArrayRef<Placement> placements);  // "(S(0), R)"
+
+// n Replicate placements.
+inline Placements replicate_all(int64_t n) { return Placements(static_cast<size_t>(n), Placement()); }
+// `p` with every Partial replaced by Replicate.
+inline Placements clear_partial(c10::ArrayRef<Placement> p) {
+  Placements out;
+  for (const auto& x : p) out.push_back(x.is_partial() ? Placement() : x);
+  return out;
+}
+std::ostream& operator<<(std::ostream& os, const Placement& p);
+std::ostream& operator<<(std::ostream& os, c10::ArrayRef<Placement> p);
+
+}  // namespace dtensor
+
+template <>
+struct std::hash<dtensor::Placement> {
+  size_t operator()(const dtensor::Placement& p) const noexcept { return p.hash(); }
+};

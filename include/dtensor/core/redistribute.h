@@ -1,0 +1,43 @@
+#pragma once
+// Planner and executor for changing a DTensor's placements (spec §4): per-mesh-dim
+// transitions with torch.chunk padding, and the greedy N-D planner.
+#include <ATen/core/Tensor.h>
+
+#include <vector>
+
+#include "dtensor/comm/collectives.h"
+#include "dtensor/core/dtensor_spec.h"
+
+namespace dtensor {
+
+struct RedistributeStep {
+  int64_t mesh_dim;
+  Placement src;
+  Placement dst;
+  bool operator==(const RedistributeStep& o) const {
+    return mesh_dim == o.mesh_dim && src == o.src && dst == o.dst;
+  }
+};
+
+// The ordered per-mesh-dim transitions from `src` to `dst` placements (cached).
+std::vector<RedistributeStep> plan_redistribute(c10::ArrayRef<Placement> src,
+                                                c10::ArrayRef<Placement> dst);
+
+struct RedistributeLocalOptions {
+  bool is_backward = false;  // R->P keeps the replica (no division); S->P gathers
+  bool async_op = false;     // leave the last collective in flight
+};
+
+// Moves `local` (laid out as `src`) to `dst`'s placements. Both specs share mesh and meta.
+// Ranks outside the mesh get their input back untouched.
+comm::PendingResult redistribute_local(const at::Tensor& local, const DTensorSpec& src,
+                                       const DTensorSpec& dst,
+                                       const RedistributeLocalOptions& options = {});
+
+// Placements a gradient is reduced to in backward: each Partial becomes Replicate.
+Placements backward_target(c10::ArrayRef<Placement> p);
+
+// Local chunk `r` of `k` along `dim` (torch.chunk rule), cloned so it owns its memory.
+at::Tensor local_chunk(const at::Tensor& t, int64_t dim, int64_t k, int64_t r);
+
+}  // namespace dtensor

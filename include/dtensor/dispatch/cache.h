@@ -1,0 +1,13 @@
+#pragma once
+// Statistics of the sharding-decision cache (per thread).
+#include <cstdint>
+
+namespace dtensor::dispatch {
+struct CacheStats {
+  int64_t hits = 0;
+  int64_t misses = 0;
+  int64_t entries = 0;
+};
+CacheStats cache_stats();
+void clear_cache();
+}  // namespace dtensor::dispatch

@@ -1,0 +1,115 @@
+#pragma once
+// What a sharding rule sees and returns. A rule looks at the global specs of an op's tensor
+// inputs (and its non-tensor arguments) and decides the placements every input must have,
+// the placements of every output, and any arguments to rewrite for the local call.
+// Rules run only on a cache miss; the result is cached by (op, input specs, static args).
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/core/ivalue.h>
+
+#include <functional>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "dtensor/core/dtensor_spec.h"
+
+namespace dtensor::dispatch {
+
+// One tensor input: a DTensor, or a plain tensor treated as Replicate.
+struct InputSpec {
+  SpecPtr spec;         // null for an undefined optional tensor
+  int arg = 0;          // index in the schema's arguments
+  int list_index = -1;  // position inside a Tensor[] argument, else -1
+};
+
+class OpCall {
+ public:
+  OpCall(const c10::OperatorHandle& op, c10::ArrayRef<c10::IValue> args,
+         const std::vector<InputSpec>& inputs, const DeviceMesh& mesh)
+      : op_(op), args_(args), inputs_(inputs), mesh_(mesh) {}
+
+  const c10::OperatorHandle& op() const { return op_; }
+  const c10::FunctionSchema& schema() const { return op_.schema(); }
+  std::string name() const;  // "aten::add.Tensor"
+  c10::ArrayRef<c10::IValue> args() const { return args_; }
+  const c10::IValue& arg(size_t i) const { return args_[i]; }
+  size_t num_args() const { return args_.size(); }
+  const std::vector<InputSpec>& inputs() const { return inputs_; }
+  size_t num_inputs() const { return inputs_.size(); }
+  const DTensorSpec& input(size_t i) const { return *inputs_.at(i).spec; }
+  const DeviceMesh& mesh() const { return mesh_; }
+  int64_t mesh_ndim() const { return mesh_.ndim(); }
+
+  // Typed argument access (by schema position), with defaults for None.
+  int64_t int_arg(size_t i, int64_t dflt = 0) const;
+  bool bool_arg(size_t i, bool dflt = false) const;
+  std::vector<int64_t> int_list_arg(size_t i) const;  // empty for None
+  std::optional<std::vector<int64_t>> opt_int_list_arg(size_t i) const;
+  int64_t num_returns() const { return static_cast<int64_t>(schema().returns().size()); }
+  std::string placements_str() const;  // "(S(0)), (R)" for error messages
+
+ private:
+  const c10::OperatorHandle& op_;
+  c10::ArrayRef<c10::IValue> args_;
+  const std::vector<InputSpec>& inputs_;
+  const DeviceMesh& mesh_;
+};
+
+struct Decision {
+  // Placements each input must have for the local call (one entry per OpCall input; an
+  // empty Placements means "as it is").
+  std::vector<Placements> inputs;
+  // Placements of each return; nullopt for non-tensor returns. A Tensor[] return uses the
+  // same placements for every element.
+  std::vector<std::optional<Placements>> outputs;
+  // Arguments rewritten for the local call (global sizes -> local sizes and the like).
+  std::vector<std::pair<int, c10::IValue>> local_args;
+  // Global metadata of each return when the op cannot run on meta tensors.
+  std::vector<std::optional<TensorMeta>> output_meta;
+  // Partial outputs that the local op already reduced (e.g. a custom handler); rarely used.
+};
+
+// One candidate for strategy selection.
+struct Strategy {
+  std::vector<Placements> outputs;  // per return (tensor returns only; nullopt handled by rule)
+  std::vector<Placements> inputs;   // per OpCall input
+};
+
+using Rule = std::function<Decision(const OpCall&)>;
+
+// Registers `rule` for a qualified op name with overload ("aten::add.Tensor", or "aten::mm"
+// for the default overload). Later registrations replace earlier ones.
+void register_rule(const std::string& qualified_name, Rule rule);
+void register_rule(std::initializer_list<const char*> names, const Rule& rule);
+bool has_rule(const std::string& qualified_name);
+
+// Picks the cheapest candidate by the redistribution cost model, with PyTorch's tie-break
+// order (spec §5.3), and turns it into a Decision.
+Decision choose(const OpCall& call, const std::vector<Strategy>& candidates);
+
+// Estimated cost (µs) of moving `src` to `dst` placements (spec §4.4).
+double redistribute_cost(const DTensorSpec& src, c10::ArrayRef<Placement> dst);
+
+// Registers rules from a static initializer: DTENSOR_RULES(pointwise) { register_rule(...); }
+#define DTENSOR_RULES(family)                                      \
+  static void dtensor_register_rules_##family();                   \
+  static const bool dtensor_rules_registered_##family = [] {        \
+    dtensor_register_rules_##family();                             \
+    return true;                                                   \
+  }();                                                             \
+  static void dtensor_register_rules_##family()
+
+}  // namespace dtensor::dispatch
+
+namespace dtensor {
+
+// While alive, plain non-scalar tensors mixed with DTensors are treated as Replicate
+// (PyTorch's implicit_replication()). Thread-local; not re-entrant, like PyTorch's.
+class ImplicitReplication {
+ public:
+  ImplicitReplication();
+  ~ImplicitReplication();
+  static bool enabled();
+};
+
+}  // namespace dtensor

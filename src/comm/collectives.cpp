@@ -1,0 +1,271 @@
+#include "dtensor/comm/collectives.h"
+
+#include <ATen/ops/empty.h>
+#include <ATen/ops/stack.h>
+#include <c10/util/Exception.h>
+#include <torch/csrc/distributed/c10d/Backend.hpp>
+#include <torch/csrc/distributed/c10d/Work.hpp>
+
+#include "dtensor/comm/comm_debug_mode.h"
+
+namespace dtensor::comm {
+namespace {
+
+c10d::ReduceOp to_c10d(ReduceOp op) {
+  switch (op) {
+    case ReduceOp::Sum:
+    case ReduceOp::Avg:  // Gloo has no AVG: sum, then divide in finish()
+      return c10d::ReduceOp(c10d::ReduceOp::SUM);
+    case ReduceOp::Max: return c10d::ReduceOp(c10d::ReduceOp::MAX);
+    case ReduceOp::Min: return c10d::ReduceOp(c10d::ReduceOp::MIN);
+    case ReduceOp::Product: return c10d::ReduceOp(c10d::ReduceOp::PRODUCT);
+  }
+  return c10d::ReduceOp(c10d::ReduceOp::SUM);
+}
+
+std::string describe(const char* what, ProcessGroup& pg, const at::Tensor& t) {
+  std::string s = std::string(what) + " of " + std::to_string(t.numel() * t.element_size()) +
+                  " bytes on group " + pg.name() + " (group rank " + std::to_string(pg.rank()) +
+                  " of " + std::to_string(pg.size());
+  if (pg.mesh_dim() >= 0) s += ", mesh dim " + std::to_string(pg.mesh_dim());
+  return s + ")";
+}
+
+void record(CommType type, const at::Tensor& t, ProcessGroup& pg) {
+  CommDebugMode::record(CommRecord{type, t.numel() * static_cast<int64_t>(t.element_size()),
+                                   pg.mesh_dim(), pg.size(), ModuleScope::current(),
+                                   BackwardScope::active()});
+}
+
+c10d::Backend& backend_for(ProcessGroup& pg, const at::Tensor& t) {
+  return pg.backend(t.device().type());
+}
+
+// Issues `issue(backend)`, wrapping errors with the collective's description.
+template <typename F>
+PendingResult launch(const char* name, CommType type, ProcessGroup& pg, const at::Tensor& input,
+                     at::Tensor buffer, std::function<at::Tensor(at::Tensor)> finish, F&& issue) {
+  record(type, input, pg);
+  std::string what = describe(name, pg, input);
+  c10::intrusive_ptr<c10d::Work> work;
+  try {
+    work = issue(backend_for(pg, input));
+  } catch (const std::exception& e) {
+    TORCH_CHECK(false, "dtensor: rank ", pg.global_rank(pg.rank()), ": ", what,
+                " failed: ", e.what());
+  }
+  return PendingResult(std::move(work), std::move(buffer), std::move(finish),
+                       "rank " + std::to_string(pg.global_rank(pg.rank())) + ": " + what);
+}
+
+at::Tensor contiguous_copy_if_needed(const at::Tensor& t) {
+  return t.is_contiguous() ? t : t.contiguous();
+}
+
+}  // namespace
+
+PendingResult::PendingResult(c10::intrusive_ptr<c10d::Work> work, at::Tensor buffer,
+                             std::function<at::Tensor(at::Tensor)> finish, std::string what)
+    : work_(std::move(work)),
+      buffer_(std::move(buffer)),
+      finish_(std::move(finish)),
+      what_(std::move(what)) {}
+
+at::Tensor PendingResult::wait() {
+  if (work_) {
+    try {
+      work_->wait();
+    } catch (const std::exception& e) {
+      work_.reset();
+      TORCH_CHECK(false, "dtensor: ", what_, " failed: ", e.what());
+    }
+    work_.reset();
+    if (finish_) {
+      buffer_ = finish_(std::move(buffer_));
+      finish_ = nullptr;
+    }
+  }
+  return buffer_;
+}
+
+void PendingResult::then(std::function<at::Tensor(at::Tensor)> f) {
+  if (!work_) {
+    buffer_ = f(std::move(buffer_));
+    return;
+  }
+  if (!finish_) {
+    finish_ = std::move(f);
+    return;
+  }
+  finish_ = [a = std::move(finish_), b = std::move(f)](at::Tensor t) { return b(a(std::move(t))); };
+}
+
+PendingResult all_reduce_async(const at::Tensor& t, ReduceOp op, ProcessGroup& pg) {
+  // Out-of-place: reduce into a private copy.
+  at::Tensor buf = t.clone(at::MemoryFormat::Contiguous);
+  std::function<at::Tensor(at::Tensor)> finish;
+  if (op == ReduceOp::Avg) {
+    const int64_t n = pg.size();
+    finish = [n](at::Tensor x) { return x.div_(n); };
+  }
+  if (pg.size() == 1) {
+    record(CommType::all_reduce, t, pg);
+    return PendingResult({}, finish ? finish(buf) : buf, nullptr, "");
+  }
+  return launch("all_reduce", CommType::all_reduce, pg, t, buf, std::move(finish),
+                [&](c10d::Backend& b) {
+                  std::vector<at::Tensor> v{buf};
+                  c10d::AllreduceOptions o;
+                  o.reduceOp = to_c10d(op);
+                  return b.allreduce(v, o);
+                });
+}
+
+at::Tensor all_reduce(const at::Tensor& t, ReduceOp op, ProcessGroup& pg) {
+  return all_reduce_async(t, op, pg).wait();
+}
+
+PendingResult all_gather_into_tensor_async(const at::Tensor& t, int64_t dim, ProcessGroup& pg) {
+  const int64_t k = pg.size();
+  dim = c10::maybe_wrap_dim(dim, t.dim());
+  at::Tensor in = contiguous_copy_if_needed(t);
+  std::vector<int64_t> stacked(in.sizes().begin(), in.sizes().end());
+  stacked.insert(stacked.begin(), k);
+  at::Tensor out = at::empty(stacked, in.options());
+  auto finish = [dim, k](at::Tensor x) {
+    // (k, s0, .., sd, ..) -> (s0, .., k*sd, ..): rank-major order along `dim`.
+    if (dim == 0) return x.flatten(0, 1);
+    return x.movedim(0, dim).flatten(dim, dim + 1).contiguous();
+  };
+  if (k == 1 || in.numel() == 0) {
+    record(CommType::all_gather_into_tensor, t, pg);
+    return PendingResult({}, finish(out.copy_(in.unsqueeze(0).expand_as(out))), nullptr, "");
+  }
+  return launch("all_gather_into_tensor", CommType::all_gather_into_tensor, pg, t, out, finish,
+                [&](c10d::Backend& b) {
+                  at::Tensor flat_out = out.view({-1});
+                  at::Tensor flat_in = in.view({-1});
+                  return b._allgather_base(flat_out, flat_in);
+                });
+}
+
+at::Tensor all_gather_into_tensor(const at::Tensor& t, int64_t dim, ProcessGroup& pg) {
+  return all_gather_into_tensor_async(t, dim, pg).wait();
+}
+
+PendingResult reduce_scatter_tensor_async(const at::Tensor& t, int64_t dim, ReduceOp op,
+                                          ProcessGroup& pg) {
+  const int64_t k = pg.size();
+  dim = c10::maybe_wrap_dim(dim, t.dim());
+  TORCH_CHECK(t.size(dim) % k == 0, "dtensor: reduce_scatter_tensor needs dim ", dim, " (size ",
+              t.size(dim), ") divisible by the group size ", k, "; pad first");
+  // Chunks laid out rank-major so chunk r is contiguous for the backend.
+  at::Tensor in = dim == 0 ? contiguous_copy_if_needed(t) : at::stack(t.chunk(k, dim), 0);
+  std::vector<int64_t> out_shape(t.sizes().begin(), t.sizes().end());
+  out_shape[dim] /= k;
+  at::Tensor out = at::empty(out_shape, t.options());
+  std::function<at::Tensor(at::Tensor)> finish;
+  if (op == ReduceOp::Avg) finish = [k](at::Tensor x) { return x.div_(k); };
+  if (k == 1) {
+    record(CommType::reduce_scatter_tensor, t, pg);
+    out.copy_(t);
+    return PendingResult({}, finish ? finish(out) : out, nullptr, "");
+  }
+  if (op == ReduceOp::Max || op == ReduceOp::Min || op == ReduceOp::Product) {
+    // Gloo reduce-scatter only sums: reduce everything, keep our chunk.
+    at::Tensor buf = in.clone();
+    const int64_t r = pg.rank();
+    return launch("reduce_scatter_tensor", CommType::reduce_scatter_tensor, pg, t, buf,
+                  [dim, k, r, out_shape](at::Tensor x) {
+                    at::Tensor mine =
+                        dim == 0 ? x.chunk(k, 0)[r] : x.select(0, r);
+                    return mine.contiguous().view(out_shape);
+                  },
+                  [&](c10d::Backend& b) {
+                    std::vector<at::Tensor> v{buf};
+                    c10d::AllreduceOptions o;
+                    o.reduceOp = to_c10d(op);
+                    return b.allreduce(v, o);
+                  });
+  }
+  return launch("reduce_scatter_tensor", CommType::reduce_scatter_tensor, pg, t, out,
+                std::move(finish), [&](c10d::Backend& b) {
+                  at::Tensor flat_in = in.reshape({-1});
+                  at::Tensor flat_out = out.view({-1});
+                  c10d::ReduceScatterOptions o;
+                  o.reduceOp = to_c10d(op);
+                  return b._reduce_scatter_base(flat_out, flat_in, o);
+                });
+}
+
+at::Tensor reduce_scatter_tensor(const at::Tensor& t, int64_t dim, ReduceOp op, ProcessGroup& pg) {
+  return reduce_scatter_tensor_async(t, dim, op, pg).wait();
+}
+
+at::Tensor all_to_all_single(const at::Tensor& t, int64_t split_dim, int64_t concat_dim,
+                             ProcessGroup& pg) {
+  const int64_t k = pg.size();
+  split_dim = c10::maybe_wrap_dim(split_dim, t.dim());
+  concat_dim = c10::maybe_wrap_dim(concat_dim, t.dim());
+  TORCH_CHECK(t.size(split_dim) % k == 0, "dtensor: all_to_all_single needs dim ", split_dim,
+              " divisible by the group size");
+  at::Tensor in = at::stack(t.chunk(k, split_dim), 0).contiguous();  // (k, ...chunk)
+  at::Tensor out = at::empty_like(in);
+  auto finish = [concat_dim](at::Tensor x) {
+    // received chunk j came from rank j: concatenate along concat_dim in rank order
+    return x.movedim(0, concat_dim).flatten(concat_dim, concat_dim + 1).contiguous();
+  };
+  if (k == 1) {
+    record(CommType::all_to_all_single, t, pg);
+    return PendingResult({}, finish(in), nullptr, "").wait();
+  }
+  return launch("all_to_all_single", CommType::all_to_all_single, pg, t, out, finish,
+                [&](c10d::Backend& b) {
+                  std::vector<int64_t> splits;  // empty = even
+                  at::Tensor flat_out = out.view({-1});
+                  at::Tensor flat_in = in.view({-1});
+                  return b.alltoall_base(flat_out, flat_in, splits, splits);
+                })
+      .wait();
+}
+
+at::Tensor broadcast(const at::Tensor& t, int src, ProcessGroup& pg) {
+  at::Tensor buf = t.clone(at::MemoryFormat::Contiguous);
+  if (pg.size() == 1) {
+    record(CommType::broadcast, t, pg);
+    return buf;
+  }
+  return launch("broadcast", CommType::broadcast, pg, t, buf, nullptr,
+                [&](c10d::Backend& b) {
+                  std::vector<at::Tensor> v{buf};
+                  c10d::BroadcastOptions o;
+                  o.rootRank = src;
+                  return b.broadcast(v, o);
+                })
+      .wait();
+}
+
+at::Tensor scatter(const std::vector<at::Tensor>& chunks_on_src, const at::Tensor& like, int src,
+                   ProcessGroup& pg) {
+  at::Tensor out = at::empty(like.sizes(), like.options());
+  if (pg.size() == 1) {
+    record(CommType::scatter, like, pg);
+    return out.copy_(chunks_on_src.at(0));
+  }
+  return launch("scatter", CommType::scatter, pg, like, out, nullptr,
+                [&](c10d::Backend& b) {
+                  std::vector<at::Tensor> outs{out};
+                  std::vector<std::vector<at::Tensor>> ins;
+                  if (pg.rank() == src) {
+                    std::vector<at::Tensor> cs;
+                    for (const auto& c : chunks_on_src) cs.push_back(c.contiguous());
+                    ins.push_back(std::move(cs));
+                  }
+                  c10d::ScatterOptions o;
+                  o.rootRank = src;
+                  return b.scatter(outs, ins, o);
+                })
+      .wait();
+}
+
+}  // namespace dtensor::comm

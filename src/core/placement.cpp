@@ -1,0 +1,51 @@
+#include "dtensor/core/placement.h"
+
+namespace dtensor {
+
+const char* reduce_op_name(ReduceOp op) {
+  switch (op) {
+    case ReduceOp::Sum: return "sum";
+    case ReduceOp::Avg: return "avg";
+    case ReduceOp::Max: return "max";
+    case ReduceOp::Min: return "min";
+    case ReduceOp::Product: return "product";
+  }
+  return "?";
+}
+
+Placement Placement::normalized(int64_t ndim) const {
+  if (is_shard() && dim_ < 0) return Placement::shard(dim_ + ndim);
+  return *this;
+}
+
+std::string Placement::str() const {
+  switch (type_) {
+    case Type::Replicate: return "R";
+    case Type::Shard: return "S(" + std::to_string(dim_) + ")";
+    case Type::Partial: return std::string("P(") + reduce_op_name(op_) + ")";
+  }
+  return "?";
+}
+
+std::string Placement::repr() const {
+  switch (type_) {
+    case Type::Replicate: return "Replicate()";
+    case Type::Shard: return "Shard(dim=" + std::to_string(dim_) + ")";
+    case Type::Partial: return std::string("Partial(") + reduce_op_name(op_) + ")";
+  }
+  return "?";
+}
+
+std::string to_string(c10::ArrayRef<Placement> placements) {
+  std::string s = "(";
+  for (size_t i = 0; i < placements.size(); ++i) {
+    if (i) s += ", ";
+    s += placements[i].str();
+  }
+  return s + ")";
+}
+
+std::ostream& operator<<(std::ostream& os, const Placement& p) { return os << p.str(); }
+std::ostream& operator<<(std::ostream& os, c10::ArrayRef<Placement> p) { return os << to_string(p); }
+
+}  // namespace dtensor

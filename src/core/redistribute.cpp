@@ -1,0 +1,182 @@
+#include "dtensor/core/redistribute.h"
+
+#include <ATen/ops/cat.h>
+#include <ATen/ops/zeros.h>
+#include <c10/util/Exception.h>
+
+#include <map>
+#include <mutex>
+
+namespace dtensor {
+namespace {
+
+// Pads `t` with zeros at the end of `dim` up to `size`.
+at::Tensor pad_to(const at::Tensor& t, int64_t dim, int64_t size) {
+  const int64_t have = t.size(dim);
+  if (have == size) return t;
+  std::vector<int64_t> shape(t.sizes().begin(), t.sizes().end());
+  shape[dim] = size - have;
+  return at::cat({t, at::zeros(shape, t.options())}, dim);
+}
+
+// Size of tensor dim `d` as seen by mesh dim `mesh_dim`: the global size split by every
+// earlier mesh dim that currently shards `d`.
+int64_t logical_size(const DTensorSpec& spec, c10::ArrayRef<Placement> current, int64_t mesh_dim,
+                     int64_t d) {
+  int64_t n = spec.shape()[d];
+  const auto& coord = *spec.mesh().coordinate();
+  for (int64_t j = 0; j < mesh_dim; ++j) {
+    if (current[j].is_shard(d)) n = chunk_range(n, spec.mesh().size(j), coord[j]).size;
+  }
+  return n;
+}
+
+// S(d) -> R: pad to the full chunk, gather, trim.
+comm::PendingResult shard_to_replicate(const at::Tensor& local, int64_t d, int64_t n,
+                                       comm::ProcessGroup& pg, bool async) {
+  const int64_t k = pg.size();
+  const int64_t c = full_chunk_size(n, k);
+  auto p = comm::all_gather_into_tensor_async(pad_to(local, d, c), d, pg);
+  if (c * k != n) p.then([d, n](at::Tensor x) { return x.narrow(d, 0, n); });
+  if (!async) p.wait();
+  return p;
+}
+
+}  // namespace
+
+at::Tensor local_chunk(const at::Tensor& t, int64_t dim, int64_t k, int64_t r) {
+  const ShardRange rg = chunk_range(t.size(dim), k, r);
+  return t.narrow(dim, rg.size == 0 ? t.size(dim) : rg.offset, rg.size).clone();
+}
+
+Placements backward_target(c10::ArrayRef<Placement> p) { return clear_partial(p); }
+
+std::vector<RedistributeStep> plan_redistribute(c10::ArrayRef<Placement> src,
+                                                c10::ArrayRef<Placement> dst) {
+  TORCH_CHECK(src.size() == dst.size(), "dtensor: redistribute between ", src.size(), " and ",
+              dst.size(), " placements");
+  thread_local std::map<std::pair<std::string, std::string>, std::vector<RedistributeStep>> cache;
+  auto key = std::make_pair(to_string(src), to_string(dst));
+  if (auto it = cache.find(key); it != cache.end()) return it->second;
+
+  std::vector<RedistributeStep> steps;
+  Placements cur(src.begin(), src.end());
+  const int64_t nd = static_cast<int64_t>(src.size());
+  bool any_shard = false;
+  for (const auto& p : src) any_shard |= p.is_shard();
+  if (nd > 1 && any_shard) {
+    // Inner mesh dims first: a target shard whose outer sharding of the same tensor dim differs
+    // between now and the target is replicated for the time being.
+    for (int64_t i = nd - 1; i >= 0; --i) {
+      Placement target = dst[i];
+      if (target.is_shard()) {
+        const int64_t d = target.dim();
+        std::vector<int64_t> now, want;
+        for (int64_t j = 0; j < i; ++j) {
+          if (cur[j].is_shard(d)) now.push_back(j);
+          if (dst[j].is_shard(d)) want.push_back(j);
+        }
+        if (now != want) target = Replicate();
+      }
+      if (cur[i] != target) {
+        steps.push_back({i, cur[i], target});
+        cur[i] = target;
+      }
+    }
+  }
+  for (int64_t i = 0; i < nd; ++i) {
+    if (cur[i] != dst[i]) {
+      steps.push_back({i, cur[i], dst[i]});
+      cur[i] = dst[i];
+    }
+  }
+  cache.emplace(std::move(key), steps);
+  return steps;
+}
+
+comm::PendingResult redistribute_local(const at::Tensor& local, const DTensorSpec& src,
+                                       const DTensorSpec& dst,
+                                       const RedistributeLocalOptions& options) {
+  const DeviceMesh& mesh = src.mesh();
+  TORCH_CHECK(mesh == dst.mesh(), "Cross device mesh comm not supported yet! (from ", mesh,
+              " to ", dst.mesh(), ")");
+  if (!mesh.contains_this_rank()) return comm::PendingResult({}, local, nullptr, "");
+  Placements target(dst.placements().begin(), dst.placements().end());
+  if (options.is_backward) {
+    // Gradients never become Partial by division: keep replicas, gather shards.
+    for (size_t i = 0; i < target.size(); ++i) {
+      if (target[i].is_partial() && !src.placements()[i].is_partial()) target[i] = Replicate();
+    }
+  }
+  const auto steps = plan_redistribute(src.placements(), target);
+  Placements cur(src.placements().begin(), src.placements().end());
+  const auto& coord = *mesh.coordinate();
+  at::Tensor t = local;
+  comm::PendingResult pending({}, t, nullptr, "");
+  for (size_t s = 0; s < steps.size(); ++s) {
+    const auto& st = steps[s];
+    const bool last = s + 1 == steps.size();
+    const bool async = options.async_op && last;
+    const int64_t i = st.mesh_dim;
+    const int64_t k = mesh.size(i);
+    comm::ProcessGroup& pg = mesh.group(i);
+    const Placement from = st.src, to = st.dst;
+    if (from.is_shard() && to.is_replicate()) {
+      pending = shard_to_replicate(t, from.dim(), logical_size(src, cur, i, from.dim()), pg, async);
+    } else if (from.is_partial() && to.is_replicate()) {
+      pending = comm::all_reduce_async(t, from.reduce_op(), pg);
+      if (!async) pending.wait();
+    } else if (from.is_partial() && to.is_shard()) {
+      const int64_t d = to.dim();
+      const int64_t n = logical_size(src, cur, i, d);
+      const int64_t c = full_chunk_size(n, k);
+      at::Tensor in = t;
+      if (c * k != n) {
+        // Pad every chunk (fewer than k chunks, or shorter last ones) to the full chunk size.
+        std::vector<at::Tensor> parts;
+        for (int64_t r = 0; r < k; ++r) {
+          const ShardRange rg = chunk_range(n, k, r);
+          parts.push_back(pad_to(t.narrow(d, rg.size == 0 ? n : rg.offset, rg.size), d, c));
+        }
+        in = at::cat(parts, d);
+      }
+      pending = comm::reduce_scatter_tensor_async(in, d, from.reduce_op(), pg);
+      const int64_t mine = chunk_range(n, k, coord[i]).size;
+      if (mine != c) pending.then([d, mine](at::Tensor x) { return x.narrow(d, 0, mine); });
+      if (!async) pending.wait();
+    } else if (from.is_replicate() && to.is_shard()) {
+      pending = comm::PendingResult({}, local_chunk(t, to.dim(), k, coord[i]), nullptr, "");
+    } else if (from.is_replicate() && to.is_partial()) {
+      at::Tensor v = t;
+      if (!options.is_backward) {
+        switch (to.reduce_op()) {
+          case ReduceOp::Sum: v = t / k; break;  // summing k copies gives back the value
+          case ReduceOp::Avg:
+          case ReduceOp::Max:
+          case ReduceOp::Min: v = t; break;  // reducing identical copies is the identity
+          case ReduceOp::Product:
+            TORCH_CHECK(false, "dtensor: only support replicate to Partial(sum|avg|max|min)");
+        }
+      }
+      pending = comm::PendingResult({}, v, nullptr, "");
+    } else if (from.is_shard() && to.is_shard()) {
+      // Shard-dim change: gather the old dim, keep our chunk of the new one. (Counted as an
+      // all-gather, as PyTorch does on CPU.)
+      auto g = shard_to_replicate(t, from.dim(), logical_size(src, cur, i, from.dim()), pg,
+                                  /*async=*/false);
+      pending = comm::PendingResult({}, local_chunk(g.wait(), to.dim(), k, coord[i]), nullptr, "");
+    } else if (from.is_shard() && to.is_partial()) {
+      TORCH_CHECK(options.is_backward, "redistribute from ", from.str(), " to ", to.str(),
+                  " not supported yet");
+      pending = shard_to_replicate(t, from.dim(), logical_size(src, cur, i, from.dim()), pg, async);
+    } else if (from.is_partial() && to.is_partial()) {
+      TORCH_CHECK(from.reduce_op() == to.reduce_op(), "dtensor: cannot redistribute ", from.str(),
+                  " to ", to.str(), ": reduce it first");
+    }
+    cur[i] = to;
+    if (!async) t = pending.wait();
+  }
+  return pending;
+}
+
+}  // namespace dtensor

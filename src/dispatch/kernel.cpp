@@ -1,0 +1,458 @@
+// The boxed kernel every op on a DTensor reaches (ARCHITECTURE.md §1):
+// unwrap -> cached sharding decision -> redistribute inputs -> local op -> wrap outputs.
+#include "kernel.h"
+
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_strided.h>
+#include <ATen/ops/zeros.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
+#include <c10/util/Exception.h>
+#include <c10/util/SmallVector.h>
+#include <torch/csrc/autograd/InferenceMode.h>
+#include <ATen/core/LegacyTypeDispatch.h>
+
+#include <unordered_map>
+
+#include "dtensor/core/dtensor_impl.h"
+#include "dtensor/core/redistribute.h"
+#include "op_registry.h"
+
+namespace dtensor {
+namespace {
+thread_local bool tl_implicit_replication = false;
+}
+ImplicitReplication::ImplicitReplication() { tl_implicit_replication = true; }
+ImplicitReplication::~ImplicitReplication() { tl_implicit_replication = false; }
+bool ImplicitReplication::enabled() { return tl_implicit_replication; }
+}  // namespace dtensor
+
+namespace dtensor::dispatch {
+namespace {
+
+// A tensor found among the arguments.
+struct Slot {
+  int arg;
+  int list_index;   // -1 for a plain Tensor argument
+  at::Tensor t;     // the DTensor or plain tensor as passed
+  DTensorImpl* impl;  // null for plain tensors
+};
+
+struct CompiledReturn {
+  ReturnKind kind;
+  SpecPtr spec;                 // Tensor return
+  std::vector<SpecPtr> specs;   // Tensor[] return
+  int writes_arg;
+};
+
+// A cached decision, ready to execute.
+struct Compiled {
+  std::vector<SpecPtr> in_spec;      // per slot: the spec it arrives with
+  std::vector<SpecPtr> in_target;    // per slot: target spec, or null when unchanged
+  std::vector<std::pair<int, c10::IValue>> local_args;
+  std::vector<CompiledReturn> returns;
+  bool mesh_member = true;
+};
+
+struct Key {
+  const void* op;
+  c10::SmallVector<int64_t, 24> words;
+  c10::SmallVector<SpecPtr, 4> specs;
+  size_t hash;
+  bool operator==(const Key& o) const {
+    if (hash != o.hash || op != o.op || words != o.words || specs.size() != o.specs.size()) {
+      return false;
+    }
+    for (size_t i = 0; i < specs.size(); ++i) {
+      if (specs[i] != o.specs[i] && !(*specs[i] == *o.specs[i])) return false;
+    }
+    return true;
+  }
+};
+struct KeyHash {
+  size_t operator()(const Key& k) const { return k.hash; }
+};
+
+using Cache = std::unordered_map<Key, Compiled, KeyHash>;
+Cache& cache() {
+  thread_local Cache c;
+  return c;
+}
+thread_local CacheStats tl_stats;
+
+inline void mix(size_t& h, uint64_t v) { h ^= v + 0x9e3779b97f4a7c15ull + (h << 6) + (h >> 2); }
+
+void push_word(Key& k, int64_t w) {
+  k.words.push_back(w);
+  mix(k.hash, static_cast<uint64_t>(w));
+}
+
+void add_plain_to_key(Key& k, const at::Tensor& t) {
+  push_word(k, -2);
+  push_word(k, static_cast<int64_t>(t.scalar_type()));
+  push_word(k, t.dim());
+  for (auto s : t.sizes()) push_word(k, s);
+  if (t.dim() > 0 && t.numel() != 1) push_word(k, ImplicitReplication::enabled() ? 1 : 0);
+}
+
+void add_tensor(Key& k, c10::SmallVector<Slot, 8>& slots, const at::Tensor& t, int arg, int li) {
+  if (!t.defined()) {
+    push_word(k, -3);
+    return;
+  }
+  if (is_dtensor(t)) {
+    auto* impl = dtensor_impl(t);
+    slots.push_back(Slot{arg, li, t, impl});
+    push_word(k, -1);
+    k.specs.push_back(impl->spec());
+    mix(k.hash, impl->spec()->hash());
+  } else {
+    slots.push_back(Slot{arg, li, t, nullptr});
+    add_plain_to_key(k, t);
+  }
+}
+
+// Collects tensor slots and builds the cache key from the op and its arguments.
+void scan(const OpInfo& info, const void* op_key, c10::ArrayRef<c10::IValue> args, Key& k,
+          c10::SmallVector<Slot, 8>& slots) {
+  k.op = op_key;
+  k.hash = reinterpret_cast<size_t>(op_key);
+  for (size_t i = 0; i < args.size(); ++i) {
+    const c10::IValue& v = args[i];
+    const int ai = static_cast<int>(i);
+    if (v.isTensor()) {
+      add_tensor(k, slots, v.toTensor(), ai, -1);
+    } else if (v.isTensorList()) {
+      auto list = v.toTensorList();
+      push_word(k, -4);
+      push_word(k, static_cast<int64_t>(list.size()));
+      for (size_t j = 0; j < list.size(); ++j) add_tensor(k, slots, list.get(j), ai, static_cast<int>(j));
+    } else if (v.isList()) {
+      auto list = v.toListRef();
+      push_word(k, -5);
+      push_word(k, static_cast<int64_t>(list.size()));
+      for (size_t j = 0; j < list.size(); ++j) {
+        const auto& e = list[j];
+        if (e.isTensor()) {
+          add_tensor(k, slots, e.toTensor(), ai, static_cast<int>(j));
+        } else if (e.isInt()) {
+          if (info.static_arg[i]) push_word(k, e.toInt());
+        } else if (e.isBool()) {
+          if (info.static_arg[i]) push_word(k, e.toBool());
+        } else if (e.isNone()) {
+          push_word(k, -6);
+        }
+      }
+    } else if (!info.static_arg[i]) {
+      // Scalars/floats: only their kind matters (int vs float changes the result dtype).
+      push_word(k, v.isDouble() ? -10 : v.isInt() ? -11 : v.isBool() ? -12 : v.isNone() ? -13 : -14);
+    } else if (v.isInt()) {
+      push_word(k, v.toInt());
+    } else if (v.isBool()) {
+      push_word(k, v.toBool() ? 1 : 0);
+    } else if (v.isIntList()) {
+      auto l = v.toIntList();
+      push_word(k, -7);
+      push_word(k, static_cast<int64_t>(l.size()));
+      for (int64_t x : l) push_word(k, x);
+    } else if (v.isNone()) {
+      push_word(k, -8);
+    } else if (v.isString()) {
+      push_word(k, static_cast<int64_t>(std::hash<std::string>{}(v.toStringRef())));
+    } else if (v.isDevice()) {
+      push_word(k, static_cast<int64_t>(v.toDevice().type()));
+    }
+  }
+}
+
+[[noreturn]] void fail_mixed(const OpInfo& info) {
+  TORCH_CHECK(false, info.name,
+              ": got mixed torch.Tensor and DTensor, need to convert all torch.Tensor to DTensor "
+              "before calling distributed operators! (or wrap the call in "
+              "dtensor::ImplicitReplication to treat plain tensors as replicated)");
+}
+
+// Global metadata of the outputs: run the op on meta tensors with global shapes.
+std::vector<std::optional<TensorMeta>> meta_outputs(const c10::OperatorHandle& op,
+                                                    const OpInfo& info,
+                                                    c10::ArrayRef<c10::IValue> args,
+                                                    const c10::SmallVector<Slot, 8>& slots,
+                                                    const std::vector<SpecPtr>& specs,
+                                                    std::vector<std::vector<TensorMeta>>& lists) {
+  torch::jit::Stack st(args.begin(), args.end());
+  auto meta_of = [&](size_t s) {
+    const auto& sp = *specs[s];
+    return at::empty_strided(sp.shape(), sp.stride(),
+                             at::TensorOptions().dtype(sp.dtype()).device(c10::kMeta));
+  };
+  // Tensor lists are rebuilt whole.
+  std::unordered_map<int, std::vector<std::pair<int, size_t>>> list_slots;
+  for (size_t s = 0; s < slots.size(); ++s) {
+    if (slots[s].list_index < 0) {
+      st[slots[s].arg] = meta_of(s);
+    } else {
+      list_slots[slots[s].arg].push_back({slots[s].list_index, s});
+    }
+  }
+  for (auto& [arg, entries] : list_slots) {
+    const c10::IValue& orig = args[arg];
+    if (orig.isTensorList()) {
+      auto l = orig.toTensorList().copy();
+      for (auto [li, s] : entries) l.set(li, meta_of(s));
+      st[arg] = l;
+    } else {
+      auto l = orig.toList().copy();
+      for (auto [li, s] : entries) l.set(li, meta_of(s));
+      st[arg] = l;
+    }
+  }
+  for (auto& v : st) {
+    if (v.isDevice()) v = c10::IValue(c10::Device(c10::kMeta));
+  }
+  {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    op.callBoxed(st);
+  }
+  std::vector<std::optional<TensorMeta>> out(info.num_returns);
+  lists.assign(info.num_returns, {});
+  for (size_t r = 0; r < info.num_returns; ++r) {
+    const auto& v = st[r];
+    auto tm = [](const at::Tensor& t) {
+      return TensorMeta{t.sizes().vec(), t.strides().vec(), t.scalar_type()};
+    };
+    if (info.return_kind[r] == ReturnKind::Tensor && v.isTensor()) {
+      out[r] = tm(v.toTensor());
+    } else if (info.return_kind[r] == ReturnKind::TensorList) {
+      for (const auto& t : v.toTensorVector()) lists[r].push_back(tm(t));
+    }
+  }
+  return out;
+}
+
+Compiled compile(const c10::OperatorHandle& op, const OpInfo& info, c10::ArrayRef<c10::IValue> args,
+                 const c10::SmallVector<Slot, 8>& slots) {
+  // The compute mesh is the first DTensor's; all DTensors must share it.
+  const DeviceMesh* mesh = nullptr;
+  for (const auto& s : slots) {
+    if (!s.impl) continue;
+    const DeviceMesh& m = s.impl->spec()->mesh();
+    if (!mesh) {
+      mesh = &m;
+    } else {
+      TORCH_CHECK_VALUE(*mesh == m, info.name, ": could not run computation across different "
+                        "meshes (", *mesh, " and ", m, ")");
+    }
+  }
+  std::vector<InputSpec> inputs;
+  Compiled c;
+  for (const auto& s : slots) {
+    SpecPtr sp;
+    if (s.impl) {
+      sp = s.impl->spec();
+    } else {
+      const at::Tensor& t = s.t;
+      if (t.dim() > 0 && t.numel() != 1 && !ImplicitReplication::enabled()) fail_mixed(info);
+      sp = make_spec(*mesh, replicate_all(mesh->ndim()),
+                     TensorMeta{t.sizes().vec(), t.strides().vec(), t.scalar_type()});
+    }
+    inputs.push_back(InputSpec{sp, s.arg, s.list_index});
+    c.in_spec.push_back(sp);
+  }
+  OpCall call(op, args, inputs, *mesh);
+  if (!info.rule) {
+    TORCH_CHECK_NOT_IMPLEMENTED(false, "Operator ", info.name,
+                                " does not have a sharding strategy registered (inputs ",
+                                call.placements_str(), "). dtensor will not run it on local "
+                                "shards silently: add a rule with dtensor::dispatch::register_rule,"
+                                " or call full_tensor()/to_local() first.");
+  }
+  Decision d = (*info.rule)(call);
+  TORCH_CHECK(d.inputs.size() == slots.size(), "dtensor: the rule for ", info.name, " returned ",
+              d.inputs.size(), " input placements for ", slots.size(), " inputs");
+  TORCH_CHECK(d.outputs.size() == info.num_returns, "dtensor: the rule for ", info.name,
+              " returned ", d.outputs.size(), " output placements for ", info.num_returns,
+              " returns");
+  std::vector<SpecPtr> target_specs;
+  for (size_t i = 0; i < slots.size(); ++i) {
+    const auto& cur = *c.in_spec[i];
+    SpecPtr t;
+    if (!d.inputs[i].empty() && !std::equal(d.inputs[i].begin(), d.inputs[i].end(),
+                                            cur.placements().begin(), cur.placements().end())) {
+      t = cur.with_placements(d.inputs[i]);
+    }
+    target_specs.push_back(t ? t : c.in_spec[i]);
+    c.in_target.push_back(std::move(t));
+  }
+  // Output metadata from the rule, or from the op on meta tensors.
+  std::vector<std::vector<TensorMeta>> list_meta;
+  std::vector<std::optional<TensorMeta>> metas;
+  bool have_all = !d.output_meta.empty();
+  if (have_all) {
+    metas = d.output_meta;
+  } else {
+    try {
+      metas = meta_outputs(op, info, args, slots, c.in_spec, list_meta);
+    } catch (const std::exception& e) {
+      TORCH_CHECK(false, "dtensor: ", info.name, " cannot run on meta tensors to find its output "
+                  "shapes, and its sharding rule does not supply them: ", e.what());
+    }
+  }
+  for (size_t r = 0; r < info.num_returns; ++r) {
+    CompiledReturn cr{info.return_kind[r], nullptr, {}, info.return_writes_arg[r]};
+    if (cr.kind == ReturnKind::Tensor && d.outputs[r]) {
+      TORCH_CHECK(metas.size() > r && metas[r], "dtensor: no metadata for output ", r, " of ",
+                  info.name);
+      cr.spec = make_spec(*mesh, *d.outputs[r], *metas[r]);
+    } else if (cr.kind == ReturnKind::TensorList && d.outputs[r]) {
+      for (const auto& m : list_meta[r]) cr.specs.push_back(make_spec(*mesh, *d.outputs[r], m));
+    }
+    if (cr.writes_arg >= 0) {
+      // In-place / out=: the written argument keeps its layout.
+      for (size_t i = 0; i < slots.size(); ++i) {
+        if (slots[i].arg != cr.writes_arg || slots[i].list_index >= 0) continue;
+        TORCH_CHECK(!c.in_target[i] && (!cr.spec || cr.spec->placements() == c.in_spec[i]->placements()),
+                    info.name, " is in-place on a DTensor with placements ",
+                    to_string(c.in_spec[i]->placements()), " but its sharding needs ",
+                    cr.spec ? to_string(cr.spec->placements())
+                            : to_string(target_specs[i]->placements()),
+                    "; use the out-of-place op or redistribute first");
+        cr.spec = c.in_spec[i];
+      }
+    }
+    c.returns.push_back(std::move(cr));
+  }
+  c.local_args = std::move(d.local_args);
+  c.mesh_member = mesh->contains_this_rank();
+  return c;
+}
+
+// Local value a rank outside the mesh returns for a non-tensor output.
+c10::IValue non_member_value(const c10::Argument& ret) {
+  switch (ret.type()->kind()) {
+    case c10::TypeKind::BoolType: return true;
+    case c10::TypeKind::IntType: return int64_t{0};
+    case c10::TypeKind::FloatType: return 0.0;
+    default: return c10::IValue(at::Scalar(0));
+  }
+}
+
+void set_local(torch::jit::Stack& stack, size_t base, const Slot& s, const at::Tensor& local) {
+  c10::IValue& slot = stack[base + s.arg];
+  if (s.list_index < 0) {
+    slot = local;
+  } else if (slot.isTensorList()) {
+    auto l = slot.toTensorList();
+    l.set(s.list_index, local);
+  } else {
+    auto l = slot.toList();
+    l.set(s.list_index, local);
+  }
+}
+
+void run(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
+  const OpInfo& info = op_info(op);
+  const size_t nargs = info.num_args;
+  const size_t base = stack->size() - nargs;
+  auto args = c10::ArrayRef<c10::IValue>(stack->data() + base, nargs);
+
+  Key key;
+  c10::SmallVector<Slot, 8> slots;
+  scan(info, &op.schema(), args, key, slots);
+
+  auto& c = cache();
+  auto it = c.find(key);
+  if (it == c.end()) {
+    ++tl_stats.misses;
+    it = c.emplace(std::move(key), compile(op, info, args, slots)).first;
+  } else {
+    ++tl_stats.hits;
+  }
+  const Compiled& cd = it->second;
+
+  // Keep the wrappers written in place to hand them back.
+  c10::SmallVector<at::Tensor, 2> written;
+  for (const auto& r : cd.returns) {
+    if (r.writes_arg >= 0) written.push_back(args[r.writes_arg].toTensor());
+  }
+
+  if (!cd.mesh_member) {
+    torch::jit::drop(*stack, nargs);
+    size_t w = 0;
+    for (size_t r = 0; r < cd.returns.size(); ++r) {
+      const auto& cr = cd.returns[r];
+      if (cr.writes_arg >= 0) {
+        stack->push_back(written[w++]);
+      } else if (cr.kind == ReturnKind::Tensor && cr.spec) {
+        const bool scalar = cr.spec->ndim() == 0;
+        auto opts = at::TensorOptions().dtype(cr.spec->dtype()).device(cr.spec->mesh().device());
+        stack->push_back(make_dtensor(scalar ? at::zeros({}, opts) : at::empty({0}, opts), cr.spec));
+      } else if (cr.kind == ReturnKind::TensorList) {
+        std::vector<at::Tensor> v;
+        for (const auto& sp : cr.specs) {
+          v.push_back(make_dtensor(at::empty({0}, at::TensorOptions().dtype(sp->dtype())), sp));
+        }
+        stack->push_back(c10::IValue(v));
+      } else {
+        stack->push_back(non_member_value(op.schema().returns()[r]));
+      }
+    }
+    return;
+  }
+
+  int copied_list = -1;
+  for (size_t i = 0; i < slots.size(); ++i) {
+    const Slot& s = slots[i];
+    if (s.list_index >= 0 && s.arg != copied_list) {
+      // Lists have reference semantics: never write locals into the caller's list.
+      auto& v = (*stack)[base + s.arg];
+      v = v.isTensorList() ? c10::IValue(v.toTensorList().copy()) : c10::IValue(v.toList().copy());
+      copied_list = s.arg;
+    }
+    at::Tensor local = s.impl ? s.impl->local() : s.t;
+    if (const auto& target = cd.in_target[i]) {
+      local = redistribute_local(local, *cd.in_spec[i], *target).wait();
+    }
+    set_local(*stack, base, s, local);
+  }
+  for (const auto& [idx, v] : cd.local_args) (*stack)[base + idx] = v;
+
+  {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    op.callBoxed(*stack);
+  }
+
+  const size_t nret = cd.returns.size();
+  const size_t rbase = stack->size() - nret;
+  size_t w = 0;
+  for (size_t r = 0; r < nret; ++r) {
+    const auto& cr = cd.returns[r];
+    c10::IValue& out = (*stack)[rbase + r];
+    if (cr.writes_arg >= 0) {
+      out = written[w++];
+    } else if (cr.kind == ReturnKind::Tensor) {
+      if (cr.spec && out.isTensor()) out = make_dtensor(out.toTensor(), cr.spec);
+    } else if (cr.kind == ReturnKind::TensorList && !cr.specs.empty()) {
+      auto locals = out.toTensorVector();
+      std::vector<at::Tensor> wrapped;
+      wrapped.reserve(locals.size());
+      for (size_t j = 0; j < locals.size(); ++j) wrapped.push_back(make_dtensor(locals[j], cr.specs[j]));
+      out = c10::IValue(wrapped);
+    }
+  }
+}
+
+}  // namespace
+
+void dtensor_kernel(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
+  run(op, stack);
+}
+
+CacheStats cache_stats() {
+  CacheStats s = tl_stats;
+  s.entries = cache().size();
+  return s;
+}
+
+void clear_cache() { cache().clear(); }
+
+}  // namespace dtensor::dispatch

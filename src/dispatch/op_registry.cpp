@@ -1,0 +1,124 @@
+#include "op_registry.h"
+
+#include <ATen/core/jit_type.h>
+
+#include <memory>
+#include <mutex>
+#include <unordered_map>
+
+namespace dtensor::dispatch {
+namespace {
+
+std::mutex& mu() {
+  static std::mutex m;
+  return m;
+}
+std::unordered_map<std::string, std::unique_ptr<Rule>>& rules() {
+  static std::unordered_map<std::string, std::unique_ptr<Rule>> r;
+  return r;
+}
+std::unordered_map<const void*, std::unique_ptr<OpInfo>>& infos() {
+  static std::unordered_map<const void*, std::unique_ptr<OpInfo>> m;
+  return m;
+}
+
+bool is_value_like(const c10::TypePtr& t) {
+  auto k = t->kind();
+  if (k == c10::TypeKind::OptionalType) {
+    k = t->expectRef<c10::OptionalType>().getElementType()->kind();
+  }
+  return k == c10::TypeKind::NumberType || k == c10::TypeKind::FloatType ||
+         k == c10::TypeKind::ComplexType;
+}
+
+std::unique_ptr<OpInfo> build(const c10::OperatorHandle& op) {
+  auto info = std::make_unique<OpInfo>();
+  const auto& schema = op.schema();
+  info->name = qualified_name(op);
+  info->decomposable = op.hasKernelForDispatchKey(c10::DispatchKey::CompositeExplicitAutograd) &&
+                       !op.hasKernelForDispatchKey(c10::DispatchKey::CPU);
+  info->num_args = schema.arguments().size();
+  info->num_returns = schema.returns().size();
+  for (const auto& a : schema.arguments()) info->static_arg.push_back(!is_value_like(a.type()));
+  for (const auto& r : schema.returns()) {
+    const auto& t = r.type();
+    if (t->kind() == c10::TypeKind::TensorType) {
+      info->return_kind.push_back(ReturnKind::Tensor);
+    } else if (t->kind() == c10::TypeKind::ListType &&
+               t->expectRef<c10::ListType>().getElementType()->kind() == c10::TypeKind::TensorType) {
+      info->return_kind.push_back(ReturnKind::TensorList);
+    } else {
+      info->return_kind.push_back(ReturnKind::Other);
+    }
+    int writes = -1;
+    bool view = false;
+    if (const auto* ai = r.alias_info()) {
+      if (ai->isWrite()) {
+        for (size_t i = 0; i < schema.arguments().size(); ++i) {
+          const auto* aa = schema.arguments()[i].alias_info();
+          if (aa && aa->isWrite() && aa->beforeSets() == ai->beforeSets()) writes = static_cast<int>(i);
+        }
+      } else {
+        view = true;
+      }
+    }
+    info->return_writes_arg.push_back(writes);
+    info->return_is_view.push_back(view);
+  }
+  info->rule = find_rule(info->name);
+  return info;
+}
+
+}  // namespace
+
+std::string qualified_name(const c10::OperatorHandle& op) {
+  const auto& n = op.operator_name();
+  return n.overload_name.empty() ? n.name : n.name + "." + n.overload_name;
+}
+
+const Rule* find_rule(const std::string& name) {
+  std::lock_guard<std::mutex> l(mu());
+  auto it = rules().find(name);
+  return it == rules().end() ? nullptr : it->second.get();
+}
+
+void register_rule(const std::string& qualified_name, Rule rule) {
+  std::lock_guard<std::mutex> l(mu());
+  auto& slot = rules()[qualified_name];
+  if (slot) {
+    *slot = std::move(rule);  // keep the address: OpInfos point at it
+  } else {
+    slot = std::make_unique<Rule>(std::move(rule));
+  }
+  for (auto& [k, info] : infos()) {
+    if (info->name == qualified_name) info->rule = slot.get();
+  }
+}
+
+void register_rule(std::initializer_list<const char*> names, const Rule& rule) {
+  for (const char* n : names) register_rule(n, rule);
+}
+
+bool has_rule(const std::string& qualified_name) { return find_rule(qualified_name) != nullptr; }
+
+const OpInfo& op_info(const c10::OperatorHandle& op) {
+  const void* key = &op.schema();
+  thread_local std::unordered_map<const void*, const OpInfo*> fast;
+  if (auto it = fast.find(key); it != fast.end()) return *it->second;
+  std::unique_ptr<OpInfo> fresh;
+  {
+    std::lock_guard<std::mutex> l(mu());
+    auto it = infos().find(key);
+    if (it != infos().end()) {
+      fast.emplace(key, it->second.get());
+      return *it->second;
+    }
+  }
+  fresh = build(op);  // outside the lock: build() takes it to find the rule
+  std::lock_guard<std::mutex> l(mu());
+  auto [it, inserted] = infos().emplace(key, std::move(fresh));
+  fast.emplace(key, it->second.get());
+  return *it->second;
+}
+
+}  // namespace dtensor::dispatch

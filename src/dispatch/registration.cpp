@@ -1,0 +1,80 @@
+// Installs the kernel: a backend fallback for our key, plus a direct registration on every op
+// that has a CompositeExplicitAutograd(NonFunctional) kernel, because those kernels would
+// otherwise run on the wrapper before any fallback (ARCHITECTURE.md §1, fact 1).
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/library.h>
+
+#include <map>
+#include <memory>
+
+#include "dtensor/core/dtensor_impl.h"
+#include "kernel.h"
+
+namespace dtensor::dispatch {
+namespace {
+
+void boxed(const c10::OperatorHandle& op, torch::jit::Stack* stack) { dtensor_kernel(op, stack); }
+
+int route_composite_ops() {
+  auto& d = c10::Dispatcher::singleton();
+  const c10::DispatchKey key = dtensor_dispatch_key();
+  // One IMPL library per namespace; kept for the life of the process.
+  static std::map<std::string, std::unique_ptr<torch::Library>> libs;
+  int n = 0;
+  for (const auto& name : d.getAllOpNames()) {
+    auto op = d.findOp(name);
+    if (!op) continue;
+    if (!op->hasKernelForDispatchKey(c10::DispatchKey::CompositeExplicitAutograd) &&
+        !op->hasKernelForDispatchKey(c10::DispatchKey::CompositeExplicitAutogradNonFunctional)) {
+      continue;
+    }
+    if (op->hasKernelForDispatchKey(key)) continue;
+    const std::string& full = name.name;
+    const auto sep = full.find("::");
+    if (sep == std::string::npos) continue;
+    const std::string ns = full.substr(0, sep);
+    auto& lib = libs[ns];
+    if (!lib) {
+      lib = std::make_unique<torch::Library>(torch::Library::IMPL, ns, key, __FILE__, __LINE__);
+    }
+    const std::string op_name =
+        name.overload_name.empty() ? full.substr(sep + 2) : full.substr(sep + 2) + "." + name.overload_name;
+    lib->impl(op_name.c_str(), torch::CppFunction::makeFromBoxedFunction<&boxed>());
+    ++n;
+  }
+  return n;
+}
+
+}  // namespace
+
+int registered_composite_ops() {
+  static const int n = route_composite_ops();
+  return n;
+}
+
+}  // namespace dtensor::dispatch
+
+#if defined(DTENSOR_KEY_PRIVATEUSE2)
+TORCH_LIBRARY_IMPL(_, PrivateUse2, m) {
+  m.fallback(torch::CppFunction::makeFromBoxedFunction<&dtensor::dispatch::boxed>());
+}
+TORCH_LIBRARY_IMPL(_, AutogradPrivateUse2, m) {
+  m.fallback(torch::CppFunction::makeFallthrough());
+}
+#elif defined(DTENSOR_KEY_PRIVATEUSE3)
+TORCH_LIBRARY_IMPL(_, PrivateUse3, m) {
+  m.fallback(torch::CppFunction::makeFromBoxedFunction<&dtensor::dispatch::boxed>());
+}
+TORCH_LIBRARY_IMPL(_, AutogradPrivateUse3, m) {
+  m.fallback(torch::CppFunction::makeFallthrough());
+}
+#else
+TORCH_LIBRARY_IMPL(_, PrivateUse1, m) {
+  m.fallback(torch::CppFunction::makeFromBoxedFunction<&dtensor::dispatch::boxed>());
+}
+#endif
+
+namespace {
+// Route composite ops when the library loads (after LibTorch registered its operators).
+const int dtensor_routed_ops = dtensor::dispatch::registered_composite_ops();
+}  // namespace
