@@ -126,7 +126,10 @@ void init_process_group(const InitOptions& options_in) {
   }
   c10d::TCPStoreOptions so;
   so.port = static_cast<uint16_t>(e.master_port);
-  so.isServer = e.rank == 0;
+  // torchrun (and our test harness) host the store in the launcher: then every rank is a client.
+  const auto agent = env("TORCHELASTIC_USE_AGENT_STORE");
+  const bool agent_store = agent && (*agent == "True" || *agent == "true" || *agent == "1");
+  so.isServer = e.rank == 0 && !agent_store;
   so.numWorkers = e.world_size;
   so.waitWorkers = true;
   so.timeout = options.timeout;

@@ -15,6 +15,7 @@
 #include <unordered_map>
 
 #include "dtensor/core/dtensor_impl.h"
+#include "dtensor/dispatch/implicit_replication.h"
 #include "dtensor/core/redistribute.h"
 #include "op_registry.h"
 

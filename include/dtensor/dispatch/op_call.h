@@ -101,15 +101,3 @@ double redistribute_cost(const DTensorSpec& src, c10::ArrayRef<Placement> dst);
 
 }  // namespace dtensor::dispatch
 
-namespace dtensor {
-
-// While alive, plain non-scalar tensors mixed with DTensors are treated as Replicate
-// (PyTorch's implicit_replication()). Thread-local; not re-entrant, like PyTorch's.
-class ImplicitReplication {
- public:
-  ImplicitReplication();
-  ~ImplicitReplication();
-  static bool enabled();
-};
-
-}  // namespace dtensor

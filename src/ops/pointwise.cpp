@@ -1,0 +1,131 @@
+// Element-wise ops with broadcasting (spec §5.5, Pointwise): follow the input with the most
+// shards; Partial survives only through linear ops.
+#include "rule_utils.h"
+
+namespace dtensor::ops {
+namespace {
+
+enum class Linearity { None, Unary, Additive, Multiplicative };
+
+bool reducible_linearly(const Placement& p) {
+  return p.is_partial() && (p.reduce_op() == ReduceOp::Sum || p.reduce_op() == ReduceOp::Avg);
+}
+
+Decision pointwise(const OpCall& call, Linearity lin, bool inplace) {
+  const size_t n = call.num_inputs();
+  TORCH_CHECK(n > 0, call.name(), ": pointwise rule without tensor inputs");
+  // Broadcast output shape.
+  int64_t out_nd = 0;
+  for (size_t j = 0; j < n; ++j) out_nd = std::max(out_nd, call.input(j).ndim());
+  std::vector<int64_t> out_shape(out_nd, 1);
+  for (size_t j = 0; j < n; ++j) {
+    const auto& s = call.input(j).shape();
+    const int64_t off = out_nd - static_cast<int64_t>(s.size());
+    for (size_t k = 0; k < s.size(); ++k) {
+      if (s[k] != 1) out_shape[off + k] = s[k];
+    }
+  }
+  size_t follow = 0;
+  if (!inplace) {
+    for (size_t j = 1; j < n; ++j) {
+      const auto& a = call.input(j);
+      const auto& b = call.input(follow);
+      if (a.num_shards() > b.num_shards() ||
+          (a.num_shards() == b.num_shards() && a.ndim() > b.ndim())) {
+        follow = j;
+      }
+    }
+  }
+  const DTensorSpec& f = call.input(follow);
+  Placements out;
+  for (const auto& p : f.placements()) {
+    if (p.is_shard()) {
+      out.push_back(Shard(p.dim() + out_nd - f.ndim()));
+    } else if (p.is_partial() && lin != Linearity::None && reducible_linearly(p)) {
+      out.push_back(p);
+    } else {
+      out.push_back(Replicate());
+    }
+  }
+  std::vector<Placements> inputs;
+  for (size_t j = 0; j < n; ++j) {
+    const auto& in = call.input(j);
+    const int64_t off = out_nd - in.ndim();
+    Placements tp;
+    for (const auto& o : out) {
+      if (o.is_shard()) {
+        const int64_t d = o.dim() - off;
+        const bool broadcast = d < 0 || (in.shape()[d] == 1 && out_shape[o.dim()] != 1);
+        tp.push_back(broadcast ? Replicate() : Shard(d));
+      } else if (o.is_partial()) {
+        const bool partial = lin == Linearity::Additive || lin == Linearity::Unary ||
+                             (lin == Linearity::Multiplicative && j == follow);
+        tp.push_back(partial ? o : Replicate());
+      } else {
+        tp.push_back(Replicate());
+      }
+    }
+    inputs.push_back(std::move(tp));
+  }
+  return all_outputs(call, std::move(inputs), out);
+}
+
+void reg(std::initializer_list<const char*> names, Linearity lin, bool inplace = false) {
+  for (const char* name : names) {
+    dispatch::register_rule(name, [lin, inplace](const OpCall& c) { return pointwise(c, lin, inplace); });
+  }
+}
+
+}  // namespace
+
+DTENSOR_RULES(pointwise) {
+  using L = Linearity;
+  reg({"aten::add.Tensor", "aten::sub.Tensor"}, L::Additive);
+  reg({"aten::add_.Tensor", "aten::sub_.Tensor"}, L::Additive, true);
+  reg({"aten::mul.Tensor"}, L::Multiplicative);
+  reg({"aten::mul_.Tensor"}, L::Multiplicative, true);
+  reg({"aten::mul.Scalar", "aten::div.Scalar", "aten::neg", "aten::_conj", "aten::positive"},
+      L::Unary);
+  reg({"aten::mul_.Scalar", "aten::div_.Scalar", "aten::neg_"}, L::Unary, true);
+  reg({"aten::div.Tensor", "aten::div.Tensor_mode", "aten::div.Scalar_mode", "aten::add.Scalar",
+       "aten::sub.Scalar", "aten::rsub.Tensor", "aten::rsub.Scalar", "aten::pow.Tensor_Scalar",
+       "aten::pow.Tensor_Tensor", "aten::pow.Scalar", "aten::abs", "aten::exp", "aten::exp2",
+       "aten::expm1", "aten::log", "aten::log1p", "aten::log2", "aten::log10", "aten::sqrt",
+       "aten::rsqrt", "aten::sin", "aten::cos", "aten::tan", "aten::tanh", "aten::sigmoid",
+       "aten::relu", "aten::gelu", "aten::silu", "aten::erf", "aten::erfinv", "aten::reciprocal",
+       "aten::sign", "aten::sgn", "aten::floor", "aten::ceil", "aten::round", "aten::trunc",
+       "aten::frac", "aten::square", "aten::logical_not", "aten::bitwise_not", "aten::isnan",
+       "aten::isinf", "aten::isfinite", "aten::nan_to_num", "aten::clamp", "aten::clamp.Tensor",
+       "aten::clamp_min", "aten::clamp_max", "aten::clamp_min.Tensor", "aten::clamp_max.Tensor",
+       "aten::hardtanh", "aten::leaky_relu", "aten::elu", "aten::softplus", "aten::mish",
+       "aten::maximum", "aten::minimum", "aten::fmax", "aten::fmin", "aten::atan2",
+       "aten::eq.Tensor", "aten::ne.Tensor", "aten::lt.Tensor", "aten::le.Tensor",
+       "aten::gt.Tensor", "aten::ge.Tensor", "aten::eq.Scalar", "aten::ne.Scalar",
+       "aten::lt.Scalar", "aten::le.Scalar", "aten::gt.Scalar", "aten::ge.Scalar",
+       "aten::logical_and", "aten::logical_or", "aten::logical_xor", "aten::bitwise_and.Tensor",
+       "aten::bitwise_or.Tensor", "aten::bitwise_xor.Tensor", "aten::where.self",
+       "aten::masked_fill.Scalar", "aten::masked_fill.Tensor", "aten::lerp.Scalar",
+       "aten::lerp.Tensor", "aten::addcmul", "aten::addcdiv", "aten::fmod.Scalar",
+       "aten::fmod.Tensor", "aten::remainder.Scalar", "aten::remainder.Tensor",
+       "aten::floor_divide", "aten::xlogy.Tensor", "aten::threshold", "aten::threshold_backward",
+       "aten::gelu_backward", "aten::silu_backward", "aten::sigmoid_backward",
+       "aten::tanh_backward", "aten::native_dropout_backward", "aten::hardtanh_backward",
+       "aten::leaky_relu_backward", "aten::elu_backward", "aten::softplus_backward",
+       "aten::mish_backward", "aten::copysign.Tensor", "aten::hypot", "aten::logaddexp",
+       "aten::sinh", "aten::cosh", "aten::asin", "aten::acos", "aten::atan", "aten::asinh",
+       "aten::acosh", "aten::atanh", "aten::lgamma", "aten::digamma", "aten::sinc",
+       "aten::logit", "aten::relu6", "aten::hardsigmoid", "aten::hardswish"},
+      L::None);
+  reg({"aten::add_.Scalar", "aten::sub_.Scalar", "aten::div_.Tensor", "aten::div_.Tensor_mode",
+       "aten::pow_.Scalar", "aten::pow_.Tensor", "aten::abs_", "aten::exp_", "aten::log_",
+       "aten::sqrt_", "aten::rsqrt_", "aten::sigmoid_", "aten::tanh_", "aten::relu_",
+       "aten::silu_", "aten::gelu_", "aten::clamp_", "aten::clamp_min_", "aten::clamp_max_",
+       "aten::clamp_.Tensor", "aten::addcmul_", "aten::addcdiv_", "aten::lerp_.Scalar",
+       "aten::lerp_.Tensor", "aten::masked_fill_.Scalar", "aten::masked_fill_.Tensor",
+       "aten::reciprocal_", "aten::sign_", "aten::floor_", "aten::ceil_", "aten::round_",
+       "aten::hardtanh_", "aten::leaky_relu_", "aten::threshold_", "aten::nan_to_num_",
+       "aten::maximum_", "aten::square_", "aten::erf_", "aten::logical_not_"},
+      L::None, true);
+}
+
+}  // namespace dtensor::ops

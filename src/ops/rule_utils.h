@@ -1,0 +1,82 @@
+#pragma once
+// Small helpers shared by the op rule families.
+#include <ATen/InferSize.h>
+#include <c10/util/Exception.h>
+
+#include "dtensor/dispatch/op_call.h"
+
+namespace dtensor::ops {
+
+using dispatch::Decision;
+using dispatch::OpCall;
+
+// This rank's local shape of a global tensor laid out as `p` on `mesh`.
+inline std::vector<int64_t> local_shape_of(const DeviceMesh& mesh, c10::IntArrayRef global,
+                                           c10::ArrayRef<Placement> p) {
+  const auto& c = mesh.coordinate();
+  if (!c) return std::vector<int64_t>(global.size(), 0);
+  return compute_local_shape_and_global_offset(global, mesh.shape(), *c, p).shape;
+}
+
+// Strides for `local_shape` that keep the dimension order of `global_stride`.
+inline std::vector<int64_t> strides_like(c10::IntArrayRef local_shape, c10::IntArrayRef global_stride) {
+  const int64_t n = static_cast<int64_t>(local_shape.size());
+  std::vector<int64_t> order(n);
+  for (int64_t i = 0; i < n; ++i) order[i] = i;
+  // innermost (smallest stride) first; ties keep the later dim inner, like contiguous
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) {
+    return global_stride[a] < global_stride[b] || (global_stride[a] == global_stride[b] && a > b);
+  });
+  std::vector<int64_t> s(n, 1);
+  int64_t acc = 1;
+  for (int64_t d : order) {
+    s[d] = acc;
+    acc *= std::max<int64_t>(local_shape[d], 1);
+  }
+  return s;
+}
+
+// Placements with every Shard(d) moved to map(d) (nullopt -> Replicate).
+template <typename F>
+Placements remap_shards(c10::ArrayRef<Placement> p, F&& map) {
+  Placements out;
+  for (const auto& x : p) {
+    if (x.is_shard()) {
+      std::optional<int64_t> d = map(x.dim());
+      out.push_back(d ? Shard(*d) : Replicate());
+    } else {
+      out.push_back(x);
+    }
+  }
+  return out;
+}
+
+// Number of shards of tensor dim d.
+inline int64_t shards_of_dim(const DeviceMesh& mesh, c10::ArrayRef<Placement> p, int64_t d) {
+  int64_t n = 1;
+  for (size_t i = 0; i < p.size(); ++i) {
+    if (p[i].is_shard(d)) n *= mesh.size(static_cast<int64_t>(i));
+  }
+  return n;
+}
+
+inline int64_t wrap_dim(int64_t d, int64_t ndim) {
+  return c10::maybe_wrap_dim(d, std::max<int64_t>(ndim, 1));
+}
+
+// A Decision with every output given `out` (tensor returns only).
+inline Decision all_outputs(const OpCall& call, std::vector<Placements> inputs, const Placements& out) {
+  Decision d;
+  d.inputs = std::move(inputs);
+  for (const auto& r : call.schema().returns()) {
+    const auto k = r.type()->kind();
+    if (k == c10::TypeKind::TensorType || k == c10::TypeKind::ListType) {
+      d.outputs.push_back(out);
+    } else {
+      d.outputs.push_back(std::nullopt);
+    }
+  }
+  return d;
+}
+
+}  // namespace dtensor::ops

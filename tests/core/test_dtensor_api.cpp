@@ -1,0 +1,250 @@
+// from_local / to_local / full_tensor / distribute_tensor semantics (spec §3, §11 case 25),
+// each compared with a single-device computation from the same seed.
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+#include <torch/csrc/autograd/autograd.h>
+#include <torch/csrc/autograd/generated/variable_factories.h>
+
+#include "dtensor/dtensor.h"
+#include "support/distributed.h"
+
+using namespace dtensor;
+using dtensor::testing::run_ranks;
+
+namespace {
+CommCounts counts(std::initializer_list<std::pair<const CommType, int64_t>> l) { return CommCounts(l); }
+}  // namespace
+
+TEST(FromLocal, ShardZeroGivesGlobalRowsAndReplicateKeepsShape) {
+  run_ranks(4, [](int rank) {
+    auto mesh = init_device_mesh("cpu", {4});
+    auto local = at::randn({3, 3});
+    auto s = from_local(local, mesh, {Shard(0)});
+    EXPECT_EQ(s.sizes(), at::IntArrayRef({12, 3}));
+    EXPECT_TRUE(is_dtensor(s));
+    EXPECT_EQ(s.device(), at::Device(at::kCPU));
+    auto r = from_local(local, mesh, {Replicate()});
+    EXPECT_EQ(r.sizes(), at::IntArrayRef({3, 3}));
+    auto p = from_local(local, mesh, {Partial()});
+    EXPECT_EQ(p.sizes(), at::IntArrayRef({3, 3}));
+    auto neg = from_local(local, mesh, {Shard(-1)});
+    EXPECT_EQ(placements(neg)[0], Shard(1));
+    EXPECT_EQ(neg.sizes(), at::IntArrayRef({3, 12}));
+  });
+}
+
+TEST(FromLocal, GlobalStrideFollowsLocalLayout) {
+  run_ranks(4, [](int) {
+    auto mesh = init_device_mesh("cpu", {4});
+    auto a = from_local(at::randn({8, 4}), mesh, {Shard(1)});
+    EXPECT_EQ(a.strides(), at::IntArrayRef({16, 1}));
+    auto b = from_local(at::randn({8, 32, 1}).permute({0, 2, 1}), mesh, {Shard(1)});
+    EXPECT_EQ(b.sizes(), at::IntArrayRef({8, 4, 32}));
+    EXPECT_EQ(b.strides(), at::IntArrayRef({128, 1, 4}));
+  });
+}
+
+TEST(FromLocal, UnevenShardsNeedShapeAndStrideTogether) {
+  run_ranks(4, [](int rank) {
+    auto mesh = init_device_mesh("cpu", {4});
+    const int64_t rows = rank < 3 ? 3 : 1;  // 10 rows on 4 ranks: 3,3,3,1
+    auto local = at::ones({rows, 2});
+    auto dt = from_local(local, mesh, {Shard(0)}, {.shape = std::vector<int64_t>{10, 2},
+                                                   .stride = std::vector<int64_t>{2, 1}});
+    EXPECT_EQ(dt.sizes(), at::IntArrayRef({10, 2}));
+    EXPECT_TENSOR_EQ(full_tensor(dt), at::ones({10, 2}));
+    try {
+      from_local(local, mesh, {Shard(0)}, {.shape = std::vector<int64_t>{10, 2}});
+      ADD_FAILURE() << "expected an error";
+    } catch (const c10::Error& e) {
+      EXPECT_NE(std::string(e.what()).find("Please pass both shape and stride at the same time."),
+                std::string::npos);
+    }
+  });
+}
+
+TEST(FromLocal, GradientFlowsThroughNonLeafLocal) {
+  run_ranks(2, [](int) {
+    auto mesh = init_device_mesh("cpu", {2});
+    auto x = at::ones({3, 3}).requires_grad_(true);
+    auto y = x * 3;  // non-leaf
+    auto dt = from_local(y, mesh, {Replicate()});
+    EXPECT_TRUE(dt.requires_grad());
+    EXPECT_FALSE(dt.is_leaf());
+    auto z = to_local(dt * 3);
+    z.sum().backward();
+    EXPECT_TENSOR_EQ(x.grad(), at::full({3, 3}, 9.0));
+  });
+}
+
+TEST(FromLocal, RunCheckRejectsDifferentDtypeOnOneRank) {
+  run_ranks(2, [](int rank) {
+    auto mesh = init_device_mesh("cpu", {2});
+    auto local = rank == 0 ? at::ones({2, 2}, at::kFloat) : at::ones({2, 2}, at::kDouble);
+    try {
+      from_local(local, mesh, {Replicate()}, {.run_check = true});
+      ADD_FAILURE() << "expected a ValueError";
+    } catch (const c10::ValueError& e) {
+      EXPECT_NE(std::string(e.what()).find("Inconsistent tensor metadata"), std::string::npos);
+    }
+  });
+}
+
+TEST(FromLocal, RunCheckBroadcastsReplicasFromFirstRank) {
+  run_ranks(2, [](int rank) {
+    auto mesh = init_device_mesh("cpu", {2});
+    auto dt = from_local(at::full({2}, static_cast<double>(rank + 7)), mesh, {Replicate()},
+                         {.run_check = true});
+    EXPECT_TENSOR_EQ(local_tensor(dt), at::full({2}, 7.0, at::kFloat));
+  });
+}
+
+TEST(ToLocal, WithoutGradModeReturnsTheSameLocalObject) {
+  run_ranks(2, [](int) {
+    auto mesh = init_device_mesh("cpu", {2});
+    auto dt = from_local(at::randn({2, 2}), mesh, {Shard(0)});
+    at::NoGradGuard ng;
+    auto a = to_local(dt);
+    auto b = to_local(dt);
+    EXPECT_TRUE(a.is_same(b));
+  });
+}
+
+TEST(ToLocal, GradPlacementsPartialAfterGatherGivesReduceScatterInBackward) {
+  run_ranks(4, [](int) {
+    auto mesh = init_device_mesh("cpu", {4});
+    auto x = at::randn({3, 3}).requires_grad_(true);
+    auto dt = from_local(x, mesh, {Shard(0)});
+    CommDebugMode comm;
+    auto r = redistribute(dt, {Replicate()});
+    auto local = to_local(r, std::vector<Placement>{Partial()});
+    local.sum().backward();
+    EXPECT_EQ(comm.get_comm_counts(),
+              counts({{CommType::all_gather_into_tensor, 1}, {CommType::reduce_scatter_tensor, 1}}));
+    // Every rank's ones are summed: 4 * ones for this rank's rows.
+    EXPECT_TENSOR_EQ(x.grad(), at::full({3, 3}, 4.0));
+  });
+}
+
+TEST(FullTensor, ReassemblesShardsAndIsNotPending) {
+  run_ranks(4, [](int rank) {
+    auto mesh = init_device_mesh("cpu", {4});
+    at::manual_seed(0);
+    auto global = at::randn({8, 6});
+    auto dt = distribute_tensor(global, mesh, {Shard(1)});
+    // 6 columns on 4 ranks: 2,2,2,0 (torch.chunk gives only 3 chunks; the last rank is empty)
+    auto expected = rank < 3 ? global.narrow(1, 2 * rank, 2) : global.narrow(1, 6, 0);
+    EXPECT_TENSOR_EQ(local_tensor(dt), expected);
+    auto full = full_tensor(dt);
+    EXPECT_FALSE(is_dtensor(full));
+    EXPECT_TENSOR_EQ(full, global);
+  });
+}
+
+TEST(DistributeTensor, ScattersFromSourceRankAndKeepsLeafness) {
+  run_ranks(3, [](int rank) {
+    auto mesh = init_device_mesh("cpu", {3});
+    // Each rank starts with different data; rank 1's copy must win.
+    auto t = at::full({7, 2}, static_cast<double>(rank), at::kDouble).requires_grad_(true);
+    CommDebugMode comm;
+    auto dt = distribute_tensor(t, mesh, {Shard(0)}, 1);
+    EXPECT_EQ(comm.get_comm_counts(), counts({{CommType::scatter, 1}}));
+    EXPECT_TRUE(dt.is_leaf());
+    EXPECT_TRUE(dt.requires_grad());
+    EXPECT_TENSOR_EQ(full_tensor(dt.detach()), at::full({7, 2}, 1.0, at::kDouble));
+    const int64_t rows = rank < 2 ? 3 : 1;
+    EXPECT_EQ(local_tensor(dt).size(0), rows);
+  });
+}
+
+TEST(DistributeTensor, WithoutSourceRankEveryRankKeepsItsOwnDataWithoutCommunication) {
+  run_ranks(2, [](int rank) {
+    auto mesh = init_device_mesh("cpu", {2});
+    auto t = at::full({4}, static_cast<double>(rank));
+    CommDebugMode comm;
+    auto dt = distribute_tensor(t, mesh, {Replicate()}, std::nullopt);
+    EXPECT_EQ(comm.get_total_counts(), 0);
+    EXPECT_TENSOR_EQ(local_tensor(dt), t);
+  });
+}
+
+TEST(DistributeTensor, RejectsNonLeafPartialAndWrongPlacementCount) {
+  run_ranks(2, [](int) {
+    auto mesh = init_device_mesh("cpu", {2});
+    auto leaf = at::ones({4}).requires_grad_(true);
+    auto non_leaf = leaf * 2;
+    EXPECT_THROW(distribute_tensor(non_leaf, mesh, {Replicate()}), c10::Error);
+    try {
+      distribute_tensor(non_leaf, mesh, {Replicate()});
+    } catch (const c10::Error& e) {
+      EXPECT_NE(std::string(e.what()).find("should be used to distribute leaf tensors"),
+                std::string::npos);
+    }
+    EXPECT_THROW(distribute_tensor(at::ones({4}), mesh, {Partial()}), c10::Error);
+    EXPECT_THROW(distribute_tensor(at::ones({4}), mesh, {Replicate(), Replicate()}), c10::ValueError);
+  });
+}
+
+TEST(Redistribute, RejectsPartialTargetAndOtherMeshes) {
+  run_ranks(2, [](int) {
+    auto mesh = init_device_mesh("cpu", {2});
+    auto other = init_device_mesh("cpu", {2}, {"x"});
+    auto dt = distribute_tensor(at::ones({4}), mesh, {Shard(0)});
+    try {
+      redistribute(dt, {Partial()});
+      ADD_FAILURE() << "expected an error";
+    } catch (const c10::Error& e) {
+      EXPECT_NE(std::string(e.what()).find("Can not redistribute to Partial"), std::string::npos);
+    }
+    EXPECT_THROW(redistribute(dt, other, {Replicate()}), c10::NotImplementedError);
+    EXPECT_THROW(redistribute(dt, {Replicate(), Replicate()}), c10::ValueError);
+  });
+}
+
+TEST(Redistribute, AsyncResultStaysPendingUntilUsed) {
+  run_ranks(2, [](int rank) {
+    auto mesh = init_device_mesh("cpu", {2});
+    auto dt = from_local(at::full({2}, static_cast<float>(rank + 1)), mesh, {Partial()});
+    auto r = redistribute(dt, {Replicate()}, {.async_op = true});
+    EXPECT_TRUE(is_pending(r));
+    EXPECT_TENSOR_EQ(local_tensor(r), at::full({2}, 3.0));
+    EXPECT_FALSE(is_pending(r));
+    auto f = full_tensor(from_local(at::ones({2}), mesh, {Shard(0)}));
+    EXPECT_EQ(f.sizes(), at::IntArrayRef({4}));
+  });
+}
+
+TEST(ImplicitReplication, PlainTensorJoinsAsReplicateOnlyInsideTheGuard) {
+  run_ranks(4, [](int) {
+    auto mesh = init_device_mesh("cpu", {4});
+    auto dt = from_local(at::ones({4, 3}), mesh, {Shard(0)});
+    auto plain = at::ones({3});
+    EXPECT_THROW(at::add(plain, dt), c10::Error);
+    {
+      ImplicitReplication guard;
+      auto out = plain + dt;
+      EXPECT_EQ(placements(out)[0], Shard(0));
+      EXPECT_TENSOR_EQ(local_tensor(out), at::full({4, 3}, 2.0));
+    }
+    // 0-d and one-element tensors are replicated without the guard.
+    auto s = dt * at::scalar_tensor(2.0);
+    EXPECT_TENSOR_EQ(local_tensor(s), at::full({4, 3}, 2.0));
+  });
+}
+
+TEST(SubMesh, RanksOutsideTheMeshGetEmptyLocalTensors) {
+  run_ranks(4, [](int rank) {
+    comm::init_process_group();
+    DeviceMesh mesh(at::kCPU, {2}, {0, 2});
+    auto dt = from_local(at::ones({2, 2}), mesh, {Shard(0)});
+    auto y = (dt * 2).sum();
+    if (rank == 0 || rank == 2) {
+      EXPECT_EQ(local_tensor(dt).numel(), 4);
+      EXPECT_TENSOR_EQ(full_tensor(y), at::scalar_tensor(16.0));
+    } else {
+      EXPECT_EQ(local_tensor(dt).numel(), 0);
+      EXPECT_EQ(local_tensor(y).dim(), 0);
+      EXPECT_EQ(local_tensor(y).item<float>(), 0.0f);
+    }
+  });
+}

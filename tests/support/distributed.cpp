@@ -1,0 +1,200 @@
+#include "support/distributed.h"
+
+#include <ATen/Parallel.h>
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <signal.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <cstring>
+#include <sstream>
+#include <thread>
+#include <vector>
+
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
+
+#include "dtensor/comm/process_group.h"
+
+namespace dtensor::testing {
+namespace {
+
+void write_all(int fd, const std::string& s) {
+  size_t off = 0;
+  while (off < s.size()) {
+    ssize_t n = ::write(fd, s.data() + off, s.size() - off);
+    if (n <= 0) return;
+    off += static_cast<size_t>(n);
+  }
+}
+
+std::string read_all(int fd) {
+  std::string out;
+  char buf[4096];
+  ssize_t n;
+  while ((n = ::read(fd, buf, sizeof(buf))) > 0) out.append(buf, static_cast<size_t>(n));
+  return out;
+}
+
+[[noreturn]] void child(int rank, int world, int port, int err_fd,
+                        const std::function<void(int)>& body, const RunOptions& o) {
+  ::setenv("RANK", std::to_string(rank).c_str(), 1);
+  ::setenv("LOCAL_RANK", std::to_string(rank).c_str(), 1);
+  ::setenv("WORLD_SIZE", std::to_string(world).c_str(), 1);
+  ::setenv("MASTER_ADDR", "127.0.0.1", 1);
+  ::setenv("MASTER_PORT", std::to_string(port).c_str(), 1);
+  ::setenv("DTENSOR_TIMEOUT_S", std::to_string(o.comm_timeout.count()).c_str(), 1);
+  ::setenv("TORCHELASTIC_USE_AGENT_STORE", "True", 1);
+  int code = 0;
+  std::string msg;
+  try {
+    at::set_num_threads(1);
+    const bool trace = std::getenv("DTENSOR_TEST_TRACE") != nullptr;
+    auto t0 = std::chrono::steady_clock::now();
+    auto since = [&] { return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(); };
+    if (o.init_process_group) dtensor::comm::init_process_group();
+    if (trace) std::fprintf(stderr, "[trace] rank %d joined after %.3f s\n", rank, since());
+    body(rank);
+    if (trace) std::fprintf(stderr, "[trace] rank %d finished after %.3f s\n", rank, since());
+    if (::testing::Test::HasFailure()) {
+      code = 1;
+      msg = "rank " + std::to_string(rank) + ": assertion failures (see output above)";
+    }
+  } catch (const c10::Error& e) {
+    code = 2;
+    msg = "rank " + std::to_string(rank) + " threw: " + e.what_without_backtrace();
+  } catch (const std::exception& e) {
+    code = 2;
+    msg = "rank " + std::to_string(rank) + " threw: " + e.what();
+  }
+  if (!msg.empty()) write_all(err_fd, msg + "\n");
+  std::fflush(stdout);
+  std::fflush(stderr);
+  ::_exit(code);
+}
+
+}  // namespace
+
+void run_ranks(int world_size, const std::function<void(int)>& body, const RunOptions& options) {
+  // Like torchrun's agent, a separate process hosts the store, so it listens before any rank
+  // starts and the ranks inherit no listening socket.
+  int port_pipe[2];
+  ASSERT_EQ(::pipe(port_pipe), 0);
+  const pid_t agent = ::fork();
+  ASSERT_GE(agent, 0) << "fork failed";
+  if (agent == 0) {
+    ::close(port_pipe[0]);
+    c10d::TCPStoreOptions so;
+    so.port = 0;
+    so.isServer = true;
+    so.waitWorkers = false;
+    so.timeout = options.comm_timeout;
+    auto store = c10::make_intrusive<c10d::TCPStore>("127.0.0.1", so);
+    const int p = store->getPort();
+    write_all(port_pipe[1], std::to_string(p) + "\n");
+    ::close(port_pipe[1]);
+    for (;;) ::pause();  // killed by the parent when the ranks are done
+  }
+  ::close(port_pipe[1]);
+  const int port = std::stoi(read_all(port_pipe[0]));
+  ::close(port_pipe[0]);
+  std::vector<pid_t> pids;
+  std::vector<int> err_fds;
+  std::fflush(stdout);
+  std::fflush(stderr);
+  for (int r = 0; r < world_size; ++r) {
+    int p[2];
+    ASSERT_EQ(::pipe(p), 0);
+    pid_t pid = ::fork();
+    ASSERT_GE(pid, 0) << "fork failed";
+    if (pid == 0) {
+      ::close(p[0]);
+      child(r, world_size, port, p[1], body, options);
+    }
+    ::close(p[1]);
+    pids.push_back(pid);
+    err_fds.push_back(p[0]);
+  }
+  const auto deadline = std::chrono::steady_clock::now() + options.timeout;
+  std::vector<int> status(world_size, -1);
+  int remaining = world_size;
+  bool killed = false;
+  while (remaining > 0) {
+    int st = 0;
+    pid_t pid = ::waitpid(-1, &st, WNOHANG);
+    if (pid > 0) {
+      for (int r = 0; r < world_size; ++r) {
+        if (pids[r] != pid) continue;
+        status[r] = st;
+        --remaining;
+        const bool failed = !WIFEXITED(st) || WEXITSTATUS(st) != 0;
+        if (failed && !killed) {
+          // One rank failed: give the others a moment to fail on their own, then stop them.
+          std::this_thread::sleep_for(std::chrono::milliseconds(200));
+          for (int q = 0; q < world_size; ++q) {
+            if (status[q] == -1) ::kill(pids[q], SIGKILL);
+          }
+          killed = true;
+        }
+      }
+      continue;
+    }
+    if (std::chrono::steady_clock::now() > deadline) {
+      for (int q = 0; q < world_size; ++q) {
+        if (status[q] == -1) ::kill(pids[q], SIGKILL);
+      }
+      ADD_FAILURE() << "distributed test timed out after " << options.timeout.count()
+                    << " s with " << remaining << " rank(s) still running";
+      killed = true;
+      for (int q = 0; q < world_size; ++q) {
+        if (status[q] == -1) {
+          ::waitpid(pids[q], &status[q], 0);
+          --remaining;
+        }
+      }
+      break;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  }
+  ::kill(agent, SIGKILL);
+  ::waitpid(agent, nullptr, 0);
+  std::ostringstream failures;
+  for (int r = 0; r < world_size; ++r) {
+    std::string msg = read_all(err_fds[r]);
+    ::close(err_fds[r]);
+    const int st = status[r];
+    if (WIFEXITED(st) && WEXITSTATUS(st) == 0) continue;
+    if (!msg.empty()) {
+      failures << msg;
+    } else if (WIFSIGNALED(st)) {
+      failures << "rank " << r << " was killed by signal " << WTERMSIG(st)
+               << (WTERMSIG(st) == SIGKILL ? " (stopped after another rank failed)" : "") << "\n";
+    } else {
+      failures << "rank " << r << " exited with code " << WEXITSTATUS(st) << "\n";
+    }
+  }
+  const std::string f = failures.str();
+  if (!f.empty()) ADD_FAILURE() << "distributed test failed:\n" << f;
+}
+
+::testing::AssertionResult tensors_close(const at::Tensor& actual, const at::Tensor& expected,
+                                         double rtol, double atol) {
+  if (actual.sizes() != expected.sizes()) {
+    return ::testing::AssertionFailure() << "shape " << actual.sizes() << " != expected "
+                                         << expected.sizes();
+  }
+  if (actual.numel() == 0) return ::testing::AssertionSuccess();
+  auto a = actual.detach().to(at::kDouble).cpu();
+  auto e = expected.detach().to(at::kDouble).cpu();
+  if (at::allclose(a, e, rtol, atol)) return ::testing::AssertionSuccess();
+  auto diff = (a - e).abs();
+  return ::testing::AssertionFailure()
+         << "tensors differ: max abs diff " << diff.max().item<double>() << " (rtol " << rtol
+         << ", atol " << atol << ")\nactual:\n"
+         << a << "\nexpected:\n"
+         << e;
+}
+
+}  // namespace dtensor::testing
