@@ -44,7 +44,24 @@ struct WorldState {
   c10::intrusive_ptr<c10d::Store> store;
   std::shared_ptr<ProcessGroup> world;
   int64_t group_counter = 0;
+  int64_t generation = 0;  // how many times this process joined (keys stay unique)
 };
+
+// Every rank checks in; each waits until all have, or fails saying how many arrived.
+void join_barrier(c10d::Store& store, const LaunchEnv& e, std::chrono::milliseconds timeout,
+                  int64_t generation) {
+  const std::string key = "dtensor/joined/" + std::to_string(generation);
+  int64_t n = store.add(key, 1);
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  while (n < e.world_size) {
+    TORCH_CHECK(std::chrono::steady_clock::now() < deadline, "dtensor: rank ", e.rank,
+                " could not rendezvous with ", e.world_size, " ranks at ", e.master_addr, ":",
+                e.master_port, " within ", timeout.count() / 1000.0, " s: only ", n,
+                " joined (a rank never started, or crashed before joining)");
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    n = store.add(key, 0);
+  }
+}
 
 WorldState& state() {
   static WorldState s;
@@ -131,7 +148,7 @@ void init_process_group(const InitOptions& options_in) {
   const bool agent_store = agent && (*agent == "True" || *agent == "true" || *agent == "1");
   so.isServer = e.rank == 0 && !agent_store;
   so.numWorkers = e.world_size;
-  so.waitWorkers = true;
+  so.waitWorkers = false;  // join_barrier below works whoever hosts the store
   so.timeout = options.timeout;
   c10::intrusive_ptr<c10d::Store> store;
   try {
@@ -143,6 +160,7 @@ void init_process_group(const InitOptions& options_in) {
                 " s (a rank never started, crashed before joining, or the port is taken): ",
                 ex.what());
   }
+  join_barrier(*store, e, options.timeout, s.generation++);
   s.env = e;
   s.options = options;
   s.store = store;

@@ -1,0 +1,110 @@
+// DeviceMesh: layout, coordinates, per-dimension groups, slicing and its errors (spec §2).
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+
+#include "dtensor/dtensor.h"
+#include "support/distributed.h"
+
+using namespace dtensor;
+using dtensor::testing::run_ranks;
+
+namespace {
+template <typename E, typename F>
+void expect_error(F&& f, const std::string& needle) {
+  try {
+    f();
+    ADD_FAILURE() << "expected an error containing: " << needle;
+  } catch (const E& e) {
+    const std::string msg = e.what();
+    EXPECT_NE(msg.find(needle), std::string::npos) << msg;
+  }
+}
+}  // namespace
+
+TEST(DeviceMesh, TwoByTwoMeshHasRowMajorCoordinatesAndLocalRanks) {
+  run_ranks(4, [](int rank) {
+    auto mesh = init_device_mesh("cpu", {2, 2}, {"dp", "tp"});
+    EXPECT_EQ(mesh.ndim(), 2);
+    EXPECT_EQ(mesh.size(), 4);
+    EXPECT_EQ(mesh.size(1), 2);
+    EXPECT_EQ(*mesh.coordinate(), (std::vector<int64_t>{rank / 2, rank % 2}));
+    EXPECT_EQ(mesh.get_local_rank("dp"), rank / 2);
+    EXPECT_EQ(mesh.get_local_rank("tp"), rank % 2);
+    EXPECT_EQ(mesh.str(), "DeviceMesh('cpu', [[0, 1], [2, 3]], mesh_dim_names=('dp', 'tp'))");
+    EXPECT_EQ(mesh.device(), at::Device(at::kCPU));
+  });
+}
+
+TEST(DeviceMesh, EachDimensionGroupReducesOverItsRow) {
+  run_ranks(4, [](int rank) {
+    auto mesh = init_device_mesh("cpu", {2, 2}, {"dp", "tp"});
+    auto x = at::full({1}, static_cast<double>(rank), at::kDouble);
+    // tp groups are [0,1] and [2,3]; dp groups are [0,2] and [1,3].
+    auto tp = comm::all_reduce(x, ReduceOp::Sum, mesh.group(1)).item<double>();
+    auto dp = comm::all_reduce(x, ReduceOp::Sum, mesh.group(0)).item<double>();
+    EXPECT_EQ(tp, rank < 2 ? 1.0 : 5.0);
+    EXPECT_EQ(dp, rank % 2 == 0 ? 2.0 : 4.0);
+    EXPECT_EQ(mesh.get_group("tp")->global_ranks(),
+              (std::vector<int>{rank < 2 ? 0 : 2, rank < 2 ? 1 : 3}));
+    EXPECT_EQ(mesh.group(0).mesh_dim(), 0);
+    EXPECT_EQ(mesh.group(1).mesh_dim(), 1);
+  });
+}
+
+TEST(DeviceMesh, SlicesReuseTheParentGroups) {
+  run_ranks(4, [](int rank) {
+    auto mesh = init_device_mesh("cpu", {2, 2}, {"dp", "tp"});
+    auto tp = mesh["tp"];
+    EXPECT_EQ(tp.ndim(), 1);
+    EXPECT_EQ(tp.ranks(), (std::vector<int64_t>{rank < 2 ? 0 : 2, rank < 2 ? 1 : 3}));
+    EXPECT_EQ(tp.get_group(0).get(), mesh.get_group(1).get());
+    auto dp = mesh["dp"];
+    EXPECT_EQ(dp.ranks(), (std::vector<int64_t>{rank % 2, rank % 2 + 2}));
+    EXPECT_EQ(dp.get_local_rank(), rank / 2);
+    EXPECT_EQ(mesh.slice({"dp", "tp"}), mesh);
+    // A DTensor on the slice communicates over the parent's tp group.
+    auto dt = distribute_tensor(at::arange(4, at::kFloat), tp, {Shard(0)});
+    EXPECT_EQ(full_tensor(dt).sum().item<float>(), 6.0f);
+  });
+}
+
+TEST(DeviceMesh, ConstructionAndSlicingErrorsSayWhatIsWrong) {
+  run_ranks(2, [](int) {
+    expect_error<c10::Error>([] { init_device_mesh("cpu", {2}, {"a", "b"}); },
+                             "mesh_shape and mesh_dim_names should have same length!");
+    expect_error<c10::Error>([] { init_device_mesh("cpu", {1, 2}, {"a", "a"}); },
+                             "Each mesh_dim_name must be unique.");
+    expect_error<c10::Error>([] { init_device_mesh("cuda:0", {2}); },
+                             "Device type with index is not supported");
+    expect_error<c10::Error>([] { init_device_mesh("cpu", {4}); }, "needs 4 ranks");
+    auto plain = init_device_mesh("cpu", {2});
+    expect_error<c10::Error>([&] { plain["tp"]; }, "Cannot slice a DeviceMesh without mesh_dim_names!");
+    auto mesh = init_device_mesh("cpu", {1, 2}, {"dp", "tp"});
+    expect_error<c10::IndexError>([&] { mesh["pp"]; }, "Valid mesh_dim_names: ('dp', 'tp')");
+    expect_error<c10::IndexError>([&] { mesh.slice({"tp", "dp"}); }, "ascending order");
+    expect_error<c10::Error>([&] { mesh.get_local_rank(); }, "needs to be specified");
+  });
+}
+
+TEST(DeviceMesh, MeshGuardProvidesTheDefaultMesh) {
+  run_ranks(2, [](int) {
+    auto mesh = init_device_mesh("cpu", {2});
+    EXPECT_FALSE(current_mesh().has_value());
+    EXPECT_THROW(from_local(at::ones({2})), c10::Error);
+    {
+      MeshGuard g(mesh);
+      auto dt = from_local(at::ones({2}), std::vector<Placement>{Shard(0)});
+      EXPECT_EQ(dt.sizes(), at::IntArrayRef({4}));
+      EXPECT_EQ(device_mesh(dt), mesh);
+    }
+    EXPECT_FALSE(current_mesh().has_value());
+  });
+}
+
+TEST(DeviceMesh, SingleRankMeshWorksWithoutPeers) {
+  run_ranks(1, [](int) {
+    auto mesh = init_device_mesh("cpu", {1});
+    auto dt = distribute_tensor(at::arange(5, at::kFloat), mesh, {Shard(0)});
+    EXPECT_TENSOR_EQ(full_tensor(redistribute(dt, {Replicate()})), at::arange(5, at::kFloat));
+  });
+}
