@@ -1,0 +1,435 @@
+// dtrun: starts N ranks of a program on this machine with torchrun's environment variables,
+// prefixes their output with the rank, and stops every rank as soon as one fails.
+// Plain POSIX (plus two optional Linux calls); it does not use LibTorch.
+#include <arpa/inet.h>
+#include <fcntl.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <signal.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#ifdef __linux__
+#include <sys/prctl.h>
+#endif
+
+#include <cerrno>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <optional>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "line_writer.h"
+#include "options.h"
+
+namespace dtrun {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+// Self-pipe: signal handlers write the signal number, the poll loop reads it.
+int g_signal_pipe[2] = {-1, -1};
+
+extern "C" void on_signal(int sig) {
+  int saved = errno;
+  unsigned char byte = static_cast<unsigned char>(sig);
+  [[maybe_unused]] ssize_t n = ::write(g_signal_pipe[1], &byte, 1);
+  errno = saved;
+}
+
+constexpr int kHandledSignals[] = {SIGINT, SIGTERM, SIGHUP, SIGCHLD};
+
+void message(const std::string& text) { write_all(STDERR_FILENO, "dtrun: " + text + "\n"); }
+
+[[noreturn]] void fatal(const std::string& text) {
+  message(text);
+  std::exit(1);
+}
+
+bool make_pipe(int fds[2]) {
+  if (::pipe(fds) != 0) return false;
+  for (int i = 0; i < 2; ++i) ::fcntl(fds[i], F_SETFD, FD_CLOEXEC);
+  return true;
+}
+
+void set_nonblocking(int fd) { ::fcntl(fd, F_SETFL, ::fcntl(fd, F_GETFL) | O_NONBLOCK); }
+
+void install_signal_handlers() {
+  if (!make_pipe(g_signal_pipe)) fatal(std::string("pipe failed: ") + std::strerror(errno));
+  set_nonblocking(g_signal_pipe[0]);
+  set_nonblocking(g_signal_pipe[1]);
+  struct sigaction sa {};
+  sa.sa_handler = on_signal;
+  sigemptyset(&sa.sa_mask);
+  sa.sa_flags = SA_RESTART;
+  for (int sig : kHandledSignals) ::sigaction(sig, &sa, nullptr);
+  // A closed stdout (dtrun ... | head) must not kill dtrun while ranks still run.
+  ::signal(SIGPIPE, SIG_IGN);
+}
+
+// A port that is free right now: bind 127.0.0.1:0 and ask which port the kernel chose.
+int find_free_port() {
+  int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd < 0) fatal(std::string("socket failed: ") + std::strerror(errno));
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  addr.sin_port = 0;
+  socklen_t len = sizeof addr;
+  if (::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0 ||
+      ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) != 0) {
+    fatal(std::string("could not find a free port on 127.0.0.1: ") + std::strerror(errno) +
+          " (pass --master-port)");
+  }
+  ::close(fd);
+  return ntohs(addr.sin_port);
+}
+
+std::string describe_status(int status) {
+  if (WIFSIGNALED(status)) {
+    int sig = WTERMSIG(status);
+    const char* name = ::strsignal(sig);
+    return "was killed by signal " + std::to_string(sig) +
+           (name ? std::string(" (") + name + ")" : "");
+  }
+  return "exited with code " + std::to_string(WEXITSTATUS(status));
+}
+
+int exit_code_of(int status) {
+  return WIFSIGNALED(status) ? 128 + WTERMSIG(status) : WEXITSTATUS(status);
+}
+
+struct Rank {
+  Rank(int index, bool prefix)
+      : index(index),
+        out(STDOUT_FILENO, prefix ? "[rank " + std::to_string(index) + "] " : ""),
+        err(STDERR_FILENO, prefix ? "[rank " + std::to_string(index) + "] " : "") {}
+
+  int index;
+  pid_t pid = -1;  // also the id of its process group
+  bool reaped = false;
+  bool group_gone = false;  // no process of its group is left
+  int fds[2] = {-1, -1};    // read ends of its stdout and stderr pipes
+  LineWriter out, err;
+};
+
+class Launcher {
+ public:
+  explicit Launcher(Options options) : o_(std::move(options)) {}
+
+  int run() {
+    install_signal_handlers();
+#ifdef __linux__
+    // Orphaned grandchildren are re-parented to us, so we can reap them and know when a rank's
+    // process group is really gone.
+    ::prctl(PR_SET_CHILD_SUBREAPER, 1);
+#endif
+    if (o_.master_port == 0) o_.master_port = find_free_port();
+    ::setenv("OMP_NUM_THREADS", "1", /*overwrite=*/0);
+    devnull_ = ::open("/dev/null", O_RDONLY | O_CLOEXEC);
+    if (devnull_ < 0) fatal(std::string("cannot open /dev/null: ") + std::strerror(errno));
+
+    ranks_.reserve(o_.nproc);
+    for (int r = 0; r < o_.nproc && !launch_error_; ++r) launch(r);
+    if (launch_error_) stop(SIGTERM);
+
+    loop();
+    sweep_leftovers();
+
+    if (launch_error_) return *launch_error_;
+    if (failure_) return *failure_;
+    if (interrupted_by_) return 128 + interrupted_by_;
+    return 0;
+  }
+
+ private:
+  // Starts rank r. On failure sets launch_error_ (the exit code) after printing why.
+  void launch(int r) {
+    int out[2] = {-1, -1}, err[2] = {-1, -1}, exec_status[2] = {-1, -1};
+    auto close_all = [&] {
+      for (int fd : {out[0], out[1], err[0], err[1], exec_status[0], exec_status[1]}) {
+        if (fd >= 0) ::close(fd);
+      }
+    };
+    pid_t parent = ::getpid();
+    pid_t pid = -1;
+    if (!make_pipe(out) || !make_pipe(err) || !make_pipe(exec_status) || (pid = ::fork()) < 0) {
+      message("cannot start rank " + std::to_string(r) + ": " + std::strerror(errno));
+      close_all();
+      launch_error_ = 1;
+      return;
+    }
+    if (pid == 0) exec_child(r, parent, out[1], err[1], exec_status[1]);
+
+    // Also set here, so the group exists before we might signal it.
+    ::setpgid(pid, pid);
+    Rank& rank = ranks_.emplace_back(r, o_.prefix);
+    rank.pid = pid;
+    rank.fds[0] = out[0];
+    rank.fds[1] = err[0];
+    set_nonblocking(out[0]);
+    set_nonblocking(err[0]);
+    ::close(out[1]);
+    ::close(err[1]);
+    ::close(exec_status[1]);
+
+    // The child writes errno here if execvp fails; a successful exec closes the pipe.
+    int child_errno = 0;
+    ssize_t n;
+    do n = ::read(exec_status[0], &child_errno, sizeof child_errno);
+    while (n < 0 && errno == EINTR);
+    ::close(exec_status[0]);
+    if (n == static_cast<ssize_t>(sizeof child_errno)) {
+      std::string what = "cannot run '" + o_.command[0] + "': " + std::strerror(child_errno);
+      if (child_errno == ENOENT && o_.command[0].find('/') == std::string::npos) {
+        what += " (not found in PATH)";
+      }
+      message(what);
+      launch_error_ = child_errno == ENOENT ? 127 : 126;
+    }
+  }
+
+  [[noreturn]] void exec_child(int r, pid_t parent, int out_fd, int err_fd, int status_fd) {
+    ::setpgid(0, 0);
+#ifdef __linux__
+    // If dtrun itself is killed (SIGKILL cannot be forwarded), take the rank down with it.
+    ::prctl(PR_SET_PDEATHSIG, SIGKILL);
+    if (::getppid() != parent) ::_exit(1);
+#else
+    (void)parent;
+#endif
+    for (int sig : kHandledSignals) ::signal(sig, SIG_DFL);
+    ::signal(SIGPIPE, SIG_DFL);
+    sigset_t none;
+    sigemptyset(&none);
+    ::sigprocmask(SIG_SETMASK, &none, nullptr);
+
+    ::dup2(devnull_, STDIN_FILENO);
+    ::dup2(out_fd, STDOUT_FILENO);
+    ::dup2(err_fd, STDERR_FILENO);
+
+    const std::string n = std::to_string(o_.nproc), rank = std::to_string(r);
+    ::setenv("RANK", rank.c_str(), 1);
+    ::setenv("LOCAL_RANK", rank.c_str(), 1);
+    ::setenv("WORLD_SIZE", n.c_str(), 1);
+    ::setenv("LOCAL_WORLD_SIZE", n.c_str(), 1);
+    ::setenv("MASTER_ADDR", o_.master_addr.c_str(), 1);
+    ::setenv("MASTER_PORT", std::to_string(o_.master_port).c_str(), 1);
+
+    std::vector<char*> argv;
+    for (auto& a : o_.command) argv.push_back(const_cast<char*>(a.c_str()));
+    argv.push_back(nullptr);
+    ::execvp(argv[0], argv.data());
+    int e = errno;
+    [[maybe_unused]] ssize_t w = ::write(status_fd, &e, sizeof e);
+    ::_exit(e == ENOENT ? 127 : 126);
+  }
+
+  // Signals every rank's process group that may still have processes.
+  void signal_groups(int sig) {
+    for (Rank& r : ranks_) {
+      if (r.group_gone) continue;
+      if (::kill(-r.pid, sig) != 0 && errno == ESRCH) r.group_gone = true;
+    }
+  }
+
+  // Starts stopping all ranks with `sig`; SIGKILL follows after the grace period.
+  void stop(int sig) {
+    if (!stopping_) {
+      stopping_ = true;
+      kill_at_ = Clock::now() + std::chrono::duration_cast<Clock::duration>(
+                                    std::chrono::duration<double>(o_.grace_s));
+    }
+    signal_groups(sig);
+  }
+
+  void kill_all() {
+    signal_groups(SIGKILL);
+    killed_ = true;
+    kill_at_.reset();
+    // Whoever still holds a pipe after this is outside our process groups: stop waiting for it.
+    give_up_at_ = Clock::now() + std::chrono::seconds(2);
+  }
+
+  bool all_reaped() const {
+    for (const Rank& r : ranks_) {
+      if (!r.reaped) return false;
+    }
+    return true;
+  }
+
+  bool any_pipe_open() const {
+    for (const Rank& r : ranks_) {
+      if (r.fds[0] >= 0 || r.fds[1] >= 0) return true;
+    }
+    return false;
+  }
+
+  void reap() {
+    int status = 0;
+    pid_t pid;
+    while ((pid = ::waitpid(-1, &status, WNOHANG)) > 0) {
+      for (Rank& r : ranks_) {
+        if (r.pid != pid) continue;
+        r.reaped = true;
+        bool failed = WIFSIGNALED(status) || (WIFEXITED(status) && WEXITSTATUS(status) != 0);
+        if (failed && !stopping_) {
+          failure_ = exit_code_of(status);
+          std::string text = "rank " + std::to_string(r.index) + " " + describe_status(status);
+          if (!all_reaped()) text += "; stopping the other ranks";
+          message(text);
+          stop(SIGTERM);
+        }
+      }
+    }
+  }
+
+  void on_dtrun_signal(int sig) {
+    if (sig == SIGCHLD) return;  // reaped at the top of the loop
+    if (interrupted_by_ == 0) {
+      interrupted_by_ = sig;
+      const char* name = sig == SIGINT ? "SIGINT" : sig == SIGTERM ? "SIGTERM" : "SIGHUP";
+      message(std::string("got ") + name + "; passing it on to the ranks" +
+              (sig == SIGINT ? " (press Ctrl-C again to kill them)" : ""));
+      stop(sig);
+    } else if (!killed_) {
+      message("killing the ranks");
+      kill_all();
+    }
+  }
+
+  void close_stream(Rank& r, int which) {
+    (which == 0 ? r.out : r.err).finish();
+    ::close(r.fds[which]);
+    r.fds[which] = -1;
+  }
+
+  void read_stream(Rank& r, int which) {
+    char buf[65536];
+    ssize_t n = ::read(r.fds[which], buf, sizeof buf);
+    if (n > 0) {
+      (which == 0 ? r.out : r.err).feed(buf, static_cast<size_t>(n));
+    } else if (n == 0 || (errno != EINTR && errno != EAGAIN)) {
+      close_stream(r, which);
+    }
+  }
+
+  void loop() {
+    std::vector<pollfd> fds;
+    std::vector<std::pair<Rank*, int>> owners;
+    std::optional<Clock::time_point> linger_until;
+    while (true) {
+      reap();
+      const auto now = Clock::now();
+      if (kill_at_ && now >= *kill_at_) kill_all();
+      if (give_up_at_ && now >= *give_up_at_) {
+        for (Rank& r : ranks_) {
+          for (int w = 0; w < 2; ++w) {
+            if (r.fds[w] >= 0) close_stream(r, w);
+          }
+        }
+        give_up_at_.reset();
+      }
+      bool reaped = all_reaped();
+      bool open = any_pipe_open();
+      if (reaped && !open) break;
+      if (reaped && !stopping_) {
+        // Every rank exited but something they started still holds their output pipes.
+        if (!linger_until) linger_until = now + std::chrono::seconds(1);
+        if (now >= *linger_until) {
+          message("all ranks exited; stopping processes they left running");
+          stop(SIGTERM);
+        }
+      }
+
+      std::optional<Clock::time_point> wake;
+      for (auto t : {kill_at_, give_up_at_, stopping_ ? std::nullopt : linger_until}) {
+        if (t && (!wake || *t < *wake)) wake = t;
+      }
+      int timeout_ms = -1;
+      if (wake) {
+        auto ms = std::chrono::ceil<std::chrono::milliseconds>(*wake - now).count();
+        timeout_ms = static_cast<int>(std::max<long long>(0, ms));
+      }
+
+      fds.clear();
+      owners.clear();
+      fds.push_back({g_signal_pipe[0], POLLIN, 0});
+      owners.emplace_back(nullptr, 0);
+      for (Rank& r : ranks_) {
+        for (int w = 0; w < 2; ++w) {
+          if (r.fds[w] < 0) continue;
+          fds.push_back({r.fds[w], POLLIN, 0});
+          owners.emplace_back(&r, w);
+        }
+      }
+      if (::poll(fds.data(), static_cast<nfds_t>(fds.size()), timeout_ms) < 0) {
+        if (errno == EINTR) continue;
+        fatal(std::string("poll failed: ") + std::strerror(errno));
+      }
+      for (size_t i = 0; i < fds.size(); ++i) {
+        if (!(fds[i].revents & (POLLIN | POLLHUP | POLLERR | POLLNVAL))) continue;
+        if (owners[i].first == nullptr) {
+          unsigned char sigs[64];
+          ssize_t n = ::read(g_signal_pipe[0], sigs, sizeof sigs);
+          for (ssize_t k = 0; k < n; ++k) on_dtrun_signal(sigs[k]);
+        } else {
+          read_stream(*owners[i].first, owners[i].second);
+        }
+      }
+    }
+  }
+
+  // Processes a rank left behind without our pipes (e.g. `cmd > /dev/null &`) are still in its
+  // process group: stop them too, so dtrun never leaves anything running.
+  void sweep_leftovers() {
+    auto wait_gone = [&](std::chrono::duration<double> limit) {
+      const auto until = Clock::now() + std::chrono::duration_cast<Clock::duration>(limit);
+      while (true) {
+        while (::waitpid(-1, nullptr, WNOHANG) > 0) {
+        }
+        signal_groups(0);
+        bool any = false;
+        for (const Rank& r : ranks_) any = any || !r.group_gone;
+        if (!any || Clock::now() >= until) return !any;
+        std::this_thread::sleep_for(std::chrono::milliseconds(20));
+      }
+    };
+    if (wait_gone(std::chrono::milliseconds(0))) return;
+    if (!killed_) {
+      if (!stopping_) message("all ranks exited; stopping processes they left running");
+      signal_groups(SIGTERM);
+      if (wait_gone(std::chrono::duration<double>(o_.grace_s))) return;
+    }
+    signal_groups(SIGKILL);
+    if (!wait_gone(std::chrono::seconds(5))) {
+      message("some processes of the ranks' process groups did not exit after SIGKILL");
+    }
+  }
+
+  Options o_;
+  int devnull_ = -1;
+  std::vector<Rank> ranks_;
+  bool stopping_ = false;
+  bool killed_ = false;
+  std::optional<Clock::time_point> kill_at_;
+  std::optional<Clock::time_point> give_up_at_;
+  std::optional<int> launch_error_;
+  std::optional<int> failure_;
+  int interrupted_by_ = 0;
+};
+
+}  // namespace
+}  // namespace dtrun
+
+int main(int argc, char** argv) {
+  int exit_code = 0;
+  auto options = dtrun::parse_args(argc, argv, exit_code);
+  if (!options) return exit_code;
+  return dtrun::Launcher(std::move(*options)).run();
+}
