@@ -4,6 +4,8 @@
 #include "dtensor/comm/comm_debug_mode.h"
 #include "dtensor/comm/process_group.h"
 #include "dtensor/core/api.h"
+#include "dtensor/core/distribute_module.h"
+#include "dtensor/core/factories.h"
 #include "dtensor/core/dtensor_impl.h"
 #include "dtensor/core/placement.h"
 #include "dtensor/core/redistribute.h"

@@ -1,0 +1,36 @@
+#pragma once
+// Creating DTensors directly in their layout: each rank allocates only its shard.
+#include <ATen/core/Tensor.h>
+#include <c10/core/TensorOptions.h>
+
+#include "dtensor/core/dtensor_impl.h"
+
+namespace dtensor {
+
+at::Tensor empty(at::IntArrayRef size, const DeviceMesh& mesh, c10::ArrayRef<Placement> placements,
+                 at::TensorOptions options = {});
+at::Tensor zeros(at::IntArrayRef size, const DeviceMesh& mesh, c10::ArrayRef<Placement> placements,
+                 at::TensorOptions options = {});
+at::Tensor ones(at::IntArrayRef size, const DeviceMesh& mesh, c10::ArrayRef<Placement> placements,
+                at::TensorOptions options = {});
+at::Tensor full(at::IntArrayRef size, const at::Scalar& value, const DeviceMesh& mesh,
+                c10::ArrayRef<Placement> placements, at::TensorOptions options = {});
+
+// Random DTensors. Every element's value depends only on (seed, draw offset, global index):
+// replicas draw equal numbers, shards disjoint ones, and the whole tensor equals what one
+// device gets from the same seed, whatever the mesh or placements.
+at::Tensor rand(at::IntArrayRef size, const DeviceMesh& mesh, c10::ArrayRef<Placement> placements,
+                at::TensorOptions options = {});
+at::Tensor randn(at::IntArrayRef size, const DeviceMesh& mesh, c10::ArrayRef<Placement> placements,
+                 at::TensorOptions options = {});
+
+// Seeds the DTensor random stream (all ranks must use the same seed). Until called, the seed
+// is the CPU default generator's initial seed.
+void manual_seed(uint64_t seed);
+
+// The same streams on one device (for single-device references and for initialising plain
+// tensors identically): values of elements [0, numel) of a draw at the current offset.
+at::Tensor rand_global(at::IntArrayRef size, at::TensorOptions options = {});
+at::Tensor randn_global(at::IntArrayRef size, at::TensorOptions options = {});
+
+}  // namespace dtensor

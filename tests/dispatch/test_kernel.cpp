@@ -1,0 +1,135 @@
+// The dispatch kernel's guarantees: no silent local run, clear errors, a bounded cache, and
+// autograd through DTensor ops equal to one device.
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+
+#include "dtensor/dtensor.h"
+#include "support/distributed.h"
+
+using namespace dtensor;
+using dtensor::testing::run_ranks;
+
+namespace {
+std::string error_of(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const c10::Error& e) {
+    return e.what_without_backtrace();
+  }
+  return "";
+}
+}  // namespace
+
+TEST(Kernel, OpWithoutRuleFailsNamingOpAndPlacements) {
+  run_ranks(2, [](int) {
+    auto mesh = init_device_mesh("cpu", {2});
+    auto dt = distribute_tensor(at::randn({4, 4}), mesh, {Shard(0)});
+    const auto msg = error_of([&] { at::cumsum(dt, 1); });
+    EXPECT_NE(msg.find("does not have a sharding strategy registered"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("aten::cumsum"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("(S(0))"), std::string::npos) << msg;
+  });
+}
+
+TEST(Kernel, DTensorsOnDifferentMeshesCannotMeet) {
+  run_ranks(2, [](int) {
+    auto a = init_device_mesh("cpu", {2});
+    auto b = init_device_mesh("cpu", {2}, {"other"});
+    auto x = distribute_tensor(at::ones({4}), a, {Replicate()});
+    auto y = distribute_tensor(at::ones({4}), b, {Replicate()});
+    const auto msg = error_of([&] { at::add(x, y); });
+    EXPECT_NE(msg.find("different meshes"), std::string::npos) << msg;
+  });
+}
+
+TEST(Kernel, InPlaceOpThatWouldChangePlacementsIsRejected) {
+  run_ranks(2, [](int rank) {
+    auto mesh = init_device_mesh("cpu", {2});
+    auto p = from_local(at::ones({4}), mesh, {Partial()});
+    const auto msg = error_of([&] { p.exp_(); });
+    EXPECT_NE(msg.find("in-place"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("P(sum)"), std::string::npos) << msg;
+    // Linear in-place ops keep Partial and stay correct.
+    p.mul_(3.0);
+    EXPECT_TENSOR_EQ(full_tensor(p), at::full({4}, 6.0));
+  });
+}
+
+TEST(Kernel, PartialPlusReplicateDividesTheReplicaAndReplicatePlusPartialReduces) {
+  run_ranks(4, [](int) {
+    auto mesh = init_device_mesh("cpu", {4});
+    auto p = from_local(at::ones({3}), mesh, {Partial()});  // value 4
+    auto r = from_local(at::ones({3}), mesh, {Replicate()});
+    CommDebugMode comm;
+    auto pr = p + r;
+    EXPECT_EQ(placements(pr)[0], Partial());
+    EXPECT_EQ(comm.get_total_counts(), 0);
+    EXPECT_TENSOR_EQ(full_tensor(pr), at::full({3}, 5.0));
+    comm.enter();
+    auto rp = r + p;
+    EXPECT_EQ(placements(rp)[0], Replicate());
+    EXPECT_EQ(comm.get_comm_counts(), (CommCounts{{CommType::all_reduce, 1}}));
+    EXPECT_TENSOR_EQ(local_tensor(rp), at::full({3}, 5.0));
+  });
+}
+
+TEST(Kernel, CacheDoesNotGrowWithChangingScalars) {
+  run_ranks(2, [](int) {
+    auto mesh = init_device_mesh("cpu", {2});
+    auto x = distribute_tensor(at::ones({8, 4}), mesh, {Shard(0)});
+    dispatch::clear_cache();
+    for (int step = 1; step <= 50; ++step) {
+      x.mul_(1.0 + 1.0 / step).add_(x, 0.001 * step);  // like an optimizer's changing scalars
+    }
+    auto stats = dispatch::cache_stats();
+    EXPECT_EQ(stats.entries, 2);
+    EXPECT_GE(stats.hits, 98);
+  });
+}
+
+TEST(Kernel, AutogradThroughPointwiseAndReductionsMatchesOneDevice) {
+  run_ranks(3, [](int) {
+    auto mesh = init_device_mesh("cpu", {3});
+    auto a = at::randn({7, 5}, at::kDouble);
+    auto b = at::randn({5}, at::kDouble);
+    auto ra = a.clone().requires_grad_(true), rb = b.clone().requires_grad_(true);
+    auto ref = ((ra.exp() * rb - ra.sigmoid()).pow(2).mean(1) + ra.sum(1) * 0.5).sum();
+    ref.backward();
+    auto da = distribute_tensor(a.clone().requires_grad_(true), mesh, {Shard(0)});
+    auto db = distribute_tensor(b.clone().requires_grad_(true), mesh, {Replicate()});
+    auto out = ((da.exp() * db - da.sigmoid()).pow(2).mean(1) + da.sum(1) * 0.5).sum();
+    EXPECT_EQ(placements(out)[0], Partial());
+    EXPECT_TENSOR_CLOSE(full_tensor(out), ref, 1e-12, 1e-12);
+    out.backward();
+    EXPECT_TENSOR_CLOSE(full_tensor(da.grad()), ra.grad(), 1e-12, 1e-12);
+    EXPECT_TENSOR_CLOSE(full_tensor(db.grad()), rb.grad(), 1e-12, 1e-12);
+    EXPECT_DOUBLE_EQ(out.item<double>(), ref.item<double>());
+  });
+}
+
+TEST(Kernel, ViewsAndReshapesKeepShardsWhenTheyCan) {
+  run_ranks(2, [](int) {
+    auto mesh = init_device_mesh("cpu", {2});
+    auto g = at::randn({4, 6, 8});
+    auto x = distribute_tensor(g, mesh, {Shard(0)});
+    CommDebugMode comm;
+    auto v = x.view({4, 48});
+    EXPECT_EQ(placements(v)[0], Shard(0));
+    auto w = x.view({8, 3, 8});  // split dim 0 into (8 = 4*2) -> carried to dim 0
+    EXPECT_EQ(placements(w)[0], Shard(0));
+    auto t = x.transpose(0, 2);
+    EXPECT_EQ(placements(t)[0], Shard(2));
+    auto u = x.unsqueeze(0).squeeze(0);
+    EXPECT_EQ(placements(u)[0], Shard(0));
+    EXPECT_EQ(comm.get_total_counts(), 0);
+    EXPECT_TENSOR_EQ(full_tensor(v), g.view({4, 48}));
+    EXPECT_TENSOR_EQ(full_tensor(w), g.view({8, 3, 8}));
+    EXPECT_TENSOR_EQ(full_tensor(t), g.transpose(0, 2));
+    auto y = distribute_tensor(g, mesh, {Shard(1)});
+    auto flat = y.reshape({24, 8});  // dim 1 is not the leftmost of (4,6): replicate first
+    EXPECT_EQ(placements(flat)[0], Replicate());
+    EXPECT_TENSOR_EQ(full_tensor(flat), g.reshape({24, 8}));
+    auto e = distribute_tensor(at::randn({1, 6}), mesh, {Shard(1)}).expand({5, 6});
+    EXPECT_EQ(placements(e)[0], Shard(1));
+  });
+}
