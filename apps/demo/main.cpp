@@ -209,16 +209,16 @@ int run(const Options& opt) {
   walk.say("tensor: ", opt.rows, " x ", opt.cols, " float32 from seed ", opt.seed,
            " (the same on every rank)");
   const bool uneven = opt.rows % world != 0 || opt.cols % world != 0;
-  walk.say("shards on ", world, ranks, uneven ? " are uneven" : "", ": Shard(0) splits ",
-           opt.rows, " rows as ", shard_sizes(opt.rows, world), ", Shard(1) splits ", opt.cols,
-           " columns as ", shard_sizes(opt.cols, world));
+  walk.say(uneven ? "uneven shards" : "shards", " on ", world, ranks, " (torch.chunk rule):");
+  walk.say("  Shard(0) splits ", opt.rows, " rows as ", shard_sizes(opt.rows, world));
+  walk.say("  Shard(1) splits ", opt.cols, " columns as ", shard_sizes(opt.cols, world));
   walk.say("Partial: each rank holds whole numbers in [-9, 9]; the expected value is their sum");
   walk.say("");
-  walk.say("Each row is one redistribute(); collectives and bytes (the payload rank 0 put in) are "
-           "counted by CommDebugMode,");
-  walk.say("time is rank 0's wall clock for the call (it includes waiting for slower ranks), and "
-           "check says whether");
-  walk.say("full_tensor() matched on every rank.");
+  walk.say("Each row is one redistribute(). collectives: what CommDebugMode counted; bytes: the "
+           "payload rank 0");
+  walk.say("put into them; time: rank 0's wall clock for the call, waiting for the other ranks "
+           "included;");
+  walk.say("check: full_tensor() equals the expected tensor on every rank.");
   walk.say("");
   walk.print_header();
 
