@@ -53,6 +53,9 @@ struct Compiled {
   std::vector<std::pair<int, c10::IValue>> local_args;
   std::vector<CompiledReturn> returns;
   bool mesh_member = true;
+  LocalKernel local_kernel;
+  std::vector<SpecPtr> local_in_specs;   // for local_kernel: specs at the local call
+  std::vector<SpecPtr> local_out_specs;  // for local_kernel: per return
 };
 
 struct Key {
@@ -324,6 +327,11 @@ Compiled compile(const c10::OperatorHandle& op, const OpInfo& info, c10::ArrayRe
   }
   c.local_args = std::move(d.local_args);
   c.mesh_member = mesh->contains_this_rank();
+  if (d.local_kernel) {
+    c.local_kernel = std::move(d.local_kernel);
+    c.local_in_specs = target_specs;
+    for (const auto& r : c.returns) c.local_out_specs.push_back(r.spec);
+  }
   return c;
 }
 
@@ -419,7 +427,11 @@ void run(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
 
   {
     at::AutoDispatchBelowADInplaceOrView guard;
-    op.callBoxed(*stack);
+    if (C10_UNLIKELY(static_cast<bool>(cd.local_kernel))) {
+      cd.local_kernel(op, *stack, LocalContext{cd.local_in_specs, cd.local_out_specs});
+    } else {
+      op.callBoxed(*stack);
+    }
   }
 
   const size_t nret = cd.returns.size();

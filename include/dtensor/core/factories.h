@@ -4,6 +4,7 @@
 #include <c10/core/TensorOptions.h>
 
 #include "dtensor/core/dtensor_impl.h"
+#include "dtensor/core/random.h"
 
 namespace dtensor {
 
@@ -23,10 +24,6 @@ at::Tensor rand(at::IntArrayRef size, const DeviceMesh& mesh, c10::ArrayRef<Plac
                 at::TensorOptions options = {});
 at::Tensor randn(at::IntArrayRef size, const DeviceMesh& mesh, c10::ArrayRef<Placement> placements,
                  at::TensorOptions options = {});
-
-// Seeds the DTensor random stream (all ranks must use the same seed). Until called, the seed
-// is the CPU default generator's initial seed.
-void manual_seed(uint64_t seed);
 
 // The same streams on one device (for single-device references and for initialising plain
 // tensors identically): values of elements [0, numel) of a draw at the current offset.

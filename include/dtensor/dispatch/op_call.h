@@ -5,6 +5,7 @@
 // Rules run only on a cache miss; the result is cached by (op, input specs, static args).
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/core/ivalue.h>
+#include <ATen/core/stack.h>
 
 #include <functional>
 #include <optional>
@@ -55,6 +56,18 @@ class OpCall {
   const DeviceMesh& mesh_;
 };
 
+// What a local kernel knows besides the stack: the specs of the inputs as they arrive at the
+// local call (after redistribution) and of the outputs (null for non-tensor returns).
+struct LocalContext {
+  c10::ArrayRef<SpecPtr> inputs;
+  c10::ArrayRef<SpecPtr> outputs;
+};
+// Replaces `op.callBoxed` when an op's local computation differs from the plain op (a masked
+// embedding lookup, a random op drawing from DTensor's stream). It gets the stack exactly as
+// the op would (local tensors, rewritten arguments) and must leave the returns on it.
+using LocalKernel =
+    std::function<void(const c10::OperatorHandle& op, torch::jit::Stack& stack, const LocalContext&)>;
+
 struct Decision {
   // Placements each input must have for the local call (one entry per OpCall input; an
   // empty Placements means "as it is").
@@ -66,7 +79,8 @@ struct Decision {
   std::vector<std::pair<int, c10::IValue>> local_args;
   // Global metadata of each return when the op cannot run on meta tensors.
   std::vector<std::optional<TensorMeta>> output_meta;
-  // Partial outputs that the local op already reduced (e.g. a custom handler); rarely used.
+  // Custom local computation (rarely needed).
+  LocalKernel local_kernel;
 };
 
 // One candidate for strategy selection.
