@@ -37,7 +37,7 @@ comm::PendingResult shard_to_replicate(const at::Tensor& local, int64_t d, int64
   const int64_t k = pg.size();
   const int64_t c = full_chunk_size(n, k);
   auto p = comm::all_gather_into_tensor_async(pad_to(local, d, c), d, pg);
-  if (c * k != n) p.then([d, n](at::Tensor x) { return x.narrow(d, 0, n); });
+  if (c * k != n) p.then([d, n](at::Tensor x) { return x.narrow(d, 0, n).contiguous(); });
   if (!async) p.wait();
   return p;
 }
@@ -142,7 +142,7 @@ comm::PendingResult redistribute_local(const at::Tensor& local, const DTensorSpe
       }
       pending = comm::reduce_scatter_tensor_async(in, d, from.reduce_op(), pg);
       const int64_t mine = chunk_range(n, k, coord[i]).size;
-      if (mine != c) pending.then([d, mine](at::Tensor x) { return x.narrow(d, 0, mine); });
+      if (mine != c) pending.then([d, mine](at::Tensor x) { return x.narrow(d, 0, mine).contiguous(); });
       if (!async) pending.wait();
     } else if (from.is_replicate() && to.is_shard()) {
       pending = comm::PendingResult({}, local_chunk(t, to.dim(), k, coord[i]), nullptr, "");

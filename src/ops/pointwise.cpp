@@ -47,6 +47,13 @@ Decision pointwise(const OpCall& call, Linearity lin, bool inplace) {
       out.push_back(Replicate());
     }
   }
+  // A Partial output needs every Partial-target input to be reducible: a shard is not.
+  for (size_t i = 0; i < out.size(); ++i) {
+    if (!out[i].is_partial()) continue;
+    for (size_t j = 0; j < n; ++j) {
+      if (call.input(j).placements()[i].is_shard()) out[i] = Replicate();
+    }
+  }
   std::vector<Placements> inputs;
   for (size_t j = 0; j < n; ++j) {
     const auto& in = call.input(j);
@@ -67,7 +74,11 @@ Decision pointwise(const OpCall& call, Linearity lin, bool inplace) {
     }
     inputs.push_back(std::move(tp));
   }
-  return all_outputs(call, std::move(inputs), out);
+  Decision d = all_outputs(call, std::move(inputs), out);
+  // Many element-wise kernels have no meta implementation: give the output metadata here.
+  const at::ScalarType dtype = inplace ? call.input(0).dtype() : proxy_result_dtype(call);
+  d.output_meta.push_back(TensorMeta{out_shape, default_strides(out_shape), dtype});
+  return d;
 }
 
 void reg(std::initializer_list<const char*> names, Linearity lin, bool inplace = false) {
@@ -124,7 +135,9 @@ DTENSOR_RULES(pointwise) {
        "aten::lerp_.Tensor", "aten::masked_fill_.Scalar", "aten::masked_fill_.Tensor",
        "aten::reciprocal_", "aten::sign_", "aten::floor_", "aten::ceil_", "aten::round_",
        "aten::hardtanh_", "aten::leaky_relu_", "aten::threshold_", "aten::nan_to_num_",
-       "aten::maximum_", "aten::square_", "aten::erf_", "aten::logical_not_"},
+       "aten::maximum_", "aten::square_", "aten::erf_", "aten::logical_not_",
+       "aten::logical_and_", "aten::logical_or_", "aten::logical_xor_", "aten::bitwise_and_.Tensor",
+       "aten::bitwise_or_.Tensor", "aten::where_.self", "aten::fill_.Tensor_"},
       L::None, true);
 }
 

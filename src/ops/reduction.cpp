@@ -27,8 +27,11 @@ Decision reduce(const OpCall& call, ReductionKind kind, std::optional<std::vecto
     const int64_t k = call.mesh().size(static_cast<int64_t>(i));
     if (p.is_shard() && nd > 0 && reduced[p.dim()]) {
       const bool uneven = in.shape()[p.dim()] % k != 0;
-      if (kind.op == ReduceOp::Avg && uneven) {
-        tgt.push_back(Replicate());  // a mean of uneven shards would be biased
+      const bool empty_shard = chunk_range(in.shape()[p.dim()], k, k - 1).size == 0;
+      if ((kind.op == ReduceOp::Avg && uneven) ||
+          (empty_shard && kind.op != ReduceOp::Sum)) {
+        // A mean of uneven shards would be biased; max/min/prod of an empty shard is undefined.
+        tgt.push_back(Replicate());
         out.push_back(Replicate());
       } else {
         tgt.push_back(p);

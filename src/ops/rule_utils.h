@@ -79,4 +79,8 @@ inline Decision all_outputs(const OpCall& call, std::vector<Placements> inputs, 
   return d;
 }
 
+// Result dtype of return `ret`, found by running the op once on one-element CPU tensors of
+// the inputs' dtypes and ranks (for ops without meta kernels).
+at::ScalarType proxy_result_dtype(const OpCall& call, size_t ret = 0);
+
 }  // namespace dtensor::ops

@@ -1,0 +1,111 @@
+// Sweep: pointwise ops and reductions over shapes x placements x world sizes against one device.
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+
+#include "dtensor/dtensor.h"
+#include "support/distributed.h"
+#include "support/op_check.h"
+
+using namespace dtensor;
+using namespace dtensor::testing;
+
+namespace {
+
+struct NamedOp {
+  std::string name;
+  int arity;
+  OpFn fn;
+  double tol = 1e-10;
+};
+
+std::vector<NamedOp> binary_ops() {
+  auto b = [](std::string n, std::function<at::Tensor(const at::Tensor&, const at::Tensor&)> f) {
+    return NamedOp{n, 2, [f](const std::vector<at::Tensor>& x) { return std::vector<at::Tensor>{f(x[0], x[1])}; }};
+  };
+  return {
+      b("add", [](auto& a, auto& c) { return a + c; }),
+      b("sub", [](auto& a, auto& c) { return a - c; }),
+      b("mul", [](auto& a, auto& c) { return a * c; }),
+      b("div", [](auto& a, auto& c) { return a / (c.abs() + 1); }),
+      b("maximum", [](auto& a, auto& c) { return at::maximum(a, c); }),
+      b("where", [](auto& a, auto& c) { return at::where(a > 0, a, c); }),
+      b("addcmul", [](auto& a, auto& c) { return at::addcmul(a, a, c, 0.5); }),
+      b("lerp", [](auto& a, auto& c) { return at::lerp(a, c, 0.3); }),
+  };
+}
+
+std::vector<NamedOp> unary_ops() {
+  auto u = [](std::string n, std::function<at::Tensor(const at::Tensor&)> f) {
+    return NamedOp{n, 1, [f](const std::vector<at::Tensor>& x) { return std::vector<at::Tensor>{f(x[0])}; }};
+  };
+  return {
+      u("neg", [](auto& a) { return -a; }),
+      u("exp", [](auto& a) { return a.exp(); }),
+      u("sigmoid", [](auto& a) { return a.sigmoid(); }),
+      u("silu", [](auto& a) { return at::silu(a); }),
+      u("gelu", [](auto& a) { return at::gelu(a); }),
+      u("tanh", [](auto& a) { return a.tanh(); }),
+      u("relu", [](auto& a) { return a.relu(); }),
+      u("pow2", [](auto& a) { return a.pow(2); }),
+      u("rsqrt_abs", [](auto& a) { return (a.abs() + 1).rsqrt(); }),
+      u("mul_scalar", [](auto& a) { return a * 2.5; }),
+      u("clamp", [](auto& a) { return a.clamp(-0.5, 0.5); }),
+      u("sum", [](auto& a) { return a.sum(); }),
+      u("sum_dim0", [](auto& a) { return a.sum(0); }),
+      u("sum_last_keep", [](auto& a) { return a.sum(-1, true); }),
+      u("mean", [](auto& a) { return a.mean(); }),
+      u("mean_dim1", [](auto& a) { return a.mean(1); }),
+      u("amax_dim1", [](auto& a) { return a.amax(1); }),
+      NamedOp{"to_float_and_back", 1,
+              [](const std::vector<at::Tensor>& x) {
+                return std::vector<at::Tensor>{x[0].to(at::kFloat).to(at::kDouble)};
+              },
+              1e-6},  // a Partial is rounded per rank before summing
+      u("clone", [](auto& a) { return a.clone(); }),
+      u("contiguous_t", [](auto& a) { return a.t().contiguous(); }),
+      u("reshape_flat", [](auto& a) { return a.reshape({-1}); }),
+      u("unsqueeze_expand", [](auto& a) { return a.unsqueeze(0).expand({2, -1, -1}); }),
+  };
+}
+
+}  // namespace
+
+TEST(PointwiseSweep, BinaryOpsWithBroadcastingMatchOneDevice) {
+  for (int world : {1, 2, 3, 4}) {
+    run_ranks(world, [world](int rank) {
+      auto mesh = init_device_mesh("cpu", {world});
+      SweepCounter n;
+      const std::vector<std::pair<std::vector<int64_t>, std::vector<int64_t>>> shapes = {
+          {{4, 6}, {4, 6}}, {{5, 3}, {3}}, {{1, 6}, {7, 6}}, {{2, 1}, {2, 5}}};
+      for (const auto& op : binary_ops()) {
+        for (const auto& [sa, sb] : shapes) {
+          auto a = at::randn(sa, at::kDouble), b = at::randn(sb, at::kDouble);
+          for (auto& pl : combinations({placements_1d(a.dim(), true), placements_1d(b.dim(), true)})) {
+            const std::string label = op.name + " " + to_string(pl[0]) + "x" + to_string(pl[1]);
+            n.add(check_op(mesh, label, op.fn, {a, b}, pl));
+          }
+        }
+      }
+      if (rank == 0) std::printf("[sweep] binary ops, world %d: %ld (op, case) combinations\n", world, (long)n.cases);
+    });
+  }
+}
+
+TEST(PointwiseSweep, UnaryOpsReductionsAndViewsMatchOneDevice) {
+  for (int world : {1, 2, 3, 4}) {
+    run_ranks(world, [world](int rank) {
+      auto mesh = init_device_mesh("cpu", {world});
+      SweepCounter n;
+      for (auto shape : std::vector<std::vector<int64_t>>{{4, 6}, {5, 3}, {1, 7}, {3, 1}}) {
+        auto a = at::randn(shape, at::kDouble);
+        for (const auto& op : unary_ops()) {
+          for (const auto& p : placements_1d(a.dim(), true)) {
+            n.add(check_op(mesh, op.name + " " + to_string(p) + " " + c10::str(a.sizes()), op.fn, {a},
+                           {p}, {.rtol = op.tol, .atol = op.tol}));
+          }
+        }
+      }
+      if (rank == 0) std::printf("[sweep] unary/reduction/view ops, world %d: %ld (op, case) combinations\n", world, (long)n.cases);
+    });
+  }
+}

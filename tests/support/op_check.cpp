@@ -1,0 +1,141 @@
+#include "support/op_check.h"
+
+#include <sstream>
+
+#include "support/distributed.h"
+
+namespace dtensor::testing {
+namespace {
+
+at::Tensor distribute(const at::Tensor& g, const DeviceMesh& mesh, const Placements& p, bool grad) {
+  int64_t partial = 1;
+  bool has_partial = false;
+  for (size_t i = 0; i < p.size(); ++i) {
+    if (p[i].is_partial()) partial *= mesh.size(static_cast<int64_t>(i));
+    has_partial |= p[i].is_partial();
+  }
+  at::Tensor out;
+  if (!has_partial) {
+    out = distribute_tensor(g.detach().clone(), mesh, p, std::nullopt);
+  } else {
+    Placements shard_only = clear_partial(p);
+    auto base = distribute_tensor(g.detach().clone(), mesh, shard_only, std::nullopt);
+    at::Tensor local = local_tensor(base);
+    if (g.is_floating_point()) local = local / partial;
+    out = from_local(local, mesh, p, {.shape = g.sizes().vec(), .stride = g.strides().vec()});
+    out = out.detach();
+  }
+  if (grad) out.requires_grad_(true);
+  return out;
+}
+
+}  // namespace
+
+bool check_op(const DeviceMesh& mesh, const std::string& label, const OpFn& fn,
+              const std::vector<at::Tensor>& inputs, const std::vector<Placements>& placements,
+              const OpCheckOptions& o) {
+  SCOPED_TRACE(label);
+  const int failures_before = ::testing::UnitTest::GetInstance()->failed_test_count();
+  const bool had_failure = ::testing::Test::HasFailure();
+  std::vector<bool> rg(inputs.size());
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    rg[i] = o.backward && inputs[i].is_floating_point() &&
+            (o.requires_grad.empty() || o.requires_grad[i]);
+  }
+  std::vector<at::Tensor> plain, dist;
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    plain.push_back(inputs[i].detach().clone().requires_grad_(rg[i]));
+    dist.push_back(distribute(inputs[i], mesh, placements[i], rg[i]));
+  }
+  std::vector<at::Tensor> ref, out;
+  try {
+    ref = fn(plain);
+    out = fn(dist);
+  } catch (const c10::Error& e) {
+    ADD_FAILURE() << label << " threw: " << e.what_without_backtrace();
+    return false;
+  }
+  if (ref.size() != out.size()) {
+    ADD_FAILURE() << label << ": " << out.size() << " outputs, expected " << ref.size();
+    return false;
+  }
+  bool ok = true;
+  at::Tensor ref_loss, loss;
+  at::Generator gen = at::detail::createCPUGenerator(1234);
+  for (size_t k = 0; k < ref.size(); ++k) {
+    at::Tensor full = is_dtensor(out[k]) ? full_tensor(out[k]) : out[k];
+    auto r = tensors_close(full, ref[k], o.rtol, o.atol);
+    if (!r) {
+      ADD_FAILURE() << label << ": output " << k << " differs: " << r.message();
+      ok = false;
+    }
+    if (!o.backward || !ref[k].is_floating_point() || !ref[k].requires_grad()) continue;
+    at::Tensor w = at::randn(ref[k].sizes(), gen, ref[k].options().requires_grad(false));
+    at::Tensor rterm = (ref[k] * w).sum();
+    at::Tensor dterm;
+    if (is_dtensor(out[k])) {
+      auto wd = distribute_tensor(w, device_mesh(out[k]), replicate_all(device_mesh(out[k]).ndim()),
+                                  std::nullopt);
+      dterm = (out[k] * wd).sum();
+    } else {
+      dterm = (out[k] * w).sum();
+    }
+    ref_loss = ref_loss.defined() ? ref_loss + rterm : rterm;
+    loss = loss.defined() ? loss + dterm : dterm;
+  }
+  if (o.backward && ref_loss.defined()) {
+    try {
+      ref_loss.backward();
+      loss.backward();
+    } catch (const c10::Error& e) {
+      ADD_FAILURE() << label << ": backward threw: " << e.what_without_backtrace();
+      return false;
+    }
+    for (size_t i = 0; i < inputs.size(); ++i) {
+      if (!rg[i]) continue;
+      const at::Tensor& rgd = plain[i].grad();
+      const at::Tensor& dg = dist[i].grad();
+      if (!rgd.defined() && !dg.defined()) continue;
+      if (rgd.defined() != dg.defined()) {
+        ADD_FAILURE() << label << ": gradient of input " << i << " defined only on "
+                      << (rgd.defined() ? "one device" : "DTensors");
+        ok = false;
+        continue;
+      }
+      at::Tensor full = is_dtensor(dg) ? full_tensor(dg) : dg;
+      auto r = tensors_close(full, rgd, o.rtol, o.atol);
+      if (!r) {
+        ADD_FAILURE() << label << ": gradient of input " << i << " differs: " << r.message();
+        ok = false;
+      }
+    }
+  }
+  (void)failures_before;
+  (void)had_failure;
+  return ok;
+}
+
+std::vector<Placements> placements_1d(int64_t ndim, bool with_partial) {
+  std::vector<Placements> out{{Replicate()}};
+  for (int64_t d = 0; d < ndim; ++d) out.push_back({Shard(d)});
+  if (with_partial) out.push_back({Partial()});
+  return out;
+}
+
+std::vector<std::vector<Placements>> combinations(const std::vector<std::vector<Placements>>& per) {
+  std::vector<std::vector<Placements>> out{{}};
+  for (const auto& choices : per) {
+    std::vector<std::vector<Placements>> next;
+    for (const auto& prefix : out) {
+      for (const auto& c : choices) {
+        auto v = prefix;
+        v.push_back(c);
+        next.push_back(std::move(v));
+      }
+    }
+    out = std::move(next);
+  }
+  return out;
+}
+
+}  // namespace dtensor::testing

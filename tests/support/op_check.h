@@ -1,0 +1,48 @@
+#pragma once
+// Property checks for sharding rules: an op run on DTensors laid out as given must produce
+// what plain LibTorch produces on one device, forward and backward.
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "dtensor/dtensor.h"
+
+namespace dtensor::testing {
+
+using OpFn = std::function<std::vector<at::Tensor>(const std::vector<at::Tensor>&)>;
+
+struct OpCheckOptions {
+  bool backward = true;      // also compare the gradients of every floating input
+  double rtol = 1e-10;
+  double atol = 1e-10;
+  std::vector<bool> requires_grad;  // per input; default: every floating input
+};
+
+// Distributes `inputs` (global tensors, identical on every rank) with `placements` (a Partial
+// input holds value/n per rank), runs `fn` on them and on the plain tensors, and compares
+// full_tensor() of every output and, with backward, every input gradient of
+// sum_i <out_i, w_i> for fixed random weights w_i. Returns false (and records gtest failures)
+// on any mismatch. `label` names the case in failures.
+bool check_op(const DeviceMesh& mesh, const std::string& label, const OpFn& fn,
+              const std::vector<at::Tensor>& inputs, const std::vector<Placements>& placements,
+              const OpCheckOptions& options = {});
+
+// Placements of a tensor with `ndim` dims on a 1-D mesh: R, S(0), ..., S(ndim-1) [, P].
+std::vector<Placements> placements_1d(int64_t ndim, bool with_partial = false);
+// Every combination of per-input choices.
+std::vector<std::vector<Placements>> combinations(const std::vector<std::vector<Placements>>& per_input);
+
+// Counts (op, case) combinations a test ran, printed by the test at the end.
+struct SweepCounter {
+  int64_t cases = 0;
+  int64_t failures = 0;
+  void add(bool ok) {
+    ++cases;
+    failures += ok ? 0 : 1;
+  }
+};
+
+}  // namespace dtensor::testing
