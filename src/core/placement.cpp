@@ -1,5 +1,9 @@
 #include "dtensor/core/placement.h"
 
+#include <c10/util/StringUtil.h>
+
+#include <cmath>
+
 namespace dtensor {
 
 const char* reduce_op_name(ReduceOp op) {
@@ -13,6 +17,13 @@ const char* reduce_op_name(ReduceOp op) {
   return "?";
 }
 
+Placement Placement::norm_partial(double p) {
+  const ReduceOp op = std::isinf(p) ? (p > 0 ? ReduceOp::Max : ReduceOp::Min) : ReduceOp::Sum;
+  Placement out(Type::Partial, 0, op);
+  out.norm_p_ = p;
+  return out;
+}
+
 Placement Placement::normalized(int64_t ndim) const {
   if (is_shard() && dim_ < 0) return Placement::shard(dim_ + ndim);
   return *this;
@@ -22,7 +33,9 @@ std::string Placement::str() const {
   switch (type_) {
     case Type::Replicate: return "R";
     case Type::Shard: return "S(" + std::to_string(dim_) + ")";
-    case Type::Partial: return std::string("P(") + reduce_op_name(op_) + ")";
+    case Type::Partial:
+      if (norm_p_ != 0.0) return "P(norm" + c10::str(norm_p_) + ")";
+      return std::string("P(") + reduce_op_name(op_) + ")";
   }
   return "?";
 }
@@ -31,7 +44,9 @@ std::string Placement::repr() const {
   switch (type_) {
     case Type::Replicate: return "Replicate()";
     case Type::Shard: return "Shard(dim=" + std::to_string(dim_) + ")";
-    case Type::Partial: return std::string("Partial(") + reduce_op_name(op_) + ")";
+    case Type::Partial:
+      if (norm_p_ != 0.0) return "NormPartial(p=" + c10::str(norm_p_) + ")";
+      return std::string("Partial(") + reduce_op_name(op_) + ")";
   }
   return "?";
 }

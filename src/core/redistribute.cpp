@@ -4,6 +4,7 @@
 #include <ATen/ops/zeros.h>
 #include <c10/util/Exception.h>
 
+#include <cmath>
 #include <map>
 #include <mutex>
 
@@ -124,9 +125,18 @@ comm::PendingResult redistribute_local(const at::Tensor& local, const DTensorSpe
     if (from.is_shard() && to.is_replicate()) {
       pending = shard_to_replicate(t, from.dim(), logical_size(src, cur, i, from.dim()), pg, async);
     } else if (from.is_partial() && to.is_replicate()) {
-      pending = comm::all_reduce_async(t, from.reduce_op(), pg);
+      const double p = from.norm_p();
+      if (p != 0.0 && std::isfinite(p)) {
+        // norm partial: sum the p-th powers, then take the root
+        pending = comm::all_reduce_async(t.abs().pow(p), ReduceOp::Sum, pg);
+        pending.then([p](at::Tensor x) { return x.pow(1.0 / p); });
+      } else {
+        pending = comm::all_reduce_async(t, from.reduce_op(), pg);
+      }
       if (!async) pending.wait();
     } else if (from.is_partial() && to.is_shard()) {
+      TORCH_CHECK(!from.is_norm_partial(), "dtensor: a pending norm cannot be scattered; "
+                  "replicate it first");
       const int64_t d = to.dim();
       const int64_t n = logical_size(src, cur, i, d);
       const int64_t c = full_chunk_size(n, k);
@@ -150,7 +160,10 @@ comm::PendingResult redistribute_local(const at::Tensor& local, const DTensorSpe
       at::Tensor v = t;
       if (!options.is_backward) {
         switch (to.reduce_op()) {
-          case ReduceOp::Sum: v = t / k; break;  // summing k copies gives back the value
+          case ReduceOp::Sum:  // summing k copies (of p-th powers for a norm) gives the value
+            v = to.is_norm_partial() ? t / std::pow(static_cast<double>(k), 1.0 / to.norm_p())
+                                     : t / k;
+            break;
           case ReduceOp::Avg:
           case ReduceOp::Max:
           case ReduceOp::Min: v = t; break;  // reducing identical copies is the identity

@@ -12,6 +12,7 @@
 #include <torch/csrc/autograd/InferenceMode.h>
 #include <ATen/core/LegacyTypeDispatch.h>
 
+#include <cstring>
 #include <unordered_map>
 
 #include "dtensor/core/dtensor_impl.h"
@@ -152,6 +153,11 @@ void scan(const OpInfo& info, const void* op_key, c10::ArrayRef<c10::IValue> arg
       push_word(k, v.isDouble() ? -10 : v.isInt() ? -11 : v.isBool() ? -12 : v.isNone() ? -13 : -14);
     } else if (v.isInt()) {
       push_word(k, v.toInt());
+    } else if (v.isDouble()) {
+      const double x = v.toDouble();
+      int64_t bits;
+      std::memcpy(&bits, &x, sizeof(bits));
+      push_word(k, bits);
     } else if (v.isBool()) {
       push_word(k, v.toBool() ? 1 : 0);
     } else if (v.isIntList()) {

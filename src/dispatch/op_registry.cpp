@@ -13,9 +13,19 @@ std::mutex& mu() {
   static std::mutex m;
   return m;
 }
-std::unordered_map<std::string, std::unique_ptr<Rule>>& rules() {
-  static std::unordered_map<std::string, std::unique_ptr<Rule>> r;
+struct RuleEntry {
+  Rule rule;
+  std::vector<int> static_args;
+};
+std::unordered_map<std::string, std::unique_ptr<RuleEntry>>& rules() {
+  static std::unordered_map<std::string, std::unique_ptr<RuleEntry>> r;
   return r;
+}
+
+void mark_static(OpInfo& info, const std::vector<int>& args) {
+  for (int a : args) {
+    if (a >= 0 && static_cast<size_t>(a) < info.static_arg.size()) info.static_arg[a] = true;
+  }
 }
 std::unordered_map<const void*, std::unique_ptr<OpInfo>>& infos() {
   static std::unordered_map<const void*, std::unique_ptr<OpInfo>> m;
@@ -65,7 +75,14 @@ std::unique_ptr<OpInfo> build(const c10::OperatorHandle& op) {
     info->return_writes_arg.push_back(writes);
     info->return_is_view.push_back(view);
   }
-  info->rule = find_rule(info->name);
+  {
+    std::lock_guard<std::mutex> l(mu());
+    auto it = rules().find(info->name);
+    if (it != rules().end()) {
+      info->rule = &it->second->rule;
+      mark_static(*info, it->second->static_args);
+    }
+  }
   return info;
 }
 
@@ -79,24 +96,27 @@ std::string qualified_name(const c10::OperatorHandle& op) {
 const Rule* find_rule(const std::string& name) {
   std::lock_guard<std::mutex> l(mu());
   auto it = rules().find(name);
-  return it == rules().end() ? nullptr : it->second.get();
+  return it == rules().end() ? nullptr : &it->second->rule;
 }
 
-void register_rule(const std::string& qualified_name, Rule rule) {
+void register_rule(const std::string& qualified_name, Rule rule, std::vector<int> static_args) {
   std::lock_guard<std::mutex> l(mu());
   auto& slot = rules()[qualified_name];
   if (slot) {
-    *slot = std::move(rule);  // keep the address: OpInfos point at it
+    *slot = RuleEntry{std::move(rule), std::move(static_args)};  // OpInfos point into it
   } else {
-    slot = std::make_unique<Rule>(std::move(rule));
+    slot = std::make_unique<RuleEntry>(RuleEntry{std::move(rule), std::move(static_args)});
   }
   for (auto& [k, info] : infos()) {
-    if (info->name == qualified_name) info->rule = slot.get();
+    if (info->name != qualified_name) continue;
+    info->rule = &slot->rule;
+    mark_static(*info, slot->static_args);
   }
 }
 
-void register_rule(std::initializer_list<const char*> names, const Rule& rule) {
-  for (const char* n : names) register_rule(n, rule);
+void register_rule(std::initializer_list<const char*> names, const Rule& rule,
+                   std::vector<int> static_args) {
+  for (const char* n : names) register_rule(n, rule, static_args);
 }
 
 bool has_rule(const std::string& qualified_name) { return find_rule(qualified_name) != nullptr; }

@@ -8,7 +8,8 @@ namespace {
 enum class Linearity { None, Unary, Additive, Multiplicative };
 
 bool reducible_linearly(const Placement& p) {
-  return p.is_partial() && (p.reduce_op() == ReduceOp::Sum || p.reduce_op() == ReduceOp::Avg);
+  return p.is_partial() && !p.is_norm_partial() &&
+         (p.reduce_op() == ReduceOp::Sum || p.reduce_op() == ReduceOp::Avg);
 }
 
 Decision pointwise(const OpCall& call, Linearity lin, bool inplace) {

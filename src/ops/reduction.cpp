@@ -45,7 +45,8 @@ Decision reduce(const OpCall& call, ReductionKind kind, std::optional<std::vecto
       tgt.push_back(p);
       out.push_back(Shard(p.dim() - shift));
     } else if (p.is_partial()) {
-      const bool pass = kind.linear && (p.reduce_op() == ReduceOp::Sum || p.reduce_op() == ReduceOp::Avg);
+      const bool pass = kind.linear && !p.is_norm_partial() &&
+                        (p.reduce_op() == ReduceOp::Sum || p.reduce_op() == ReduceOp::Avg);
       tgt.push_back(pass ? p : Replicate());
       out.push_back(pass ? p : Replicate());
     } else {

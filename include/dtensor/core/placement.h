@@ -24,6 +24,9 @@ class Placement {
   static constexpr Placement partial(ReduceOp op = ReduceOp::Sum) {
     return Placement(Type::Partial, 0, op);
   }
+  // Pending p-norm: ranks hold norms of their parts; the value is (sum |x_r|^p)^(1/p)
+  // (max for p = inf, min for p = -inf). Produced by norm reductions (gradient clipping).
+  static Placement norm_partial(double p);
 
   Type type() const { return type_; }
   bool is_replicate() const { return type_ == Type::Replicate; }
@@ -33,19 +36,22 @@ class Placement {
   // Shard dimension; only meaningful for is_shard().
   int64_t dim() const { return dim_; }
   ReduceOp reduce_op() const { return op_; }
+  // The p of a norm partial; 0 for an ordinary Partial.
+  double norm_p() const { return norm_p_; }
+  bool is_norm_partial() const { return type_ == Type::Partial && norm_p_ != 0.0; }
 
   // Shard(d) with d < 0 becomes Shard(d + ndim); others are returned unchanged.
   Placement normalized(int64_t ndim) const;
 
   bool operator==(const Placement& o) const {
     return type_ == o.type_ && (type_ != Type::Shard || dim_ == o.dim_) &&
-           (type_ != Type::Partial || op_ == o.op_);
+           (type_ != Type::Partial || (op_ == o.op_ && norm_p_ == o.norm_p_));
   }
   bool operator!=(const Placement& o) const { return !(*this == o); }
   size_t hash() const {
     return (static_cast<size_t>(type_) << 40) ^
            (is_shard() ? static_cast<size_t>(dim_ + 1024) : 0) ^
-           (is_partial() ? (static_cast<size_t>(op_) << 20) : 0);
+           (is_partial() ? (static_cast<size_t>(op_) << 20) ^ std::hash<double>{}(norm_p_) : 0);
   }
 
   // Short form as PyTorch prints it: S(0), R, P(sum).
@@ -58,6 +64,7 @@ class Placement {
   Type type_ = Type::Replicate;
   ReduceOp op_ = ReduceOp::Sum;
   int64_t dim_ = 0;
+  double norm_p_ = 0.0;
 };
 
 // PyTorch-style spellings: {Shard(0), Replicate()}, Partial(), Partial(ReduceOp::Max).

@@ -92,9 +92,13 @@ struct Strategy {
 using Rule = std::function<Decision(const OpCall&)>;
 
 // Registers `rule` for a qualified op name with overload ("aten::add.Tensor", or "aten::mm"
-// for the default overload). Later registrations replace earlier ones.
-void register_rule(const std::string& qualified_name, Rule rule);
-void register_rule(std::initializer_list<const char*> names, const Rule& rule);
+// for the default overload). Later registrations replace earlier ones. Scalar/float
+// arguments are left out of the decision cache's key (their values change from step to step);
+// list in `static_args` the positions of those whose value does change the decision (a
+// norm's order).
+void register_rule(const std::string& qualified_name, Rule rule, std::vector<int> static_args = {});
+void register_rule(std::initializer_list<const char*> names, const Rule& rule,
+                   std::vector<int> static_args = {});
 bool has_rule(const std::string& qualified_name);
 
 // Picks the cheapest candidate by the redistribution cost model, with PyTorch's tie-break

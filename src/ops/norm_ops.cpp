@@ -1,0 +1,106 @@
+// Layer norm and fused RMS norm (spec §5.5, Reductions / norms / softmax / loss). Statistics
+// are taken over the trailing normalised dims, so those dims (and pending sums) are replicated
+// while shards of the outer dims (batch, sequence) are kept. The weight and bias gradients sum
+// over the outer dims: a shard there leaves a pending sum, which is why sequence-parallel norm
+// weights get Partial gradients with no communication.
+#include <ATen/OpMathType.h>
+
+#include "rule_utils.h"
+
+namespace dtensor::ops {
+namespace {
+
+// Index in call.inputs() of schema argument `arg`; -1 for an undefined optional tensor.
+int input_of(const OpCall& call, int arg) {
+  for (size_t i = 0; i < call.num_inputs(); ++i) {
+    if (call.inputs()[i].arg == arg) return static_cast<int>(i);
+  }
+  return -1;
+}
+
+// Placements of a tensor normalised over dims >= axis.
+Placements keep_outer(c10::ArrayRef<Placement> p, int64_t axis) {
+  Placements out;
+  for (const auto& x : p) {
+    out.push_back(x.is_partial() || (x.is_shard() && x.dim() >= axis) ? Replicate() : x);
+  }
+  return out;
+}
+
+// A sum over the outer dims of a tensor laid out as `p` (outer shards or Replicate only).
+Placements sum_outer(c10::ArrayRef<Placement> p) {
+  Placements out;
+  for (const auto& x : p) out.push_back(x.is_shard() ? Partial() : x);
+  return out;
+}
+
+TensorMeta contiguous_meta(std::vector<int64_t> shape, at::ScalarType dtype) {
+  auto stride = default_strides(shape);
+  return TensorMeta{std::move(shape), std::move(stride), dtype};
+}
+
+// native_layer_norm(input, normalized_shape, weight?, bias?, eps) -> (out, mean, rstd)
+// _fused_rms_norm(input, normalized_shape, weight?, eps?) -> (out, rstd)
+Decision norm_forward(const OpCall& call, bool rms) {
+  const DTensorSpec& in = call.input(0);
+  const int64_t axis = in.ndim() - static_cast<int64_t>(call.int_list_arg(1).size());
+  const Placements p = keep_outer(in.placements(), axis);
+  std::vector<Placements> inputs{p};
+  for (size_t j = 1; j < call.num_inputs(); ++j) inputs.push_back(replicate_all(call.mesh_ndim()));
+  Decision d = all_outputs(call, std::move(inputs), p);
+  if (rms) {
+    // No meta kernel in C++. rstd keeps the outer dims and is in the computation dtype.
+    std::vector<int64_t> stats(in.shape().begin(), in.shape().begin() + axis);
+    stats.resize(in.shape().size(), 1);
+    d.output_meta = {contiguous_meta(in.shape(), in.dtype()),
+                     contiguous_meta(stats, at::toOpMathType(in.dtype()))};
+  }
+  return d;
+}
+
+// native_layer_norm_backward(grad_out, input, normalized_shape, mean, rstd, weight?, bias?,
+//                            output_mask[3]) -> (grad_input, grad_weight, grad_bias)
+// _fused_rms_norm_backward(grad_out, input, normalized_shape, rstd, weight?, output_mask[2])
+//                          -> (grad_input, grad_weight)
+Decision norm_backward(const OpCall& call, bool rms) {
+  const DTensorSpec& in = call.input(input_of(call, 1));
+  const int64_t axis = in.ndim() - static_cast<int64_t>(call.int_list_arg(2).size());
+  const Placements p = keep_outer(in.placements(), axis);
+  const int weight_arg = rms ? 4 : 5;
+  const auto mask = call.arg(rms ? 5 : 7).toBoolList();
+  Decision d;
+  for (const auto& x : call.inputs()) {
+    // grad_out and the saved statistics follow the input; weight and bias are replicated.
+    d.inputs.push_back(x.arg >= weight_arg ? replicate_all(call.mesh_ndim()) : p);
+  }
+  d.outputs.push_back(mask[0] ? std::optional<Placements>(p) : std::nullopt);
+  d.output_meta.push_back(contiguous_meta(in.shape(), in.dtype()));
+  // Kernels only build the parameter gradients they are asked for; a missing parameter has none.
+  for (int r = 1; r < static_cast<int>(call.num_returns()); ++r) {
+    const int param = input_of(call, weight_arg + r - 1);
+    if (mask[r] && param >= 0) {
+      d.outputs.push_back(sum_outer(p));
+      const DTensorSpec& w = call.input(param);
+      d.output_meta.push_back(contiguous_meta(w.shape(), w.dtype()));
+    } else {
+      d.outputs.push_back(std::nullopt);
+      d.output_meta.push_back(std::nullopt);
+    }
+  }
+  return d;
+}
+
+}  // namespace
+
+DTENSOR_RULES(norm_ops) {
+  using dispatch::register_rule;
+  register_rule("aten::native_layer_norm", [](const OpCall& c) { return norm_forward(c, false); });
+  register_rule("aten::native_layer_norm_backward",
+                [](const OpCall& c) { return norm_backward(c, false); });
+  // Reached on CUDA only: on CPU at::rms_norm decomposes into pow/mean/rsqrt/mul above us.
+  register_rule("aten::_fused_rms_norm", [](const OpCall& c) { return norm_forward(c, true); });
+  register_rule("aten::_fused_rms_norm_backward",
+                [](const OpCall& c) { return norm_backward(c, true); });
+}
+
+}  // namespace dtensor::ops

@@ -1,0 +1,60 @@
+// Vector norms (gradient clipping): a shard of a reduced dim leaves a pending p-norm
+// (spec 1.1 _NormPartial); norms of pending norms of the same p stay pending.
+#include "rule_utils.h"
+
+namespace dtensor::ops {
+namespace {
+
+// linalg_vector_norm(self, ord, dim, keepdim, dtype) / norm.ScalarOpt_dim(self, p, dim, keepdim)
+Decision vector_norm(const OpCall& call, double ord, std::optional<std::vector<int64_t>> dims,
+                     bool keepdim) {
+  const DTensorSpec& in = call.input(0);
+  const int64_t nd = in.ndim();
+  std::vector<bool> reduced(nd, !dims || dims->empty());
+  if (dims) {
+    for (auto d : *dims) reduced[wrap_dim(d, nd)] = true;
+  }
+  Placements tgt, out;
+  for (size_t i = 0; i < in.placements().size(); ++i) {
+    const Placement& p = in.placements()[i];
+    const int64_t k = call.mesh().size(static_cast<int64_t>(i));
+    const bool empty_shard = p.is_shard() && chunk_range(in.shape()[p.dim()], k, k - 1).size == 0;
+    if (p.is_shard() && reduced[p.dim()] && ord != 0.0 && !(std::isinf(ord) && empty_shard)) {
+      tgt.push_back(p);
+      out.push_back(Placement::norm_partial(ord));
+    } else if (p.is_shard() && !reduced[p.dim()]) {
+      int64_t shift = 0;
+      if (!keepdim) {
+        for (int64_t d = 0; d < p.dim(); ++d) shift += reduced[d] ? 1 : 0;
+      }
+      tgt.push_back(p);
+      out.push_back(Shard(p.dim() - shift));
+    } else if (p.is_norm_partial() && p.norm_p() == ord) {
+      tgt.push_back(p);  // the norm of pending p-norms is the pending p-norm of everything
+      out.push_back(p);
+    } else {
+      tgt.push_back(Replicate());
+      out.push_back(Replicate());
+    }
+  }
+  return all_outputs(call, {tgt}, out);
+}
+
+double scalar_or(const c10::IValue& v, double dflt) { return v.isNone() ? dflt : v.toScalar().toDouble(); }
+
+}  // namespace
+
+DTENSOR_RULES(vector_norm) {
+  using dispatch::register_rule;
+  register_rule("aten::linalg_vector_norm", [](const OpCall& c) {
+    return vector_norm(c, scalar_or(c.arg(1), 2.0), c.opt_int_list_arg(2), c.bool_arg(3));
+  }, /*static_args=*/{1});
+  register_rule({"aten::norm.Scalar", "aten::norm.ScalarOpt_dtype"},
+                [](const OpCall& c) { return vector_norm(c, scalar_or(c.arg(1), 2.0), {}, false); },
+                {1});
+  register_rule({"aten::norm.ScalarOpt_dim", "aten::norm.ScalarOpt_dim_dtype"}, [](const OpCall& c) {
+    return vector_norm(c, scalar_or(c.arg(1), 2.0), c.opt_int_list_arg(2), c.bool_arg(3));
+  }, {1});
+}
+
+}  // namespace dtensor::ops
