@@ -3,11 +3,12 @@
 //   build/bench/bench_redistribute          (launches its own 2 ranks on 127.0.0.1)
 //   scripts/bench redistribute
 //
-// For each 1-D transition and each size, rank-synchronised iterations alternate (A B A B ...)
+// For each 1-D transition and each size, rank-synchronised iterations alternate (A B B A ...)
 // between (A) dtensor::redistribute() on a DTensor, under at::NoGradGuard, and (B) the same
 // collective called directly through dtensor::comm on the plain local tensor (or, for
-// R -> S(0), the same local chunk copy). An iteration's time is the slowest rank's; the table
-// shows medians. The last line is machine-readable:
+// R -> S(0), the same local chunk copy). A call's time is the slowest rank's; the table shows
+// medians, and the overhead is the median of the back-to-back pair differences relative to the
+// direct median. The last line is machine-readable:
 //   RESULT redistribute_overhead_pct=<worst at 1 MiB> redistribute_overhead_pct_64mib=<worst at 64 MiB>
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -88,6 +89,17 @@ int exit_status(int wstatus) {
   return 1;
 }
 
+// The ranks being run, for the signal handler (-1: none or already reaped).
+pid_t g_ranks[kRanks] = {-1, -1};
+
+// SIGTERM/SIGINT/SIGHUP sent to the launcher (by `timeout`, say) are passed on to the ranks,
+// which would otherwise be left running.
+void forward_signal(int sig) {
+  for (pid_t p : g_ranks) {
+    if (p > 0) ::kill(p, sig);
+  }
+}
+
 int launch_ranks(char** argv) {
   const int port = free_port();
   if (port < 0) {
@@ -124,7 +136,13 @@ int launch_ranks(char** argv) {
       ::_exit(127);
     }
     pids.push_back(pid);
+    g_ranks[r] = pid;
   }
+  struct sigaction sa {};
+  sa.sa_handler = forward_signal;
+  sigemptyset(&sa.sa_mask);
+  sa.sa_flags = SA_RESTART;
+  for (int sig : {SIGTERM, SIGINT, SIGHUP}) ::sigaction(sig, &sa, nullptr);
   // Wait for every rank. When one fails the others would only hang in their next collective
   // until the timeout, so they are stopped.
   int status = 0;
@@ -140,6 +158,7 @@ int launch_ranks(char** argv) {
     if (it == pids.end()) continue;
     const int rank = static_cast<int>(it - pids.begin());
     *it = -1;
+    g_ranks[rank] = -1;
     --running;
     const int code = exit_status(wstatus);
     if (code != 0 && status == 0) {
@@ -164,10 +183,17 @@ struct Case {
   std::function<at::Tensor()> direct;
 };
 
+// Medians in microseconds. The overhead is the median of the per-pair differences (ours minus
+// direct, measured back to back), which cancels the slow phases a busy 2-core machine goes
+// through far better than the difference of the two medians does.
+struct Timing {
+  double ours_us, direct_us, diff_us;
+};
+
 struct Result {
   std::string transition, direct_name, size;
-  double ours_us, direct_us;
-  double overhead_pct() const { return (ours_us - direct_us) / direct_us * 100.0; }
+  Timing t;
+  double overhead_pct() const { return t.diff_us / t.direct_us * 100.0; }
 };
 
 class Bench {
@@ -191,8 +217,8 @@ class Bench {
     return std::vector<double>(worst.data_ptr<double>(), worst.data_ptr<double>() + worst.numel());
   }
 
-  // Median over `iters` A/B-interleaved iterations after `warmup` of each; microseconds.
-  std::pair<double, double> time(const Case& c, int warmup, int iters) {
+  // `iters` interleaved pairs after `warmup` of each.
+  Timing time(const Case& c, int warmup, int iters) {
     for (int i = 0; i < warmup; ++i) {
       sync();
       c.ours();
@@ -209,11 +235,21 @@ class Bench {
       const auto t1 = std::chrono::steady_clock::now();
       return std::chrono::duration<double, std::micro>(t1 - t0).count();
     };
+    // A B B A A B ...: each side runs first in half of the pairs, so whatever the first call
+    // of a pair pays (or leaves behind for the second) is shared equally.
     for (int i = 0; i < iters; ++i) {
-      a.push_back(timed(c.ours));
-      b.push_back(timed(c.direct));
+      if (i % 2 == 0) {
+        a.push_back(timed(c.ours));
+        b.push_back(timed(c.direct));
+      } else {
+        b.push_back(timed(c.direct));
+        a.push_back(timed(c.ours));
+      }
     }
-    return {median(slowest(a)), median(slowest(b))};
+    const std::vector<double> sa = slowest(a), sb = slowest(b);
+    std::vector<double> diff(sa.size());
+    for (size_t i = 0; i < sa.size(); ++i) diff[i] = sa[i] - sb[i];
+    return {median(sa), median(sb), median(diff)};
   }
 
   static double median(std::vector<double> v) {
@@ -255,7 +291,7 @@ int run_rank(const Options& opt) {
     int64_t side;  // square side x side float32 tensor
     int warmup, iters;
   };
-  std::vector<Size> sizes = {{"1 MiB", 512, 20, 300}, {"64 MiB", 4096, 3, 25}};
+  std::vector<Size> sizes = {{"1 MiB", 512, 20, 400}, {"64 MiB", 4096, 3, 30}};
   if (opt.quick) sizes = {{"1 MiB", 512, 2, 10}, {"64 MiB", 4096, 1, 3}};
 
   auto say = [rank](const std::string& line) {
@@ -263,10 +299,13 @@ int run_rank(const Options& opt) {
   };
   say("bench_redistribute: " + std::to_string(world) + " ranks on one machine (Gloo over " +
       "127.0.0.1), 1 intra-op thread per rank, float32");
-  say("ours   = dtensor::redistribute(dt, placements) under at::NoGradGuard");
+  say("ours   = dtensor::redistribute(dt, placements) under at::NoGradGuard; size = global tensor");
   say("direct = the same collective through dtensor::comm on the plain local tensor");
-  say("time   = median over iterations of the slowest rank, A/B interleaved, ranks synchronised "
-      "before each call");
+  say("ours us, direct us = medians of the slowest rank's time per call; the calls alternate "
+      "A B B A ...");
+  say("         and the ranks synchronise (a Gloo all-reduce) before each call");
+  say("diff us = median of the per-pair differences ours - direct (pairs run back to back);");
+  say("overhead % = diff us / direct us");
   std::string iters_line = "iterations:";
   for (const auto& s : sizes) {
     iters_line += " " + s.label + " " + std::to_string(s.iters) + " (+" +
@@ -329,19 +368,19 @@ int run_rank(const Options& opt) {
         all_match = false;
         continue;
       }
-      const auto [ours, direct] = bench.time(c, sz.warmup, sz.iters);
-      results.push_back({c.transition, c.direct_name, sz.label, ours, direct});
+      results.push_back({c.transition, c.direct_name, sz.label, bench.time(c, sz.warmup, sz.iters)});
     }
   }
 
   if (rank == 0) {
-    std::printf("%-12s %-8s %12s %12s %11s   %s\n", "transition", "size", "ours us", "direct us",
-                "overhead %", "direct call");
-    std::printf("%s\n", std::string(12 + 1 + 8 + 1 + 12 + 1 + 12 + 1 + 11 + 3 + 24, '-').c_str());
+    std::printf("%-11s %-7s %11s %11s %10s %11s   %s\n", "transition", "size", "ours us",
+                "direct us", "diff us", "overhead %", "direct call");
+    std::printf("%s\n", std::string(11 + 1 + 7 + 1 + 11 + 1 + 11 + 1 + 10 + 1 + 11 + 3 + 23, '-')
+                           .c_str());
     for (const auto& r : results) {
-      std::printf("%-12s %-8s %12s %12s %+11.1f   %s\n", r.transition.c_str(), r.size.c_str(),
-                  fixed(r.ours_us, 1).c_str(), fixed(r.direct_us, 1).c_str(), r.overhead_pct(),
-                  r.direct_name.c_str());
+      std::printf("%-11s %-7s %11s %11s %+10.1f %+11.1f   %s\n", r.transition.c_str(),
+                  r.size.c_str(), fixed(r.t.ours_us, 1).c_str(), fixed(r.t.direct_us, 1).c_str(),
+                  r.t.diff_us, r.overhead_pct(), r.direct_name.c_str());
     }
     std::printf("\n");
   }
