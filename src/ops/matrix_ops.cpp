@@ -94,8 +94,7 @@ bool shardable(const DeviceMesh& mesh, c10::IntArrayRef shape, c10::ArrayRef<Pla
 // Candidates for the product whose operands are OpCall inputs first_operand, +1, ...;
 // a bias (input 0 when with_bias) follows the output through broadcasting. Strategy
 // inputs cover every OpCall input.
-std::vector<Strategy> einsum_candidates(const OpCall& call, const std::string& eq, bool with_bias) {
-  const Equation e = parse_equation(eq);
+std::vector<Strategy> einsum_candidates(const OpCall& call, const Equation& e, bool with_bias) {
   const size_t first = with_bias ? 1 : 0;
   TORCH_CHECK(call.num_inputs() == first + e.operands.size(), call.name(), ": expected ",
               first + e.operands.size(), " tensor inputs, got ", call.num_inputs());
@@ -150,15 +149,34 @@ std::vector<Strategy> einsum_candidates(const OpCall& call, const std::string& e
   return out;
 }
 
-dispatch::Rule einsum_rule(std::string eq, bool with_bias = false, bool inplace = false) {
-  return [eq = std::move(eq), with_bias, inplace](const OpCall& call) {
-    auto candidates = einsum_candidates(call, eq, with_bias);
+// Global shape of the product from its operands' dim sizes (dot and mv have no meta
+// kernels); the CPU and CUDA kernels return it contiguous.
+TensorMeta product_meta(const OpCall& call, const Equation& e, bool with_bias) {
+  const size_t first = with_bias ? 1 : 0;
+  std::vector<int64_t> shape;
+  for (char c : e.output) {
+    for (size_t j = 0; j < e.operands.size(); ++j) {
+      const auto pos = e.operands[j].find(c);
+      if (pos == std::string::npos) continue;
+      shape.push_back(call.input(first + j).shape()[pos]);
+      break;
+    }
+  }
+  auto stride = default_strides(shape);
+  return TensorMeta{std::move(shape), std::move(stride), call.input(first).dtype()};
+}
+
+dispatch::Rule einsum_rule(const std::string& eq, bool with_bias = false, bool inplace = false) {
+  return [e = parse_equation(eq), with_bias, inplace](const OpCall& call) {
+    auto candidates = einsum_candidates(call, e, with_bias);
     if (inplace) {
       // The written tensor cannot change layout: keep the candidates whose output has it.
       const Placements& self = call.input(0).placements();
       std::erase_if(candidates, [&](const Strategy& s) { return s.outputs[0] != self; });
     }
-    return dispatch::choose(call, candidates);
+    Decision d = dispatch::choose(call, candidates);
+    d.output_meta = {product_meta(call, e, with_bias)};
+    return d;
   };
 }
 
