@@ -4,6 +4,7 @@
 // RNG state stays replicated. None of these kernels has a C++ meta function, so every rule
 // also gives the global metadata of the results.
 #include <ATen/OpMathType.h>
+#include <ATen/ops/empty_strided.h>
 
 #include "rule_utils.h"
 
@@ -26,6 +27,7 @@ struct Layout {
   int mask_arg = -1;             // argument index of the mask / bias, -1 if none
   std::vector<Role> returns;     // one per return
   std::vector<std::optional<TensorMeta>> meta;
+  bool guard_empty = false;      // the kernel cannot take an empty shard (all returns tensors)
 };
 
 const DTensorSpec* spec_of_arg(const OpCall& call, int arg) {
@@ -86,6 +88,30 @@ bool shardable(const DeviceMesh& mesh, const DTensorSpec& s, c10::ArrayRef<Place
   return true;
 }
 
+// The CPU kernels divide work by the sizes they get and fail on an empty shard (uneven heads
+// or batch leave the last ranks without any): such a rank returns empty results instead.
+void skip_empty_shards(const c10::OperatorHandle& op, torch::jit::Stack& stack,
+                       const dispatch::LocalContext& ctx) {
+  const size_t nargs = op.schema().arguments().size();
+  std::optional<at::TensorOptions> opts;
+  bool empty = false;
+  for (size_t i = stack.size() - nargs; i < stack.size(); ++i) {
+    if (!stack[i].isTensor() || !stack[i].toTensor().defined()) continue;
+    const at::Tensor& t = stack[i].toTensor();
+    if (!opts) opts = t.options();
+    empty = empty || t.numel() == 0;
+  }
+  if (!empty) {
+    op.callBoxed(stack);
+    return;
+  }
+  torch::jit::drop(stack, nargs);
+  for (const SpecPtr& s : ctx.outputs) {
+    const auto local = s->local_shape();
+    stack.emplace_back(at::empty_strided(local, strides_like(local, s->stride()), opts->dtype(s->dtype())));
+  }
+}
+
 Decision attention(const OpCall& call, const Layout& L) {
   const DeviceMesh& mesh = call.mesh();
   const DTensorSpec& q = required_arg(call, L.query);
@@ -143,6 +169,7 @@ Decision attention(const OpCall& call, const Layout& L) {
     if (L.returns[r] == Role::None) d.outputs[r] = std::nullopt;
   }
   d.output_meta = L.meta;
+  if (L.guard_empty) d.local_kernel = skip_empty_shards;
   return d;
 }
 
@@ -153,6 +180,7 @@ Layout flash_cpu(const OpCall& call) {
   L.follow_args = {0, 1, 2};
   L.mask_arg = 5;
   L.returns = {Role::Follow, Role::Follow};
+  L.guard_empty = true;
   const auto& q = required_arg(call, 0);
   const auto& v = required_arg(call, 2);
   const auto& s = q.shape();
@@ -173,6 +201,7 @@ Layout flash_cpu_backward(const OpCall& call) {
   L.follow_args = {0, 1, 2, 3, 4, 5};
   L.mask_arg = 8;
   L.returns = {Role::Follow, Role::Follow, Role::Follow};
+  L.guard_empty = true;
   for (int a : {1, 2, 3}) L.meta.push_back(grad_bshd(required_arg(call, a)));
   return L;
 }

@@ -1,0 +1,216 @@
+// Scaled-dot-product attention on DTensors (the CPU flash kernel and its backward) against one
+// device: heads- and batch-split q/k/v, masks, causal, grouped-query attention.
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+
+#include "dtensor/dtensor.h"
+#include "support/distributed.h"
+#include "support/op_check.h"
+
+using namespace dtensor;
+using namespace dtensor::testing;
+
+namespace {
+
+struct Sdpa {
+  bool causal = false;
+  bool gqa = false;
+  bool with_mask = false;  // inputs[3] is a float mask
+};
+
+OpFn sdpa(Sdpa o) {
+  return [o](const std::vector<at::Tensor>& x) {
+    std::optional<at::Tensor> mask;
+    if (o.with_mask) mask = x[3];
+    return std::vector<at::Tensor>{at::scaled_dot_product_attention(
+        x[0], x[1], x[2], mask, 0.0, o.causal, std::nullopt, o.gqa)};
+  };
+}
+
+std::string shape_str(const at::Tensor& t) { return c10::str(t.sizes()); }
+
+// Same placement for q, k and v, plus mixed ones; a mask is replicated or follows the split.
+std::vector<std::vector<Placements>> qkv_placements() {
+  const Placements R{Replicate()}, S0{Shard(0)}, S1{Shard(1)}, S2{Shard(2)}, P{Partial()};
+  return {{R, R, R},   {S1, S1, S1}, {S0, S0, S0}, {S2, S2, S2}, {P, P, P},
+          {S1, R, S1}, {R, S1, S0},  {S0, S1, R},  {S1, S2, P}};
+}
+
+int64_t sweep(const DeviceMesh& mesh, at::ScalarType dtype, double tol) {
+  SweepCounter n;
+  const OpCheckOptions opts{.rtol = tol, .atol = tol};
+  auto rnd = [dtype](c10::IntArrayRef s) { return at::randn(s, at::TensorOptions().dtype(dtype)); };
+  // (B, H, L, E) for q and (B, H, S, E) for k, v: even, uneven heads/batch, L != S.
+  const std::vector<std::pair<std::vector<int64_t>, std::vector<int64_t>>> shapes = {
+      {{2, 4, 5, 8}, {2, 4, 5, 8}}, {{3, 3, 4, 6}, {3, 3, 7, 6}}, {{1, 2, 6, 4}, {1, 2, 6, 4}}};
+  for (const auto& [qs, ks] : shapes) {
+    const auto q = rnd(qs), k = rnd(ks), v = rnd(ks);
+    for (bool causal : {false, true}) {
+      for (const auto& pl : qkv_placements()) {
+        const std::string label = std::string("sdpa") + (causal ? " causal " : " ") + shape_str(q) +
+                                  shape_str(k) + " " + to_string(pl[0]) + to_string(pl[1]) +
+                                  to_string(pl[2]);
+        n.add(check_op(mesh, label, sdpa({.causal = causal}), {q, k, v}, pl, opts));
+      }
+    }
+    // Masks: (L, S) broadcast, (B, 1, L, S) broadcast over heads, (B, H, L, S) full.
+    const int64_t B = qs[0], H = qs[1], L = qs[2], S = ks[2];
+    for (auto ms : std::vector<std::vector<int64_t>>{{L, S}, {B, 1, L, S}, {B, H, L, S}}) {
+      const auto mask = rnd(ms);
+      for (const auto& pl : qkv_placements()) {
+        if (pl[0][0].is_partial()) continue;
+        auto with_mask = pl;
+        // The mask is split like q where it has the dim, else replicated.
+        const Placement& qp = pl[0][0];
+        const bool has_dim = qp.is_shard() && static_cast<int64_t>(ms.size()) == 4 && ms[qp.dim()] != 1;
+        with_mask.push_back(has_dim ? Placements{qp} : Placements{Replicate()});
+        const std::string label = "sdpa mask " + c10::str(c10::IntArrayRef(ms)) + " " + to_string(pl[0]) +
+                                  to_string(pl[1]) + to_string(pl[2]) + to_string(with_mask[3]);
+        OpCheckOptions mo = opts;
+        mo.requires_grad = {true, true, true, false};
+        n.add(check_op(mesh, label, sdpa({.with_mask = true}), {q, k, v, mask}, with_mask, mo));
+      }
+    }
+  }
+  return n.cases;
+}
+
+}  // namespace
+
+TEST(AttentionSweep, Float64MatchesOneDevice) {
+  for (int world : {1, 2, 3, 4}) {
+    run_ranks(world, [world](int rank) {
+      at::manual_seed(11);
+      auto mesh = init_device_mesh("cpu", {world});
+      const int64_t n = sweep(mesh, at::kDouble, 1e-10);
+      if (rank == 0) std::printf("[sweep] sdpa float64, world %d: %ld (op, case) combinations\n", world, (long)n);
+    });
+  }
+}
+
+TEST(AttentionSweep, Float32MatchesOneDevice) {
+  for (int world : {2, 4}) {
+    run_ranks(world, [world](int rank) {
+      at::manual_seed(12);
+      auto mesh = init_device_mesh("cpu", {world});
+      const int64_t n = sweep(mesh, at::kFloat, 1e-5);
+      if (rank == 0) std::printf("[sweep] sdpa float32, world %d: %ld (op, case) combinations\n", world, (long)n);
+    });
+  }
+}
+
+// Heads split on q, k, v: the attention kernels run on local heads, forward and backward,
+// without any communication, and everything stays split on heads.
+TEST(Attention, HeadsSplitNeedsNoCommunication) {
+  for (int world : {2, 4}) {
+    run_ranks(world, [world](int) {
+      auto mesh = init_device_mesh("cpu", {world});
+      at::manual_seed(13);
+      auto q0 = at::randn({2, 4, 5, 8}, at::kDouble), k0 = at::randn({2, 4, 5, 8}, at::kDouble),
+           v0 = at::randn({2, 4, 5, 8}, at::kDouble), g0 = at::randn({2, 4, 5, 8}, at::kDouble);
+      auto q = distribute_tensor(q0, mesh, {Shard(1)}).requires_grad_(true);
+      auto k = distribute_tensor(k0, mesh, {Shard(1)}).requires_grad_(true);
+      auto v = distribute_tensor(v0, mesh, {Shard(1)}).requires_grad_(true);
+      auto g = distribute_tensor(g0, mesh, {Shard(1)});
+      CommDebugMode comm;
+      auto out = at::scaled_dot_product_attention(q, k, v, std::nullopt, 0.0, true);
+      EXPECT_EQ(placements(out)[0], Shard(1));
+      (out * g).sum().backward();
+      EXPECT_EQ(comm.get_total_counts(), 0) << comm.table();
+      for (const auto& t : {q, k, v}) EXPECT_EQ(placements(t.grad())[0], Shard(1));
+      comm.exit();
+      auto qr = q0.clone().requires_grad_(true), kr = k0.clone().requires_grad_(true),
+           vr = v0.clone().requires_grad_(true);
+      auto ref = at::scaled_dot_product_attention(qr, kr, vr, std::nullopt, 0.0, true);
+      (ref * g0).sum().backward();
+      EXPECT_TENSOR_CLOSE(full_tensor(out), ref, 1e-10, 1e-10);
+      EXPECT_TENSOR_CLOSE(full_tensor(q.grad()), qr.grad(), 1e-10, 1e-10);
+      EXPECT_TENSOR_CLOSE(full_tensor(k.grad()), kr.grad(), 1e-10, 1e-10);
+      EXPECT_TENSOR_CLOSE(full_tensor(v.grad()), vr.grad(), 1e-10, 1e-10);
+    });
+  }
+}
+
+// Batch split: same, along dim 0.
+TEST(Attention, BatchSplitNeedsNoCommunication) {
+  run_ranks(2, [](int) {
+    auto mesh = init_device_mesh("cpu", {2});
+    at::manual_seed(14);
+    auto q0 = at::randn({4, 2, 3, 4}, at::kDouble);
+    auto q = distribute_tensor(q0, mesh, {Shard(0)}).requires_grad_(true);
+    auto g = distribute_tensor(at::randn_like(q0), mesh, {Shard(0)});
+    CommDebugMode comm;
+    auto out = at::scaled_dot_product_attention(q, q, q);
+    EXPECT_EQ(placements(out)[0], Shard(0));
+    (out * g).sum().backward();
+    EXPECT_EQ(comm.get_total_counts(), 0) << comm.table();
+    EXPECT_EQ(placements(q.grad())[0], Shard(0));
+  });
+}
+
+// Grouped-query attention: 4 query heads share 2 key/value heads. With enable_gqa the kernel
+// maps heads itself; a heads split is kept only where it cuts the key/value heads evenly
+// (2 ranks), otherwise (3, 4 ranks) the inputs are laid out another way.
+TEST(Attention, GroupedQueryAttentionMatchesOneDevice) {
+  for (int world : {1, 2, 3, 4}) {
+    run_ranks(world, [world](int rank) {
+      auto mesh = init_device_mesh("cpu", {world});
+      at::manual_seed(15);
+      const auto q = at::randn({2, 4, 5, 6}, at::kDouble), k = at::randn({2, 2, 5, 6}, at::kDouble),
+                 v = at::randn({2, 2, 5, 6}, at::kDouble);
+      SweepCounter n;
+      const Placements R{Replicate()}, S0{Shard(0)}, S1{Shard(1)};
+      for (const auto& pl : std::vector<std::vector<Placements>>{{S1, S1, S1}, {S0, S0, S0}, {S1, R, R}, {R, S1, S1}}) {
+        const std::string suffix = to_string(pl[0]) + to_string(pl[1]) + to_string(pl[2]);
+        for (bool causal : {false, true}) {
+          n.add(check_op(mesh, "gqa " + suffix, sdpa({.causal = causal, .gqa = true}), {q, k, v}, pl));
+        }
+      }
+      if (world == 2) {
+        // 2 key/value heads on 2 ranks: the heads split is kept, no communication.
+        auto qd = distribute_tensor(q, mesh, {Shard(1)}), kd = distribute_tensor(k, mesh, {Shard(1)}),
+             vd = distribute_tensor(v, mesh, {Shard(1)});
+        CommDebugMode comm;
+        auto out = at::scaled_dot_product_attention(qd, kd, vd, std::nullopt, 0.0, false, std::nullopt, true);
+        EXPECT_EQ(comm.get_total_counts(), 0) << comm.table();
+        EXPECT_EQ(placements(out)[0], Shard(1));
+      }
+      if (rank == 0) std::printf("[sweep] grouped-query sdpa, world %d: %ld (op, case) combinations\n", world, (long)n.cases);
+    });
+  }
+}
+
+// Known issue (view rules): repeating key/value heads before the call (repeat_interleave, or
+// expand + reshape as Llama's repeat_kv does) gives wrong key/value gradients, on any number
+// of ranks. The attention backward returns gradients laid out as (B, L, H, D); the backward of
+// the repeat reshapes them, which reaches aten::_reshape_alias with strides computed for that
+// layout, and the _reshape_alias rule replaces them by contiguous local strides. Enable once
+// _reshape_alias keeps the input's layout.
+TEST(Attention, DISABLED_RepeatedKeyValueHeadsMatchOneDevice) {
+  for (int world : {1, 2, 4}) {
+    run_ranks(world, [world](int) {
+      auto mesh = init_device_mesh("cpu", {world});
+      at::manual_seed(16);
+      const auto q = at::randn({2, 4, 5, 6}, at::kDouble), k = at::randn({2, 2, 5, 6}, at::kDouble),
+                 v = at::randn({2, 2, 5, 6}, at::kDouble);
+      const Placements R{Replicate()}, S0{Shard(0)}, S1{Shard(1)};
+      for (const auto& pl : std::vector<std::vector<Placements>>{{S1, S1, S1}, {S0, S0, S0}, {R, R, R}}) {
+        const std::string suffix = to_string(pl[0]) + to_string(pl[1]) + to_string(pl[2]);
+        check_op(mesh, "repeat_interleave " + suffix,
+                 [](const std::vector<at::Tensor>& x) {
+                   return std::vector<at::Tensor>{at::scaled_dot_product_attention(
+                       x[0], x[1].repeat_interleave(2, 1), x[2].repeat_interleave(2, 1))};
+                 },
+                 {q, k, v}, pl);
+        check_op(mesh, "expand + reshape " + suffix,
+                 [](const std::vector<at::Tensor>& x) {
+                   auto rep = [](const at::Tensor& t) {
+                     return t.unsqueeze(2).expand({2, 2, 2, 5, 6}).reshape({2, 4, 5, 6});
+                   };
+                   return std::vector<at::Tensor>{at::scaled_dot_product_attention(x[0], rep(x[1]), rep(x[2]))};
+                 },
+                 {q, k, v}, pl);
+      }
+    });
+  }
+}
