@@ -248,3 +248,20 @@ TEST(SubMesh, RanksOutsideTheMeshGetEmptyLocalTensors) {
     }
   });
 }
+
+TEST(Redistribute, ForwardAndBackwardDtypesCastOnlyWhileCommunicating) {
+  run_ranks(2, [](int) {
+    auto mesh = init_device_mesh("cpu", {2});
+    auto local = at::full({2, 3}, 1.0 / 3.0, at::kDouble).requires_grad_(true);
+    auto x = from_local(local, mesh, {Partial()});
+    auto y = redistribute(x, {Replicate()}, {.forward_dtype = at::kFloat, .backward_dtype = at::kFloat});
+    EXPECT_EQ(y.scalar_type(), at::kDouble);  // cast back after the collective
+    // The sum went through float32: 2/3 rounded to float, not the double value.
+    EXPECT_DOUBLE_EQ(local_tensor(y)[0][0].item<double>(), static_cast<double>(2.0f / 3.0f));
+    auto s = from_local(at::ones({1, 3}, at::kDouble).requires_grad_(true), mesh, {Shard(0)});
+    auto r = redistribute(s, {Replicate()}, {.backward_dtype = at::kFloat});
+    r.backward(at::full({2, 3}, 0.1, at::kDouble));
+    // grad of a Shard input from a Replicate grad is a local chunk; dtype stays double
+    EXPECT_EQ(dtensor_impl(r)->spec()->dtype(), at::kDouble);
+  });
+}
