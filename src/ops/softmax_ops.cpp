@@ -20,6 +20,15 @@ Decision softmax(const OpCall& call) {
   return all_outputs(call, {p}, p);
 }
 
+// _safe_softmax's kernel has no meta version: same shape, the requested dtype or the input's.
+Decision safe_softmax(const OpCall& call) {
+  const DTensorSpec& in = call.input(0);
+  Decision d = softmax(call);
+  const auto dtype = call.arg(2).isNone() ? in.dtype() : call.arg(2).toScalarType();
+  d.output_meta = {TensorMeta{in.shape(), strides_like(in.shape(), in.stride()), dtype}};
+  return d;
+}
+
 // _softmax_backward_data(grad_output, output, dim, input_dtype) and the log variant: both
 // tensors take the layout of the one with more shards (grad_output on a tie, as PyTorch).
 Decision softmax_backward(const OpCall& call) {
@@ -34,7 +43,8 @@ Decision softmax_backward(const OpCall& call) {
 
 DTENSOR_RULES(softmax_ops) {
   using dispatch::register_rule;
-  register_rule({"aten::_softmax", "aten::_log_softmax", "aten::_safe_softmax"}, softmax);
+  register_rule({"aten::_softmax", "aten::_log_softmax"}, softmax);
+  register_rule("aten::_safe_softmax", safe_softmax);
   register_rule({"aten::_softmax_backward_data", "aten::_log_softmax_backward_data"},
                 softmax_backward);
 }
