@@ -48,12 +48,22 @@ Decision norm_forward(const OpCall& call, bool rms) {
   std::vector<Placements> inputs{p};
   for (size_t j = 1; j < call.num_inputs(); ++j) inputs.push_back(replicate_all(call.mesh_ndim()));
   Decision d = all_outputs(call, std::move(inputs), p);
-  if (rms) {
-    // No meta kernel in C++. rstd keeps the outer dims and is in the computation dtype.
-    std::vector<int64_t> stats(in.shape().begin(), in.shape().begin() + axis);
-    stats.resize(in.shape().size(), 1);
-    d.output_meta = {contiguous_meta(in.shape(), in.dtype()),
-                     contiguous_meta(stats, at::toOpMathType(in.dtype()))};
+  // Neither op has a C++ meta kernel. The statistics keep the outer dims (size 1 elsewhere);
+  // for half/bfloat16 inputs they are float, except in the CPU layer norm kernel, which keeps
+  // the input's dtype unless the parameters are float.
+  std::vector<int64_t> stats(in.shape().begin(), in.shape().begin() + axis);
+  stats.resize(in.shape().size(), 1);
+  at::ScalarType stats_dtype = at::toOpMathType(in.dtype());
+  if (!rms && call.mesh().device_type() == c10::kCPU) {
+    bool float_params = false;
+    for (size_t j = 1; j < call.num_inputs(); ++j) {
+      float_params |= call.input(j).dtype() != in.dtype();
+    }
+    if (!float_params) stats_dtype = in.dtype();
+  }
+  d.output_meta = {contiguous_meta(in.shape(), in.dtype())};
+  for (int r = 1; r < (rms ? 2 : 3); ++r) {
+    d.output_meta.push_back(contiguous_meta(stats, stats_dtype));
   }
   return d;
 }
