@@ -29,13 +29,16 @@ int64_t class_dim(const DTensorSpec& in) { return in.ndim() >= 2 ? 1 : 0; }
 Placements input_layout(const DTensorSpec& in) {
   const int64_t c = class_dim(in);
   Placements out;
-  for (const auto& x : in.placements()) out.push_back(x.is_partial() || x.is_shard(c) ? Replicate() : x);
+  for (const auto& x : in.placements()) {
+    out.push_back(x.is_partial() || x.is_shard(c) ? Replicate() : x);
+  }
   return out;
 }
 
 // The target has the input's dims without the class dim.
 Placements target_layout(c10::ArrayRef<Placement> input, int64_t c) {
-  return remap_shards(input, [c](int64_t d) -> std::optional<int64_t> { return d > c ? d - 1 : d; });
+  return remap_shards(input,
+                      [c](int64_t d) -> std::optional<int64_t> { return d > c ? d - 1 : d; });
 }
 
 // The placements of a full reduction of a tensor laid out as `p`.
@@ -76,10 +79,13 @@ dispatch::LocalKernel mean_over_shards(Placements target_p, bool target_replicat
     const at::Tensor weight = st[base + 2].isNone() ? at::Tensor() : st[base + 2].toTensor();
     at::Tensor total;
     if (target_replicated) {
-      total = total_weight_of(target, weight, st[base + 4].toInt(), st[base].toTensor().scalar_type());
+      total =
+          total_weight_of(target, weight, st[base + 4].toInt(), st[base].toTensor().scalar_type());
       const auto shard = compute_local_shape_and_global_offset(target.sizes(), mesh.shape(),
                                                                *mesh.coordinate(), target_p);
-      for (int64_t d = 0; d < target.dim(); ++d) target = target.narrow(d, shard.offset[d], shard.shape[d]);
+      for (int64_t d = 0; d < target.dim(); ++d) {
+        target = target.narrow(d, shard.offset[d], shard.shape[d]);
+      }
       st[base + 1] = target;
     }
     st[base + 3] = static_cast<int64_t>(at::Reduction::Sum);
@@ -87,7 +93,9 @@ dispatch::LocalKernel mean_over_shards(Placements target_p, bool target_replicat
     if (!target_replicated) {
       total = st.back().toTensor();
       for (size_t m = 0; m < target_p.size(); ++m) {
-        if (target_p[m].is_shard()) total = comm::all_reduce(total, ReduceOp::Sum, mesh.group(static_cast<int64_t>(m)));
+        if (target_p[m].is_shard()) {
+          total = comm::all_reduce(total, ReduceOp::Sum, mesh.group(static_cast<int64_t>(m)));
+        }
       }
     }
     st[st.size() - 2] = st[st.size() - 2].toTensor() / total;
@@ -108,9 +116,10 @@ Decision nll_forward(const OpCall& call) {
   d.inputs = {in_p, tg_p};
   if (call.num_inputs() > 2) d.inputs.push_back(rep);
   // nll_loss2d has no meta kernel.
-  d.output_meta = {contiguous_meta(reduction == at::Reduction::None ? target.shape() : std::vector<int64_t>{},
-                                   in.dtype()),
-                   contiguous_meta({}, in.dtype())};
+  d.output_meta = {
+      contiguous_meta(reduction == at::Reduction::None ? target.shape() : std::vector<int64_t>{},
+                      in.dtype()),
+      contiguous_meta({}, in.dtype())};
   if (reduction == at::Reduction::None) {
     d.outputs = {tg_p, rep};
   } else if (!has_shard(tg_p)) {
@@ -136,13 +145,17 @@ Decision nll_backward(const OpCall& call) {
   const Placements rep = replicate_all(call.mesh_ndim());
   Decision d;
   for (const auto& x : call.inputs()) {
-    switch (x.arg) {
-      case 0: d.inputs.push_back(reduction == at::Reduction::None ? tg_p : rep); break;
-      case 1: d.inputs.push_back(in_p); break;
-      case 2: d.inputs.push_back(tg_p); break;
+    if (x.arg == 0) {
+      d.inputs.push_back(reduction == at::Reduction::None ? tg_p : rep);  // grad_output
+    } else if (x.arg == 1) {
+      d.inputs.push_back(in_p);
+    } else if (x.arg == 2) {
+      d.inputs.push_back(tg_p);
+    } else if (x.arg == 6) {
       // Only "mean" reads total_weight: leave it as it is otherwise (no needless all_reduce).
-      case 6: d.inputs.push_back(reduction == at::Reduction::Mean ? rep : Placements{}); break;
-      default: d.inputs.push_back(rep); break;
+      d.inputs.push_back(reduction == at::Reduction::Mean ? rep : Placements{});
+    } else {
+      d.inputs.push_back(rep);  // class weights
     }
   }
   d.outputs = {in_p};
