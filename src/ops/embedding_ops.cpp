@@ -95,9 +95,10 @@ Decision embedding(const OpCall& call) {
   // PyTorch's rowwise indices are a mask placement that a shard cannot move to (infinite
   // cost); keep its choices by leaving rowwise out where the indices arrive sharded.
   const Placements& idx_p = indices.placements();
-  Decision d = dispatch::choose(call, expand(call, choices, [&](int64_t m, const DimChoice& c) {
+  auto allowed = [&](int64_t m, const DimChoice& c) {
     return !(c[1].is_shard(0) && idx_p[m].is_shard());
-  }));
+  };
+  Decision d = dispatch::choose(call, expand(call, choices, allowed));
   const auto& wp = d.inputs[0];
   if (std::any_of(wp.begin(), wp.end(), [](const Placement& p) { return p.is_shard(0); })) {
     d.local_kernel = masked_lookup;
@@ -122,7 +123,8 @@ Decision embedding_backward(const OpCall& call) {
     for (int64_t d = 0; d < indices.ndim(); ++d) choices.push_back({Partial(), Shard(d), Shard(d)});
   }
   choices.push_back({Partial(), Partial(), Replicate()});
-  Decision d = dispatch::choose(call, expand(call, choices, [](int64_t, const DimChoice&) { return true; }));
+  auto any = [](int64_t, const DimChoice&) { return true; };
+  Decision d = dispatch::choose(call, expand(call, choices, any));
   d.output_meta = {contiguous_meta({call.int_arg(2), grad.shape().back()}, grad.dtype())};
   return d;
 }
