@@ -87,7 +87,18 @@ Decision view_like(const OpCall& call, bool with_stride) {
   Decision d = all_outputs(call, {tgt}, outp);
   auto local = local_shape_of(call.mesh(), out_shape, outp);
   d.local_args.push_back({1, c10::IValue(local)});
-  if (with_stride) d.local_args.push_back({2, c10::IValue(default_strides(local))});
+  if (with_stride) {
+    // The global strides say nothing about the local tensor's layout (it may be expanded):
+    // view it with its own strides instead of rewriting the stride argument.
+    d.local_kernel = [](const c10::OperatorHandle&, torch::jit::Stack& st, const dispatch::LocalContext&) {
+      st.pop_back();  // stride
+      auto size = st.back().toIntVector();
+      st.pop_back();
+      at::Tensor self = st.back().toTensor();
+      st.pop_back();
+      st.push_back(self.view(size));
+    };
+  }
   return d;
 }
 

@@ -259,7 +259,7 @@ TEST(Loss, WeightedMeanOverUnequalShardsIsTheBatchMean) {
 // aten::_reshape_alias; its view rule rewrites the strides to contiguous ones for the local
 // shape, giving a local tensor that overruns its one-element storage ("setStorage ... out of
 // bounds"). Enable once _reshape_alias keeps the local tensor's own strides.
-TEST(Loss, DISABLED_NoneLossSumBackwardThroughSpatialReshape) {
+TEST(Loss, NoneLossSumBackwardThroughSpatialReshape) {
   run_ranks(2, [](int) {
     auto mesh = init_device_mesh("cpu", {2});
     auto x = at::rand({8, 16, 12}, at::kDouble);
