@@ -180,37 +180,37 @@ TEST(Attention, GroupedQueryAttentionMatchesOneDevice) {
   }
 }
 
-// Known issue (view rules): repeating key/value heads before the call (repeat_interleave, or
-// expand + reshape as Llama's repeat_kv does) gives wrong key/value gradients, on any number
-// of ranks. The attention backward returns gradients laid out as (B, L, H, D); the backward of
-// the repeat reshapes them, which reaches aten::_reshape_alias with strides computed for that
-// layout, and the _reshape_alias rule replaces them by contiguous local strides. Enable once
-// _reshape_alias keeps the input's layout.
-TEST(Attention, DISABLED_RepeatedKeyValueHeadsMatchOneDevice) {
-  for (int world : {1, 2, 4}) {
-    run_ranks(world, [world](int) {
+// Grouped-query attention written out: key/value heads repeated before a plain call, with
+// repeat_interleave or expand + reshape (as Llama's repeat_kv). The backward reshapes the
+// attention gradients, which the kernel lays out as (B, L, H, D).
+TEST(Attention, RepeatedKeyValueHeadsMatchOneDevice) {
+  for (int world : {1, 2, 3, 4}) {
+    run_ranks(world, [world](int rank) {
       auto mesh = init_device_mesh("cpu", {world});
       at::manual_seed(16);
+      SweepCounter n;
       const auto q = at::randn({2, 4, 5, 6}, at::kDouble), k = at::randn({2, 2, 5, 6}, at::kDouble),
                  v = at::randn({2, 2, 5, 6}, at::kDouble);
       const Placements R{Replicate()}, S0{Shard(0)}, S1{Shard(1)};
       for (const auto& pl : std::vector<std::vector<Placements>>{{S1, S1, S1}, {S0, S0, S0}, {R, R, R}}) {
         const std::string suffix = to_string(pl[0]) + to_string(pl[1]) + to_string(pl[2]);
-        check_op(mesh, "repeat_interleave " + suffix,
-                 [](const std::vector<at::Tensor>& x) {
-                   return std::vector<at::Tensor>{at::scaled_dot_product_attention(
-                       x[0], x[1].repeat_interleave(2, 1), x[2].repeat_interleave(2, 1))};
-                 },
-                 {q, k, v}, pl);
-        check_op(mesh, "expand + reshape " + suffix,
-                 [](const std::vector<at::Tensor>& x) {
-                   auto rep = [](const at::Tensor& t) {
-                     return t.unsqueeze(2).expand({2, 2, 2, 5, 6}).reshape({2, 4, 5, 6});
-                   };
-                   return std::vector<at::Tensor>{at::scaled_dot_product_attention(x[0], rep(x[1]), rep(x[2]))};
-                 },
-                 {q, k, v}, pl);
+        n.add(check_op(mesh, "repeat_interleave " + suffix,
+                       [](const std::vector<at::Tensor>& x) {
+                         return std::vector<at::Tensor>{at::scaled_dot_product_attention(
+                             x[0], x[1].repeat_interleave(2, 1), x[2].repeat_interleave(2, 1))};
+                       },
+                       {q, k, v}, pl));
+        n.add(check_op(mesh, "expand + reshape " + suffix,
+                       [](const std::vector<at::Tensor>& x) {
+                         auto rep = [](const at::Tensor& t) {
+                           return t.unsqueeze(2).expand({2, 2, 2, 5, 6}).reshape({2, 4, 5, 6});
+                         };
+                         return std::vector<at::Tensor>{
+                             at::scaled_dot_product_attention(x[0], rep(x[1]), rep(x[2]))};
+                       },
+                       {q, k, v}, pl));
       }
+      if (rank == 0) std::printf("[sweep] repeated key/value heads, world %d: %ld (op, case) combinations\n", world, (long)n.cases);
     });
   }
 }
