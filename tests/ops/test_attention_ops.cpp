@@ -1,7 +1,9 @@
 // Scaled-dot-product attention on DTensors (the CPU flash kernel and its backward) against one
-// device: heads- and batch-split q/k/v, masks, causal, grouped-query attention.
+// device: heads- and batch-split q/k/v, masks, causal, grouped-query attention. The CUDA
+// kernels' rules are checked through CPU stand-ins registered for those ops in this binary.
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
+#include <torch/library.h>
 
 #include "dtensor/dtensor.h"
 #include "support/distributed.h"
@@ -211,6 +213,196 @@ TEST(Attention, RepeatedKeyValueHeadsMatchOneDevice) {
                        {q, k, v}, pl));
       }
       if (rank == 0) std::printf("[sweep] repeated key/value heads, world %d: %ld (op, case) combinations\n", world, (long)n.cases);
+    });
+  }
+}
+
+// CPU stand-ins for the CUDA attention kernels, built on the CPU flash kernel and returning
+// what the CUDA kernels return (layouts, float32 logsumexp, RNG state, undefined tensors), so
+// that their sharding rules run forward and backward here. They exist in this binary only.
+namespace cuda_standins {
+
+using torch::jit::Stack;
+
+at::Tensor like_layout(const at::Tensor& like, const at::Tensor& value) {
+  return at::empty_like(like).copy_(value);
+}
+
+// (B, H, L, D) values laid out as (B, L, H, D), as the efficient-attention kernel returns them.
+at::Tensor bshd(const at::Tensor& value) {
+  return at::empty({value.size(0), value.size(2), value.size(1), value.size(3)}, value.options())
+      .transpose(1, 2)
+      .copy_(value);
+}
+
+// The CPU backward wants logsumexp (B, H, L) in q's dtype laid out as (B, L, H).
+at::Tensor cpu_lse(const at::Tensor& lse, const at::Tensor& q) {
+  return at::empty({lse.size(0), lse.size(2), lse.size(1)}, q.options()).transpose(1, 2).copy_(lse);
+}
+
+std::optional<at::Tensor> opt_tensor(const c10::IValue& v) {
+  if (v.isNone()) return std::nullopt;
+  const at::Tensor& t = v.toTensor();
+  return t.defined() ? std::optional<at::Tensor>(t) : std::nullopt;
+}
+
+std::optional<double> opt_double(const c10::IValue& v) {
+  return v.isNone() ? std::nullopt : std::optional<double>(v.toDouble());
+}
+
+// q, k, v, dropout_p, is_causal, return_debug_mask, scale
+void flash(const c10::OperatorHandle&, Stack* st) {
+  auto a = torch::jit::pop(*st, 7);
+  const at::Tensor &q = a[0].toTensor(), &k = a[1].toTensor(), &v = a[2].toTensor();
+  auto [o, lse] = at::_scaled_dot_product_flash_attention_for_cpu(q, k, v, a[3].toDouble(), a[4].toBool(),
+                                                                   std::nullopt, opt_double(a[6]));
+  TORCH_CHECK(!a[5].toBool(), "stand-in: no debug mask");
+  torch::jit::push(*st, like_layout(q, o), lse.to(at::kFloat).contiguous(), at::Tensor(), at::Tensor(),
+                   q.size(2), k.size(2), at::zeros({2}, at::kUInt64), at::zeros({}, at::kUInt64),
+                   at::empty({0}, q.options()));
+}
+
+// grad_out, q, k, v, out, logsumexp, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p,
+// is_causal, philox_seed, philox_offset, scale
+void flash_backward(const c10::OperatorHandle&, Stack* st) {
+  auto a = torch::jit::pop(*st, 15);
+  const at::Tensor &q = a[1].toTensor(), &k = a[2].toTensor(), &v = a[3].toTensor();
+  auto [gq, gk, gv] = at::_scaled_dot_product_flash_attention_for_cpu_backward(
+      a[0].toTensor(), q, k, v, a[4].toTensor(), cpu_lse(a[5].toTensor(), q), a[10].toDouble(),
+      a[11].toBool(), std::nullopt, opt_double(a[14]));
+  torch::jit::push(*st, like_layout(q, gq), like_layout(k, gk), like_layout(v, gv));
+}
+
+// q, k, v, attn_bias, compute_log_sumexp, dropout_p, is_causal, scale
+void efficient(const c10::OperatorHandle&, Stack* st) {
+  auto a = torch::jit::pop(*st, 8);
+  const at::Tensor &q = a[0].toTensor(), &k = a[1].toTensor(), &v = a[2].toTensor();
+  auto [o, lse] = at::_scaled_dot_product_flash_attention_for_cpu(q, k, v, a[5].toDouble(), a[6].toBool(),
+                                                                   opt_tensor(a[3]), opt_double(a[7]));
+  const int64_t L = q.size(2), padded = a[4].toBool() ? (L + 31) / 32 * 32 : 0;
+  auto lse_out = at::zeros({q.size(0), q.size(1), padded}, q.options().dtype(at::kFloat));
+  if (padded > 0) lse_out.narrow(2, 0, L).copy_(lse);
+  torch::jit::push(*st, bshd(o), lse_out, at::zeros({}, at::kLong), at::zeros({}, at::kLong));
+}
+
+// grad_out_, q, k, v, attn_bias, out, logsumexp, philox_seed, philox_offset, dropout_p,
+// grad_input_mask, is_causal, scale
+void efficient_backward(const c10::OperatorHandle&, Stack* st) {
+  auto a = torch::jit::pop(*st, 13);
+  const at::Tensor &q = a[1].toTensor(), &k = a[2].toTensor(), &v = a[3].toTensor();
+  TORCH_CHECK(!a[10].toBoolList().get(3), "stand-in: no attention-bias gradient");
+  auto lse = cpu_lse(a[6].toTensor().narrow(2, 0, q.size(2)), q);
+  auto [gq, gk, gv] = at::_scaled_dot_product_flash_attention_for_cpu_backward(
+      a[0].toTensor(), q, k, v, a[5].toTensor(), lse, a[9].toDouble(), a[11].toBool(), opt_tensor(a[4]),
+      opt_double(a[12]));
+  torch::jit::push(*st, bshd(gq), bshd(gk), bshd(gv), at::Tensor());
+}
+
+// q, k, v, attn_bias, compute_log_sumexp, dropout_p, is_causal, return_debug_mask, scale
+void cudnn(const c10::OperatorHandle&, Stack* st) {
+  auto a = torch::jit::pop(*st, 9);
+  const at::Tensor &q = a[0].toTensor(), &k = a[1].toTensor(), &v = a[2].toTensor();
+  auto [o, lse] = at::_scaled_dot_product_flash_attention_for_cpu(q, k, v, a[5].toDouble(), a[6].toBool(),
+                                                                   opt_tensor(a[3]), opt_double(a[8]));
+  torch::jit::push(*st, like_layout(q, o), lse.to(at::kFloat).unsqueeze(-1).contiguous(), at::Tensor(),
+                   at::Tensor(), q.size(2), k.size(2), at::zeros({}, at::kLong), at::zeros({}, at::kLong),
+                   at::Tensor());
+}
+
+// grad_out, q, k, v, out, logsumexp, philox_seed, philox_offset, attn_bias, cum_seq_q,
+// cum_seq_k, max_q, max_k, dropout_p, is_causal, scale
+void cudnn_backward(const c10::OperatorHandle&, Stack* st) {
+  auto a = torch::jit::pop(*st, 16);
+  const at::Tensor &q = a[1].toTensor(), &k = a[2].toTensor(), &v = a[3].toTensor();
+  auto [gq, gk, gv] = at::_scaled_dot_product_flash_attention_for_cpu_backward(
+      a[0].toTensor(), q, k, v, a[4].toTensor(), cpu_lse(a[5].toTensor().squeeze(-1), q), a[13].toDouble(),
+      a[14].toBool(), opt_tensor(a[8]), opt_double(a[15]));
+  torch::jit::push(*st, like_layout(q, gq), like_layout(k, gk), like_layout(v, gv));
+}
+
+TORCH_LIBRARY_IMPL(aten, CPU, m) {
+  m.impl("_scaled_dot_product_flash_attention", torch::CppFunction::makeFromBoxedFunction<&flash>());
+  m.impl("_scaled_dot_product_flash_attention_backward",
+         torch::CppFunction::makeFromBoxedFunction<&flash_backward>());
+  m.impl("_scaled_dot_product_efficient_attention", torch::CppFunction::makeFromBoxedFunction<&efficient>());
+  m.impl("_scaled_dot_product_efficient_attention_backward",
+         torch::CppFunction::makeFromBoxedFunction<&efficient_backward>());
+  m.impl("_scaled_dot_product_cudnn_attention", torch::CppFunction::makeFromBoxedFunction<&cudnn>());
+  m.impl("_scaled_dot_product_cudnn_attention_backward",
+         torch::CppFunction::makeFromBoxedFunction<&cudnn_backward>());
+}
+
+}  // namespace cuda_standins
+
+// The CUDA kernels' rules (through the stand-ins above), forward and backward, against the
+// same stand-ins on one device. 7 heads and 7 batch elements leave no rank empty on 1-4 ranks.
+TEST(AttentionSweep, CudaKernelRulesMatchOneDevice) {
+  for (int world : {1, 2, 3, 4}) {
+    run_ranks(world, [world](int rank) {
+      at::manual_seed(17);
+      auto mesh = init_device_mesh("cpu", {world});
+      auto rnd = [](c10::IntArrayRef s) { return at::randn(s, at::kFloat); };
+      const auto q = rnd({7, 7, 5, 8}), k = rnd({7, 7, 6, 8}), v = rnd({7, 7, 6, 8});
+      const auto bias = rnd({7, 7, 5, 6}), bias2d = rnd({5, 6});
+      const OpCheckOptions opts{.rtol = 1e-5, .atol = 1e-5, .requires_grad = {true, true, true, false}};
+      const std::vector<std::pair<std::string, OpFn>> ops = {
+          {"flash",
+           [](const std::vector<at::Tensor>& x) {
+             return std::vector<at::Tensor>{std::get<0>(at::_scaled_dot_product_flash_attention(x[0], x[1], x[2]))};
+           }},
+          {"flash causal",
+           [](const std::vector<at::Tensor>& x) {
+             auto r = at::_scaled_dot_product_flash_attention(x[0], x[1], x[2], 0.0, true);
+             return std::vector<at::Tensor>{std::get<0>(r), std::get<1>(r)};
+           }},
+          {"efficient",
+           [](const std::vector<at::Tensor>& x) {
+             auto r = at::_scaled_dot_product_efficient_attention(x[0], x[1], x[2], std::nullopt, true);
+             return std::vector<at::Tensor>{std::get<0>(r)};
+           }},
+          {"efficient with bias",
+           [](const std::vector<at::Tensor>& x) {
+             return std::vector<at::Tensor>{
+                 std::get<0>(at::_scaled_dot_product_efficient_attention(x[0], x[1], x[2], x[3], true))};
+           }},
+          {"cudnn",
+           [](const std::vector<at::Tensor>& x) {
+             auto r = at::_scaled_dot_product_cudnn_attention(x[0], x[1], x[2], std::nullopt, true, 0.0, true);
+             return std::vector<at::Tensor>{std::get<0>(r), std::get<1>(r)};
+           }},
+          {"cudnn with bias",
+           [](const std::vector<at::Tensor>& x) {
+             return std::vector<at::Tensor>{
+                 std::get<0>(at::_scaled_dot_product_cudnn_attention(x[0], x[1], x[2], x[3], true))};
+           }},
+      };
+      const Placements R{Replicate()}, S0{Shard(0)}, S1{Shard(1)}, S2{Shard(2)};
+      SweepCounter n;
+      for (const auto& [name, fn] : ops) {
+        const bool with_bias = name.find("bias") != std::string::npos;
+        for (const auto& m : with_bias ? std::vector<at::Tensor>{bias, bias2d} : std::vector<at::Tensor>{at::Tensor()}) {
+          for (const auto& pl : std::vector<std::vector<Placements>>{{R, R, R}, {S1, S1, S1}, {S0, S0, S0}, {S2, S1, R}}) {
+            std::vector<at::Tensor> in{q, k, v};
+            auto placements = pl;
+            if (with_bias) {
+              in.push_back(m);
+              placements.push_back(m.dim() == 4 ? pl[0] : R);
+            }
+            const std::string label = name + " " + to_string(pl[0]) + to_string(pl[1]) + to_string(pl[2]) +
+                                      (with_bias ? " bias " + c10::str(m.sizes()) : "");
+            n.add(check_op(mesh, label, fn, in, placements, opts));
+          }
+        }
+      }
+      // Heads split in, heads split out, no communication.
+      for (const auto& [name, fn] : ops) {
+        std::vector<at::Tensor> in;
+        for (const auto& t : {q, k, v, bias}) in.push_back(distribute_tensor(t, mesh, {Shard(1)}));
+        CommDebugMode comm;
+        for (const auto& out : fn(in)) EXPECT_EQ(placements(out)[0], Shard(1)) << name;
+        EXPECT_EQ(comm.get_total_counts(), 0) << name << "\n" << comm.table();
+      }
+      if (rank == 0) std::printf("[sweep] CUDA attention rules via CPU stand-ins, world %d: %ld (op, case) combinations\n", world, (long)n.cases);
     });
   }
 }
