@@ -27,7 +27,7 @@ struct Layout {
   int mask_arg = -1;             // argument index of the mask / bias, -1 if none
   std::vector<Role> returns;     // one per return
   std::vector<std::optional<TensorMeta>> meta;
-  bool guard_empty = false;      // the kernel cannot take an empty shard (all returns tensors)
+  bool guard_empty = false;  // the kernel cannot take an empty shard (all returns tensors)
 };
 
 const DTensorSpec* spec_of_arg(const OpCall& call, int arg) {
@@ -45,7 +45,8 @@ const DTensorSpec& required_arg(const OpCall& call, int arg) {
 
 // Strides of a dense tensor of `shape` whose dims are laid out in memory in `order`
 // (outermost first), as torch.empty_permuted makes them.
-std::vector<int64_t> permuted_strides(c10::IntArrayRef shape, std::initializer_list<int64_t> order) {
+std::vector<int64_t> permuted_strides(c10::IntArrayRef shape,
+                                      std::initializer_list<int64_t> order) {
   std::vector<int64_t> s(shape.size(), 1);
   int64_t acc = 1;
   for (auto it = std::rbegin(order); it != std::rend(order); ++it) {
@@ -108,7 +109,8 @@ void skip_empty_shards(const c10::OperatorHandle& op, torch::jit::Stack& stack,
   torch::jit::drop(stack, nargs);
   for (const SpecPtr& s : ctx.outputs) {
     const auto local = s->local_shape();
-    stack.emplace_back(at::empty_strided(local, strides_like(local, s->stride()), opts->dtype(s->dtype())));
+    stack.emplace_back(
+        at::empty_strided(local, strides_like(local, s->stride()), opts->dtype(s->dtype())));
   }
 }
 
@@ -133,8 +135,8 @@ Decision attention(const OpCall& call, const Layout& L) {
     Strategy s;
     bool ok = true;
     for (const auto& in : call.inputs()) {
-      const bool f = std::find(L.follow_args.begin(), L.follow_args.end(), in.arg) !=
-                     L.follow_args.end();
+      const bool f =
+          std::find(L.follow_args.begin(), L.follow_args.end(), in.arg) != L.follow_args.end();
       const bool is_mask = mask && in.arg == L.mask_arg;
       Placements p = f ? follow : is_mask ? mask_p : replicate_all(mesh_nd);
       ok = ok && (!in.spec || shardable(mesh, *in.spec, p));
@@ -151,11 +153,17 @@ Decision attention(const OpCall& call, const Layout& L) {
       for (size_t r = 0; r < L.returns.size(); ++r) {
         if (call.schema().returns()[r].type()->kind() != c10::TypeKind::TensorType) continue;
         switch (L.returns[r]) {
-          case Role::Follow: s.outputs.push_back(follow); break;
-          case Role::Mask: s.outputs.push_back(mask_p); break;
+          case Role::Follow:
+            s.outputs.push_back(follow);
+            break;
+          case Role::Mask:
+            s.outputs.push_back(mask_p);
+            break;
           // A placeholder for None: replaced below, after the choice.
           case Role::Replicate:
-          case Role::None: s.outputs.push_back(replicate_all(mesh_nd)); break;
+          case Role::None:
+            s.outputs.push_back(replicate_all(mesh_nd));
+            break;
         }
       }
       candidates.push_back(std::move(s));
@@ -184,11 +192,12 @@ Layout flash_cpu(const OpCall& call) {
   const auto& q = required_arg(call, 0);
   const auto& v = required_arg(call, 2);
   const auto& s = q.shape();
-  TORCH_CHECK(q.ndim() == 4, call.name(), ": expected 4-D query [B, H, L, E], got ", q.ndim(), " dims");
+  TORCH_CHECK(q.ndim() == 4, call.name(), ": expected 4-D query [B, H, L, E], got ", q.ndim(),
+              " dims");
   // lse is (B, H, L) laid out as (B, L, H), in the kernel's accumulation type.
   L.meta.push_back(meta_like(q, {s[0], s[1], s[2], v.shape()[3]}));
-  L.meta.push_back(TensorMeta{{s[0], s[1], s[2]}, {s[1] * s[2], 1, s[1]},
-                              at::toOpMathType(q.dtype())});
+  L.meta.push_back(
+      TensorMeta{{s[0], s[1], s[2]}, {s[1] * s[2], 1, s[1]}, at::toOpMathType(q.dtype())});
   return L;
 }
 
@@ -213,9 +222,9 @@ Layout flash_cuda(const OpCall& call) {
   Layout L;
   L.follow_args = {0, 1, 2};
   const bool debug = call.bool_arg(5);
-  L.returns = {Role::Follow, Role::Follow, Role::None,      Role::None,
-               Role::None,   Role::None,   Role::Replicate, Role::None,
-               debug ? Role::Follow : Role::Replicate};
+  L.returns = {Role::Follow,    Role::Follow, Role::None,
+               Role::None,      Role::None,   Role::None,
+               Role::Replicate, Role::None,   debug ? Role::Follow : Role::Replicate};
   const auto& q = required_arg(call, 0);
   const auto& s = q.shape();
   L.meta.resize(9);

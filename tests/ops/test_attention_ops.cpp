@@ -24,8 +24,8 @@ OpFn sdpa(Sdpa o) {
   return [o](const std::vector<at::Tensor>& x) {
     std::optional<at::Tensor> mask;
     if (o.with_mask) mask = x[3];
-    return std::vector<at::Tensor>{at::scaled_dot_product_attention(
-        x[0], x[1], x[2], mask, 0.0, o.causal, std::nullopt, o.gqa)};
+    return std::vector<at::Tensor>{at::scaled_dot_product_attention(x[0], x[1], x[2], mask, 0.0,
+                                                                    o.causal, std::nullopt, o.gqa)};
   };
 }
 
@@ -64,10 +64,12 @@ int64_t sweep(const DeviceMesh& mesh, at::ScalarType dtype, double tol) {
         auto with_mask = pl;
         // The mask is split like q where it has the dim, else replicated.
         const Placement& qp = pl[0][0];
-        const bool has_dim = qp.is_shard() && static_cast<int64_t>(ms.size()) == 4 && ms[qp.dim()] != 1;
+        const bool has_dim =
+            qp.is_shard() && static_cast<int64_t>(ms.size()) == 4 && ms[qp.dim()] != 1;
         with_mask.push_back(has_dim ? Placements{qp} : Placements{Replicate()});
-        const std::string label = "sdpa mask " + c10::str(c10::IntArrayRef(ms)) + " " + to_string(pl[0]) +
-                                  to_string(pl[1]) + to_string(pl[2]) + to_string(with_mask[3]);
+        const std::string label = "sdpa mask " + c10::str(c10::IntArrayRef(ms)) + " " +
+                                  to_string(pl[0]) + to_string(pl[1]) + to_string(pl[2]) +
+                                  to_string(with_mask[3]);
         OpCheckOptions mo = opts;
         mo.requires_grad = {true, true, true, false};
         n.add(check_op(mesh, label, sdpa({.with_mask = true}), {q, k, v, mask}, with_mask, mo));
@@ -85,7 +87,9 @@ TEST(AttentionSweep, Float64MatchesOneDevice) {
       at::manual_seed(11);
       auto mesh = init_device_mesh("cpu", {world});
       const int64_t n = sweep(mesh, at::kDouble, 1e-10);
-      if (rank == 0) std::printf("[sweep] sdpa float64, world %d: %ld (op, case) combinations\n", world, (long)n);
+      if (rank == 0)
+        std::printf("[sweep] sdpa float64, world %d: %ld (op, case) combinations\n", world,
+                    (long)n);
     });
   }
 }
@@ -96,7 +100,9 @@ TEST(AttentionSweep, Float32MatchesOneDevice) {
       at::manual_seed(12);
       auto mesh = init_device_mesh("cpu", {world});
       const int64_t n = sweep(mesh, at::kFloat, 1e-5);
-      if (rank == 0) std::printf("[sweep] sdpa float32, world %d: %ld (op, case) combinations\n", world, (long)n);
+      if (rank == 0)
+        std::printf("[sweep] sdpa float32, world %d: %ld (op, case) combinations\n", world,
+                    (long)n);
     });
   }
 }
@@ -162,22 +168,28 @@ TEST(Attention, GroupedQueryAttentionMatchesOneDevice) {
                  v = at::randn({2, 2, 5, 6}, at::kDouble);
       SweepCounter n;
       const Placements R{Replicate()}, S0{Shard(0)}, S1{Shard(1)};
-      for (const auto& pl : std::vector<std::vector<Placements>>{{S1, S1, S1}, {S0, S0, S0}, {S1, R, R}, {R, S1, S1}}) {
+      for (const auto& pl : std::vector<std::vector<Placements>>{
+               {S1, S1, S1}, {S0, S0, S0}, {S1, R, R}, {R, S1, S1}}) {
         const std::string suffix = to_string(pl[0]) + to_string(pl[1]) + to_string(pl[2]);
         for (bool causal : {false, true}) {
-          n.add(check_op(mesh, "gqa " + suffix, sdpa({.causal = causal, .gqa = true}), {q, k, v}, pl));
+          n.add(check_op(mesh, "gqa " + suffix, sdpa({.causal = causal, .gqa = true}), {q, k, v},
+                         pl));
         }
       }
       if (world == 2) {
         // 2 key/value heads on 2 ranks: the heads split is kept, no communication.
-        auto qd = distribute_tensor(q, mesh, {Shard(1)}), kd = distribute_tensor(k, mesh, {Shard(1)}),
+        auto qd = distribute_tensor(q, mesh, {Shard(1)}),
+             kd = distribute_tensor(k, mesh, {Shard(1)}),
              vd = distribute_tensor(v, mesh, {Shard(1)});
         CommDebugMode comm;
-        auto out = at::scaled_dot_product_attention(qd, kd, vd, std::nullopt, 0.0, false, std::nullopt, true);
+        auto out = at::scaled_dot_product_attention(qd, kd, vd, std::nullopt, 0.0, false,
+                                                    std::nullopt, true);
         EXPECT_EQ(comm.get_total_counts(), 0) << comm.table();
         EXPECT_EQ(placements(out)[0], Shard(1));
       }
-      if (rank == 0) std::printf("[sweep] grouped-query sdpa, world %d: %ld (op, case) combinations\n", world, (long)n.cases);
+      if (rank == 0)
+        std::printf("[sweep] grouped-query sdpa, world %d: %ld (op, case) combinations\n", world,
+                    (long)n.cases);
     });
   }
 }
@@ -194,25 +206,30 @@ TEST(Attention, RepeatedKeyValueHeadsMatchOneDevice) {
       const auto q = at::randn({2, 4, 5, 6}, at::kDouble), k = at::randn({2, 2, 5, 6}, at::kDouble),
                  v = at::randn({2, 2, 5, 6}, at::kDouble);
       const Placements R{Replicate()}, S0{Shard(0)}, S1{Shard(1)};
-      for (const auto& pl : std::vector<std::vector<Placements>>{{S1, S1, S1}, {S0, S0, S0}, {R, R, R}}) {
+      for (const auto& pl :
+           std::vector<std::vector<Placements>>{{S1, S1, S1}, {S0, S0, S0}, {R, R, R}}) {
         const std::string suffix = to_string(pl[0]) + to_string(pl[1]) + to_string(pl[2]);
-        n.add(check_op(mesh, "repeat_interleave " + suffix,
-                       [](const std::vector<at::Tensor>& x) {
-                         return std::vector<at::Tensor>{at::scaled_dot_product_attention(
-                             x[0], x[1].repeat_interleave(2, 1), x[2].repeat_interleave(2, 1))};
-                       },
-                       {q, k, v}, pl));
-        n.add(check_op(mesh, "expand + reshape " + suffix,
-                       [](const std::vector<at::Tensor>& x) {
-                         auto rep = [](const at::Tensor& t) {
-                           return t.unsqueeze(2).expand({2, 2, 2, 5, 6}).reshape({2, 4, 5, 6});
-                         };
-                         return std::vector<at::Tensor>{
-                             at::scaled_dot_product_attention(x[0], rep(x[1]), rep(x[2]))};
-                       },
-                       {q, k, v}, pl));
+        n.add(check_op(
+            mesh, "repeat_interleave " + suffix,
+            [](const std::vector<at::Tensor>& x) {
+              return std::vector<at::Tensor>{at::scaled_dot_product_attention(
+                  x[0], x[1].repeat_interleave(2, 1), x[2].repeat_interleave(2, 1))};
+            },
+            {q, k, v}, pl));
+        n.add(check_op(
+            mesh, "expand + reshape " + suffix,
+            [](const std::vector<at::Tensor>& x) {
+              auto rep = [](const at::Tensor& t) {
+                return t.unsqueeze(2).expand({2, 2, 2, 5, 6}).reshape({2, 4, 5, 6});
+              };
+              return std::vector<at::Tensor>{
+                  at::scaled_dot_product_attention(x[0], rep(x[1]), rep(x[2]))};
+            },
+            {q, k, v}, pl));
       }
-      if (rank == 0) std::printf("[sweep] repeated key/value heads, world %d: %ld (op, case) combinations\n", world, (long)n.cases);
+      if (rank == 0)
+        std::printf("[sweep] repeated key/value heads, world %d: %ld (op, case) combinations\n",
+                    world, (long)n.cases);
     });
   }
 }
@@ -254,12 +271,12 @@ std::optional<double> opt_double(const c10::IValue& v) {
 void flash(const c10::OperatorHandle&, Stack* st) {
   auto a = torch::jit::pop(*st, 7);
   const at::Tensor &q = a[0].toTensor(), &k = a[1].toTensor(), &v = a[2].toTensor();
-  auto [o, lse] = at::_scaled_dot_product_flash_attention_for_cpu(q, k, v, a[3].toDouble(), a[4].toBool(),
-                                                                   std::nullopt, opt_double(a[6]));
+  auto [o, lse] = at::_scaled_dot_product_flash_attention_for_cpu(
+      q, k, v, a[3].toDouble(), a[4].toBool(), std::nullopt, opt_double(a[6]));
   TORCH_CHECK(!a[5].toBool(), "stand-in: no debug mask");
-  torch::jit::push(*st, like_layout(q, o), lse.to(at::kFloat).contiguous(), at::Tensor(), at::Tensor(),
-                   q.size(2), k.size(2), at::zeros({2}, at::kUInt64), at::zeros({}, at::kUInt64),
-                   at::empty({0}, q.options()));
+  torch::jit::push(*st, like_layout(q, o), lse.to(at::kFloat).contiguous(), at::Tensor(),
+                   at::Tensor(), q.size(2), k.size(2), at::zeros({2}, at::kUInt64),
+                   at::zeros({}, at::kUInt64), at::empty({0}, q.options()));
 }
 
 // grad_out, q, k, v, out, logsumexp, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p,
@@ -277,8 +294,8 @@ void flash_backward(const c10::OperatorHandle&, Stack* st) {
 void efficient(const c10::OperatorHandle&, Stack* st) {
   auto a = torch::jit::pop(*st, 8);
   const at::Tensor &q = a[0].toTensor(), &k = a[1].toTensor(), &v = a[2].toTensor();
-  auto [o, lse] = at::_scaled_dot_product_flash_attention_for_cpu(q, k, v, a[5].toDouble(), a[6].toBool(),
-                                                                   opt_tensor(a[3]), opt_double(a[7]));
+  auto [o, lse] = at::_scaled_dot_product_flash_attention_for_cpu(
+      q, k, v, a[5].toDouble(), a[6].toBool(), opt_tensor(a[3]), opt_double(a[7]));
   const int64_t L = q.size(2), padded = a[4].toBool() ? (L + 31) / 32 * 32 : 0;
   auto lse_out = at::zeros({q.size(0), q.size(1), padded}, q.options().dtype(at::kFloat));
   if (padded > 0) lse_out.narrow(2, 0, L).copy_(lse);
@@ -293,8 +310,8 @@ void efficient_backward(const c10::OperatorHandle&, Stack* st) {
   TORCH_CHECK(!a[10].toBoolList().get(3), "stand-in: no attention-bias gradient");
   auto lse = cpu_lse(a[6].toTensor().narrow(2, 0, q.size(2)), q);
   auto [gq, gk, gv] = at::_scaled_dot_product_flash_attention_for_cpu_backward(
-      a[0].toTensor(), q, k, v, a[5].toTensor(), lse, a[9].toDouble(), a[11].toBool(), opt_tensor(a[4]),
-      opt_double(a[12]));
+      a[0].toTensor(), q, k, v, a[5].toTensor(), lse, a[9].toDouble(), a[11].toBool(),
+      opt_tensor(a[4]), opt_double(a[12]));
   torch::jit::push(*st, bshd(gq), bshd(gk), bshd(gv), at::Tensor());
 }
 
@@ -302,11 +319,11 @@ void efficient_backward(const c10::OperatorHandle&, Stack* st) {
 void cudnn(const c10::OperatorHandle&, Stack* st) {
   auto a = torch::jit::pop(*st, 9);
   const at::Tensor &q = a[0].toTensor(), &k = a[1].toTensor(), &v = a[2].toTensor();
-  auto [o, lse] = at::_scaled_dot_product_flash_attention_for_cpu(q, k, v, a[5].toDouble(), a[6].toBool(),
-                                                                   opt_tensor(a[3]), opt_double(a[8]));
-  torch::jit::push(*st, like_layout(q, o), lse.to(at::kFloat).unsqueeze(-1).contiguous(), at::Tensor(),
-                   at::Tensor(), q.size(2), k.size(2), at::zeros({}, at::kLong), at::zeros({}, at::kLong),
-                   at::Tensor());
+  auto [o, lse] = at::_scaled_dot_product_flash_attention_for_cpu(
+      q, k, v, a[5].toDouble(), a[6].toBool(), opt_tensor(a[3]), opt_double(a[8]));
+  torch::jit::push(*st, like_layout(q, o), lse.to(at::kFloat).unsqueeze(-1).contiguous(),
+                   at::Tensor(), at::Tensor(), q.size(2), k.size(2), at::zeros({}, at::kLong),
+                   at::zeros({}, at::kLong), at::Tensor());
 }
 
 // grad_out, q, k, v, out, logsumexp, philox_seed, philox_offset, attn_bias, cum_seq_q,
@@ -315,19 +332,22 @@ void cudnn_backward(const c10::OperatorHandle&, Stack* st) {
   auto a = torch::jit::pop(*st, 16);
   const at::Tensor &q = a[1].toTensor(), &k = a[2].toTensor(), &v = a[3].toTensor();
   auto [gq, gk, gv] = at::_scaled_dot_product_flash_attention_for_cpu_backward(
-      a[0].toTensor(), q, k, v, a[4].toTensor(), cpu_lse(a[5].toTensor().squeeze(-1), q), a[13].toDouble(),
-      a[14].toBool(), opt_tensor(a[8]), opt_double(a[15]));
+      a[0].toTensor(), q, k, v, a[4].toTensor(), cpu_lse(a[5].toTensor().squeeze(-1), q),
+      a[13].toDouble(), a[14].toBool(), opt_tensor(a[8]), opt_double(a[15]));
   torch::jit::push(*st, like_layout(q, gq), like_layout(k, gk), like_layout(v, gv));
 }
 
 TORCH_LIBRARY_IMPL(aten, CPU, m) {
-  m.impl("_scaled_dot_product_flash_attention", torch::CppFunction::makeFromBoxedFunction<&flash>());
+  m.impl("_scaled_dot_product_flash_attention",
+         torch::CppFunction::makeFromBoxedFunction<&flash>());
   m.impl("_scaled_dot_product_flash_attention_backward",
          torch::CppFunction::makeFromBoxedFunction<&flash_backward>());
-  m.impl("_scaled_dot_product_efficient_attention", torch::CppFunction::makeFromBoxedFunction<&efficient>());
+  m.impl("_scaled_dot_product_efficient_attention",
+         torch::CppFunction::makeFromBoxedFunction<&efficient>());
   m.impl("_scaled_dot_product_efficient_attention_backward",
          torch::CppFunction::makeFromBoxedFunction<&efficient_backward>());
-  m.impl("_scaled_dot_product_cudnn_attention", torch::CppFunction::makeFromBoxedFunction<&cudnn>());
+  m.impl("_scaled_dot_product_cudnn_attention",
+         torch::CppFunction::makeFromBoxedFunction<&cudnn>());
   m.impl("_scaled_dot_product_cudnn_attention_backward",
          torch::CppFunction::makeFromBoxedFunction<&cudnn_backward>());
 }
@@ -344,11 +364,13 @@ TEST(AttentionSweep, CudaKernelRulesMatchOneDevice) {
       auto rnd = [](c10::IntArrayRef s) { return at::randn(s, at::kFloat); };
       const auto q = rnd({7, 7, 5, 8}), k = rnd({7, 7, 6, 8}), v = rnd({7, 7, 6, 8});
       const auto bias = rnd({7, 7, 5, 6}), bias2d = rnd({5, 6});
-      const OpCheckOptions opts{.rtol = 1e-5, .atol = 1e-5, .requires_grad = {true, true, true, false}};
+      const OpCheckOptions opts{
+          .rtol = 1e-5, .atol = 1e-5, .requires_grad = {true, true, true, false}};
       const std::vector<std::pair<std::string, OpFn>> ops = {
           {"flash",
            [](const std::vector<at::Tensor>& x) {
-             return std::vector<at::Tensor>{std::get<0>(at::_scaled_dot_product_flash_attention(x[0], x[1], x[2]))};
+             return std::vector<at::Tensor>{
+                 std::get<0>(at::_scaled_dot_product_flash_attention(x[0], x[1], x[2]))};
            }},
           {"flash causal",
            [](const std::vector<at::Tensor>& x) {
@@ -357,38 +379,43 @@ TEST(AttentionSweep, CudaKernelRulesMatchOneDevice) {
            }},
           {"efficient",
            [](const std::vector<at::Tensor>& x) {
-             auto r = at::_scaled_dot_product_efficient_attention(x[0], x[1], x[2], std::nullopt, true);
+             auto r =
+                 at::_scaled_dot_product_efficient_attention(x[0], x[1], x[2], std::nullopt, true);
              return std::vector<at::Tensor>{std::get<0>(r)};
            }},
           {"efficient with bias",
            [](const std::vector<at::Tensor>& x) {
-             return std::vector<at::Tensor>{
-                 std::get<0>(at::_scaled_dot_product_efficient_attention(x[0], x[1], x[2], x[3], true))};
+             return std::vector<at::Tensor>{std::get<0>(
+                 at::_scaled_dot_product_efficient_attention(x[0], x[1], x[2], x[3], true))};
            }},
           {"cudnn",
            [](const std::vector<at::Tensor>& x) {
-             auto r = at::_scaled_dot_product_cudnn_attention(x[0], x[1], x[2], std::nullopt, true, 0.0, true);
+             auto r = at::_scaled_dot_product_cudnn_attention(x[0], x[1], x[2], std::nullopt, true,
+                                                              0.0, true);
              return std::vector<at::Tensor>{std::get<0>(r), std::get<1>(r)};
            }},
           {"cudnn with bias",
            [](const std::vector<at::Tensor>& x) {
-             return std::vector<at::Tensor>{
-                 std::get<0>(at::_scaled_dot_product_cudnn_attention(x[0], x[1], x[2], x[3], true))};
+             return std::vector<at::Tensor>{std::get<0>(
+                 at::_scaled_dot_product_cudnn_attention(x[0], x[1], x[2], x[3], true))};
            }},
       };
       const Placements R{Replicate()}, S0{Shard(0)}, S1{Shard(1)}, S2{Shard(2)};
       SweepCounter n;
       for (const auto& [name, fn] : ops) {
         const bool with_bias = name.find("bias") != std::string::npos;
-        for (const auto& m : with_bias ? std::vector<at::Tensor>{bias, bias2d} : std::vector<at::Tensor>{at::Tensor()}) {
-          for (const auto& pl : std::vector<std::vector<Placements>>{{R, R, R}, {S1, S1, S1}, {S0, S0, S0}, {S2, S1, R}}) {
+        for (const auto& m : with_bias ? std::vector<at::Tensor>{bias, bias2d}
+                                       : std::vector<at::Tensor>{at::Tensor()}) {
+          for (const auto& pl : std::vector<std::vector<Placements>>{
+                   {R, R, R}, {S1, S1, S1}, {S0, S0, S0}, {S2, S1, R}}) {
             std::vector<at::Tensor> in{q, k, v};
             auto placements = pl;
             if (with_bias) {
               in.push_back(m);
               placements.push_back(m.dim() == 4 ? pl[0] : R);
             }
-            const std::string label = name + " " + to_string(pl[0]) + to_string(pl[1]) + to_string(pl[2]) +
+            const std::string label = name + " " + to_string(pl[0]) + to_string(pl[1]) +
+                                      to_string(pl[2]) +
                                       (with_bias ? " bias " + c10::str(m.sizes()) : "");
             n.add(check_op(mesh, label, fn, in, placements, opts));
           }
@@ -402,7 +429,11 @@ TEST(AttentionSweep, CudaKernelRulesMatchOneDevice) {
         for (const auto& out : fn(in)) EXPECT_EQ(placements(out)[0], Shard(1)) << name;
         EXPECT_EQ(comm.get_total_counts(), 0) << name << "\n" << comm.table();
       }
-      if (rank == 0) std::printf("[sweep] CUDA attention rules via CPU stand-ins, world %d: %ld (op, case) combinations\n", world, (long)n.cases);
+      if (rank == 0)
+        std::printf(
+            "[sweep] CUDA attention rules via CPU stand-ins, world %d: %ld (op, case) "
+            "combinations\n",
+            world, (long)n.cases);
     });
   }
 }

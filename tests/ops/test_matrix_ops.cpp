@@ -28,19 +28,24 @@ OpFn one(std::function<at::Tensor(const std::vector<at::Tensor>&)> f) {
 // mm, addmm (several bias shapes), dot, mv: even, uneven (10 rows on 4 ranks) and size-1 dims.
 std::vector<Case> matrix_cases() {
   std::vector<Case> cases;
-  const std::vector<std::array<int64_t, 3>> mkn = {{8, 6, 4}, {10, 7, 5}, {1, 6, 4}, {4, 1, 3}, {5, 3, 1}};
+  const std::vector<std::array<int64_t, 3>> mkn = {
+      {8, 6, 4}, {10, 7, 5}, {1, 6, 4}, {4, 1, 3}, {5, 3, 1}};
   for (auto [m, k, n] : mkn) {
-    cases.push_back({"mm", one([](auto& x) { return at::mm(x[0], x[1]); }), {rnd({m, k}), rnd({k, n})}});
+    cases.push_back(
+        {"mm", one([](auto& x) { return at::mm(x[0], x[1]); }), {rnd({m, k}), rnd({k, n})}});
   }
   for (auto [m, k, n] : std::vector<std::array<int64_t, 3>>{{8, 6, 4}, {10, 7, 5}}) {
     for (auto bias : std::vector<std::vector<int64_t>>{{n}, {m, n}, {m, 1}}) {
-      cases.push_back({"addmm", one([](auto& x) { return at::addmm(x[0], x[1], x[2]); }),
-                       {rnd(bias), rnd({m, k}), rnd({k, n})}, true});
+      cases.push_back({"addmm",
+                       one([](auto& x) { return at::addmm(x[0], x[1], x[2]); }),
+                       {rnd(bias), rnd({m, k}), rnd({k, n})},
+                       true});
     }
   }
   cases.push_back({"addmm beta/alpha",
                    one([](auto& x) { return at::addmm(x[0], x[1], x[2], 0.5, -2.0); }),
-                   {rnd({1, 5}), rnd({6, 3}), rnd({3, 5})}, true});
+                   {rnd({1, 5}), rnd({6, 3}), rnd({3, 5})},
+                   true});
   cases.push_back({"dot", one([](auto& x) { return at::dot(x[0], x[1]); }), {rnd({7}), rnd({7})}});
   cases.push_back({"mv", one([](auto& x) { return at::mv(x[0], x[1]); }), {rnd({6, 5}), rnd({5})}});
   return cases;
@@ -49,13 +54,17 @@ std::vector<Case> matrix_cases() {
 // bmm and baddbmm, including uneven batch and a size-1 batch.
 std::vector<Case> batched_cases() {
   std::vector<Case> cases;
-  for (auto [b, m, k, n] : std::vector<std::array<int64_t, 4>>{{4, 3, 5, 2}, {3, 5, 4, 6}, {1, 2, 3, 4}}) {
-    cases.push_back({"bmm", one([](auto& x) { return at::bmm(x[0], x[1]); }),
+  for (auto [b, m, k, n] :
+       std::vector<std::array<int64_t, 4>>{{4, 3, 5, 2}, {3, 5, 4, 6}, {1, 2, 3, 4}}) {
+    cases.push_back({"bmm",
+                     one([](auto& x) { return at::bmm(x[0], x[1]); }),
                      {rnd({b, m, k}), rnd({b, k, n})}});
   }
   for (auto bias : std::vector<std::vector<int64_t>>{{3, 5, 6}, {5, 6}, {1, 5, 1}}) {
-    cases.push_back({"baddbmm", one([](auto& x) { return at::baddbmm(x[0], x[1], x[2], 0.5, 2.0); }),
-                     {rnd(bias), rnd({3, 5, 4}), rnd({3, 4, 6})}, true});
+    cases.push_back({"baddbmm",
+                     one([](auto& x) { return at::baddbmm(x[0], x[1], x[2], 0.5, 2.0); }),
+                     {rnd(bias), rnd({3, 5, 4}), rnd({3, 4, 6})},
+                     true});
   }
   return cases;
 }
@@ -89,7 +98,9 @@ TEST(MatrixSweep, MmAddmmDotMvMatchOneDevice) {
       at::manual_seed(7);
       auto mesh = init_device_mesh("cpu", {world});
       const int64_t n = sweep(mesh, matrix_cases());
-      if (rank == 0) std::printf("[sweep] mm/addmm/dot/mv, world %d: %ld (op, case) combinations\n", world, (long)n);
+      if (rank == 0)
+        std::printf("[sweep] mm/addmm/dot/mv, world %d: %ld (op, case) combinations\n", world,
+                    (long)n);
     });
   }
 }
@@ -100,7 +111,8 @@ TEST(MatrixSweep, BmmBaddbmmMatchOneDevice) {
       at::manual_seed(8);
       auto mesh = init_device_mesh("cpu", {world});
       const int64_t n = sweep(mesh, batched_cases());
-      if (rank == 0) std::printf("[sweep] bmm/baddbmm, world %d: %ld (op, case) combinations\n", world, (long)n);
+      if (rank == 0)
+        std::printf("[sweep] bmm/baddbmm, world %d: %ld (op, case) combinations\n", world, (long)n);
     });
   }
 }
@@ -122,10 +134,12 @@ TEST(MatrixSweep, MmOnTwoDimensionalMeshMatchesOneDevice) {
         n.add(check_op(mesh, "mm " + label, one([](auto& v) { return at::mm(v[0], v[1]); }), {x, w},
                        {px, pw}));
       }
-      n.add(check_op(mesh, "addmm " + to_string(px), one([](auto& v) { return at::addmm(v[0], v[1], v[2]); }),
-                     {bias, x, w}, {{Replicate(), Replicate()}, px, {Shard(1), Replicate()}}));
+      n.add(check_op(mesh, "addmm " + to_string(px),
+                     one([](auto& v) { return at::addmm(v[0], v[1], v[2]); }), {bias, x, w},
+                     {{Replicate(), Replicate()}, px, {Shard(1), Replicate()}}));
     }
-    if (rank == 0) std::printf("[sweep] mm/addmm on a 2x2 mesh: %ld (op, case) combinations\n", (long)n.cases);
+    if (rank == 0)
+      std::printf("[sweep] mm/addmm on a 2x2 mesh: %ld (op, case) combinations\n", (long)n.cases);
   });
 }
 
@@ -142,7 +156,7 @@ TEST(MatrixTensorParallel, ColwiseLinearIsShardedWithoutCommunication) {
       // The gradient arriving at the layer is sharded like its output, as after ColwiseParallel.
       auto g = distribute_tensor(g0, mesh, {Shard(1)});
       CommDebugMode comm;
-      auto y = at::linear(x, w, b);       // addmm(b, x, Wᵀ)
+      auto y = at::linear(x, w, b);      // addmm(b, x, Wᵀ)
       auto y_nobias = at::linear(x, w);  // mm(x, Wᵀ)
       EXPECT_EQ(comm.get_total_counts(), 0) << comm.table();
       EXPECT_EQ(placements(y)[0], Shard(1));
@@ -235,7 +249,8 @@ TEST(MatrixTensorParallel, DISABLED_VectorTimesColumnShardedMatrix) {
   run_ranks(2, [](int) {
     auto mesh = init_device_mesh("cpu", {2});
     const auto v = rnd({5}), m = rnd({5, 6});
-    EXPECT_TRUE(check_op(mesh, "matmul 1-D @ 2-D", one([](auto& x) { return at::matmul(x[0], x[1]); }),
-                         {v, m}, {{Replicate()}, {Shard(1)}}));
+    EXPECT_TRUE(check_op(mesh, "matmul 1-D @ 2-D",
+                         one([](auto& x) { return at::matmul(x[0], x[1]); }), {v, m},
+                         {{Replicate()}, {Shard(1)}}));
   });
 }

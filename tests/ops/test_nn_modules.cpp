@@ -32,8 +32,11 @@ struct AttentionBlockImpl : torch::nn::Module {
   }
   at::Tensor forward(const at::Tensor& x) {
     const int64_t B = x.size(0), S = x.size(1), D = x.size(2);
-    auto split = [&](const at::Tensor& t) { return t.view({B, S, heads, D / heads}).transpose(1, 2); };
-    auto a = at::scaled_dot_product_attention(split(q(x)), split(k(x)), split(v(x)), std::nullopt, 0.0, true);
+    auto split = [&](const at::Tensor& t) {
+      return t.view({B, S, heads, D / heads}).transpose(1, 2);
+    };
+    auto a = at::scaled_dot_product_attention(split(q(x)), split(k(x)), split(v(x)), std::nullopt,
+                                              0.0, true);
     return o(a.transpose(1, 2).reshape({B, S, D}));
   }
   int64_t heads;
@@ -54,7 +57,8 @@ Model linear_model(int64_t in, int64_t out, bool bias) {
 }
 
 Model mlp_model(int64_t dim, int64_t hidden) {
-  torch::nn::Sequential m(torch::nn::Linear(dim, hidden), torch::nn::ReLU(), torch::nn::Linear(hidden, dim));
+  torch::nn::Sequential m(torch::nn::Linear(dim, hidden), torch::nn::ReLU(),
+                          torch::nn::Linear(hidden, dim));
   m->to(at::kDouble);
   return {m.ptr(), [m](const at::Tensor& x) mutable { return m->forward(x); }};
 }
@@ -172,23 +176,31 @@ TEST(NnModules, LinearMatchesOneDeviceWithEveryLayout) {
         for (const auto& shape : std::vector<std::vector<int64_t>>{{4, 6}, {2, 3, 6}}) {
           for (const auto& plan : linear_plans(static_cast<int64_t>(shape.size()))) {
             for (Opt opt : {Opt::AdamW, Opt::SGD}) {
-              compare_training(mesh, std::string("Linear(6, 8") + (bias ? ")" : ", no bias)") + " on " +
-                                   c10::str(c10::IntArrayRef(shape)),
-                               [bias] { return linear_model(6, 8, bias); }, plan, shape, opt);
+              compare_training(
+                  mesh,
+                  std::string("Linear(6, 8") + (bias ? ")" : ", no bias)") + " on " +
+                      c10::str(c10::IntArrayRef(shape)),
+                  [bias] { return linear_model(6, 8, bias); }, plan, shape, opt);
               ++cases;
             }
           }
         }
       }
-      if (rank == 0) std::printf("[sweep] nn::Linear training, world %d: %ld (layout, case) combinations\n", world, (long)cases);
+      if (rank == 0)
+        std::printf("[sweep] nn::Linear training, world %d: %ld (layout, case) combinations\n",
+                    world, (long)cases);
     });
   }
 }
 
 TEST(NnModules, MlpMatchesOneDevice) {
   const std::vector<Plan> plans = {
-      {"megatron (colwise, rowwise)", {{"0.weight", S0}, {"0.bias", S0}, {"2.weight", S1}, {"2.bias", R}}, R},
-      {"rowwise, colwise", {{"0.weight", S1}, {"0.bias", R}, {"2.weight", S0}, {"2.bias", S0}}, Placements{Shard(2)}},
+      {"megatron (colwise, rowwise)",
+       {{"0.weight", S0}, {"0.bias", S0}, {"2.weight", S1}, {"2.bias", R}},
+       R},
+      {"rowwise, colwise",
+       {{"0.weight", S1}, {"0.bias", R}, {"2.weight", S0}, {"2.bias", S0}},
+       Placements{Shard(2)}},
       {"replicated", {}, R},
   };
   for (int world : {1, 2, 3, 4}) {
@@ -196,7 +208,8 @@ TEST(NnModules, MlpMatchesOneDevice) {
       auto mesh = init_device_mesh("cpu", {world});
       for (const auto& plan : plans) {
         for (Opt opt : {Opt::AdamW, Opt::SGD}) {
-          compare_training(mesh, "MLP 6-16-6", [] { return mlp_model(6, 16); }, plan, {2, 3, 6}, opt);
+          compare_training(
+              mesh, "MLP 6-16-6", [] { return mlp_model(6, 16); }, plan, {2, 3, 6}, opt);
         }
       }
     });
@@ -211,7 +224,9 @@ TEST(NnModules, MegatronMlpCommunicatesOnlyToReadTheOutput) {
       auto mesh = init_device_mesh("cpu", {world});
       at::manual_seed(0);
       Model m = mlp_model(8, 16);
-      apply_plan(*m.module, mesh, {"megatron", {{"0.weight", S0}, {"0.bias", S0}, {"2.weight", S1}, {"2.bias", R}}, R});
+      apply_plan(
+          *m.module, mesh,
+          {"megatron", {{"0.weight", S0}, {"0.bias", S0}, {"2.weight", S1}, {"2.bias", R}}, R});
       torch::optim::AdamW opt(m.module->parameters(), torch::optim::AdamWOptions(0.01));
       auto x = distribute_tensor(at::randn({4, 8}, at::kDouble), mesh, {Replicate()});
       auto w = distribute_tensor(at::randn({4, 8}, at::kDouble), mesh, {Replicate()});
@@ -235,8 +250,14 @@ TEST(NnModules, MegatronMlpCommunicatesOnlyToReadTheOutput) {
 TEST(NnModules, AttentionBlockMatchesOneDevice) {
   const std::vector<Plan> plans = {
       {"megatron (qkv colwise, o rowwise)",
-       {{"q.weight", S0}, {"q.bias", S0}, {"k.weight", S0}, {"k.bias", S0}, {"v.weight", S0},
-        {"v.bias", S0}, {"o.weight", S1}, {"o.bias", R}},
+       {{"q.weight", S0},
+        {"q.bias", S0},
+        {"k.weight", S0},
+        {"k.bias", S0},
+        {"v.weight", S0},
+        {"v.bias", S0},
+        {"o.weight", S1},
+        {"o.bias", R}},
        R},
       {"replicated", {}, R},
       {"replicated, batch-split input", {}, S0},
@@ -246,8 +267,9 @@ TEST(NnModules, AttentionBlockMatchesOneDevice) {
       auto mesh = init_device_mesh("cpu", {world});
       for (const auto& plan : plans) {
         for (Opt opt : {Opt::AdamW, Opt::SGD}) {
-          compare_training(mesh, "attention block (dim 8, 4 heads)", [] { return attention_model(8, 4); },
-                           plan, {4, 5, 8}, opt);
+          compare_training(
+              mesh, "attention block (dim 8, 4 heads)", [] { return attention_model(8, 4); }, plan,
+              {4, 5, 8}, opt);
         }
       }
     });
@@ -264,10 +286,17 @@ TEST(NnModules, MegatronAttentionBlockNeedsNoCommunication) {
       Model m = attention_model(8, 4);
       apply_plan(*m.module, mesh,
                  {"megatron",
-                  {{"q.weight", S0}, {"q.bias", S0}, {"k.weight", S0}, {"k.bias", S0}, {"v.weight", S0},
-                   {"v.bias", S0}, {"o.weight", S1}, {"o.bias", R}},
+                  {{"q.weight", S0},
+                   {"q.bias", S0},
+                   {"k.weight", S0},
+                   {"k.bias", S0},
+                   {"v.weight", S0},
+                   {"v.bias", S0},
+                   {"o.weight", S1},
+                   {"o.bias", R}},
                   R});
-      auto x = distribute_tensor(at::randn({2, 5, 8}, at::kDouble), mesh, {Replicate()}).requires_grad_(true);
+      auto x = distribute_tensor(at::randn({2, 5, 8}, at::kDouble), mesh, {Replicate()})
+                   .requires_grad_(true);
       auto w = distribute_tensor(at::randn({2, 5, 8}, at::kDouble), mesh, {Replicate()});
       CommDebugMode comm;
       auto y = m.forward(x);
