@@ -21,21 +21,26 @@ enum class Lin {
   Sum,     // the op adds operands (accumulates): Partial(sum|avg) only; summed dims allowed
 };
 
+// Operand::dims entries that are not a dim of the operand.
+constexpr int64_t kAbsent = -1;     // the operand does not run over this logical dim
+constexpr int64_t kBroadcast = -2;  // it does, broadcast (a missing leading dim)
+
 struct Operand {
-  size_t input = 0;            // index into OpCall::inputs()
-  std::vector<int64_t> dims;   // per logical dim: the operand's dim, or -1
-  bool broadcast = false;      // a size-1 dim is broadcast (replicated) instead of a mismatch
-  bool linear = false;         // Partial may pass through this operand
+  size_t input = 0;           // index into OpCall::inputs()
+  std::vector<int64_t> dims;  // per logical dim: the operand's dim, kAbsent or kBroadcast
+  bool broadcast = false;     // a size-1 dim is broadcast (replicated) instead of a mismatch
+  bool linear = false;        // Partial may pass through this operand
 };
 
 struct Space {
-  std::vector<int64_t> size;     // per logical dim
-  std::vector<int64_t> out;      // per logical dim: output dim, or -1 (summed over, or absent)
-  std::vector<bool> shardable;   // per logical dim
+  std::vector<int64_t> size;    // per logical dim
+  std::vector<int64_t> out;     // per logical dim: output dim, or -1 (summed over, or absent)
+  std::vector<bool> shardable;  // per logical dim
   std::vector<Operand> operands;
-  std::vector<bool> as_is;       // per input: left as it is (legacy empty cat inputs)
+  std::vector<bool> as_is;  // per input: left as it is (legacy empty cat inputs)
   Lin lin = Lin::None;
-  int inplace = -1;              // input written in place: it must keep its placements
+  int inplace = -1;                     // input written in place: it must keep its placements
+  std::optional<at::ScalarType> dtype;  // of the output when not the first input's
 
   explicit Space(size_t ninputs) : as_is(ninputs, false) {}
   void add_dim(int64_t sz, int64_t out_dim, bool can_shard) {
@@ -77,8 +82,8 @@ bool can_shard(const OpCall& call, const Space& s, size_t L) {
 
 struct Choice {
   enum Kind { R, S, P } kind = R;
-  size_t dim = 0;       // logical dim for S
-  Placement partial;    // for P
+  size_t dim = 0;     // logical dim for S
+  Placement partial;  // for P
 };
 
 Decision decide(const OpCall& call, const Space& s) {
@@ -103,8 +108,8 @@ Decision decide(const OpCall& call, const Space& s) {
         const auto& in = call.input(q.input);
         const Placement& qp = in.placements()[i];
         // Turning a replica into a Partial divides it: only exact for floating values.
-        ok &= qp == p || (qp.is_replicate() && (c10::isFloatingType(in.dtype()) ||
-                                                c10::isComplexType(in.dtype())));
+        ok &= qp == p || (qp.is_replicate() &&
+                          (c10::isFloatingType(in.dtype()) || c10::isComplexType(in.dtype())));
       }
       if (ok && !seen) options[i].push_back(Choice{Choice::P, 0, p});
     }
@@ -133,7 +138,7 @@ Decision decide(const OpCall& call, const Space& s) {
           const int64_t d = o.dims[L];
           if (d >= 0 && call.input(o.input).shape()[d] == s.size[L]) {
             st.inputs[o.input][i] = Shard(d);
-          } else if (summed && d < 0 && o.linear) {
+          } else if (summed && d == kAbsent && o.linear) {
             st.inputs[o.input][i] = Partial();  // counted once over the ranks of this mesh dim
           }
         }
@@ -157,7 +162,30 @@ Decision decide(const OpCall& call, const Space& s) {
               to_string(call.input(s.inplace).placements()), " that it cannot keep (a sharded ",
               "indexed/scattered dim, or a Partial the op is not linear in); redistribute it "
               "first or use the out-of-place op");
-  return dispatch::choose(call, candidates);
+  Decision d = dispatch::choose(call, candidates);
+  // Several of these ops (roll, flip, index_select, ...) have no C++ meta kernel: the space
+  // knows the output shape.
+  const auto& op = call.op();
+  const bool has_meta =
+      op.hasKernelForDispatchKey(c10::DispatchKey::Meta) ||
+      op.hasKernelForDispatchKey(c10::DispatchKey::CompositeExplicitAutograd) ||
+      op.hasKernelForDispatchKey(c10::DispatchKey::CompositeExplicitAutogradNonFunctional);
+  const auto& rets = call.schema().returns();
+  if (!has_meta && rets.size() == 1 && rets[0].type()->kind() == c10::TypeKind::TensorType) {
+    std::vector<int64_t> shape;
+    for (size_t L = 0; L < s.size.size(); ++L) {
+      if (s.out[L] < 0) continue;
+      if (static_cast<int64_t>(shape.size()) <= s.out[L]) shape.resize(s.out[L] + 1, 1);
+      shape[s.out[L]] = s.size[L];
+    }
+    if (s.inplace >= 0) {
+      d.output_meta = {call.input(s.inplace).meta()};
+    } else {
+      d.output_meta = {
+          TensorMeta{shape, default_strides(shape), s.dtype.value_or(call.input(0).dtype())}};
+    }
+  }
+  return d;
 }
 
 std::vector<int64_t> iota(int64_t n) {
@@ -177,7 +205,8 @@ Operand& identity_operand(Space& s, size_t input, int64_t ndim, bool linear,
 }
 
 // A space over `shape` with the same output dims, all shardable except `fixed`.
-Space same_shape_space(const OpCall& call, c10::IntArrayRef shape, const std::vector<int64_t>& fixed) {
+Space same_shape_space(const OpCall& call, c10::IntArrayRef shape,
+                       const std::vector<int64_t>& fixed) {
   Space s(call.num_inputs());
   for (int64_t d = 0; d < static_cast<int64_t>(shape.size()); ++d) {
     s.add_dim(shape[d], d, std::find(fixed.begin(), fixed.end(), d) == fixed.end());
@@ -278,7 +307,8 @@ Decision slice(const OpCall& call) {
   const auto& in = call.input(0);
   const int64_t dim = wrap_dim(call.int_arg(1, 0), in.ndim());
   const bool whole = whole_slice(call.arg(2), call.arg(3), call.int_arg(4, 1), in.shape()[dim]);
-  Space s = same_shape_space(call, in.shape(), whole ? std::vector<int64_t>{} : std::vector<int64_t>{dim});
+  Space s = same_shape_space(call, in.shape(),
+                             whole ? std::vector<int64_t>{} : std::vector<int64_t>{dim});
   s.lin = Lin::Select;
   identity_operand(s, 0, in.ndim(), true);
   return decide(call, s);
@@ -287,7 +317,8 @@ Decision slice(const OpCall& call) {
 // Backward ops that build a zero tensor of `input_sizes` (arg 1) around the gradient: the
 // sizes are rewritten to this rank's shard of the result.
 Decision with_local_sizes(const OpCall& call, Decision d, c10::IntArrayRef global_sizes) {
-  d.local_args.push_back({1, c10::IValue(local_shape_of(call.mesh(), global_sizes, *d.outputs[0]))});
+  d.local_args.push_back(
+      {1, c10::IValue(local_shape_of(call.mesh(), global_sizes, *d.outputs[0]))});
   return d;
 }
 
@@ -297,7 +328,8 @@ Decision slice_backward(const OpCall& call) {
   const auto sizes = call.int_list_arg(1);
   const int64_t dim = wrap_dim(call.int_arg(2), static_cast<int64_t>(sizes.size()));
   const bool whole = g.shape()[dim] == sizes[dim];
-  Space s = same_shape_space(call, sizes, whole ? std::vector<int64_t>{} : std::vector<int64_t>{dim});
+  Space s =
+      same_shape_space(call, sizes, whole ? std::vector<int64_t>{} : std::vector<int64_t>{dim});
   s.lin = Lin::Select;
   Operand& o = identity_operand(s, 0, g.ndim(), true);
   if (!whole) o.dims[dim] = -1;
@@ -328,7 +360,8 @@ Decision slice_scatter(const OpCall& call) {
   const auto& self = call.input(0);
   const int64_t dim = wrap_dim(call.int_arg(2, 0), self.ndim());
   const bool whole = whole_slice(call.arg(3), call.arg(4), call.int_arg(5, 1), self.shape()[dim]);
-  Space s = same_shape_space(call, self.shape(), whole ? std::vector<int64_t>{} : std::vector<int64_t>{dim});
+  Space s = same_shape_space(call, self.shape(),
+                             whole ? std::vector<int64_t>{} : std::vector<int64_t>{dim});
   s.lin = Lin::Select;
   identity_operand(s, 0, self.ndim(), true);
   Operand& src = identity_operand(s, 1, self.ndim(), true);
@@ -355,10 +388,10 @@ Decision select_scatter(const OpCall& call) {
 // Where self[indices] puts things: the broadcast index shape forms a block that replaces the
 // indexed dims (in place when they are adjacent, in front otherwise).
 struct IndexLayout {
-  std::vector<int64_t> self_out;     // per self dim: result dim, -1 if indexed
-  std::vector<int64_t> block;        // broadcast shape of the index tensors
-  int64_t block_start = 0;           // result dim of block[0]
-  std::vector<int64_t> shape;        // result shape
+  std::vector<int64_t> self_out;                         // per self dim: result dim, -1 if indexed
+  std::vector<int64_t> block;                            // broadcast shape of the index tensors
+  int64_t block_start = 0;                               // result dim of block[0]
+  std::vector<int64_t> shape;                            // result shape
   std::vector<std::pair<size_t, int64_t>> index_inputs;  // (input, indexed self dim)
 };
 
@@ -465,7 +498,9 @@ Decision index_put(const OpCall& call, bool inplace) {
   const auto& v = call.input(values);
   Operand& vo = s.operand(values, true, /*broadcast=*/true);
   const int64_t off = static_cast<int64_t>(l.shape.size()) - v.ndim();
-  auto value_dim = [&](int64_t result_dim) { return result_dim - off >= 0 ? result_dim - off : -1; };
+  auto value_dim = [&](int64_t result_dim) {
+    return result_dim - off >= 0 ? result_dim - off : kBroadcast;
+  };
   for (int64_t d = 0; d < n; ++d) {
     if (l.self_out[d] >= 0) vo.dims[d] = value_dim(l.self_out[d]);
   }
@@ -637,13 +672,21 @@ Decision equal(const OpCall& call) {
   d.output_meta = {std::nullopt};  // data-dependent: never run on meta tensors
   if (a.shape() != b.shape()) {
     d.inputs = {{}, {}};
-    d.local_kernel = [](const c10::OperatorHandle&, torch::jit::Stack& st, const dispatch::LocalContext&) {
+    d.local_kernel = [](const c10::OperatorHandle&, torch::jit::Stack& st,
+                        const dispatch::LocalContext&) {
       torch::jit::drop(st, 2);
       st.emplace_back(false);
     };
     return d;
   }
-  const Placements target = clear_partial(b.num_shards() > a.num_shards() ? b.placements() : a.placements());
+  // More shards wins (counting Shard mesh dims too, so size-1 mesh dims break ties).
+  auto rank_of = [](const DTensorSpec& t) {
+    int64_t dims = 0;
+    for (const auto& p : t.placements()) dims += p.is_shard() ? 1 : 0;
+    return std::make_pair(t.num_shards(), dims);
+  };
+  const Placements target =
+      clear_partial(rank_of(b) > rank_of(a) ? b.placements() : a.placements());
   d.inputs = {target, target};
   std::vector<int64_t> sharded;
   for (size_t i = 0; i < target.size(); ++i) {
@@ -674,7 +717,8 @@ Decision is_same_size(const OpCall& call) {
   d.outputs = {std::nullopt};
   d.output_meta = {std::nullopt};
   const bool same = call.input(0).shape() == call.input(1).shape();
-  d.local_kernel = [same](const c10::OperatorHandle&, torch::jit::Stack& st, const dispatch::LocalContext&) {
+  d.local_kernel = [same](const c10::OperatorHandle&, torch::jit::Stack& st,
+                          const dispatch::LocalContext&) {
     torch::jit::drop(st, 2);
     st.emplace_back(same);
   };
@@ -706,10 +750,14 @@ DTENSOR_RULES(index_ops) {
   register_rule("aten::index_add", [](const OpCall& c) { return index_add(c, false); });
   register_rule("aten::index_add_", [](const OpCall& c) { return index_add(c, true); });
   register_rule("aten::gather", gather);
-  register_rule("aten::scatter.src", [](const OpCall& c) { return scatter(c, ScatterKind::Src, false); });
-  register_rule("aten::scatter_.src", [](const OpCall& c) { return scatter(c, ScatterKind::Src, true); });
-  register_rule("aten::scatter_add", [](const OpCall& c) { return scatter(c, ScatterKind::Add, false); });
-  register_rule("aten::scatter_add_", [](const OpCall& c) { return scatter(c, ScatterKind::Add, true); });
+  register_rule("aten::scatter.src",
+                [](const OpCall& c) { return scatter(c, ScatterKind::Src, false); });
+  register_rule("aten::scatter_.src",
+                [](const OpCall& c) { return scatter(c, ScatterKind::Src, true); });
+  register_rule("aten::scatter_add",
+                [](const OpCall& c) { return scatter(c, ScatterKind::Add, false); });
+  register_rule("aten::scatter_add_",
+                [](const OpCall& c) { return scatter(c, ScatterKind::Add, true); });
   register_rule({"aten::scatter.value", "aten::scatter.reduce", "aten::scatter.value_reduce"},
                 [](const OpCall& c) { return scatter(c, ScatterKind::Value, false); });
   register_rule({"aten::scatter_.value", "aten::scatter_.reduce", "aten::scatter_.value_reduce"},
