@@ -45,6 +45,7 @@ struct CompiledReturn {
   SpecPtr spec;                 // Tensor return
   std::vector<SpecPtr> specs;   // Tensor[] return
   int writes_arg;
+  bool respec = false;          // in-place op that changes its tensor's metadata (squeeze_, t_)
 };
 
 // A cached decision, ready to execute.
@@ -317,16 +318,26 @@ Compiled compile(const c10::OperatorHandle& op, const OpInfo& info, c10::ArrayRe
       for (const auto& m : list_meta[r]) cr.specs.push_back(make_spec(*mesh, *d.outputs[r], m));
     }
     if (cr.writes_arg >= 0) {
-      // In-place / out=: the written argument keeps its layout.
+      // In-place / out=: the written tensor cannot be moved to another layout first; ops that
+      // restride it (squeeze_, t_) give it the rule's new spec after the call.
       for (size_t i = 0; i < slots.size(); ++i) {
         if (slots[i].arg != cr.writes_arg || slots[i].list_index >= 0) continue;
-        TORCH_CHECK(!c.in_target[i] && (!cr.spec || cr.spec->placements() == c.in_spec[i]->placements()),
-                    info.name, " is in-place on a DTensor with placements ",
+        TORCH_CHECK(!c.in_target[i], info.name, " is in-place on a DTensor with placements ",
                     to_string(c.in_spec[i]->placements()), " but its sharding needs ",
-                    cr.spec ? to_string(cr.spec->placements())
-                            : to_string(target_specs[i]->placements()),
+                    to_string(target_specs[i]->placements()),
                     "; use the out-of-place op or redistribute first");
-        cr.spec = c.in_spec[i];
+        if (cr.spec && !(*cr.spec == *c.in_spec[i])) {
+          TORCH_CHECK(cr.spec->placements() == c.in_spec[i]->placements() ||
+                          cr.spec->shape() != c.in_spec[i]->shape() ||
+                          cr.spec->stride() != c.in_spec[i]->stride(),
+                      info.name, " is in-place on a DTensor with placements ",
+                      to_string(c.in_spec[i]->placements()), " but its result would be ",
+                      to_string(cr.spec->placements()),
+                      "; use the out-of-place op or redistribute first");
+          cr.respec = true;
+        } else {
+          cr.spec = c.in_spec[i];
+        }
       }
     }
     c.returns.push_back(std::move(cr));
@@ -447,6 +458,7 @@ void run(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
     const auto& cr = cd.returns[r];
     c10::IValue& out = (*stack)[rbase + r];
     if (cr.writes_arg >= 0) {
+      if (C10_UNLIKELY(cr.respec)) dtensor_impl(written[w])->replace(out.toTensor(), cr.spec);
       out = written[w++];
     } else if (cr.kind == ReturnKind::Tensor) {
       if (cr.spec && out.isTensor()) out = make_dtensor(out.toTensor(), cr.spec);
