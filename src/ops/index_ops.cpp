@@ -39,18 +39,18 @@ struct Space {
   std::vector<Operand> operands;
   std::vector<bool> as_is;  // per input: left as it is (legacy empty cat inputs)
   Lin lin = Lin::None;
-  int inplace = -1;                     // input written in place: it must keep its placements
-  std::optional<at::ScalarType> dtype;  // of the output when not the first input's
+  int inplace = -1;  // input written in place: it must keep its placements
 
   explicit Space(size_t ninputs) : as_is(ninputs, false) {}
   void add_dim(int64_t sz, int64_t out_dim, bool can_shard) {
     size.push_back(sz);
     out.push_back(out_dim);
     shardable.push_back(can_shard);
-    for (auto& o : operands) o.dims.push_back(-1);
+    for (auto& o : operands) o.dims.push_back(kAbsent);
   }
   Operand& operand(size_t input, bool linear, bool broadcast = false) {
-    operands.push_back(Operand{input, std::vector<int64_t>(size.size(), -1), broadcast, linear});
+    operands.push_back(
+        Operand{input, std::vector<int64_t>(size.size(), kAbsent), broadcast, linear});
     return operands.back();
   }
 };
@@ -181,8 +181,7 @@ Decision decide(const OpCall& call, const Space& s) {
     if (s.inplace >= 0) {
       d.output_meta = {call.input(s.inplace).meta()};
     } else {
-      d.output_meta = {
-          TensorMeta{shape, default_strides(shape), s.dtype.value_or(call.input(0).dtype())}};
+      d.output_meta = {TensorMeta{shape, default_strides(shape), call.input(0).dtype()}};
     }
   }
   return d;
