@@ -33,7 +33,13 @@ at::Tensor draw(const DTensorSpec& spec, bool normal) {
 // A new local tensor for output spec `out` holding `values`, laid out like the global tensor.
 at::Tensor new_local(const DTensorSpec& out, const at::Tensor& values, at::TensorOptions opts) {
   const LocalShard block = out.local_shard();
-  return at::empty_strided(block.shape, strides_like(block.shape, out.stride()), opts).copy_(values);
+  return at::empty_strided(block.shape, strides_like(block.shape, out.stride()), opts)
+      .copy_(values);
+}
+
+// Output metadata: random kernels have no C++ meta implementation to ask.
+TensorMeta meta_like(const DTensorSpec& in, at::ScalarType dtype) {
+  return TensorMeta{in.shape(), default_strides(in.shape()), dtype};
 }
 
 size_t args_base(const c10::OperatorHandle& op, const torch::jit::Stack& st) {
@@ -56,16 +62,24 @@ enum class Fill { Bernoulli, Uniform, Normal };
 Decision fill_inplace(const OpCall& call, Fill kind) {
   check_not_partial(call);
   Decision d = all_outputs(call, {call.input(0).placements()}, call.input(0).placements());
-  d.local_kernel = [kind](const c10::OperatorHandle& op, torch::jit::Stack& st, const LocalContext& ctx) {
+  d.output_meta = {call.input(0).meta()};
+  d.local_kernel = [kind](const c10::OperatorHandle& op, torch::jit::Stack& st,
+                          const LocalContext& ctx) {
     const size_t base = args_base(op, st);
     at::Tensor self = st[base].toTensor();
     const double a = st[base + 1].toDouble();
     const double b = kind == Fill::Bernoulli ? 0.0 : st[base + 2].toDouble();
     const at::Tensor v = draw(*ctx.outputs[0], kind == Fill::Normal);
     switch (kind) {
-      case Fill::Bernoulli: self.copy_(v.lt(a)); break;            // bernoulli_(p)
-      case Fill::Uniform: self.copy_(v.mul(b - a).add_(a)); break;  // uniform_(from, to)
-      case Fill::Normal: self.copy_(v.mul(b).add_(a)); break;       // normal_(mean, std)
+      case Fill::Bernoulli:
+        self.copy_(v.lt(a));
+        break;  // bernoulli_(p)
+      case Fill::Uniform:
+        self.copy_(v.mul(b - a).add_(a));
+        break;  // uniform_(from, to)
+      case Fill::Normal:
+        self.copy_(v.mul(b).add_(a));
+        break;  // normal_(mean, std)
     }
     torch::jit::drop(st, op.schema().arguments().size());
     st.emplace_back(self);
@@ -85,7 +99,9 @@ Decision bernoulli_tensor_inplace(const OpCall& call) {
     return pd;
   });
   Decision d = all_outputs(call, {self.placements(), pt}, self.placements());
-  d.local_kernel = [](const c10::OperatorHandle& op, torch::jit::Stack& st, const LocalContext& ctx) {
+  d.output_meta = {self.meta()};
+  d.local_kernel = [](const c10::OperatorHandle& op, torch::jit::Stack& st,
+                      const LocalContext& ctx) {
     const size_t base = args_base(op, st);
     at::Tensor self = st[base].toTensor();
     const at::Tensor prob = st[base + 1].toTensor().to(at::kCPU, at::kDouble);
@@ -102,7 +118,9 @@ Decision bernoulli_tensor_inplace(const OpCall& call) {
 // bernoulli.p(self, p): only self's shape and dtype matter, so a Partial self stays as it is.
 Decision bernoulli_p(const OpCall& call) {
   Decision d = all_outputs(call, {{}}, clear_partial(call.input(0).placements()));
-  d.local_kernel = [](const c10::OperatorHandle& op, torch::jit::Stack& st, const LocalContext& ctx) {
+  d.output_meta = {meta_like(call.input(0), call.input(0).dtype())};
+  d.local_kernel = [](const c10::OperatorHandle& op, torch::jit::Stack& st,
+                      const LocalContext& ctx) {
     const size_t base = args_base(op, st);
     const at::Tensor self = st[base].toTensor();
     const double p = st[base + 1].toDouble();
@@ -118,11 +136,14 @@ Decision bernoulli_p(const OpCall& call) {
 Decision bernoulli(const OpCall& call) {
   const Placements p = clear_partial(call.input(0).placements());
   Decision d = all_outputs(call, {p}, p);
-  d.local_kernel = [](const c10::OperatorHandle& op, torch::jit::Stack& st, const LocalContext& ctx) {
+  d.output_meta = {meta_like(call.input(0), call.input(0).dtype())};
+  d.local_kernel = [](const c10::OperatorHandle& op, torch::jit::Stack& st,
+                      const LocalContext& ctx) {
     const size_t base = args_base(op, st);
     const at::Tensor self = st[base].toTensor();
     const DTensorSpec& out = *ctx.outputs[0];
-    at::Tensor r = new_local(out, draw(out, false).lt(self.to(at::kCPU, at::kDouble)), self.options());
+    at::Tensor r =
+        new_local(out, draw(out, false).lt(self.to(at::kCPU, at::kDouble)), self.options());
     torch::jit::drop(st, op.schema().arguments().size());
     st.emplace_back(std::move(r));
   };
@@ -143,7 +164,10 @@ Decision native_dropout(const OpCall& call) {
   Decision d;
   d.inputs = {keep};
   d.outputs = {keep, clear_partial(keep)};
-  d.local_kernel = [](const c10::OperatorHandle& op, torch::jit::Stack& st, const LocalContext& ctx) {
+  d.output_meta = {meta_like(call.input(0), call.input(0).dtype()),
+                   meta_like(call.input(0), at::kBool)};
+  d.local_kernel = [](const c10::OperatorHandle& op, torch::jit::Stack& st,
+                      const LocalContext& ctx) {
     const size_t base = args_base(op, st);
     const at::Tensor x = st[base].toTensor();
     const double p = st[base + 1].toDouble();
@@ -168,7 +192,12 @@ enum class Like { Uniform, Normal, Int, IntLow };
 
 Decision random_like(const OpCall& call, Like kind) {
   Decision d = all_outputs(call, {{}}, clear_partial(call.input(0).placements()));
-  d.local_kernel = [kind](const c10::OperatorHandle& op, torch::jit::Stack& st, const LocalContext& ctx) {
+  const size_t dtype_arg = kind == Like::Int ? 2 : kind == Like::IntLow ? 3 : 1;
+  const auto& dt = call.arg(dtype_arg);
+  d.output_meta = {
+      meta_like(call.input(0), dt.isNone() ? call.input(0).dtype() : dt.toScalarType())};
+  d.local_kernel = [kind](const c10::OperatorHandle& op, torch::jit::Stack& st,
+                          const LocalContext& ctx) {
     const size_t base = args_base(op, st);
     const at::Tensor self = st[base].toTensor();
     const size_t first = kind == Like::Int ? 2 : kind == Like::IntLow ? 3 : 1;  // dtype
@@ -194,7 +223,8 @@ Decision random_like(const OpCall& call, Like kind) {
 DTENSOR_RULES(random_ops) {
   using dispatch::register_rule;
   register_rule("aten::native_dropout", native_dropout);
-  register_rule("aten::bernoulli_.float", [](const OpCall& c) { return fill_inplace(c, Fill::Bernoulli); });
+  register_rule("aten::bernoulli_.float",
+                [](const OpCall& c) { return fill_inplace(c, Fill::Bernoulli); });
   register_rule("aten::bernoulli_.Tensor", bernoulli_tensor_inplace);
   register_rule("aten::uniform_", [](const OpCall& c) { return fill_inplace(c, Fill::Uniform); });
   register_rule("aten::normal_", [](const OpCall& c) { return fill_inplace(c, Fill::Normal); });
