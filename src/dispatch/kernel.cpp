@@ -10,6 +10,7 @@
 #include <c10/util/Exception.h>
 #include <c10/util/SmallVector.h>
 #include <torch/csrc/autograd/InferenceMode.h>
+#include <torch/csrc/autograd/graph_task.h>
 #include <ATen/core/LegacyTypeDispatch.h>
 
 #include <cstring>
@@ -93,12 +94,18 @@ void push_word(Key& k, int64_t w) {
   mix(k.hash, static_cast<uint64_t>(w));
 }
 
+// Plain non-scalar tensors join as Replicate under ImplicitReplication, and inside backward,
+// where derivative formulas build global-size plain zeros (at::zeros(sizes, grad.options())).
+bool plain_tensors_replicate() {
+  return ImplicitReplication::enabled() || torch::autograd::get_current_graph_task_id() != -1;
+}
+
 void add_plain_to_key(Key& k, const at::Tensor& t) {
   push_word(k, -2);
   push_word(k, static_cast<int64_t>(t.scalar_type()));
   push_word(k, t.dim());
   for (auto s : t.sizes()) push_word(k, s);
-  if (t.dim() > 0 && t.numel() != 1) push_word(k, ImplicitReplication::enabled() ? 1 : 0);
+  if (t.dim() > 0 && t.numel() != 1) push_word(k, plain_tensors_replicate() ? 1 : 0);
 }
 
 void add_tensor(Key& k, c10::SmallVector<Slot, 8>& slots, const at::Tensor& t, int arg, int li) {
@@ -262,7 +269,7 @@ Compiled compile(const c10::OperatorHandle& op, const OpInfo& info, c10::ArrayRe
       sp = s.impl->spec();
     } else {
       const at::Tensor& t = s.t;
-      if (t.dim() > 0 && t.numel() != 1 && !ImplicitReplication::enabled()) fail_mixed(info);
+      if (t.dim() > 0 && t.numel() != 1 && !plain_tensors_replicate()) fail_mixed(info);
       sp = make_spec(*mesh, replicate_all(mesh->ndim()),
                      TensorMeta{t.sizes().vec(), t.strides().vec(), t.scalar_type()});
     }

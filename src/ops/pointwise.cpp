@@ -26,15 +26,21 @@ Decision pointwise(const OpCall& call, Linearity lin, bool inplace) {
       if (s[k] != 1) out_shape[off + k] = s[k];
     }
   }
+  // Follow the most-sharded input; on equal shard counts (a 1-rank mesh) a Shard placement
+  // still beats Replicate/Partial, then more dims, then the earliest.
+  auto shard_dims = [](const DTensorSpec& s) {
+    int64_t n = 0;
+    for (const auto& p : s.placements()) n += p.is_shard() ? 1 : 0;
+    return n;
+  };
   size_t follow = 0;
   if (!inplace) {
     for (size_t j = 1; j < n; ++j) {
       const auto& a = call.input(j);
       const auto& b = call.input(follow);
-      if (a.num_shards() > b.num_shards() ||
-          (a.num_shards() == b.num_shards() && a.ndim() > b.ndim())) {
-        follow = j;
-      }
+      const auto ka = std::make_tuple(a.num_shards(), shard_dims(a), a.ndim());
+      const auto kb = std::make_tuple(b.num_shards(), shard_dims(b), b.ndim());
+      if (ka > kb) follow = j;
     }
   }
   const DTensorSpec& f = call.input(follow);

@@ -56,7 +56,22 @@ Decision reduce(const OpCall& call, ReductionKind kind, std::optional<std::vecto
   }
   std::vector<Placements> inputs{tgt};
   for (size_t j = 1; j < call.num_inputs(); ++j) inputs.push_back(replicate_all(call.mesh_ndim()));
-  return all_outputs(call, std::move(inputs), out);
+  Decision d = all_outputs(call, std::move(inputs), out);
+  // Some full reductions (max(), min()) have no meta kernel: give the output metadata here.
+  std::vector<int64_t> shape;
+  for (int64_t i = 0; i < nd; ++i) {
+    if (!reduced[i]) {
+      shape.push_back(in.shape()[i]);
+    } else if (keepdim) {
+      shape.push_back(1);
+    }
+  }
+  const at::ScalarType dtype = proxy_result_dtype(call);
+  for (auto& o : d.outputs) {
+    if (o) d.output_meta.push_back(TensorMeta{shape, default_strides(shape), dtype});
+    else d.output_meta.push_back(std::nullopt);
+  }
+  return d;
 }
 
 }  // namespace

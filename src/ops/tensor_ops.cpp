@@ -79,10 +79,8 @@ DTENSOR_RULES(tensor_ops) {
                  "aten::lift_fresh", "aten::_conj_physical", "aten::view.dtype",
                  "aten::_assert_tensor_metadata", "aten::resolve_conj", "aten::resolve_neg"},
                 follow_input);
-  register_rule({"aten::empty_like", "aten::zeros_like", "aten::ones_like", "aten::full_like",
-                 "aten::rand_like", "aten::randn_like", "aten::randint_like",
-                 "aten::randint_like.low_dtype"},
-                like);
+  // rand_like & co. draw from DTensor's stream: see random_ops.cpp.
+  register_rule({"aten::empty_like", "aten::zeros_like", "aten::ones_like", "aten::full_like"}, like);
   register_rule({"aten::new_empty", "aten::new_zeros", "aten::new_ones", "aten::new_full"},
                 new_factory);
   register_rule("aten::new_empty_strided", new_empty_strided);

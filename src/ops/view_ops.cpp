@@ -65,8 +65,13 @@ std::pair<Placements, Placements> reshape_placements(const OpCall& call, const D
       const int64_t lead_in = first_non_singleton(g.in, in.shape());
       const int64_t lead_out = first_non_singleton(g.out, out_shape);
       if (lead_in != p.dim()) break;
-      if (g.in.size() == 1 && g.out.size() == 1) {
-        od = lead_out;  // same dim, maybe uneven: fine
+      auto non_singleton = [](const std::vector<int64_t>& dims, c10::IntArrayRef shape) {
+        int64_t n = 0;
+        for (auto d : dims) n += shape[d] != 1 ? 1 : 0;
+        return n;
+      };
+      if (non_singleton(g.in, in.shape()) <= 1 && non_singleton(g.out, out_shape) <= 1) {
+        od = lead_out;  // the same dim with size-1 dims added or dropped: uneven is fine
       } else if (in.shape()[p.dim()] % k == 0 && out_shape[lead_out] % k == 0) {
         od = lead_out;
       }
