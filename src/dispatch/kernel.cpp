@@ -32,6 +32,16 @@ bool ImplicitReplication::enabled() { return tl_implicit_replication; }
 
 namespace dtensor::dispatch {
 namespace {
+thread_local int64_t tl_decision_context = 0;
+}  // namespace
+
+int64_t decision_context() { return tl_decision_context; }
+DecisionContextGuard::DecisionContextGuard(int64_t mask) : prev_(tl_decision_context) {
+  tl_decision_context |= mask;
+}
+DecisionContextGuard::~DecisionContextGuard() { tl_decision_context = prev_; }
+
+namespace {
 
 // A tensor found among the arguments.
 struct Slot {
@@ -130,6 +140,7 @@ void scan(const OpInfo& info, const void* op_key, c10::ArrayRef<c10::IValue> arg
           c10::SmallVector<Slot, 8>& slots) {
   k.op = op_key;
   k.hash = reinterpret_cast<size_t>(op_key);
+  if (C10_UNLIKELY(tl_decision_context != 0)) push_word(k, tl_decision_context);
   for (size_t i = 0; i < args.size(); ++i) {
     const c10::IValue& v = args[i];
     const int ai = static_cast<int>(i);

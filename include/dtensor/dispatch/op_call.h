@@ -101,6 +101,22 @@ void register_rule(std::initializer_list<const char*> names, const Rule& rule,
                    std::vector<int> static_args = {});
 bool has_rule(const std::string& qualified_name);
 
+// Thread-local state that changes sharding decisions (a guard such as loss_parallel sets bits
+// here while active). It is part of every decision-cache key, so decisions made inside and
+// outside the guard never mix. Rules read it through decision_context().
+int64_t decision_context();
+// Sets bits `mask` for the life of the guard (restores the previous value on destruction).
+class DecisionContextGuard {
+ public:
+  explicit DecisionContextGuard(int64_t mask);
+  ~DecisionContextGuard();
+  DecisionContextGuard(const DecisionContextGuard&) = delete;
+  DecisionContextGuard& operator=(const DecisionContextGuard&) = delete;
+
+ private:
+  int64_t prev_;
+};
+
 // Picks the cheapest candidate by the redistribution cost model, with PyTorch's tie-break
 // order (spec §5.3), and turns it into a Decision.
 Decision choose(const OpCall& call, const std::vector<Strategy>& candidates);
