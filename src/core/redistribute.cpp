@@ -5,7 +5,7 @@
 #include <c10/util/Exception.h>
 
 #include <cmath>
-#include <map>
+#include <unordered_map>
 #include <mutex>
 
 namespace dtensor {
@@ -56,8 +56,18 @@ std::vector<RedistributeStep> plan_redistribute(c10::ArrayRef<Placement> src,
                                                 c10::ArrayRef<Placement> dst) {
   TORCH_CHECK(src.size() == dst.size(), "dtensor: redistribute between ", src.size(), " and ",
               dst.size(), " placements");
-  thread_local std::map<std::pair<std::string, std::string>, std::vector<RedistributeStep>> cache;
-  auto key = std::make_pair(to_string(src), to_string(dst));
+  struct KeyHash {
+    size_t operator()(const std::pair<Placements, Placements>& k) const {
+      size_t h = k.first.size();
+      for (const auto& p : k.first) h = h * 31 + p.hash();
+      for (const auto& p : k.second) h = h * 37 + p.hash();
+      return h;
+    }
+  };
+  thread_local std::unordered_map<std::pair<Placements, Placements>, std::vector<RedistributeStep>,
+                                  KeyHash>
+      cache;
+  auto key = std::make_pair(Placements(src.begin(), src.end()), Placements(dst.begin(), dst.end()));
   if (auto it = cache.find(key); it != cache.end()) return it->second;
 
   std::vector<RedistributeStep> steps;
