@@ -57,10 +57,6 @@ std::vector<Strategy> expand(const OpCall& call, const std::vector<DimChoice>& c
   return out;
 }
 
-TensorMeta contiguous_meta(std::vector<int64_t> shape, at::ScalarType dtype) {
-  auto stride = default_strides(shape);
-  return TensorMeta{std::move(shape), std::move(stride), dtype};
-}
 
 // Lookup in this rank's rows of a row-sharded weight: ids of other ranks' rows give zeros.
 void masked_lookup(const c10::OperatorHandle& op, torch::jit::Stack& st,

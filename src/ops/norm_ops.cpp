@@ -10,13 +10,6 @@
 namespace dtensor::ops {
 namespace {
 
-// Index in call.inputs() of schema argument `arg`; -1 for an undefined optional tensor.
-int input_of(const OpCall& call, int arg) {
-  for (size_t i = 0; i < call.num_inputs(); ++i) {
-    if (call.inputs()[i].arg == arg) return static_cast<int>(i);
-  }
-  return -1;
-}
 
 // Placements of a tensor normalised over dims >= axis.
 Placements keep_outer(c10::ArrayRef<Placement> p, int64_t axis) {
@@ -34,10 +27,6 @@ Placements sum_outer(c10::ArrayRef<Placement> p) {
   return out;
 }
 
-TensorMeta contiguous_meta(std::vector<int64_t> shape, at::ScalarType dtype) {
-  auto stride = default_strides(shape);
-  return TensorMeta{std::move(shape), std::move(stride), dtype};
-}
 
 // native_layer_norm(input, normalized_shape, weight?, bias?, eps) -> (out, mean, rstd)
 // _fused_rms_norm(input, normalized_shape, weight?, eps?) -> (out, rstd)

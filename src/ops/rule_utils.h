@@ -79,6 +79,20 @@ inline Decision all_outputs(const OpCall& call, std::vector<Placements> inputs, 
   return d;
 }
 
+// Index in call.inputs() of schema argument `arg`; -1 for an undefined optional tensor
+// (undefined optionals are not among the inputs, so positions must be looked up).
+inline int input_of(const OpCall& call, int arg) {
+  for (size_t i = 0; i < call.num_inputs(); ++i) {
+    if (call.inputs()[i].arg == arg) return static_cast<int>(i);
+  }
+  return -1;
+}
+
+inline TensorMeta contiguous_meta(std::vector<int64_t> shape, at::ScalarType dtype) {
+  auto stride = default_strides(shape);
+  return TensorMeta{std::move(shape), std::move(stride), dtype};
+}
+
 // Result dtype of return `ret`, found by running the op once on one-element CPU tensors of
 // the inputs' dtypes and ranks (for ops without meta kernels).
 at::ScalarType proxy_result_dtype(const OpCall& call, size_t ret = 0);
