@@ -105,29 +105,31 @@ struct ToLocalFn : torch::autograd::Function<ToLocalFn> {
   }
 };
 
+// The forward of a redistribution, shared by the autograd Function and the no-grad path.
+at::Tensor redistribute_forward(const at::Tensor& dt, const SpecPtr& dst, const RedistributeOptions& o) {
+  const auto* impl = dtensor_impl(dt);
+  at::Tensor local = impl->local();
+  const auto orig = local.scalar_type();
+  if (o.forward_dtype) local = local.to(*o.forward_dtype);
+  if (*dst == *impl->spec() && !o.forward_dtype) {
+    return make_dtensor(local, dst);  // same layout: share the local tensor, no comm
+  }
+  auto pending = redistribute_local(local, *impl->spec(), *dst, {.async_op = o.async_op});
+  if (o.forward_dtype) {
+    pending.then([orig](at::Tensor x) { return x.to(orig); });
+  }
+  if (pending.ready()) return make_dtensor(pending.wait(), dst);
+  at::Tensor out = make_dtensor(at::empty({0}, local.options().dtype(orig)), dst);
+  dtensor_impl(out)->set_pending(std::move(pending));
+  return out;
+}
+
 struct RedistributeFn : torch::autograd::Function<RedistributeFn> {
   static variable_list forward(AutogradContext* ctx, const at::Tensor& dt, c10::IValue dst_in) {
     ctx->set_materialize_grads(false);
-    const auto* impl = dtensor_impl(dt);
     const auto& h = *static_cast<SpecHolder*>(dst_in.toCapsule().get());
-    ctx->saved_data["spec"] = hold(impl->spec(), {}, h.options);
-    at::Tensor local = impl->local();
-    const auto orig = local.scalar_type();
-    if (h.options.forward_dtype) local = local.to(*h.options.forward_dtype);
-    SpecPtr dst = h.spec;
-    if (*dst == *impl->spec() && !h.options.forward_dtype) {
-      return {make_dtensor(local, dst)};  // same layout: share the local tensor, no comm
-    }
-    auto src = impl->spec();
-    auto pending = redistribute_local(local, *src, *dst, {.async_op = h.options.async_op});
-    if (h.options.forward_dtype) {
-      pending.then([orig](at::Tensor x) { return x.to(orig); });
-    }
-    if (pending.ready()) return {make_dtensor(pending.wait(), dst)};
-    auto like = at::empty({0}, local.options().dtype(orig));
-    at::Tensor out = make_dtensor(like, dst);
-    dtensor_impl(out)->set_pending(std::move(pending));
-    return {out};
+    ctx->saved_data["spec"] = hold(dtensor_impl(dt)->spec(), {}, h.options);
+    return {redistribute_forward(dt, h.spec, h.options)};
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const auto& h = held(ctx);
@@ -199,6 +201,9 @@ at::Tensor from_local(const at::Tensor& local_in, const DeviceMesh& mesh,
     }
   }
   auto spec = make_spec(mesh, placements, std::move(meta));
+  if (!c10::GradMode::is_enabled() || !local.requires_grad()) {
+    return make_dtensor(local.detach(), std::move(spec));
+  }
   return FromLocalFn::apply(local, hold(std::move(spec)))[0];
 }
 
@@ -236,6 +241,9 @@ at::Tensor redistribute(const at::Tensor& dt, const DeviceMesh& mesh,
                 to_string(placements), ")");
   }
   auto dst = src.with_placements(placements);
+  if (!c10::GradMode::is_enabled() || !dt.requires_grad()) {
+    return redistribute_forward(dt, dst, options);  // no graph to record: skip the autograd node
+  }
   return RedistributeFn::apply(dt, hold(dst, {}, options))[0];
 }
 
