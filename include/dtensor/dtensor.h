@@ -13,3 +13,4 @@
 #include "dtensor/dispatch/implicit_replication.h"
 #include "dtensor/dispatch/op_call.h"
 #include "dtensor/mesh/device_mesh.h"
+#include "dtensor/tp/loss_parallel.h"

@@ -1,6 +1,7 @@
 // Softmax family (spec §5.5, Reductions / norms / softmax / loss): a softmax normalises over
 // one dim, so that dim (and any pending sum, which is not linear through exp) is replicated;
 // shards of the other dims pass through untouched.
+#include "../tp/loss_parallel_rules.h"
 #include "rule_utils.h"
 
 namespace dtensor::ops {
@@ -39,14 +40,24 @@ Decision softmax_backward(const OpCall& call) {
   return all_outputs(call, {p, p}, p);
 }
 
+// Inside a LossParallel the log variants are vocab-parallel (spec §7).
+Decision log_softmax(const OpCall& call) {
+  return tp::loss_parallel_enabled() ? tp::detail::log_softmax(call) : softmax(call);
+}
+Decision log_softmax_backward(const OpCall& call) {
+  return tp::loss_parallel_enabled() ? tp::detail::log_softmax_backward(call)
+                                     : softmax_backward(call);
+}
+
 }  // namespace
 
 DTENSOR_RULES(softmax_ops) {
   using dispatch::register_rule;
-  register_rule({"aten::_softmax", "aten::_log_softmax"}, softmax);
+  register_rule("aten::_softmax", softmax);
+  register_rule("aten::_log_softmax", log_softmax);
   register_rule("aten::_safe_softmax", safe_softmax);
-  register_rule({"aten::_softmax_backward_data", "aten::_log_softmax_backward_data"},
-                softmax_backward);
+  register_rule("aten::_softmax_backward_data", softmax_backward);
+  register_rule("aten::_log_softmax_backward_data", log_softmax_backward);
 }
 
 }  // namespace dtensor::ops

@@ -1,0 +1,39 @@
+#pragma once
+// Vocab-parallel cross entropy (PyTorch's loss_parallel(), spec §7). While a LossParallel
+// lives on this thread, log_softmax / nll_loss on logits that are a DTensor sharded on the
+// class dim of a 1-D mesh are computed without gathering the classes: forward costs three
+// all_reduces of N elements (N = product of the non-class dims), backward none. The loss is
+// Replicate and the logits' gradient stays Shard(class).
+//
+//   {
+//     dtensor::tp::LossParallel lp;
+//     auto loss = F::cross_entropy(logits, target);  // logits: Shard(1); target: a DTensor
+//     loss.backward();                               // keep the guard alive here too
+//   }
+//
+// Like PyTorch: logits sharded on another dim, or on a 2-D mesh, raise an error naming
+// loss_parallel; a log_softmax not consumed by nll_loss gets an identity backward.
+// The target (and class weights) are used whole on every rank (redistributed to Replicate).
+// Label smoothing is not supported: its extra term's gradient would skip the log_softmax
+// backward (PyTorch has the same silent limitation).
+#include <cstdint>
+
+#include "dtensor/dispatch/op_call.h"
+
+namespace dtensor::tp {
+
+// The decision-context bit LossParallel sets (see dispatch::decision_context()).
+inline constexpr int64_t kLossParallelBit = int64_t{1} << 0;
+
+class LossParallel {
+ public:
+  LossParallel() : guard_(kLossParallelBit) {}
+
+ private:
+  dispatch::DecisionContextGuard guard_;
+};
+
+// Whether a LossParallel is alive on this thread.
+inline bool loss_parallel_enabled() { return (dispatch::decision_context() & kLossParallelBit) != 0; }
+
+}  // namespace dtensor::tp

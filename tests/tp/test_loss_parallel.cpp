@@ -1,0 +1,144 @@
+// loss_parallel (spec §7, §11 case 20): cross entropy on class-sharded logits inside a
+// LossParallel matches one device, costs exactly three all_reduces forward and none backward,
+// and keeps the gradient Shard(1). Other shardings raise; outside the guard the ordinary
+// (class-gathering) rules still apply.
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+#include <torch/nn/functional/loss.h>
+
+#include "dtensor/dtensor.h"
+#include "support/distributed.h"
+#include "support/op_check.h"
+
+using namespace dtensor;
+using namespace dtensor::testing;
+namespace F = torch::nn::functional;
+
+namespace {
+
+enum class Reduce { None, Mean, Sum };
+const char* name(Reduce r) { return r == Reduce::None ? "none" : r == Reduce::Mean ? "mean" : "sum"; }
+
+F::CrossEntropyFuncOptions options(Reduce r, const at::Tensor& weight, int64_t ignore) {
+  F::CrossEntropyFuncOptions o;
+  o.reduction(r == Reduce::None ? F::CrossEntropyFuncOptions::reduction_t(torch::kNone)
+              : r == Reduce::Mean ? F::CrossEntropyFuncOptions::reduction_t(torch::kMean)
+                                  : F::CrossEntropyFuncOptions::reduction_t(torch::kSum));
+  if (weight.defined()) o.weight(weight);
+  o.ignore_index(ignore);
+  return o;
+}
+
+// The loss's backward from a fixed cotangent (ones for "none").
+void backward(const at::Tensor& y, Reduce r) {
+  if (r == Reduce::None) {
+    y.backward(at::ones_like(y));
+  } else {
+    y.backward();
+  }
+}
+
+}  // namespace
+
+TEST(LossParallel, MatchesOneDeviceWithThreeAllReducesForwardAndNoneBackward) {
+  for (int world : {2, 3, 4}) {
+    run_ranks(world, [](int) {
+      const int64_t world = comm::get_world_size();
+      auto mesh = init_device_mesh("cpu", {world});
+      for (const std::vector<int64_t>& shape : {std::vector<int64_t>{8, 16}, {8, 16, 12}, {16}}) {
+        auto x = at::rand(shape, at::kDouble);
+        std::vector<int64_t> tshape = shape;
+        tshape.erase(tshape.begin() + (shape.size() > 1 ? 1 : 0));  // (16): a 0-d target
+        auto target = at::randint(16, tshape, at::kLong);
+        if (target.dim() > 0) target.flatten()[0] = 3;  // a target ignored by ignore_index 3
+        auto weight = at::rand({16}, at::kDouble);
+        for (Reduce r : {Reduce::None, Reduce::Mean, Reduce::Sum}) {
+          for (int variant = 0; variant < 3; ++variant) {  // plain; weights; ignore_index 3
+            const at::Tensor w = variant == 1 ? weight : at::Tensor();
+            const int64_t ignore = variant == 2 ? 3 : -100;
+            SCOPED_TRACE(c10::str("world ", world, " ", c10::IntArrayRef(shape), " ", name(r),
+                                  " variant ", variant));
+            try {
+              auto xr = x.clone().requires_grad_(true);
+              auto ref = F::cross_entropy(xr, target, options(r, w, ignore));
+              backward(ref, r);
+
+              const int64_t cls = shape.size() > 1 ? 1 : 0;
+              auto dx = distribute_tensor(x, mesh, {Shard(cls)}).requires_grad_(true);
+              auto dtarget = distribute_tensor(target, mesh, {Replicate()});
+              auto dw = w.defined() ? distribute_tensor(w, mesh, {Replicate()}) : at::Tensor();
+              tp::LossParallel lp;
+              CommDebugMode comm;
+              auto loss = F::cross_entropy(dx, dtarget, options(r, dw, ignore));
+              EXPECT_EQ(comm.get_comm_counts(), CommCounts({{CommType::all_reduce, 3}}))
+                  << comm.table();
+              EXPECT_EQ(placements(loss)[0], Replicate());
+              comm.enter();
+              backward(loss, r);
+              EXPECT_EQ(comm.get_comm_counts(), CommCounts{}) << comm.table();
+              comm.exit();
+              EXPECT_TENSOR_CLOSE(full_tensor(loss.detach()), ref.detach(), 1e-10, 1e-10);
+              EXPECT_EQ(placements(dx.grad())[0], Shard(cls));
+              EXPECT_TENSOR_CLOSE(full_tensor(dx.grad()), xr.grad(), 1e-10, 1e-10);
+            } catch (const c10::Error& e) {
+              ADD_FAILURE() << e.what_without_backtrace();
+            }
+          }
+        }
+      }
+    });
+  }
+}
+
+TEST(LossParallel, OtherShardingsRaise) {
+  run_ranks(2, [](int) {
+    auto mesh = init_device_mesh("cpu", {2});
+    auto x = at::rand({8, 16, 12}, at::kDouble);
+    auto target = at::randint(16, {8, 12}, at::kLong);
+    for (int64_t dim : {0, 2}) {
+      auto dx = distribute_tensor(x, mesh, {Shard(dim)}).requires_grad_(true);
+      auto dtarget = distribute_tensor(target, mesh, {Replicate()});
+      tp::LossParallel lp;
+      try {
+        F::cross_entropy(dx, dtarget);
+        ADD_FAILURE() << "no error for Shard(" << dim << ")";
+      } catch (const c10::Error& e) {
+        EXPECT_NE(std::string(e.what()).find("loss_parallel"), std::string::npos) << e.what();
+      }
+    }
+  });
+  run_ranks(4, [](int) {
+    auto mesh = init_device_mesh("cpu", {2, 2});
+    auto dx = distribute_tensor(at::rand({8, 16}, at::kDouble), mesh, {Replicate(), Shard(1)});
+    tp::LossParallel lp;
+    try {
+      F::cross_entropy(dx, distribute_tensor(at::randint(16, {8}, at::kLong), mesh,
+                                             {Replicate(), Replicate()}));
+      ADD_FAILURE() << "no error on a 2-D mesh";
+    } catch (const c10::Error& e) {
+      EXPECT_NE(std::string(e.what()).find("one-dimensional DeviceMesh"), std::string::npos)
+          << e.what();
+    }
+  });
+}
+
+TEST(LossParallel, OutsideTheGuardTheClassDimIsGathered) {
+  run_ranks(2, [](int) {
+    auto mesh = init_device_mesh("cpu", {2});
+    auto x = at::rand({8, 16}, at::kDouble);
+    auto target = at::randint(16, {8}, at::kLong);
+    auto xr = x.clone().requires_grad_(true);
+    auto ref = F::cross_entropy(xr, target);
+    ref.backward();
+    { tp::LossParallel lp; }  // a guard that has ended leaves nothing behind
+    auto dx = distribute_tensor(x, mesh, {Shard(1)}).requires_grad_(true);
+    auto dtarget = distribute_tensor(target, mesh, {Replicate()});
+    CommDebugMode comm;
+    auto loss = F::cross_entropy(dx, dtarget);
+    EXPECT_EQ(comm.get_comm_counts(), CommCounts({{CommType::all_gather_into_tensor, 1}}));
+    comm.exit();
+    loss.backward();
+    EXPECT_TENSOR_CLOSE(full_tensor(loss.detach()), ref.detach(), 1e-10, 1e-10);
+    EXPECT_TENSOR_CLOSE(full_tensor(dx.grad()), xr.grad(), 1e-10, 1e-10);
+  });
+}
