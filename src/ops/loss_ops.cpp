@@ -16,13 +16,6 @@
 namespace dtensor::ops {
 namespace {
 
-// Index in call.inputs() of schema argument `arg`; -1 for an undefined optional tensor.
-int input_of(const OpCall& call, int arg) {
-  for (size_t i = 0; i < call.num_inputs(); ++i) {
-    if (call.inputs()[i].arg == arg) return static_cast<int>(i);
-  }
-  return -1;
-}
 
 int64_t class_dim(const DTensorSpec& in) { return in.ndim() >= 2 ? 1 : 0; }
 
@@ -53,10 +46,6 @@ bool has_shard(c10::ArrayRef<Placement> p) {
   return std::any_of(p.begin(), p.end(), [](const Placement& x) { return x.is_shard(); });
 }
 
-TensorMeta contiguous_meta(std::vector<int64_t> shape, at::ScalarType dtype) {
-  auto stride = default_strides(shape);
-  return TensorMeta{std::move(shape), std::move(stride), dtype};
-}
 
 // nll_loss's total weight: the summed class weights (or count) of the targets not ignored.
 at::Tensor total_weight_of(const at::Tensor& target, const at::Tensor& weight, int64_t ignore_index,
