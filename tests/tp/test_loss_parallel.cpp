@@ -142,3 +142,24 @@ TEST(LossParallel, OutsideTheGuardTheClassDimIsGathered) {
     EXPECT_TENSOR_CLOSE(full_tensor(dx.grad()), xr.grad(), 1e-10, 1e-10);
   });
 }
+
+TEST(LossParallel, PlainTargetIsTreatedAsReplicate) {
+  run_ranks(4, [](int) {
+    auto mesh = init_device_mesh("cpu", {4});
+    auto x = at::rand({8, 16}, at::kDouble);
+    auto target = at::randint(16, {8}, at::kLong);
+    auto xr = x.clone().requires_grad_(true);
+    auto ref = F::cross_entropy(xr, target);
+    ref.backward();
+    auto dx = distribute_tensor(x, mesh, {Shard(1)}).requires_grad_(true);
+    tp::LossParallel lp;
+    CommDebugMode comm;
+    auto loss = F::cross_entropy(dx, target);  // plain target, as PyTorch accepts
+    EXPECT_EQ(comm.get_comm_counts(), CommCounts({{CommType::all_reduce, 3}}));
+    comm.enter();
+    loss.backward();
+    EXPECT_EQ(comm.get_total_counts(), 0);
+    EXPECT_TENSOR_CLOSE(full_tensor(loss.detach()), ref.detach(), 1e-10, 1e-10);
+    EXPECT_TENSOR_CLOSE(full_tensor(dx.grad()), xr.grad(), 1e-10, 1e-10);
+  });
+}

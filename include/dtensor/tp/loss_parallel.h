@@ -7,17 +7,19 @@
 //
 //   {
 //     dtensor::tp::LossParallel lp;
-//     auto loss = F::cross_entropy(logits, target);  // logits: Shard(1); target: a DTensor
+//     auto loss = F::cross_entropy(logits, target);  // logits: Shard(1); target: any tensor
 //     loss.backward();                               // keep the guard alive here too
 //   }
 //
 // Like PyTorch: logits sharded on another dim, or on a 2-D mesh, raise an error naming
 // loss_parallel; a log_softmax not consumed by nll_loss gets an identity backward.
-// The target (and class weights) are used whole on every rank (redistributed to Replicate).
+// The target (and class weights) are used whole on every rank: plain tensors count as
+// Replicate inside the guard (as PyTorch wraps them), DTensors are redistributed to Replicate.
 // Label smoothing is not supported: its extra term's gradient would skip the log_softmax
 // backward (PyTorch has the same silent limitation).
 #include <cstdint>
 
+#include "dtensor/dispatch/implicit_replication.h"
 #include "dtensor/dispatch/op_call.h"
 
 namespace dtensor::tp {
@@ -31,6 +33,7 @@ class LossParallel {
 
  private:
   dispatch::DecisionContextGuard guard_;
+  ImplicitReplication plain_targets_;  // a plain target tensor joins as Replicate
 };
 
 // Whether a LossParallel is alive on this thread.
