@@ -196,7 +196,8 @@ at::Tensor from_local(const at::Tensor& local_in, const DeviceMesh& mesh,
     for (int64_t i = 0; i < mesh.ndim(); ++i) {
       if (placements[i].is_replicate()) {
         at::Tensor b = comm::broadcast(local.detach(), 0, mesh.group(i));
-        local = local.requires_grad() ? local * 0 + b : b;  // keep the autograd link to local
+        // rank 0's values, with an identity gradient to the caller's tensor (not mutated)
+        local = local.requires_grad() ? b + (local - local.detach()) : b;
       }
     }
   }

@@ -96,6 +96,12 @@ TEST(FromLocal, RunCheckBroadcastsReplicasFromFirstRank) {
     auto dt = from_local(at::full({2}, static_cast<double>(rank + 7)), mesh, {Replicate()},
                          {.run_check = true});
     EXPECT_TENSOR_EQ(local_tensor(dt), at::full({2}, 7.0, at::kFloat));
+    // The gradient still reaches the caller's local tensor.
+    auto x = at::full({2}, static_cast<double>(rank + 7)).requires_grad_(true);
+    auto y = from_local(x, mesh, {Replicate()}, {.run_check = true});
+    EXPECT_TENSOR_EQ(local_tensor(y), at::full({2}, 7.0, at::kFloat));
+    to_local(y * 3).sum().backward();
+    EXPECT_TENSOR_EQ(x.grad(), at::full({2}, 3.0));
   });
 }
 
