@@ -14,3 +14,8 @@
 #include "dtensor/dispatch/op_call.h"
 #include "dtensor/mesh/device_mesh.h"
 #include "dtensor/tp/loss_parallel.h"
+#include "dtensor/tp/layers.h"
+#include "dtensor/tp/module_hooks.h"
+#include "dtensor/tp/parallel_style.h"
+#include "dtensor/tp/parallelize_module.h"
+#include "dtensor/tp/styles.h"

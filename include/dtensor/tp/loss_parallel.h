@@ -37,6 +37,8 @@ class LossParallel {
 };
 
 // Whether a LossParallel is alive on this thread.
-inline bool loss_parallel_enabled() { return (dispatch::decision_context() & kLossParallelBit) != 0; }
+inline bool loss_parallel_enabled() {
+  return (dispatch::decision_context() & kLossParallelBit) != 0;
+}
 
 }  // namespace dtensor::tp

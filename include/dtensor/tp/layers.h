@@ -1,0 +1,70 @@
+#pragma once
+// Hook-capable drop-in layers: dtensor::nn::Linear is a torch::nn::LinearImpl (same options,
+// members and parameters) whose forward runs forward hooks, so parallel styles can convert its
+// inputs and outputs as PyTorch's do. Swap the type, keep the code:
+//
+//   torch::nn::Linear fc{16, 32};   →   dtensor::nn::Linear fc{16, 32};
+//
+// dtensor::nn::Module is the base for users' own modules (see tp/module_hooks.h).
+// clone() of the standard layers returns the torch::nn type (without hooks).
+#include <torch/nn/modules/dropout.h>
+#include <torch/nn/modules/embedding.h>
+#include <torch/nn/modules/linear.h>
+#include <torch/nn/modules/normalization.h>
+#include <torch/nn/pimpl.h>
+
+#include <optional>
+
+#include "dtensor/core/distribute_module.h"
+#include "dtensor/tp/module_hooks.h"
+
+namespace dtensor::nn {
+
+// Base class for users' own modules: torch::nn::Module plus forward hooks.
+class Module : public torch::nn::Module, public tp::HookedModule {
+ public:
+  using torch::nn::Module::Module;
+};
+
+// Defines XImpl deriving from torch::nn::XImpl with a hooked single-input forward.
+#define DTENSOR_HOOKED_LAYER(Name, ArgType)                                                  \
+  class Name##Impl : public torch::nn::Name##Impl, public tp::HookedModule {                 \
+   public:                                                                                   \
+    using torch::nn::Name##Impl::Name##Impl;                                                 \
+    at::Tensor forward(ArgType input) {                                                      \
+      return call_forward(                                                                   \
+          [this](const at::Tensor& x) { return torch::nn::Name##Impl::forward(x); }, input); \
+    }                                                                                        \
+  };                                                                                         \
+  TORCH_MODULE(Name)
+
+DTENSOR_HOOKED_LAYER(Linear, const at::Tensor&);
+DTENSOR_HOOKED_LAYER(Embedding, const at::Tensor&);
+DTENSOR_HOOKED_LAYER(LayerNorm, const at::Tensor&);
+DTENSOR_HOOKED_LAYER(Dropout, at::Tensor);
+
+#undef DTENSOR_HOOKED_LAYER
+
+struct RMSNormOptions {
+  /* implicit */ RMSNormOptions(int64_t dim) : dim(dim) {}
+  int64_t dim;
+  std::optional<double> eps;  // none: the dtype's machine epsilon, as torch.nn.RMSNorm
+  bool elementwise_affine = true;
+};
+
+// Root-mean-square norm over the last dimension (torch.nn.RMSNorm, which LibTorch's C++ API
+// lacks), computed with at::rms_norm.
+class RMSNormImpl : public Module, public ParameterSwapTarget {
+ public:
+  explicit RMSNormImpl(RMSNormOptions options);
+  at::Tensor forward(const at::Tensor& input);
+  void reset_parameters();
+  void on_parameter_replaced(const std::string& name, const at::Tensor& value) override;
+  void pretty_print(std::ostream& stream) const override;
+
+  RMSNormOptions options;
+  at::Tensor weight;  // undefined without elementwise_affine
+};
+TORCH_MODULE(RMSNorm);
+
+}  // namespace dtensor::nn

@@ -1,0 +1,118 @@
+#pragma once
+// Forward hooks for C++ modules (ARCHITECTURE §3). torch::nn::Module has neither hooks nor a
+// virtual forward, so a module opts in by deriving from HookedModule and routing its forward
+// through call_forward(). Parallel styles register hooks to convert inputs and outputs; the
+// drop-in layers in dtensor/tp/layers.h and dtensor::nn::Module (for users' own modules) do
+// the routing already.
+//
+//   struct BlockImpl : dtensor::nn::Module {
+//     at::Tensor forward(const at::Tensor& x, const at::Tensor& freqs) {
+//       return call_forward([&](const at::Tensor& x, const at::Tensor& freqs) { ... }, x, freqs);
+//     }
+//   };
+//
+// Hooks see a call as IValues (tensors, scalars, None, tuples), so they can convert any
+// positional or keyword argument. Modules with keyword arguments take a tp::Kwargs and use
+// call_forward_kw().
+#include <ATen/core/ivalue.h>
+#include <c10/util/Exception.h>
+#include <torch/nn/module.h>
+
+#include <cstddef>
+#include <functional>
+#include <string>
+#include <tuple>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+namespace dtensor::tp {
+
+using Kwargs = std::vector<std::pair<std::string, c10::IValue>>;
+
+// One forward call as hooks see it.
+struct ModuleCall {
+  std::vector<c10::IValue> args;
+  Kwargs kwargs;  // in call order
+
+  // The keyword argument `name`, or nullptr when the call does not pass it.
+  c10::IValue* kwarg(const std::string& name);
+  const c10::IValue* kwarg(const std::string& name) const;
+};
+
+// May rewrite the call's arguments in place.
+using ForwardPreHook = std::function<void(torch::nn::Module& module, ModuleCall& call)>;
+// May replace the output (a tuple IValue when the module returns several values).
+using ForwardHook =
+    std::function<void(torch::nn::Module& module, const ModuleCall& call, c10::IValue& output)>;
+
+class HookedModule {
+ public:
+  HookedModule() = default;
+  HookedModule(const HookedModule&) = default;  // clone() copies hooks with the module
+  HookedModule& operator=(const HookedModule&) = default;
+  virtual ~HookedModule() = default;
+
+  // Returns a handle for remove_hook.
+  size_t register_forward_pre_hook(ForwardPreHook hook);
+  size_t register_forward_hook(ForwardHook hook);
+  void remove_hook(size_t handle);
+  size_t num_hooks() const { return pre_hooks_.size() + hooks_.size(); }
+
+  // The module's path from the root of its model ("layers.0.attention"), used to attribute
+  // collectives in CommDebugMode; set by parallelize_module and tp::name_modules().
+  const std::string& fqn() const { return fqn_; }
+  void set_fqn(std::string fqn) { fqn_ = std::move(fqn); }
+
+ protected:
+  // Runs pre-hooks, then body(args...) on the (possibly rewritten) arguments, then the
+  // forward hooks on its result. Arguments and result must convert to and from c10::IValue
+  // (at::Tensor, scalars, std::optional, std::tuple of those, std::vector<at::Tensor>).
+  template <class Body, class... Args>
+  auto call_forward(Body&& body, const Args&... args);
+
+  // The general form: body reads positional and keyword arguments from the call.
+  c10::IValue call_forward_kw(const std::function<c10::IValue(const ModuleCall&)>& body,
+                              ModuleCall call);
+
+ private:
+  torch::nn::Module& as_module();
+  template <class Body, class Tuple, size_t... I>
+  static auto invoke_unpacked(Body& body, const ModuleCall& call, std::index_sequence<I...>);
+
+  std::vector<std::pair<size_t, ForwardPreHook>> pre_hooks_;
+  std::vector<std::pair<size_t, ForwardHook>> hooks_;
+  size_t next_handle_ = 0;
+  std::string fqn_;
+};
+
+// Names every HookedModule under `root` by its path (the root gets "").
+void name_modules(torch::nn::Module& root);
+
+// ---- implementation ----
+
+template <class Body, class Tuple, size_t... I>
+auto HookedModule::invoke_unpacked(Body& body, const ModuleCall& call, std::index_sequence<I...>) {
+  return body(call.args[I].to<std::tuple_element_t<I, Tuple>>()...);
+}
+
+template <class Body, class... Args>
+auto HookedModule::call_forward(Body&& body, const Args&... args) {
+  using ArgTuple = std::tuple<std::decay_t<Args>...>;
+  using Result = std::decay_t<decltype(body(args...))>;
+  ModuleCall call;
+  call.args.reserve(sizeof...(Args));
+  (call.args.emplace_back(args), ...);
+  c10::IValue out = call_forward_kw(
+      [&](const ModuleCall& c) -> c10::IValue {
+        TORCH_CHECK(c.args.size() == sizeof...(Args), "a forward pre-hook of ", as_module().name(),
+                    " changed the number of positional arguments from ", sizeof...(Args), " to ",
+                    c.args.size());
+        return c10::IValue(
+            invoke_unpacked<Body, ArgTuple>(body, c, std::index_sequence_for<Args...>{}));
+      },
+      std::move(call));
+  return std::move(out).template to<Result>();
+}
+
+}  // namespace dtensor::tp
