@@ -7,8 +7,9 @@
 #include <torch/nn/modules/linear.h>
 #include <torch/nn/modules/normalization.h>
 
+#include <memory>
 #include <mutex>
-#include <unordered_set>
+#include <unordered_map>
 
 #include "dtensor/core/api.h"
 
@@ -52,10 +53,14 @@ template <typename Impl>
 bool set_norm_buffer(torch::nn::Module& m, const std::string& name, const at::Tensor& v) {
   auto* impl = dynamic_cast<Impl*>(&m);
   if (!impl) return false;
-  if (name == "running_mean") impl->running_mean = v;
-  else if (name == "running_var") impl->running_var = v;
-  else if (name == "num_batches_tracked") impl->num_batches_tracked = v;
-  else return false;
+  if (name == "running_mean")
+    impl->running_mean = v;
+  else if (name == "running_var")
+    impl->running_var = v;
+  else if (name == "num_batches_tracked")
+    impl->num_batches_tracked = v;
+  else
+    return false;
   return true;
 }
 
@@ -64,10 +69,12 @@ void update_member(torch::nn::Module& m, const std::string& name, const at::Tens
     t->on_parameter_replaced(name, v);
     return;
   }
-  set_member<torch::nn::LinearImpl>(m, name, v) || set_member<torch::nn::EmbeddingImpl>(m, name, v) ||
+  set_member<torch::nn::LinearImpl>(m, name, v) ||
+      set_member<torch::nn::EmbeddingImpl>(m, name, v) ||
       set_member<torch::nn::LayerNormImpl>(m, name, v) ||
       set_member<torch::nn::GroupNormImpl>(m, name, v) ||
-      set_member<torch::nn::Conv1dImpl>(m, name, v) || set_member<torch::nn::Conv2dImpl>(m, name, v) ||
+      set_member<torch::nn::Conv1dImpl>(m, name, v) ||
+      set_member<torch::nn::Conv2dImpl>(m, name, v) ||
       set_member<torch::nn::Conv3dImpl>(m, name, v) ||
       set_member<torch::nn::BatchNorm1dImpl>(m, name, v) ||
       set_member<torch::nn::BatchNorm2dImpl>(m, name, v) ||
@@ -77,13 +84,37 @@ void update_member(torch::nn::Module& m, const std::string& name, const at::Tens
       set_norm_buffer<torch::nn::BatchNorm3dImpl>(m, name, v);
 }
 
+// Modules distribute_module has been applied to. Keyed by address, with a weak reference to
+// tell a live module from a later one at a reused address (modules owned by a shared_ptr; a
+// module on the stack has no owner and is matched by address alone).
+struct AppliedEntry {
+  std::weak_ptr<const torch::nn::Module> owner;
+  bool owned = false;
+};
 std::mutex& applied_mu() {
   static std::mutex m;
   return m;
 }
-std::unordered_set<const torch::nn::Module*>& applied() {
-  static std::unordered_set<const torch::nn::Module*> s;
+std::unordered_map<const torch::nn::Module*, AppliedEntry>& applied() {
+  static std::unordered_map<const torch::nn::Module*, AppliedEntry> s;
   return s;
+}
+bool is_applied_locked(const torch::nn::Module& module) {
+  auto it = applied().find(&module);
+  if (it == applied().end()) return false;
+  if (it->second.owned && it->second.owner.expired()) {
+    applied().erase(it);  // that module is gone; this is a new one at the same address
+    return false;
+  }
+  return true;
+}
+
+// Root first (as ""), then every submodule; the root need not be owned by a shared_ptr.
+template <typename F>
+void for_each_module(torch::nn::Module& root, F&& f) {
+  f(std::string(), root);
+  for (const auto& item : root.named_modules("", /*include_self=*/false))
+    f(item.key(), *item.value());
 }
 
 }  // namespace
@@ -108,26 +139,42 @@ void replace_buffer(torch::nn::Module& module, const std::string& name, at::Tens
 }
 
 void distribute_module(torch::nn::Module& module, const DeviceMesh& mesh,
-                       const PartitionFn& partition_fn) {
+                       const PartitionFn& partition_fn, std::optional<int64_t> src_data_rank) {
   {
     std::lock_guard<std::mutex> l(applied_mu());
-    TORCH_CHECK(applied().insert(&module).second,
+    TORCH_CHECK(!is_applied_locked(module),
                 "distribute_module should only be called once on a module, but it has already "
-                "been called on ", module.name(), "!");
+                "been called on ",
+                module.name(), "!");
   }
-  for (const auto& item : module.named_modules("", /*include_self=*/true)) {
-    torch::nn::Module& sub = *item.value();
-    if (partition_fn) partition_fn(item.key(), sub, mesh);
-    const Placements rep = replicate_all(mesh.ndim());
+  const Placements rep = replicate_all(mesh.ndim());
+  for_each_module(module, [&](const std::string& name, torch::nn::Module& sub) {
+    if (partition_fn) partition_fn(name, sub, mesh);
     for (const auto& p : sub.named_parameters(/*recurse=*/false)) {
-      if (is_dtensor(p.value())) continue;
-      replace_parameter(sub, p.key(), distribute_tensor(p.value().detach(), mesh, rep));
+      if (!p.value().defined() || is_dtensor(p.value())) continue;
+      replace_parameter(sub, p.key(),
+                        distribute_tensor(p.value().detach(), mesh, rep, src_data_rank));
     }
     for (const auto& b : sub.named_buffers(/*recurse=*/false)) {
       if (!b.value().defined() || is_dtensor(b.value())) continue;
-      replace_buffer(sub, b.key(), distribute_tensor(b.value().detach(), mesh, rep));
+      replace_buffer(sub, b.key(), distribute_tensor(b.value().detach(), mesh, rep, src_data_rank));
     }
-  }
+  });
+  // Marked once done, as PyTorch sets its flag: a failed call can be retried after a rollback.
+  std::weak_ptr<const torch::nn::Module> owner = module.weak_from_this();
+  const bool owned = !owner.expired();
+  std::lock_guard<std::mutex> l(applied_mu());
+  applied()[&module] = AppliedEntry{std::move(owner), owned};
+}
+
+bool is_distributed_module(const torch::nn::Module& module) {
+  std::lock_guard<std::mutex> l(applied_mu());
+  return is_applied_locked(module);
+}
+
+void forget_distributed_module(const torch::nn::Module& module) {
+  std::lock_guard<std::mutex> l(applied_mu());
+  applied().erase(&module);
 }
 
 }  // namespace dtensor

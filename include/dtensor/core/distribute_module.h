@@ -4,7 +4,9 @@
 // LinearImpl::weight — so both are replaced.
 #include <torch/nn/module.h>
 
+#include <cstdint>
 #include <functional>
+#include <optional>
 #include <string>
 
 #include "dtensor/core/dtensor_impl.h"
@@ -29,9 +31,17 @@ using PartitionFn =
     std::function<void(const std::string& name, torch::nn::Module& module, const DeviceMesh& mesh)>;
 
 // Calls partition_fn(name, submodule, mesh) for every submodule (root "" first), then
-// replicates every parameter and buffer that is not yet a DTensor (broadcast from rank 0).
+// replicates every parameter and buffer that is not yet a DTensor (broadcast from group rank
+// `src_data_rank`; nullopt keeps each rank's values, without communication).
 // A module can be distributed only once.
 void distribute_module(torch::nn::Module& module, const DeviceMesh& mesh,
-                       const PartitionFn& partition_fn = nullptr);
+                       const PartitionFn& partition_fn = nullptr,
+                       std::optional<int64_t> src_data_rank = 0);
+
+// Whether distribute_module has been applied to `module` itself.
+bool is_distributed_module(const torch::nn::Module& module);
+// Forgets that distribute_module was applied to `module`; for callers that restore the module's
+// original parameters after a failure (parallelize_module's rollback).
+void forget_distributed_module(const torch::nn::Module& module);
 
 }  // namespace dtensor

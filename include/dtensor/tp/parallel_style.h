@@ -17,11 +17,14 @@ class ParallelStyle {
  public:
   virtual ~ParallelStyle() = default;
 
-  // The style's name and arguments as PyTorch would print them, for messages.
+  // The style's name and arguments as PyTorch prints them, e.g.
+  // "ColwiseParallel(input_layouts=(Replicate(),), output_layouts=(Shard(dim=-1),),
+  // use_local_output=True)". tp::parse_style() reads this form back.
   virtual std::string repr() const = 0;
 
-  // Throws (naming `fqn`, the style and the fix) when the style cannot be applied to
-  // `module`. Called for every entry of a plan before anything is changed.
+  // Throws (naming `fqn`, the module's type, the style and the fix) when the style cannot be
+  // applied to `module`. parallelize_module() calls it for every entry of a plan before it
+  // changes anything; apply() calls it too.
   virtual void validate(torch::nn::Module& module, const std::string& fqn,
                         const DeviceMesh& mesh) const {}
 
@@ -29,8 +32,12 @@ class ParallelStyle {
   virtual void apply(torch::nn::Module& module, const std::string& fqn,
                      const DeviceMesh& mesh) const = 0;
 
+  // True for styles that shard parameters through distribute_module (which may run only once
+  // per module), so parallelize_module() can refuse two of them on one module up front.
+  virtual bool uses_distribute_module() const { return false; }
+
   // Where parameters come from: a group rank to scatter/broadcast from, or none (every rank
-  // keeps its own data, no communication). parallelize_module() sets it.
+  // keeps its own data, no communication). parallelize_module() sets it, as PyTorch does.
   std::optional<int64_t> src_data_rank = 0;
 };
 
@@ -41,11 +48,14 @@ class Style {
   template <class S>
   requires std::derived_from<S, ParallelStyle>
   /* implicit */ Style(S style) : ptr_(std::make_shared<S>(std::move(style))) {}
-  /* implicit */ Style(std::shared_ptr<ParallelStyle> style) : ptr_(std::move(style)) {}
+  template <class S>
+  requires std::derived_from<S, ParallelStyle>
+  /* implicit */ Style(std::shared_ptr<S> style) : ptr_(std::move(style)) {}
 
   ParallelStyle& operator*() const { return *ptr_; }
   ParallelStyle* operator->() const { return ptr_.get(); }
   const std::shared_ptr<ParallelStyle>& ptr() const { return ptr_; }
+  std::string repr() const { return ptr_->repr(); }
 
  private:
   std::shared_ptr<ParallelStyle> ptr_;

@@ -1,15 +1,26 @@
 #pragma once
 // parallelize_module (spec §6.7): apply one style to a module, or a plan of styles to its
 // submodules by path. Plan keys are matched one path segment at a time with shell wildcards
-// ("layers.*.attention.wq", "net[1-2]"); "" is the module itself; entries apply in order.
-// A key that matches nothing warns and is skipped. The mesh must be 1-D (slice mesh["tp"]).
-// Every entry is validated before anything changes, and a failure part-way restores the
-// module's parameters and hooks, so a failed call leaves the model as it was.
+// ("layers.*.attention.wq", "net[1-2]", "net?", "[!x]*") against the names of direct children
+// (ModuleList/Sequential indices included); "" is the module itself; entries apply in order.
+// A key that matches nothing warns (TORCH_WARN, PyTorch's text) and is skipped. The mesh must
+// be 1-D (slice mesh["tp"] first).
+//
+// Every (module, style) pair is validated before anything changes (a style's own checks, and
+// no module sharded by two styles or sharded again), and a failure part-way through applying
+// restores every swapped parameter and buffer and removes every hook added, so a failed call
+// leaves the model as it was. Hook-capable modules are named by their path (tp::name_modules)
+// so CommDebugMode attributes collectives to them.
+//
+// Unlike PyTorch, src_data_rank also reaches the style of the root key "" (PyTorch's recursive
+// call drops it), and parameters that a style leaves to distribute_module's replication honour
+// it too.
 #include <torch/nn/module.h>
 
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <utility>
 #include <vector>
 
@@ -21,7 +32,7 @@ namespace dtensor::tp {
 using ParallelizePlan = std::vector<std::pair<std::string, Style>>;
 
 // src_data_rank: group rank parameters are scattered/broadcast from, or nullopt for none
-// (each rank keeps its own values; no communication).
+// (each rank keeps its own values; no communication). Returns `module`.
 torch::nn::Module& parallelize_module(torch::nn::Module& module, const DeviceMesh& mesh,
                                       const Style& style, std::optional<int64_t> src_data_rank = 0);
 torch::nn::Module& parallelize_module(torch::nn::Module& module, const DeviceMesh& mesh,
@@ -32,5 +43,12 @@ torch::nn::Module& parallelize_module(torch::nn::Module& module, const Style& st
                                       std::optional<int64_t> src_data_rank = 0);
 torch::nn::Module& parallelize_module(torch::nn::Module& module, const ParallelizePlan& plan,
                                       std::optional<int64_t> src_data_rank = 0);
+// No plan: warns that auto-parallel is not supported and returns the module unchanged.
+torch::nn::Module& parallelize_module(torch::nn::Module& module, const DeviceMesh& mesh);
+torch::nn::Module& parallelize_module(torch::nn::Module& module);
+
+// Python's fnmatch.fnmatchcase: '*' any run, '?' one character, "[a-c]" / "[!x]" classes; a
+// '[' without a closing ']' is literal.
+bool fnmatch(std::string_view pattern, std::string_view name);
 
 }  // namespace dtensor::tp
