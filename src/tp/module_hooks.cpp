@@ -1,9 +1,8 @@
 #include "dtensor/tp/module_hooks.h"
 
 #include <algorithm>
-#include <optional>
 
-#include "dtensor/comm/comm_debug_mode.h"
+#include "dtensor/tp/module_tracker.h"
 
 namespace dtensor::tp {
 
@@ -41,12 +40,12 @@ torch::nn::Module& HookedModule::as_module() {
 
 c10::IValue HookedModule::call_forward_kw(const std::function<c10::IValue(const ModuleCall&)>& body,
                                           ModuleCall call) {
-  std::optional<ModuleScope> scope;
-  if (!fqn_.empty()) scope.emplace(fqn_);
+  TrackedCall tracked(*this, call);  // CommDebugMode's per-module attribution
   torch::nn::Module& self = as_module();
   for (auto& [handle, hook] : pre_hooks_) hook(self, call);
   c10::IValue out = body(call);
   for (auto& [handle, hook] : hooks_) hook(self, call, out);
+  tracked.track_output(out);
   return out;
 }
 
