@@ -4,7 +4,8 @@
 // that class, zero elsewhere) is all-reduced for nll_loss: three all_reduces of N elements.
 // Backward is fused into nll_loss_backward, which returns softmax - one_hot for the local
 // classes (the whole gradient of the logits), so _log_softmax_backward_data passes it through
-// and no rank needs another's classes.
+// and no rank needs another's classes. cross_entropy with label smoothing adds a term whose
+// gradient needs the softmax correction: see loss_parallel_smoothing.cpp.
 #include <ATen/ATen.h>
 #include <ATen/core/Reduction.h>
 
@@ -43,8 +44,10 @@ at::Tensor target_weight(const at::Tensor& target, const at::Tensor& keep, const
   if (!weight.defined()) return keep.to(opts.dtype());
   // The weight is replicated: index it with global ids (no need for its local chunk).
   const at::Tensor safe = target.masked_fill(keep.logical_not(), 0).flatten();
-  return weight.index_select(0, safe).view(target.sizes()).to(opts.dtype()).masked_fill(
-      keep.logical_not(), 0);
+  return weight.index_select(0, safe)
+      .view(target.sizes())
+      .to(opts.dtype())
+      .masked_fill(keep.logical_not(), 0);
 }
 
 // Local ids of the targets in this rank's classes, and which targets those are (ignored ones
@@ -68,7 +71,8 @@ Decision log_softmax(const OpCall& call) {
   d.inputs = {in.placements()};
   d.outputs = {in.placements()};
   d.output_meta = {ops::contiguous_meta(in.shape(), to_float ? at::kFloat : in.dtype())};
-  d.local_kernel = [dim](const c10::OperatorHandle&, torch::jit::Stack& st, const LocalContext& ctx) {
+  d.local_kernel = [dim](const c10::OperatorHandle&, torch::jit::Stack& st,
+                         const LocalContext& ctx) {
     const size_t base = st.size() - 3;
     at::Tensor x = st[base].toTensor();
     if (st[base + 2].toBool()) x = x.to(at::kFloat);
@@ -76,9 +80,9 @@ Decision log_softmax(const OpCall& call) {
     std::vector<int64_t> row = x.sizes().vec();
     row[dim] = 1;
     // amax refuses an empty dim (more ranks than classes left this one none).
-    at::Tensor max = x.size(dim) > 0 ? at::amax(x, dim, true)
-                                     : at::full(row, -std::numeric_limits<double>::infinity(),
-                                                x.options());
+    at::Tensor max = x.size(dim) > 0
+                         ? at::amax(x, dim, true)
+                         : at::full(row, -std::numeric_limits<double>::infinity(), x.options());
     max = comm::all_reduce(max, ReduceOp::Max, pg);
     const at::Tensor shifted = x - max;
     const at::Tensor sum = comm::all_reduce(shifted.exp().sum(dim, true), ReduceOp::Sum, pg);
@@ -134,15 +138,15 @@ Decision nll_forward(const OpCall& call) {
     const auto [offset, size] = local_classes(*ctx.inputs[0], c);
     const auto [local, mine] = local_targets(target, keep, offset, size);
     // Each target's log-probability lives on one rank; the others contribute zero.
-    at::Tensor picked = size > 0 ? x.gather(c, local.unsqueeze(c)).squeeze(c).masked_fill(
-                                       mine.logical_not(), 0)
-                                 : at::zeros(target.sizes(), x.options());
+    at::Tensor picked =
+        size > 0 ? x.gather(c, local.unsqueeze(c)).squeeze(c).masked_fill(mine.logical_not(), 0)
+                 : at::zeros(target.sizes(), x.options());
     picked = comm::all_reduce(picked, ReduceOp::Sum, ctx.inputs[0]->mesh().group(0));
     const at::Tensor w = target_weight(target, keep, weight, x.options());
     const at::Tensor loss = -picked * w;
     const at::Tensor total = w.sum();
     torch::jit::drop(st, 5);
-    st.emplace_back(reduction == at::Reduction::None ? loss
+    st.emplace_back(reduction == at::Reduction::None  ? loss
                     : reduction == at::Reduction::Sum ? loss.sum()
                                                       : loss.sum() / total);
     st.emplace_back(total);
@@ -178,7 +182,8 @@ Decision nll_backward(const OpCall& call) {
     at::Tensor factor = target_weight(target, keep, weight, logp.options()) * grad;
     if (reduction == at::Reduction::Mean) factor = factor / total;
     at::Tensor out = logp.exp();
-    if (size > 0) out.scatter_add_(c, local.unsqueeze(c), mine.to(out.scalar_type()).neg().unsqueeze(c));
+    if (size > 0)
+      out.scatter_add_(c, local.unsqueeze(c), mine.to(out.scalar_type()).neg().unsqueeze(c));
     torch::jit::drop(st, 7);
     st.emplace_back(out * factor.unsqueeze(c));
   };

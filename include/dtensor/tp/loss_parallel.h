@@ -15,8 +15,10 @@
 // loss_parallel; a log_softmax not consumed by nll_loss gets an identity backward.
 // The target (and class weights) are used whole on every rank: plain tensors count as
 // Replicate inside the guard (as PyTorch wraps them), DTensors are redistributed to Replicate.
-// Label smoothing is not supported: its extra term's gradient would skip the log_softmax
-// backward (PyTorch has the same silent limitation).
+// Label smoothing is supported (unlike PyTorch, whose smoothing term's gradient skips the
+// softmax correction): cross_entropy_loss on DTensor logits with label_smoothing > 0 is taken
+// over inside the guard, and its smoothing term costs one more all_reduce of N elements
+// forward, none backward (src/tp/loss_parallel_smoothing.cpp).
 #include <cstdint>
 
 #include "dtensor/dispatch/implicit_replication.h"
