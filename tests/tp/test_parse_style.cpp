@@ -1,0 +1,149 @@
+// Styles as text (tp/parse_style.h): what repr() prints reads back to the same style; the
+// short and keyword spellings; errors that point at the problem.
+#include <gtest/gtest.h>
+
+#include "dtensor/dtensor.h"
+#include "dtensor/tp/compat.h"
+#include "dtensor/tp/parse_style.h"
+
+using namespace dtensor;
+using namespace dtensor::tp;
+
+namespace {
+
+std::string message_of(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const c10::Error& e) {
+    return e.what_without_backtrace();
+  }
+  return "(no error)";
+}
+
+#define EXPECT_CONTAINS(text, part)                          \
+  EXPECT_NE(std::string(text).find(part), std::string::npos) \
+      << "expected \"" << (part) << "\" in: " << (text)
+
+}  // namespace
+
+TEST(ParseStyle, ReprReadsBackToTheSameStyle) {
+  const std::vector<Style> styles = {
+      ColwiseParallel(),
+      ColwiseParallel(
+          {.input_layouts = Shard(0), .output_layouts = Replicate(), .use_local_output = false}),
+      RowwiseParallel(),
+      RowwiseParallel({.input_layouts = Replicate(), .output_layouts = Shard(1)}),
+      SequenceParallel(),
+      SequenceParallel({.sequence_dim = 0, .use_local_output = true}),
+      PrepareModuleInput(),
+      PrepareModuleInput({.input_layouts = Layouts{Shard(1), std::nullopt},
+                          .desired_input_layouts = Layouts{Replicate(), std::nullopt},
+                          .use_local_output = true}),
+      PrepareModuleInput(
+          {.input_kwarg_layouts = KwargLayouts{{"y", Shard(0)}, {"z", std::nullopt}},
+           .desired_input_kwarg_layouts = KwargLayouts{{"y", Replicate()}, {"z", std::nullopt}}}),
+      PrepareModuleOutput({.output_layouts = {Replicate()}, .desired_output_layouts = {Shard(0)}}),
+      PrepareModuleOutput({.output_layouts = {Partial(), std::nullopt},
+                           .desired_output_layouts = {Replicate(), std::nullopt},
+                           .use_local_output = false}),
+      PrepareModuleInputOutput({.input_layouts = Layouts{Replicate()},
+                                .desired_input_layouts = Layouts{Shard(0)},
+                                .use_local_input = true,
+                                .output_layouts = {Shard(0)},
+                                .desired_output_layouts = {Replicate()}}),
+      PairwiseParallel(),
+  };
+  for (const Style& style : styles) {
+    const std::string text = style.repr();
+    SCOPED_TRACE(text);
+    EXPECT_EQ(parse_style(text).repr(), text);
+  }
+  EXPECT_EQ(ColwiseParallel().repr(),
+            "ColwiseParallel(input_layouts=(Replicate(),), output_layouts=(Shard(dim=-1),), "
+            "use_local_output=True)");
+  EXPECT_EQ(PrepareModuleInput({.input_layouts = Layouts{Shard(1), std::nullopt},
+                                .desired_input_layouts = Layouts{Replicate(), std::nullopt}})
+                .repr(),
+            "PrepareModuleInput(input_layouts=(Shard(dim=1), None), desired_input_layouts="
+            "(Replicate(), None), input_kwarg_layouts={}, desired_input_kwarg_layouts={}, "
+            "use_local_output=False)");
+}
+
+TEST(ParseStyle, AcceptsPythonKeywordAndShortSpellings) {
+  auto colwise = parse_style("ColwiseParallel(input_layouts=Shard(1), use_local_output=False)");
+  auto* c = dynamic_cast<ColwiseParallel*>(colwise.ptr().get());
+  ASSERT_NE(c, nullptr);
+  EXPECT_EQ(c->input_layout(), Shard(1));
+  EXPECT_EQ(c->output_layout(), Shard(-1));
+  EXPECT_FALSE(c->options().use_local_output);
+
+  auto rowwise = parse_style("  RowwiseParallel( output_layouts = S(0) , input_layouts=R, ) ");
+  auto* r = dynamic_cast<RowwiseParallel*>(rowwise.ptr().get());
+  ASSERT_NE(r, nullptr);
+  EXPECT_EQ(r->output_layout(), Shard(0));
+  EXPECT_EQ(r->input_layout(), Replicate());
+  EXPECT_TRUE(r->options().use_local_output);
+
+  auto prepare = parse_style(
+      "PrepareModuleInput(input_layouts=[S(1), None], desired_input_layouts=(Replicate(), None), "
+      "input_kwarg_layouts={\"y\": Shard(dim=0), z: P(sum)}, "
+      "desired_input_kwarg_layouts={'y': R, 'z': R}, use_local_output=true)");
+  auto* p = dynamic_cast<PrepareModuleInput*>(prepare.ptr().get());
+  ASSERT_NE(p, nullptr);
+  EXPECT_EQ(*p->options().input_layouts, (Layouts{Shard(1), std::nullopt}));
+  EXPECT_EQ(p->options().input_kwarg_layouts->at("y"), Shard(0));
+  EXPECT_EQ(p->options().input_kwarg_layouts->at("z"), Partial());
+  EXPECT_TRUE(p->options().use_local_output);
+
+  auto output = parse_style(
+      "PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Shard(0))");
+  auto* o = dynamic_cast<PrepareModuleOutput*>(output.ptr().get());
+  ASSERT_NE(o, nullptr);
+  EXPECT_EQ(o->options().output_layouts, (Layouts{Replicate()}));
+
+  EXPECT_EQ(parse_placement("Shard(-1)"), Shard(-1));
+  EXPECT_EQ(parse_placement("Partial(max)"), Partial(ReduceOp::Max));
+  EXPECT_EQ(parse_placement("Partial(reduce_op='avg')"), Partial(ReduceOp::Avg));
+  EXPECT_EQ(parse_placement(" R "), Replicate());
+}
+
+TEST(ParseStyle, ErrorsNameTheProblem) {
+  EXPECT_CONTAINS(
+      message_of([] { parse_style("ColwiseParallel(foo=1, use_local_output=False, bar=R)"); }),
+      "ColwiseParallel got unknown style arguments: foo, bar (valid arguments: "
+      "input_layouts, output_layouts, use_local_output)");
+  EXPECT_CONTAINS(message_of([] { parse_style("SequenceParallel(sequence_dims=1)"); }),
+                  "valid arguments: sequence_dim, use_local_output");
+  EXPECT_CONTAINS(message_of([] { parse_style("PairwiseParallel(use_local=True)"); }),
+                  "(valid arguments: none)");
+  const std::string bad_dim =
+      message_of([] { parse_style("ColwiseParallel(input_layouts=Shard(x))"); });
+  EXPECT_CONTAINS(bad_dim, "bad placement Shard: the dim must be an integer at position 30");
+  EXPECT_CONTAINS(bad_dim, "expected Shard(<dim>), Replicate() or Partial([sum|avg|max|min])");
+  EXPECT_CONTAINS(message_of([] { parse_style("RowwiseParallel(output_layouts=Replicat())"); }),
+                  "unknown value 'Replicat'");
+  EXPECT_CONTAINS(message_of([] { parse_placement("Partial(mean)"); }), "unknown reduce op 'mean'");
+  EXPECT_CONTAINS(message_of([] { parse_style("ColwiseParallel(use_local_output=1)"); }),
+                  "ColwiseParallel argument use_local_output=1 is not True or False");
+  EXPECT_CONTAINS(
+      message_of([] { parse_style("ColwiseParallel(input_layouts=(Shard(0), Shard(1)))"); }),
+      "is not a placement (or a 1-tuple of one)");
+  EXPECT_CONTAINS(message_of([] { parse_style("FooParallel()"); }), "unknown style 'FooParallel'");
+  EXPECT_CONTAINS(message_of([] { parse_style("ColwiseParallel()x"); }),
+                  "unexpected text after the end");
+  EXPECT_CONTAINS(message_of([] { parse_style("ColwiseParallel(use_local_output=True"); }),
+                  "unexpected end");
+  EXPECT_CONTAINS(message_of([] { parse_style("PrepareModuleOutput(output_layouts=R)"); }),
+                  "PrepareModuleOutput requires the argument desired_output_layouts");
+  EXPECT_CONTAINS(message_of([] {
+                    parse_style("SequenceParallel(use_local_output=True, use_local_output=False)");
+                  }),
+                  "got argument 'use_local_output' twice");
+  // The styles' own checks still apply.
+  EXPECT_CONTAINS(message_of([] {
+                    parse_style(
+                        "PrepareModuleInput(input_layouts=(Shard(0),), "
+                        "desired_input_layouts=(Replicate(), None))");
+                  }),
+                  "input_layouts and desired_input_layouts should have same length!");
+}
