@@ -10,7 +10,7 @@
 //   apply_tensor_parallel(*model, mesh);             // SP + loss parallel by default
 //   torch::optim::AdamW opt(model->parameters(), torch::optim::AdamWOptions(1e-3));
 //   auto logits = model->forward(tokens);            // tokens (B, S) int64, same on every rank
-//   auto loss = cross_entropy_loss(logits, targets); // plain 0-d tensor
+//   auto loss = token_cross_entropy(logits, targets); // plain 0-d tensor
 //   loss.backward();                                 // safe outside a LossParallel guard
 //   reduce_partial_grads(*model);                    // one all_reduce for the SP norm grads
 //   opt.step();
@@ -28,6 +28,7 @@
 
 #include "dtensor/mesh/device_mesh.h"
 #include "dtensor/tp/layers.h"
+#include "dtensor/tp/partial_grads.h"
 
 namespace dtensor::models {
 
@@ -113,7 +114,7 @@ class TransformerImpl : public dtensor::nn::Module {
 
   // tokens: (B, S) int64 with S <= max_seq_len, identical on every rank. Returns logits
   // (B, S, vocab): a plain tensor, or under loss-parallel TP a DTensor sharded on the vocab
-  // (Shard(-1)); cross_entropy_loss takes either.
+  // (Shard(-1)); token_cross_entropy takes either.
   at::Tensor forward(const at::Tensor& tokens);
 
   // torchtitan's initialisation drawn from `seed` alone: every parameter gets its own generator
@@ -130,7 +131,9 @@ class TransformerImpl : public dtensor::nn::Module {
   dtensor::nn::Embedding tok_embeddings{nullptr};
   torch::nn::ModuleList layers{nullptr};  // TransformerBlock children "0", "1", ...
   dtensor::nn::RMSNorm norm{nullptr};
-  dtensor::nn::Linear output{nullptr};  // no bias; with tie_embeddings shares tok_embeddings.weight
+  // No bias. With tie_embeddings its weight member is tok_embeddings.weight and it registers no
+  // parameter of its own, so parameters() lists the shared weight once.
+  dtensor::nn::Linear output{nullptr};
 
   // Set by apply_tensor_parallel.
   struct TensorParallelState {
@@ -140,6 +143,8 @@ class TransformerImpl : public dtensor::nn::Module {
   };
   const std::optional<TensorParallelState>& tp_state() const { return tp_state_; }
   void set_tp_state(TensorParallelState state) { tp_state_ = std::move(state); }
+  // Points output.weight at tok_embeddings.weight (again, after the embedding was replaced).
+  void tie_output_to_embedding();
 
  private:
   LlamaConfig config_;
@@ -177,10 +182,8 @@ void apply_tensor_parallel(TransformerImpl& model, const DeviceMesh& mesh,
 // The mesh TP runs on: a 1-D mesh is itself, an N-D one its "tp" dim, else nullopt.
 std::optional<DeviceMesh> get_tp_mesh(const DeviceMesh& mesh);
 
-// Sums every pending (Partial) DTensor gradient of `module` and makes it Replicate: one
-// coalesced all_reduce per mesh group and dtype, instead of the optimizer's per-op reductions.
-// Call between backward and the optimizer step. Returns the number of gradients reduced.
-int64_t reduce_partial_grads(torch::nn::Module& module);
+// Sums the pending (Partial) gradients before the optimizer step (tp/partial_grads.h).
+using tp::reduce_partial_grads;
 
 // ---- loss ----
 
@@ -189,9 +192,9 @@ int64_t reduce_partial_grads(torch::nn::Module& module);
 // (tp::LossParallel, 3 all_reduces of B*S values forward, none backward), wrapped so that the
 // backward re-enters LossParallel itself: loss.backward() needs no guard.
 // Returns a plain 0-d tensor equal on every rank.
-at::Tensor cross_entropy_loss(const at::Tensor& logits, const at::Tensor& targets);
+at::Tensor token_cross_entropy(const at::Tensor& logits, const at::Tensor& targets);
 
-// cross_entropy_loss + backward; returns the detached loss.
+// token_cross_entropy + backward; returns the detached loss.
 at::Tensor loss_and_backward(const at::Tensor& logits, const at::Tensor& targets);
 
 }  // namespace dtensor::models

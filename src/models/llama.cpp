@@ -1,0 +1,297 @@
+// The Llama model (torchtitan's llama3), its deterministic initialisation and the loss.
+#include "dtensor/models/llama.h"
+
+#include <ATen/ATen.h>
+#include <torch/csrc/autograd/autograd.h>
+#include <torch/csrc/autograd/custom_function.h>
+
+#include <cmath>
+#include <string>
+
+#include "dtensor/core/api.h"
+#include "dtensor/core/dtensor_impl.h"
+#include "dtensor/tp/loss_parallel.h"
+
+namespace dtensor::models {
+
+namespace {
+
+// x: (B, S, H, head_dim), rope: (S, head_dim/2, 2). Rotates consecutive pairs (x0, x1) as the
+// complex number x0 + i x1 times cos + i sin, like torchtitan's apply_rotary_emb.
+at::Tensor apply_rotary(const at::Tensor& x, const at::Tensor& rope) {
+  const int64_t seqlen = x.size(1);
+  auto pairs = x.unflatten(-1, {-1, 2});
+  auto x0 = pairs.select(-1, 0);
+  auto x1 = pairs.select(-1, 1);
+  auto cos = rope.select(-1, 0).view({1, seqlen, 1, -1});
+  auto sin = rope.select(-1, 1).view({1, seqlen, 1, -1});
+  return at::stack({x0 * cos - x1 * sin, x0 * sin + x1 * cos}, -1).flatten(-2);
+}
+
+// (B, S, n_kv, D) -> (B, S, n_kv * n_rep, D): query head j uses KV head j / n_rep.
+at::Tensor repeat_kv(const at::Tensor& x, int64_t n_rep) {
+  if (n_rep == 1) return x;
+  const auto s = x.sizes();
+  return x.unsqueeze(3).expand({s[0], s[1], s[2], n_rep, s[3]}).reshape({s[0], s[1], -1, s[3]});
+}
+
+// Access to a module's parameter registry, to take a tied weight out of it.
+struct ParameterRegistry : torch::nn::Module {
+  static torch::OrderedDict<std::string, at::Tensor>& of(torch::nn::Module& m) {
+    return m.*(&ParameterRegistry::parameters_);
+  }
+};
+
+// FNV-1a: a hash that is the same in every build, so seeds do not depend on the library.
+uint64_t stable_hash(uint64_t seed, const std::string& s) {
+  uint64_t h = 1469598103934665603ULL ^ (seed * 0x9E3779B97F4A7C15ULL);
+  for (unsigned char c : s) {
+    h ^= c;
+    h *= 1099511628211ULL;
+  }
+  return h;
+}
+
+// torch.nn.init.trunc_normal_ (absolute bounds a, b), drawn in float64 on the CPU.
+at::Tensor trunc_normal(at::IntArrayRef shape, double std, double a, double b, at::Generator gen) {
+  auto cdf = [](double x) { return (1.0 + std::erf(x / std::sqrt(2.0))) / 2.0; };
+  const double lo = cdf(a / std), hi = cdf(b / std);
+  auto t = at::empty(shape, at::kDouble);
+  t.uniform_(2 * lo - 1, 2 * hi - 1, gen);
+  t.erfinv_().mul_(std * std::sqrt(2.0));
+  return t.clamp_(a, b);
+}
+
+}  // namespace
+
+// ---- modules ----
+
+FeedForwardImpl::FeedForwardImpl(int64_t dim, int64_t hidden_dim) {
+  w1 = register_module("w1",
+                       dtensor::nn::Linear(torch::nn::LinearOptions(dim, hidden_dim).bias(false)));
+  w2 = register_module("w2",
+                       dtensor::nn::Linear(torch::nn::LinearOptions(hidden_dim, dim).bias(false)));
+  w3 = register_module("w3",
+                       dtensor::nn::Linear(torch::nn::LinearOptions(dim, hidden_dim).bias(false)));
+}
+
+at::Tensor FeedForwardImpl::forward(const at::Tensor& x) {
+  return call_forward([this](const at::Tensor& x) { return w2(at::silu(w1(x)) * w3(x)); }, x);
+}
+
+AttentionImpl::AttentionImpl(const LlamaConfig& config)
+    : n_heads(config.n_heads), n_kv_heads(config.kv_heads()), head_dim(config.head_dim()) {
+  auto linear = [](int64_t in, int64_t out) {
+    return dtensor::nn::Linear(torch::nn::LinearOptions(in, out).bias(false));
+  };
+  wq = register_module("wq", linear(config.dim, n_heads * head_dim));
+  wk = register_module("wk", linear(config.dim, n_kv_heads * head_dim));
+  wv = register_module("wv", linear(config.dim, n_kv_heads * head_dim));
+  wo = register_module("wo", linear(n_heads * head_dim, config.dim));
+}
+
+at::Tensor AttentionImpl::forward(const at::Tensor& x, const at::Tensor& rope) {
+  return call_forward(
+      [this](const at::Tensor& x, const at::Tensor& rope) {
+        const int64_t bs = x.size(0), seqlen = x.size(1);
+        // -1: the heads this rank holds (all of them without TP).
+        auto xq = wq(x).view({bs, seqlen, -1, head_dim});
+        auto xk = wk(x).view({bs, seqlen, -1, head_dim});
+        auto xv = wv(x).view({bs, seqlen, -1, head_dim});
+        xq = apply_rotary(xq, rope);
+        xk = apply_rotary(xk, rope);
+        const int64_t nq = xq.size(2), nkv = xk.size(2);
+        TORCH_CHECK(nkv > 0 && nq % nkv == 0, "Attention: ", nq, " local query heads cannot share ",
+                    nkv, " local KV heads evenly");
+        xk = repeat_kv(xk, nq / nkv);
+        xv = repeat_kv(xv, nq / nkv);
+        auto out = at::scaled_dot_product_attention(xq.transpose(1, 2), xk.transpose(1, 2),
+                                                    xv.transpose(1, 2), /*attn_mask=*/{},
+                                                    /*dropout_p=*/0.0, /*is_causal=*/true);
+        return wo(out.transpose(1, 2).contiguous().view({bs, seqlen, -1}));
+      },
+      x, rope);
+}
+
+TransformerBlockImpl::TransformerBlockImpl(int64_t layer_id_, const LlamaConfig& config)
+    : layer_id(layer_id_) {
+  dtensor::nn::RMSNormOptions norm_options(config.dim);
+  norm_options.eps = config.norm_eps;
+  attention_norm = register_module("attention_norm", dtensor::nn::RMSNorm(norm_options));
+  attention = register_module("attention", Attention(config));
+  ffn_norm = register_module("ffn_norm", dtensor::nn::RMSNorm(norm_options));
+  feed_forward = register_module("feed_forward", FeedForward(config.dim, config.hidden_dim()));
+}
+
+at::Tensor TransformerBlockImpl::forward(const at::Tensor& x, const at::Tensor& rope) {
+  return call_forward(
+      [this](const at::Tensor& x, const at::Tensor& rope) {
+        auto h = x + attention(attention_norm(x), rope);
+        return h + feed_forward(ffn_norm(h));
+      },
+      x, rope);
+}
+
+TransformerImpl::TransformerImpl(LlamaConfig config) : config_(std::move(config)) {
+  config_.validate();
+  tok_embeddings =
+      register_module("tok_embeddings", dtensor::nn::Embedding(config_.vocab_size, config_.dim));
+  layers = register_module("layers", torch::nn::ModuleList());
+  for (int64_t i = 0; i < config_.n_layers; ++i) layers->push_back(TransformerBlock(i, config_));
+  dtensor::nn::RMSNormOptions norm_options(config_.dim);
+  norm_options.eps = config_.norm_eps;
+  norm = register_module("norm", dtensor::nn::RMSNorm(norm_options));
+  output = register_module(
+      "output",
+      dtensor::nn::Linear(torch::nn::LinearOptions(config_.dim, config_.vocab_size).bias(false)));
+  if (config_.tie_embeddings) tie_output_to_embedding();
+
+  // Rotation angle of position p for pair i: p * theta^(-2i / head_dim).
+  const int64_t hd = config_.head_dim();
+  auto freqs =
+      at::pow(config_.rope_theta, -at::arange(0, hd, 2, at::kDouble).div(static_cast<double>(hd)));
+  auto angles = at::outer(at::arange(config_.max_seq_len, at::kDouble), freqs);
+  rope_table_ = at::stack({angles.cos(), angles.sin()}, -1);
+  init_weights(0);
+}
+
+void TransformerImpl::tie_output_to_embedding() {
+  // The output head uses the embedding's weight but does not register it: parameters() then
+  // lists it once (as Python's dedup does), so an optimizer steps it once.
+  auto& registry = ParameterRegistry::of(*output);
+  if (registry.contains("weight")) registry.erase("weight");
+  output->weight = tok_embeddings->weight;
+}
+
+at::Tensor TransformerImpl::rope(int64_t seqlen, const at::TensorOptions& options) const {
+  TORCH_CHECK(seqlen <= config_.max_seq_len, "sequence length ", seqlen,
+              " exceeds max_seq_len=", config_.max_seq_len);
+  return rope_table_.slice(0, 0, seqlen).to(options);
+}
+
+at::Tensor TransformerImpl::forward(const at::Tensor& tokens) {
+  return call_forward(
+      [this](const at::Tensor& tokens) {
+        TORCH_CHECK(tokens.dim() == 2, "Transformer: tokens must be (batch, seqlen), got ",
+                    tokens.sizes());
+        const int64_t seqlen = tokens.size(1);
+        if (tp_state_ && tp_state_->sequence_parallel) {
+          const int64_t tp = tp_state_->mesh.size();
+          TORCH_CHECK(seqlen % tp == 0, "sequence length ", seqlen, " is not divisible by tp=", tp,
+                      ": sequence parallelism keeps equal sequence shards as plain local "
+                      "tensors; pad the batch to a multiple of ",
+                      tp, " or apply_tensor_parallel with sequence_parallel=false");
+        }
+        auto h = tok_embeddings(tokens);
+        const at::Tensor& local = is_dtensor(h) ? local_tensor(h) : h;
+        auto rope_table = rope(seqlen, local.options());
+        for (const auto& layer : *layers) h = layer->as<TransformerBlock>()->forward(h, rope_table);
+        return output(norm(h));
+      },
+      tokens);
+}
+
+void TransformerImpl::init_weights(uint64_t seed) {
+  at::NoGradGuard no_grad;
+  auto set = [&](const std::string& name, at::Tensor& param, auto draw) {
+    auto gen = at::make_generator<at::CPUGeneratorImpl>(stable_hash(seed, name));
+    at::Tensor full = draw(param.sizes(), gen);
+    if (is_dtensor(param)) {
+      // Keep this rank's chunk of the whole value: no communication.
+      const auto& spec = spec_of(param);
+      auto mine = local_tensor(
+          distribute_tensor(full, spec.mesh(), spec.placements(), /*src_data_rank=*/std::nullopt));
+      local_tensor(param).copy_(mine);
+    } else {
+      param.copy_(full);
+    }
+  };
+  auto normal = [](double std) {
+    return [std](at::IntArrayRef shape, at::Generator gen) {
+      return at::empty(shape, at::kDouble).normal_(0.0, std, gen);
+    };
+  };
+  auto truncated = [](double std, double a = -2.0, double b = 2.0) {
+    return [=](at::IntArrayRef shape, at::Generator gen) {
+      return trunc_normal(shape, std, a, b, gen);
+    };
+  };
+  auto ones = [](at::IntArrayRef shape, at::Generator) { return at::ones(shape, at::kDouble); };
+
+  set("tok_embeddings.weight", tok_embeddings->weight, normal(1.0));
+  for (size_t i = 0; i < layers->size(); ++i) {
+    auto block = layers[i]->as<TransformerBlock>();
+    const std::string p = "layers." + std::to_string(i) + ".";
+    // torchtitan's depth init: output projections shrink with depth.
+    const double init_std = 0.02 / std::sqrt(2.0 * static_cast<double>(i + 1));
+    set(p + "attention_norm.weight", block->attention_norm->weight, ones);
+    set(p + "ffn_norm.weight", block->ffn_norm->weight, ones);
+    set(p + "attention.wq.weight", block->attention->wq->weight, truncated(0.02));
+    set(p + "attention.wk.weight", block->attention->wk->weight, truncated(0.02));
+    set(p + "attention.wv.weight", block->attention->wv->weight, truncated(0.02));
+    set(p + "attention.wo.weight", block->attention->wo->weight, truncated(init_std));
+    set(p + "feed_forward.w1.weight", block->feed_forward->w1->weight, truncated(0.02));
+    set(p + "feed_forward.w2.weight", block->feed_forward->w2->weight, truncated(init_std));
+    set(p + "feed_forward.w3.weight", block->feed_forward->w3->weight, truncated(init_std));
+  }
+  set("norm.weight", norm->weight, ones);
+  if (!config_.tie_embeddings) {
+    const double std = 1.0 / std::sqrt(static_cast<double>(config_.dim));
+    set("output.weight", output->weight, truncated(std, -3 * std, 3 * std));
+  }
+}
+
+// ---- loss ----
+
+namespace {
+
+// Vocab-parallel cross entropy as an autograd function whose backward re-enters LossParallel,
+// so callers may run backward anywhere. The inner graph (log_softmax + nll_loss on a detached
+// alias of the logits) is built in forward and differentiated in backward.
+struct VocabParallelCrossEntropy : torch::autograd::Function<VocabParallelCrossEntropy> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& logits,
+                            const at::Tensor& targets) {
+    at::AutoGradMode enable_grad(true);
+    tp::LossParallel loss_parallel;
+    auto x = logits.detach().requires_grad_(logits.requires_grad());
+    auto loss = at::cross_entropy_loss(x.flatten(0, -2), targets.flatten());
+    ctx->saved_data["x"] = x;
+    ctx->saved_data["loss"] = loss;
+    return local_tensor(loss).clone();
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    tp::LossParallel loss_parallel;
+    auto x = ctx->saved_data["x"].toTensor();
+    auto loss = ctx->saved_data["loss"].toTensor();
+    at::Tensor grad_loss;
+    {
+      at::NoGradGuard no_grad;
+      grad_loss = from_local(grads[0].to(local_tensor(loss).options()), device_mesh(loss),
+                             placements(loss));
+    }
+    auto grad_x = torch::autograd::grad({loss}, {x}, {grad_loss})[0];
+    return {grad_x, at::Tensor()};
+  }
+};
+
+}  // namespace
+
+at::Tensor token_cross_entropy(const at::Tensor& logits, const at::Tensor& targets) {
+  TORCH_CHECK(logits.dim() == 3 && targets.dim() == 2 && logits.size(0) == targets.size(0) &&
+                  logits.size(1) == targets.size(1),
+              "token_cross_entropy: expected logits (B, S, V) and targets (B, S), got ",
+              logits.sizes(), " and ", targets.sizes());
+  if (!is_dtensor(logits)) return at::cross_entropy_loss(logits.flatten(0, 1), targets.flatten());
+  const at::Tensor plain_targets = is_dtensor(targets) ? full_tensor(targets) : targets;
+  return VocabParallelCrossEntropy::apply(logits, plain_targets);
+}
+
+at::Tensor loss_and_backward(const at::Tensor& logits, const at::Tensor& targets) {
+  auto loss = models::token_cross_entropy(logits, targets);
+  loss.backward();
+  return loss.detach();
+}
+
+}  // namespace dtensor::models

@@ -1,0 +1,168 @@
+// The Llama tensor-parallel plan (torchtitan's, spec §9), the replicated-KV projection used
+// when KV heads do not split over the TP ranks, and the pending-gradient reduction.
+#include <ATen/ATen.h>
+#include <c10/util/StringUtil.h>
+
+
+#include "dtensor/core/api.h"
+#include "dtensor/core/distribute_module.h"
+#include "dtensor/core/dtensor_impl.h"
+#include "dtensor/models/llama.h"
+#include "dtensor/tp/parallelize_module.h"
+#include "dtensor/tp/styles.h"
+
+namespace dtensor::models {
+
+namespace {
+
+// wk/wv when n_kv_heads % tp != 0: the weight stays whole (Replicate), every rank projects all
+// KV heads and keeps the ones its query heads use. Which query heads a rank holds follows
+// ColwiseParallel on wq: rank r has heads [r * n_heads/tp, (r+1) * n_heads/tp), and global
+// query head g uses KV head g / (n_heads / n_kv_heads).
+// The kept slice differs per rank, so the projection's gradient is Partial (to_local with
+// grad_placements Partial): the input's gradient joins the query projection's pending sum (no
+// extra collective), the weight's is summed by reduce_partial_grads.
+class ReplicatedKVProjection : public tp::ParallelStyle {
+ public:
+  ReplicatedKVProjection(int64_t n_heads, int64_t n_kv_heads, int64_t head_dim)
+      : n_heads_(n_heads), n_kv_heads_(n_kv_heads), head_dim_(head_dim) {}
+
+  std::string repr() const override {
+    return c10::str("ReplicatedKVProjection(n_heads=", n_heads_, ", n_kv_heads=", n_kv_heads_,
+                    ", head_dim=", head_dim_, ")");
+  }
+
+  void validate(torch::nn::Module& module, const std::string& fqn,
+                const DeviceMesh& mesh) const override {
+    auto* linear = dynamic_cast<dtensor::nn::LinearImpl*>(&module);
+    TORCH_CHECK(linear != nullptr, repr(), " at '", fqn, "' needs a dtensor::nn::Linear, got ",
+                module.name());
+    TORCH_CHECK(!linear->bias.defined(), repr(), " at '", fqn, "': a bias is not supported");
+    TORCH_CHECK(linear->weight.size(0) == n_kv_heads_ * head_dim_, repr(), " at '", fqn,
+                "': weight has ", linear->weight.size(0), " rows, expected n_kv_heads * head_dim");
+    TORCH_CHECK(n_heads_ % mesh.size() == 0 && n_heads_ % n_kv_heads_ == 0, repr(), " at '", fqn,
+                "': n_heads must split over ", mesh.size(), " ranks and share KV heads evenly");
+  }
+
+  void apply(torch::nn::Module& module, const std::string& fqn,
+             const DeviceMesh& mesh) const override {
+    validate(module, fqn, mesh);
+    auto& linear = dynamic_cast<dtensor::nn::LinearImpl&>(module);
+    replace_parameter(
+        linear, "weight",
+        distribute_tensor(linear.weight.detach(), mesh, {Replicate()}, src_data_rank));
+    linear.register_forward_pre_hook([mesh](torch::nn::Module&, tp::ModuleCall& call) {
+      const at::Tensor x = call.args.at(0).toTensor();
+      if (!is_dtensor(x)) {
+        call.args[0] = from_local(x, mesh, {Replicate()});
+      } else if (!spec_of(x).is_replicated()) {
+        call.args[0] = redistribute(x, mesh, {Replicate()});
+      }
+    });
+    const at::Tensor index = kv_heads_of_rank(mesh.get_local_rank(), mesh.size());
+    const int64_t n_kv = n_kv_heads_, head_dim = head_dim_;
+    linear.register_forward_hook(
+        [index, n_kv, head_dim](torch::nn::Module&, const tp::ModuleCall&, c10::IValue& out) {
+          auto local = to_local(out.toTensor(), std::vector<Placement>{Partial()});
+          out = local.unflatten(-1, {n_kv, head_dim})
+                    .index_select(-2, index.to(local.device()))
+                    .flatten(-2);
+        });
+  }
+
+  // The KV heads rank `rank` keeps, in the order its query heads use them: the distinct heads
+  // when each is used by the same number of consecutive local query heads (the attention then
+  // repeats them), else one per local query head.
+  at::Tensor kv_heads_of_rank(int64_t rank, int64_t tp) const {
+    const int64_t local_q = n_heads_ / tp, n_rep = n_heads_ / n_kv_heads_;
+    std::vector<int64_t> per_query, distinct;
+    for (int64_t j = 0; j < local_q; ++j) {
+      per_query.push_back((rank * local_q + j) / n_rep);
+      if (distinct.empty() || distinct.back() != per_query.back())
+        distinct.push_back(per_query.back());
+    }
+    const int64_t local_kv = static_cast<int64_t>(distinct.size());
+    bool uniform = local_q % local_kv == 0;
+    for (int64_t j = 0; uniform && j < local_q; ++j)
+      uniform = per_query[j] == distinct[j / (local_q / local_kv)];
+    return at::tensor(uniform ? distinct : per_query, at::kLong);
+  }
+
+ private:
+  int64_t n_heads_, n_kv_heads_, head_dim_;
+};
+
+}  // namespace
+
+std::optional<DeviceMesh> get_tp_mesh(const DeviceMesh& mesh) {
+  if (mesh.ndim() == 1) return mesh;
+  for (const auto& name : mesh.dim_names())
+    if (name == "tp") return mesh["tp"];
+  return std::nullopt;
+}
+
+void apply_tensor_parallel(TransformerImpl& model, const DeviceMesh& mesh,
+                           TensorParallelOptions options) {
+  using namespace tp;
+  TORCH_CHECK(mesh.ndim() == 1, "apply_tensor_parallel needs a 1-D mesh, got ", mesh.str(),
+              "; pass get_tp_mesh(mesh) (mesh[\"tp\"])");
+  TORCH_CHECK(!model.tp_state(), "apply_tensor_parallel: the model is already parallelized");
+  const LlamaConfig& config = model.config();
+  const int64_t tp = mesh.size();
+  config.validate_tp(tp);
+
+  const bool sp = options.sequence_parallel, lp = options.loss_parallel;
+  const bool kv_sharded = config.kv_heads() % tp == 0;
+  auto kv_style = [&]() -> Style {
+    if (kv_sharded) return ColwiseParallel();
+    return ReplicatedKVProjection(config.n_heads, config.kv_heads(), config.head_dim());
+  };
+  // Activations between blocks: sequence shards (SP) or whole (Megatron).
+  const Placement between = sp ? Shard(1) : Replicate();
+  const Placement logits = lp ? Shard(-1) : Replicate();
+
+  ParallelizePlan plan;
+  plan.emplace_back("tok_embeddings",
+                    RowwiseParallel({.input_layouts = Replicate(), .output_layouts = between}));
+  if (sp) plan.emplace_back("norm", SequenceParallel());
+  if (config.tie_embeddings) {
+    // output.weight is tok_embeddings.weight (Shard(0), vocab rows, once that is sharded): the
+    // head keeps only ColwiseParallel's input and output conversions.
+    plan.emplace_back("output", PrepareModuleInputOutput({
+                                    .input_layouts = Layouts{between},
+                                    .desired_input_layouts = Layouts{Replicate()},
+                                    .output_layouts = Layouts{Shard(-1)},
+                                    .desired_output_layouts = Layouts{logits},
+                                    .use_local_output = !lp,
+                                }));
+  } else {
+    plan.emplace_back("output", ColwiseParallel({.input_layouts = between,
+                                                 .output_layouts = logits,
+                                                 .use_local_output = !lp}));
+  }
+  if (config.n_layers > 0) {
+    if (sp) plan.emplace_back("layers.*.attention_norm", SequenceParallel());
+    // One conversion of the block input for wq, wk and wv together (without SP too: their
+    // three input gradients then meet in one all_reduce instead of three).
+    plan.emplace_back(
+        "layers.*.attention",
+        PrepareModuleInput({.input_layouts = Layouts{between, std::nullopt},
+                            .desired_input_layouts = Layouts{Replicate(), std::nullopt}}));
+    plan.emplace_back("layers.*.attention.wq", ColwiseParallel());
+    plan.emplace_back("layers.*.attention.wk", kv_style());
+    plan.emplace_back("layers.*.attention.wv", kv_style());
+    plan.emplace_back("layers.*.attention.wo", RowwiseParallel({.output_layouts = between}));
+    if (sp) plan.emplace_back("layers.*.ffn_norm", SequenceParallel());
+    plan.emplace_back("layers.*.feed_forward",
+                      PrepareModuleInput({.input_layouts = Layouts{between},
+                                          .desired_input_layouts = Layouts{Replicate()}}));
+    plan.emplace_back("layers.*.feed_forward.w1", ColwiseParallel());
+    plan.emplace_back("layers.*.feed_forward.w2", RowwiseParallel({.output_layouts = between}));
+    plan.emplace_back("layers.*.feed_forward.w3", ColwiseParallel());
+  }
+  parallelize_module(model, mesh, plan, options.src_data_rank);
+  if (config.tie_embeddings) model.tie_output_to_embedding();
+  model.set_tp_state({mesh, sp, lp});
+}
+
+}  // namespace dtensor::models
