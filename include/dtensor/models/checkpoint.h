@@ -1,0 +1,100 @@
+#pragma once
+// Checkpoints of modules whose parameters may be DTensors, as safetensors files that hold the
+// global (unsharded) tensors: a checkpoint saved at one TP degree loads at any other, and
+// opens in Python (`safetensors.torch.load_file`).
+//
+//   save_checkpoint("ckpt.safetensors", *model, &optimizer, {.config = cfg_json, .step = 100});
+//   auto meta = load_checkpoint("ckpt.safetensors", *model, &optimizer);  // any TP degree
+//
+// File contents: each parameter and buffer under its name ("layers.0.attention.wq.weight");
+// the optimizer state under "optim.state.<parameter name>.<key>" (Adam/AdamW: exp_avg,
+// exp_avg_sq, max_exp_avg_sq, step; SGD: momentum_buffer); and __metadata__ entries
+// (kMetadataKeys): format and version, the caller's config string, step, the TP degree and
+// world size that saved it, each DTensor's placements ("Shard(0)"), each tensor's CRC-32C,
+// the optimizer's type and param-group options, and the caller's own entries.
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <string>
+
+namespace torch::nn {
+class Module;
+}
+namespace torch::optim {
+class Optimizer;
+}
+
+namespace dtensor::models {
+
+// Metadata keys this library writes; SaveOptions::metadata may not use them.
+namespace checkpoint_keys {
+inline constexpr const char* kFormat = "format";  // "dtensor-checkpoint"
+inline constexpr const char* kFormatVersion = "format_version";
+inline constexpr const char* kConfig = "config";
+inline constexpr const char* kStep = "step";
+inline constexpr const char* kTpDegree = "tp_degree";
+inline constexpr const char* kWorldSize = "world_size";
+inline constexpr const char* kMesh = "mesh";              // the first DTensor's mesh, printed
+inline constexpr const char* kPlacements = "placements";  // JSON {name: "Shard(0)"}
+inline constexpr const char* kChecksumAlgorithm = "checksum_algorithm";  // "crc32c"
+inline constexpr const char* kChecksums = "checksums";    // JSON {name: "1a2b3c4d"}
+inline constexpr const char* kOptimizer = "optimizer";    // JSON {type, param_groups}
+}  // namespace checkpoint_keys
+
+inline constexpr int64_t kCheckpointFormatVersion = 1;
+
+struct SaveOptions {
+  std::string config;  // the model configuration, opaque to us (e.g. JSON)
+  int64_t step = 0;
+  std::map<std::string, std::string> metadata;  // more entries of the caller's
+  bool include_buffers = true;
+  // Called on rank 0 after each tensor reaches the file: name, 0-based index, count.
+  // An exception thrown here aborts the save (the previous file at `path` stays).
+  std::function<void(const std::string& name, size_t index, size_t count)> on_tensor_written;
+};
+
+// Saves `module` (and the optimizer's state when given) to `path`. Collective: every rank
+// calls it; DTensors are gathered with full_tensor (all ranks take part), global rank 0 writes
+// the file atomically (a temporary, fsync, rename), and all ranks return once the file is
+// complete, or all throw if rank 0 failed, leaving any previous file at `path` intact.
+// Global rank 0 must be in the mesh of every DTensor.
+void save_checkpoint(const std::string& path, const torch::nn::Module& module,
+                     torch::optim::Optimizer* optimizer = nullptr, const SaveOptions& options = {});
+
+struct CheckpointMetadata {
+  std::string config;
+  int64_t step = 0;
+  int64_t tp_degree = 1;
+  int64_t world_size = 1;
+  int64_t format_version = 0;  // 0: a safetensors file not written by save_checkpoint
+  std::map<std::string, std::string> entries;  // the whole __metadata__
+};
+
+struct LoadOptions {
+  // Names in the module but not the file (or the reverse) are errors; false skips them.
+  bool strict = true;
+  // Check every loaded tensor's CRC-32C against the metadata (files we wrote).
+  bool verify_checksums = true;
+};
+
+// Loads `path` into the existing parameters and buffers of `module` (and the optimizer
+// state), at any TP degree: every DTensor receives its local chunk for its current
+// placements, without communication. Each rank reads the file. Everything is read and checked
+// first — header, checksums, names and shapes (errors list every missing, unexpected and
+// mismatched tensor and name the file) — and only then copied in place, so on error the
+// module and optimizer are unchanged; parameters stay the same objects, so an optimizer built
+// on them keeps working. The optimizer state is keyed by parameter name; its param groups must
+// hold the same parameters as when saved; their options (lr, ...) are restored.
+CheckpointMetadata load_checkpoint(const std::string& path, torch::nn::Module& module,
+                                   torch::optim::Optimizer* optimizer = nullptr,
+                                   const LoadOptions& options = {});
+
+// The metadata alone (e.g. the config to build the model before loading it).
+CheckpointMetadata read_checkpoint_metadata(const std::string& path);
+
+// Reads every tensor and checks its checksum; throws naming the file and the first bad tensor.
+void verify_checkpoint(const std::string& path);
+
+}  // namespace dtensor::models

@@ -1,0 +1,128 @@
+#pragma once
+// The safetensors file format (https://huggingface.co/docs/safetensors), written and read by
+// our own code so that checkpoints open in Python's `safetensors` and `torch`:
+//
+//   8 bytes   N, the header length (unsigned, little-endian)
+//   N bytes   JSON object: {"__metadata__": {string: string}, "<name>": {"dtype": "F32",
+//             "shape": [2, 3], "data_offsets": [begin, end]}, ...}, padded with spaces so
+//             the data starts at a multiple of 8
+//   the data  every tensor's bytes, row-major, little-endian; offsets are relative to the
+//             start of the data, and the tensors cover it without gaps or overlaps
+#include <ATen/core/Tensor.h>
+#include <c10/core/ScalarType.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace dtensor::models::safetensors {
+
+using Metadata = std::map<std::string, std::string>;
+
+// "F32", "F64", "F16", "BF16", "I64", "I32", "I16", "I8", "U8", "BOOL". Throws for other
+// dtypes (complex, quantized, ...), naming the dtype and the ones supported.
+std::string dtype_name(c10::ScalarType dtype);
+c10::ScalarType dtype_from_name(std::string_view name);  // throws for unknown names
+
+// One tensor as the header describes it.
+struct TensorInfo {
+  std::string name;
+  c10::ScalarType dtype = c10::ScalarType::Float;
+  std::vector<int64_t> shape;
+  uint64_t begin = 0;  // byte offsets relative to the start of the data
+  uint64_t end = 0;
+  uint64_t nbytes() const { return end - begin; }
+};
+
+// Writes a file one tensor at a time, so the caller needs only one tensor in memory.
+//
+// The constructor declares every tensor and reserves the header for `metadata`; finish()
+// writes the final metadata into that space, so the final values must not serialize longer
+// (give fixed-width placeholders, e.g. checksums of zeros, for values known only at the end).
+// The data goes to "<path>.tmp-<pid>"; finish() flushes it to disk and renames it over
+// `path`, so readers see either the previous file or the complete new one. A writer
+// destroyed before finish() (an exception) deletes its temporary and leaves `path` alone.
+class Writer {
+ public:
+  struct Entry {
+    std::string name;
+    c10::ScalarType dtype;
+    std::vector<int64_t> shape;
+  };
+  Writer(std::string path, const std::vector<Entry>& entries, const Metadata& metadata);
+  ~Writer();
+  Writer(const Writer&) = delete;
+  Writer& operator=(const Writer&) = delete;
+
+  // Appends the next declared tensor (its dtype and shape must match the declaration). Any
+  // device and layout: it is copied to contiguous CPU memory first when needed.
+  void write(const at::Tensor& tensor);
+  // Writes the header with `metadata`, syncs and renames. Every tensor must have been written.
+  void finish(const Metadata& metadata);
+
+  const std::vector<TensorInfo>& tensors() const { return tensors_; }
+  const std::string& temporary_path() const { return tmp_path_; }
+
+ private:
+  std::string header(const Metadata& metadata) const;
+  void write_bytes(const void* data, size_t size);
+
+  std::string path_;
+  std::string tmp_path_;
+  std::vector<TensorInfo> tensors_;
+  size_t header_size_ = 0;  // reserved, a multiple of 8
+  size_t next_ = 0;
+  int fd_ = -1;
+  bool finished_ = false;
+};
+
+// A safetensors file mapped read-only. Opening checks the header: its length against the
+// file size, JSON syntax, known dtypes, offsets that match each shape and cover the data
+// exactly (a truncated file or trailing bytes are errors). Every error names the file.
+class File {
+ public:
+  explicit File(const std::string& path);
+  ~File();
+  File(const File&) = delete;
+  File& operator=(const File&) = delete;
+
+  const std::string& path() const { return path_; }
+  const Metadata& metadata() const { return metadata_; }
+  // In file order (increasing offsets).
+  const std::vector<TensorInfo>& tensors() const { return tensors_; }
+  const TensorInfo* find(const std::string& name) const;  // nullptr when absent
+  const TensorInfo& at(const std::string& name) const;    // throws naming the file when absent
+
+  // The tensor's raw bytes in the mapping (valid while this File lives).
+  std::span<const std::byte> bytes(const TensorInfo& info) const;
+  // A CPU tensor owning a copy of the data.
+  at::Tensor tensor(const TensorInfo& info) const;
+  at::Tensor tensor(const std::string& name) const { return tensor(at(name)); }
+  // A CPU tensor over the mapping without a copy when the data is suitably aligned (it is
+  // in files we write), otherwise a copy. Valid while this File lives.
+  at::Tensor view(const TensorInfo& info) const;
+
+  uint64_t data_offset() const { return data_offset_; }  // in the file: 8 + header length
+  uint64_t file_size() const { return size_; }
+
+ private:
+  std::string path_;
+  Metadata metadata_;
+  std::vector<TensorInfo> tensors_;
+  std::map<std::string, size_t> index_;
+  const std::byte* map_ = nullptr;
+  uint64_t size_ = 0;
+  uint64_t data_offset_ = 0;
+};
+
+// Like Python's safetensors.torch.save_file / load_file.
+void save_file(const std::map<std::string, at::Tensor>& tensors, const std::string& path,
+               const Metadata& metadata = {});
+std::map<std::string, at::Tensor> load_file(const std::string& path);
+
+}  // namespace dtensor::models::safetensors

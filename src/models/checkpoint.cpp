@@ -1,0 +1,468 @@
+#include "dtensor/models/checkpoint.h"
+
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+#include <torch/nn/module.h>
+#include <torch/optim/optimizer.h>
+
+#include <algorithm>
+#include <cinttypes>
+#include <cstdio>
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <optional>
+#include <set>
+
+#include "dtensor/comm/process_group.h"
+#include "dtensor/core/api.h"
+#include "dtensor/core/dtensor_impl.h"
+#include "dtensor/models/crc32c.h"
+#include "dtensor/models/safetensors.h"
+#include "optimizer_state.h"
+#include "rank0_outcome.h"
+
+namespace dtensor::models {
+namespace {
+
+namespace keys = checkpoint_keys;
+using nlohmann::json;
+
+constexpr const char* kFormatName = "dtensor-checkpoint";
+constexpr const char* kChecksumAlgorithm = "crc32c";
+constexpr const char* kOptimPrefix = "optim.state.";
+constexpr size_t kListLimit = 20;  // names listed per error category
+
+std::string optim_name(const std::string& param, const std::string& key) {
+  return kOptimPrefix + param + "." + key;
+}
+
+std::string hex32(uint32_t v) {
+  char buf[9];
+  std::snprintf(buf, sizeof(buf), "%08" PRIx32, v);
+  return buf;
+}
+
+// PyTorch's spelling: "Shard(0)", "Replicate()", "Partial(sum)"; mesh dims joined by ", ".
+std::string placements_string(const Placements& ps) {
+  std::string s;
+  for (const auto& p : ps) {
+    if (!s.empty()) s += ", ";
+    if (p.is_shard()) {
+      s += "Shard(" + std::to_string(p.dim()) + ")";
+    } else if (p.is_replicate()) {
+      s += "Replicate()";
+    } else {
+      s += std::string("Partial(") + reduce_op_name(p.reduce_op()) + ")";
+    }
+  }
+  return s;
+}
+
+int64_t tp_degree_of(const DeviceMesh& mesh) {
+  if (mesh.has_dim_names()) {
+    const auto& names = mesh.dim_names();
+    for (size_t i = 0; i < names.size(); ++i) {
+      if (names[i] == "tp") return mesh.size(static_cast<int64_t>(i));
+    }
+  }
+  return mesh.size();
+}
+
+detail::ParamNames param_names(const torch::nn::Module& module) {
+  detail::ParamNames names;
+  for (const auto& p : module.named_parameters()) {
+    if (p.value().defined()) names.emplace(p.value().unsafeGetTensorImpl(), p.key());
+  }
+  return names;
+}
+
+std::string join_limited(const std::vector<std::string>& items) {
+  std::string s;
+  for (size_t i = 0; i < items.size() && i < kListLimit; ++i) s += "\n    " + items[i];
+  if (items.size() > kListLimit) {
+    s += "\n    ... and " + std::to_string(items.size() - kListLimit) + " more";
+  }
+  return s;
+}
+
+std::string shape_string(c10::IntArrayRef s) { return c10::str(s); }
+
+int64_t parse_int(const std::map<std::string, std::string>& m, const char* key, int64_t dflt,
+                  const std::string& where) {
+  auto it = m.find(key);
+  if (it == m.end()) return dflt;
+  try {
+    size_t used = 0;
+    const int64_t v = std::stoll(it->second, &used);
+    if (used == it->second.size()) return v;
+  } catch (const std::exception&) {
+  }
+  TORCH_CHECK(false, where, ": metadata \"", key, "\" is not an integer: \"", it->second, "\"");
+}
+
+CheckpointMetadata parse_metadata(const safetensors::File& file) {
+  const std::string where = "checkpoint '" + file.path() + "'";
+  const auto& m = file.metadata();
+  CheckpointMetadata meta;
+  meta.entries = m;
+  if (auto it = m.find(keys::kFormat); it != m.end()) {
+    TORCH_CHECK(it->second == kFormatName, where, " has format \"", it->second, "\", expected \"",
+                kFormatName, "\"");
+    meta.format_version = parse_int(m, keys::kFormatVersion, 0, where);
+    TORCH_CHECK(meta.format_version >= 1 && meta.format_version <= kCheckpointFormatVersion, where,
+                " has format version ", meta.format_version, "; this build reads versions 1 to ",
+                kCheckpointFormatVersion);
+  }
+  if (auto it = m.find(keys::kConfig); it != m.end()) meta.config = it->second;
+  meta.step = parse_int(m, keys::kStep, 0, where);
+  meta.tp_degree = parse_int(m, keys::kTpDegree, 1, where);
+  meta.world_size = parse_int(m, keys::kWorldSize, 1, where);
+  return meta;
+}
+
+// name -> expected CRC-32C; empty when the file has no checksums (not written by us).
+std::map<std::string, std::string> parse_checksums(const safetensors::File& file) {
+  const std::string where = "checkpoint '" + file.path() + "'";
+  const auto& m = file.metadata();
+  auto it = m.find(keys::kChecksums);
+  if (it == m.end()) return {};
+  auto alg = m.find(keys::kChecksumAlgorithm);
+  TORCH_CHECK(alg != m.end() && alg->second == kChecksumAlgorithm, where,
+              " uses checksum algorithm \"", alg == m.end() ? "" : alg->second,
+              "\"; this build knows \"", kChecksumAlgorithm, "\"");
+  try {
+    return json::parse(it->second).get<std::map<std::string, std::string>>();
+  } catch (const json::exception& e) {
+    TORCH_CHECK(false, where, ": the checksums metadata is not a JSON object of strings (",
+                e.what(), ")");
+  }
+}
+
+void verify_tensor(const safetensors::File& file, const safetensors::TensorInfo& info,
+                   const std::map<std::string, std::string>& checksums) {
+  auto it = checksums.find(info.name);
+  TORCH_CHECK(it != checksums.end(), "checkpoint '", file.path(), "': tensor \"", info.name,
+              "\" has no checksum in the metadata (the file is damaged)");
+  const auto b = file.bytes(info);
+  const std::string actual = hex32(crc32c(b.data(), b.size()));
+  TORCH_CHECK(actual == it->second, "checkpoint '", file.path(), "': tensor \"", info.name,
+              "\" is corrupt: its CRC-32C is ", actual, " but the checkpoint recorded ",
+              it->second);
+}
+
+// This rank's part of `info` for a tensor laid out like `like`, as a new tensor with the
+// local tensor's dtype and device. Undefined when this rank holds no part (not in the mesh).
+at::Tensor local_part(const safetensors::File& file, const safetensors::TensorInfo& info,
+                      const at::Tensor& like) {
+  at::Tensor part = file.view(info);
+  at::Tensor local = like;
+  if (is_dtensor(like)) {
+    const DTensorSpec& spec = *dtensor_impl(like)->spec();
+    TORCH_CHECK(!spec.has_partial(), "load_checkpoint: \"", info.name, "\" has placements ",
+                to_string(spec.placements()),
+                "; a tensor with Partial placements cannot receive a checkpoint");
+    if (!spec.mesh().contains_this_rank()) return {};
+    const LocalShard shard = spec.local_shard();
+    for (int64_t d = 0; d < part.dim(); ++d) {
+      if (shard.shape[d] != part.size(d)) part = part.narrow(d, shard.offset[d], shard.shape[d]);
+    }
+    local = local_tensor(like);
+  }
+  return part.to(local.options(), /*non_blocking=*/false, /*copy=*/true);
+}
+
+// Wraps a local part like `like` (same mesh and placements) when `like` is a DTensor.
+at::Tensor wrap_like(at::Tensor local, const at::Tensor& like) {
+  if (!is_dtensor(like)) return local;
+  return make_dtensor(std::move(local), dtensor_impl(like)->spec());
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------------------
+// save
+
+void save_checkpoint(const std::string& path, const torch::nn::Module& module,
+                     torch::optim::Optimizer* optimizer, const SaveOptions& options) {
+  at::NoGradGuard no_grad;
+  struct Item {
+    std::string name;
+    at::Tensor tensor;
+  };
+  std::vector<Item> items;
+  std::set<std::string> names;
+  auto add = [&](const std::string& name, const at::Tensor& t) {
+    TORCH_CHECK(names.insert(name).second, "save_checkpoint: two tensors are named \"", name,
+                "\" (an optimizer state name collides with a parameter?)");
+    items.push_back({name, t});
+  };
+  for (const auto& p : module.named_parameters()) {
+    if (p.value().defined()) add(p.key(), p.value());
+  }
+  if (options.include_buffers) {
+    for (const auto& b : module.named_buffers()) {
+      if (b.value().defined()) add(b.key(), b.value());
+    }
+  }
+  std::string optimizer_description;
+  if (optimizer != nullptr) {
+    const auto pnames = param_names(module);
+    for (auto& s : detail::state_tensors(*optimizer, pnames)) {
+      add(optim_name(s.param, s.key), s.value);
+    }
+    optimizer_description = detail::describe(*optimizer, pnames);
+  }
+
+  // Everything that can fail on every rank alike is checked before the first collective.
+  std::vector<safetensors::Writer::Entry> entries;
+  json placements = json::object();
+  std::map<std::string, std::string> checksums;
+  std::optional<DeviceMesh> first_mesh;
+  for (const auto& item : items) {
+    try {
+      safetensors::dtype_name(item.tensor.scalar_type());
+    } catch (const c10::Error& e) {
+      TORCH_CHECK(false, "save_checkpoint: \"", item.name, "\": ", e.what_without_backtrace());
+    }
+    entries.push_back({item.name, item.tensor.scalar_type(), item.tensor.sizes().vec()});
+    checksums[item.name] = hex32(0);  // fixed-width placeholder, filled in as tensors are written
+    if (is_dtensor(item.tensor)) {
+      const DTensorSpec& spec = *dtensor_impl(item.tensor)->spec();
+      placements[item.name] = placements_string(spec.placements());
+      if (!first_mesh) first_mesh = spec.mesh();
+    }
+  }
+  safetensors::Metadata meta;
+  meta[keys::kFormat] = kFormatName;
+  meta[keys::kFormatVersion] = std::to_string(kCheckpointFormatVersion);
+  meta[keys::kConfig] = options.config;
+  meta[keys::kStep] = std::to_string(options.step);
+  meta[keys::kTpDegree] = std::to_string(first_mesh ? tp_degree_of(*first_mesh) : 1);
+  meta[keys::kWorldSize] =
+      std::to_string(comm::is_initialized() ? comm::get_world_size() : 1);
+  if (first_mesh) meta[keys::kMesh] = first_mesh->str();
+  meta[keys::kPlacements] = placements.dump();
+  meta[keys::kChecksumAlgorithm] = kChecksumAlgorithm;
+  meta[keys::kChecksums] = json(checksums).dump();
+  if (optimizer != nullptr) meta[keys::kOptimizer] = optimizer_description;
+  for (const auto& [k, v] : options.metadata) {
+    TORCH_CHECK(meta.find(k) == meta.end(), "save_checkpoint: metadata key \"", k,
+                "\" is reserved for the checkpoint format; choose another name");
+    meta[k] = v;
+  }
+
+  // Rank 0 writes while every rank takes part in the gathers; a failure on rank 0 stops the
+  // writing but not its part in the collectives, so no rank is left waiting.
+  const bool writes = detail::global_rank() == 0;
+  std::unique_ptr<safetensors::Writer> writer;
+  std::exception_ptr error;
+  if (writes) {
+    try {
+      writer = std::make_unique<safetensors::Writer>(path, entries, meta);
+    } catch (...) {
+      error = std::current_exception();
+    }
+  }
+  for (size_t i = 0; i < items.size(); ++i) {
+    const at::Tensor& t = items[i].tensor;
+    if (!is_dtensor(t) && !writes) continue;
+    at::Tensor full = is_dtensor(t) ? full_tensor(t) : t;
+    if (!writes || error) continue;
+    try {
+      at::Tensor cpu = full.cpu().contiguous();
+      checksums[items[i].name] = hex32(crc32c(cpu.const_data_ptr(), cpu.nbytes()));
+      writer->write(cpu);
+      if (options.on_tensor_written) options.on_tensor_written(items[i].name, i, items.size());
+    } catch (...) {
+      error = std::current_exception();
+    }
+  }
+  if (writes && !error) {
+    try {
+      meta[keys::kChecksums] = json(checksums).dump();
+      writer->finish(meta);
+    } catch (...) {
+      error = std::current_exception();
+    }
+  }
+  writer.reset();  // after a failure this deletes the temporary file
+  detail::share_rank0_outcome(error, "save_checkpoint('" + path + "')");
+}
+
+// ---------------------------------------------------------------------------------------------
+// load
+
+CheckpointMetadata read_checkpoint_metadata(const std::string& path) {
+  safetensors::File file(path);
+  return parse_metadata(file);
+}
+
+void verify_checkpoint(const std::string& path) {
+  safetensors::File file(path);
+  parse_metadata(file);
+  const auto checksums = parse_checksums(file);
+  TORCH_CHECK(!checksums.empty() || file.tensors().empty(), "checkpoint '", path,
+              "' has no checksums to verify (not written by save_checkpoint)");
+  for (const auto& info : file.tensors()) verify_tensor(file, info, checksums);
+}
+
+CheckpointMetadata load_checkpoint(const std::string& path, torch::nn::Module& module,
+                                   torch::optim::Optimizer* optimizer,
+                                   const LoadOptions& options) {
+  at::NoGradGuard no_grad;
+  const std::string where = "checkpoint '" + path + "'";
+  safetensors::File file(path);
+  CheckpointMetadata meta = parse_metadata(file);
+  const auto checksums = parse_checksums(file);
+
+  // 1. Match names and shapes; nothing is read yet.
+  struct Target {
+    const safetensors::TensorInfo* info;
+    at::Tensor dest;
+  };
+  std::vector<Target> targets;
+  std::vector<std::string> missing, unexpected, mismatched;
+  std::set<std::string> used;
+  auto match = [&](const std::string& name, const at::Tensor& dest) -> const safetensors::TensorInfo* {
+    const safetensors::TensorInfo* info = file.find(name);
+    if (info == nullptr) {
+      missing.push_back(name);
+      return nullptr;
+    }
+    used.insert(name);
+    if (c10::IntArrayRef(info->shape) != dest.sizes()) {
+      mismatched.push_back(name + ": checkpoint " + shape_string(info->shape) + ", module " +
+                           shape_string(dest.sizes()));
+      return nullptr;
+    }
+    return info;
+  };
+  auto module_tensors = module.named_parameters();
+  for (const auto& b : module.named_buffers()) module_tensors.insert(b.key(), b.value());
+  for (const auto& t : module_tensors) {
+    if (!t.value().defined()) continue;
+    if (const auto* info = match(t.key(), t.value())) targets.push_back({info, t.value()});
+  }
+
+  // Optimizer state: per parameter, either no entry or every required key.
+  struct ParamState {
+    at::Tensor param;
+    std::map<std::string, const safetensors::TensorInfo*> infos;
+  };
+  std::vector<ParamState> states;
+  if (optimizer != nullptr) {
+    auto it = meta.entries.find(keys::kOptimizer);
+    TORCH_CHECK(it != meta.entries.end(), where,
+                " holds no optimizer state; load it without an optimizer");
+    const auto pnames = param_names(module);
+    detail::check_description(*optimizer, pnames, it->second, where);
+    const auto state_keys = detail::state_keys(*optimizer);
+    for (const auto& group : optimizer->param_groups()) {
+      for (const auto& p : group.params()) {
+        const std::string& pname = detail::param_name(pnames, p);
+        ParamState ps{p, {}};
+        bool any = false;
+        for (const auto* list : {&state_keys.required, &state_keys.optional}) {
+          for (const auto& key : *list) any = any || file.find(optim_name(pname, key)) != nullptr;
+        }
+        if (!any) {
+          states.push_back(std::move(ps));  // no state saved: the parameter starts afresh
+          continue;
+        }
+        for (const auto* list : {&state_keys.required, &state_keys.optional}) {
+          const bool required = list == &state_keys.required;
+          for (const auto& key : *list) {
+            const std::string name = optim_name(pname, key);
+            const safetensors::TensorInfo* info = file.find(name);
+            if (info == nullptr) {
+              if (required) missing.push_back(name);
+              continue;
+            }
+            used.insert(name);
+            if (key == "step") {
+              if (!info->shape.empty() || info->dtype != at::kLong) {
+                mismatched.push_back(name + ": checkpoint " +
+                                     safetensors::dtype_name(info->dtype) +
+                                     shape_string(info->shape) + ", expected a 0-d I64");
+                continue;
+              }
+            } else if (c10::IntArrayRef(info->shape) != p.sizes()) {
+              mismatched.push_back(name + ": checkpoint " + shape_string(info->shape) +
+                                   ", parameter " + shape_string(p.sizes()));
+              continue;
+            }
+            ps.infos[key] = info;
+          }
+        }
+        states.push_back(std::move(ps));
+      }
+    }
+  }
+  for (const auto& info : file.tensors()) {
+    const bool optim = info.name.rfind(kOptimPrefix, 0) == 0;
+    if (used.count(info.name) == 0 && (!optim || optimizer != nullptr)) {
+      unexpected.push_back(info.name);
+    }
+  }
+  // Missing optimizer keys of a parameter that has state are always errors.
+  const bool fatal_missing = std::any_of(missing.begin(), missing.end(), [](const std::string& n) {
+    return n.rfind(kOptimPrefix, 0) == 0;
+  });
+  if (!mismatched.empty() || ((options.strict || fatal_missing) && !missing.empty()) ||
+      (options.strict && !unexpected.empty())) {
+    std::string msg = "load_checkpoint: " + where + " does not fit the module (nothing loaded):";
+    if (!missing.empty()) msg += "\n  missing in the checkpoint:" + join_limited(missing);
+    if (!unexpected.empty() && options.strict) {
+      msg += "\n  unexpected in the checkpoint:" + join_limited(unexpected);
+    }
+    if (!mismatched.empty()) msg += "\n  shape mismatch:" + join_limited(mismatched);
+    TORCH_CHECK(false, msg);
+  }
+
+  // 2. Verify and copy this rank's parts into temporaries.
+  const bool verify = options.verify_checksums && !checksums.empty();
+  auto read_part = [&](const safetensors::TensorInfo& info, const at::Tensor& like) {
+    if (verify) verify_tensor(file, info, checksums);
+    return local_part(file, info, like);
+  };
+  std::vector<at::Tensor> temps;
+  temps.reserve(targets.size());
+  for (const auto& t : targets) temps.push_back(read_part(*t.info, t.dest));
+  std::vector<std::pair<void*, std::unique_ptr<torch::optim::OptimizerParamState>>> new_states;
+  for (const auto& ps : states) {
+    if (ps.infos.empty()) continue;
+    std::map<std::string, at::Tensor> values;
+    for (const auto& [key, info] : ps.infos) {
+      if (key == "step") {
+        if (verify) verify_tensor(file, *info, checksums);
+        values[key] = file.tensor(*info);
+        continue;
+      }
+      at::Tensor part = read_part(*info, ps.param);
+      if (!part.defined()) part = local_tensor(ps.param).clone();  // rank outside the mesh
+      values[key] = wrap_like(std::move(part), ps.param);
+    }
+    new_states.emplace_back(ps.param.unsafeGetTensorImpl(),
+                            detail::make_param_state(*optimizer, values));
+  }
+
+  // 3. Commit: copy in place (the parameters stay the same objects), then the optimizer.
+  for (size_t i = 0; i < targets.size(); ++i) {
+    if (!temps[i].defined()) continue;
+    const at::Tensor& dest = targets[i].dest;
+    if (is_dtensor(dest)) {
+      local_tensor(dest).copy_(temps[i]);
+      dest.unsafeGetTensorImpl()->bump_version();
+    } else {
+      dest.copy_(temps[i]);
+    }
+  }
+  if (optimizer != nullptr) {
+    for (const auto& ps : states) optimizer->state().erase(ps.param.unsafeGetTensorImpl());
+    for (auto& [key, state] : new_states) optimizer->state()[key] = std::move(state);
+    detail::apply_group_options(*optimizer, meta.entries.at(keys::kOptimizer));
+  }
+  return meta;
+}
+
+}  // namespace dtensor::models
