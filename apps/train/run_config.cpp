@@ -1,0 +1,125 @@
+#include "run_config.h"
+
+#include <algorithm>
+#include <cstdio>
+#include <sstream>
+#include <stdexcept>
+
+#include "corpus.h"
+#include "tokenizer.h"
+
+namespace dtensor::train {
+namespace {
+
+// Training defaults that suit each model size on a few CPU cores.
+struct PresetDefaults {
+  int64_t steps;
+  int64_t batch_size;
+  double lr;
+};
+
+PresetDefaults defaults_for(const std::string& preset) {
+  if (preset == "tiny") return {20, 4, 3e-3};
+  if (preset == "bench") return {50, 8, 1e-3};
+  return {150, 16, 3e-3};  // demo: about a minute at TP=2 on 2 cores
+}
+
+std::string num(double v) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%.17g", v);
+  return buf;
+}
+
+}  // namespace
+
+RunConfig resolve_run_config(const TrainOptions& o, int64_t world_size) {
+  auto bad = [](const std::string& msg) { throw std::invalid_argument(msg); };
+  RunConfig c;
+  c.preset = o.preset;
+  c.model_source = o.config_path.empty() ? "preset " + o.preset : o.config_path;
+  c.model = o.config_path.empty() ? models::LlamaConfig::preset(o.preset)
+                                  : models::LlamaConfig::from_json(read_text_file(o.config_path));
+  if (o.dim) c.model.dim = *o.dim;
+  if (o.layers) c.model.n_layers = *o.layers;
+  if (o.heads) c.model.n_heads = *o.heads;
+  if (o.kv_heads) c.model.n_kv_heads = *o.kv_heads;
+  if (o.ffn_dim) c.model.ffn_hidden_dim = *o.ffn_dim;
+  if (o.vocab) c.model.vocab_size = *o.vocab;
+  if (o.seq_len) c.model.max_seq_len = *o.seq_len;
+  if (c.model.vocab_size < ByteTokenizer::kVocabSize) {
+    bad("vocab_size " + std::to_string(c.model.vocab_size) +
+        " is too small for the byte-level tokenizer: it needs at least 256 (--vocab)");
+  }
+  c.model.validate();
+  c.seq_len = c.model.max_seq_len;
+
+  const auto d = defaults_for(o.preset);
+  c.steps = o.steps.value_or(d.steps);
+  c.stop_at = std::min(c.steps, o.stop_at.value_or(c.steps));
+  c.batch_size = o.batch_size.value_or(d.batch_size);
+  c.schedule.lr = o.lr.value_or(d.lr);
+  c.schedule.min_lr = o.min_lr.value_or(c.schedule.lr / 10);
+  c.schedule.warmup = o.warmup.value_or(c.steps / 10);
+  c.schedule.total_steps = c.steps;
+  if (c.schedule.min_lr > c.schedule.lr) {
+    bad("--min-lr " + num(c.schedule.min_lr) + " is larger than the learning rate " +
+        num(c.schedule.lr));
+  }
+  if (c.schedule.warmup > c.steps) {
+    bad("--warmup " + std::to_string(c.schedule.warmup) + " is longer than the run (" +
+        std::to_string(c.steps) + " steps)");
+  }
+  c.weight_decay = o.weight_decay;
+  c.beta1 = o.beta1;
+  c.beta2 = o.beta2;
+  c.grad_clip = o.grad_clip;
+  c.seed = static_cast<uint64_t>(o.seed);
+  c.eval_every = o.eval_every.value_or(std::max<int64_t>(1, c.steps / 5));
+  c.eval_batches = o.eval_batches;
+  c.dtype = o.dtype == "float64" ? c10::kDouble : c10::kFloat;
+  c.verify_rtol = o.verify_rtol.value_or(c.dtype == c10::kDouble ? 1e-9 : 1e-4);
+  c.sequence_parallel = o.sequence_parallel;
+  c.loss_parallel = o.loss_parallel;
+
+  c.world_size = world_size;
+  c.dp = o.dp;
+  if (world_size % c.dp != 0) {
+    bad("--dp " + std::to_string(c.dp) + " does not divide the " + std::to_string(world_size) +
+        " ranks of this launch");
+  }
+  c.tp = world_size / c.dp;
+  if (c.batch_size % c.dp != 0) {
+    bad("--batch-size " + std::to_string(c.batch_size) + " is not divisible by --dp " +
+        std::to_string(c.dp));
+  }
+  try {
+    c.model.validate_tp(c.tp);
+  } catch (const std::exception& e) {
+    bad(std::string(e.what()) + " (the TP degree is the number of ranks / --dp)");
+  }
+  if (c.tp > 1 && c.sequence_parallel && c.seq_len % c.tp != 0) {
+    bad("sequence parallelism splits the sequence over the " + std::to_string(c.tp) +
+        " TP ranks, but --seq-len is " + std::to_string(c.seq_len) + ": use a multiple of " +
+        std::to_string(c.tp) + " or --no-sequence-parallel");
+  }
+  return c;
+}
+
+std::string RunConfig::to_json() const {
+  std::ostringstream js;
+  js << "{\n  \"model\": " << model.to_json() << ",\n  \"train\": {"
+     << "\"preset\": \"" << preset << "\", \"steps\": " << steps
+     << ", \"batch_size\": " << batch_size << ", \"seq_len\": " << seq_len
+     << ", \"lr\": " << num(schedule.lr) << ", \"min_lr\": " << num(schedule.min_lr)
+     << ", \"warmup\": " << schedule.warmup << ", \"weight_decay\": " << num(weight_decay)
+     << ", \"beta1\": " << num(beta1) << ", \"beta2\": " << num(beta2)
+     << ", \"grad_clip\": " << num(grad_clip) << ", \"seed\": " << seed
+     << ", \"eval_every\": " << eval_every << ", \"eval_batches\": " << eval_batches
+     << ", \"dtype\": \"" << (dtype == c10::kDouble ? "float64" : "float32") << "\""
+     << ", \"world_size\": " << world_size << ", \"dp\": " << dp << ", \"tp\": " << tp
+     << ", \"sequence_parallel\": " << (sequence_parallel ? "true" : "false")
+     << ", \"loss_parallel\": " << (loss_parallel ? "true" : "false") << "}\n}\n";
+  return js.str();
+}
+
+}  // namespace dtensor::train

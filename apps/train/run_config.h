@@ -1,0 +1,46 @@
+#pragma once
+// Everything a run needs, resolved from the options: the model config (preset, JSON file,
+// overrides), the per-preset training defaults, the mesh shape and checks that the model
+// splits over it. Resolving is pure (no communication), so every rank gets the same result
+// and the same error message.
+#include <c10/core/ScalarType.h>
+
+#include <cstdint>
+#include <string>
+
+#include "dtensor/models/llama.h"
+#include "lr_schedule.h"
+#include "options.h"
+
+namespace dtensor::train {
+
+struct RunConfig {
+  std::string preset;        // training defaults come from it
+  std::string model_source;  // "preset demo" or the --config path
+  models::LlamaConfig model;
+  int64_t steps = 0;       // the length of the schedule
+  int64_t stop_at = 0;     // the last step of this run (<= steps)
+  int64_t batch_size = 0;  // global: split over the dp ranks
+  int64_t seq_len = 0;
+  LrSchedule schedule;
+  double weight_decay = 0;
+  double beta1 = 0.9, beta2 = 0.95;
+  double grad_clip = 0;  // 0: no clipping
+  uint64_t seed = 0;
+  int64_t eval_every = 0;  // 0: only at the end
+  int64_t eval_batches = 0;
+  c10::ScalarType dtype = c10::kFloat;
+  int64_t world_size = 1, dp = 1, tp = 1;
+  bool sequence_parallel = true;
+  bool loss_parallel = true;
+  double verify_rtol = 1e-4;
+
+  int64_t tokens_per_step() const { return batch_size * seq_len; }
+  // The settings as one JSON object ({"model": ..., "train": ...}) for DIR/config.json.
+  std::string to_json() const;
+};
+
+// Throws std::invalid_argument with a message that names the option to change.
+RunConfig resolve_run_config(const TrainOptions& options, int64_t world_size);
+
+}  // namespace dtensor::train

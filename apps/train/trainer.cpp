@@ -1,0 +1,146 @@
+#include "trainer.h"
+
+#include <ATen/ATen.h>
+#include <ATen/CPUGeneratorImpl.h>
+#include <torch/nn/utils/clip_grad.h>
+
+#include <limits>
+#include <unordered_set>
+
+#include "dtensor/comm/collectives.h"
+#include "dtensor/core/api.h"
+
+namespace dtensor::train {
+
+Trainer::Trainer(const RunConfig& config, std::optional<DeviceMesh> mesh)
+    : config_(config), mesh_(std::move(mesh)) {
+  model_ = models::Transformer(config_.model);
+  model_->to(config_.dtype);
+  // Drawn from the seed alone: the TP run and the one-device check start from equal weights.
+  model_->init_weights(config_.seed);
+  if (mesh_) {
+    const DeviceMesh tp_mesh = mesh_->ndim() == 1 ? *mesh_ : (*mesh_)["tp"];
+    models::TensorParallelOptions tp;
+    tp.sequence_parallel = config_.sequence_parallel;
+    tp.loss_parallel = config_.loss_parallel;
+    models::apply_tensor_parallel(*model_, tp_mesh, tp);
+  }
+
+  // Decay the matrices (projections and embeddings), not the norm weights, as GPT-style
+  // recipes do. A tied weight appears under two names: optimize it once.
+  std::vector<at::Tensor> decay, no_decay;
+  std::unordered_set<const void*> seen;
+  for (const auto& item : model_->named_parameters()) {
+    const at::Tensor& p = item.value();
+    if (!seen.insert(p.unsafeGetTensorImpl()).second) continue;
+    (p.dim() >= 2 ? decay : no_decay).push_back(p);
+    params_.push_back(p);
+  }
+  auto options = torch::optim::AdamWOptions(config_.schedule.lr)
+                     .betas({config_.beta1, config_.beta2})
+                     .eps(1e-8)
+                     .weight_decay(config_.weight_decay);
+  auto no_decay_options = options;
+  no_decay_options.weight_decay(0);
+  std::vector<torch::optim::OptimizerParamGroup> groups;
+  groups.emplace_back(decay, std::make_unique<torch::optim::AdamWOptions>(options));
+  groups.emplace_back(no_decay, std::make_unique<torch::optim::AdamWOptions>(no_decay_options));
+  optimizer_ = std::make_unique<torch::optim::AdamW>(std::move(groups), options);
+}
+
+at::Tensor Trainer::dp_slice(const at::Tensor& t) const {
+  if (!mesh_ || config_.dp == 1) return t;
+  const int64_t rows = t.size(0) / config_.dp;
+  return t.narrow(0, mesh_->get_local_rank("dp") * rows, rows).contiguous();
+}
+
+double Trainer::mean_over_dp(double v) const {
+  if (!mesh_ || config_.dp == 1) return v;
+  auto t = at::full({1}, v, at::kDouble);
+  return comm::all_reduce(t, ReduceOp::Sum, mesh_->group(mesh_->dim_index("dp"))).item<double>() /
+         static_cast<double>(config_.dp);
+}
+
+// Data parallelism: each dp rank saw its slice of the batch; average the gradients over the
+// dp group with one all_reduce of all local gradient shards flattened together.
+void Trainer::all_reduce_dp_grads() {
+  if (!mesh_ || config_.dp == 1) return;
+  at::NoGradGuard no_grad;
+  std::vector<at::Tensor> locals;
+  for (const auto& p : params_) {
+    const at::Tensor& g = p.grad();
+    if (g.defined()) locals.push_back(is_dtensor(g) ? to_local(g) : g);
+  }
+  if (locals.empty()) return;
+  std::vector<at::Tensor> flat;
+  for (const auto& l : locals) flat.push_back(l.reshape({-1}));
+  auto summed =
+      comm::all_reduce(at::cat(flat), ReduceOp::Sum, mesh_->group(mesh_->dim_index("dp")));
+  summed.div_(static_cast<double>(config_.dp));
+  int64_t offset = 0;
+  for (auto& l : locals) {
+    l.copy_(summed.narrow(0, offset, l.numel()).view(l.sizes()));
+    offset += l.numel();
+  }
+}
+
+StepStats Trainer::train_step(int64_t step, const Batch& global_batch) {
+  StepStats stats;
+  stats.lr = config_.schedule.at(step);
+  for (auto& group : optimizer_->param_groups()) {
+    static_cast<torch::optim::AdamWOptions&>(group.options()).lr(stats.lr);
+  }
+  model_->train();
+  optimizer_->zero_grad();
+  auto logits = model_->forward(dp_slice(global_batch.inputs));
+  auto loss = models::loss_and_backward(logits, dp_slice(global_batch.targets));
+  if (mesh_) {
+    models::reduce_partial_grads(*model_);
+    all_reduce_dp_grads();
+  }
+  const double max_norm =
+      config_.grad_clip > 0 ? config_.grad_clip : std::numeric_limits<double>::infinity();
+  stats.grad_norm = torch::nn::utils::clip_grad_norm_(params_, max_norm);
+  optimizer_->step();
+  stats.loss = mean_over_dp(loss.item<double>());
+  return stats;
+}
+
+double Trainer::evaluate(const BatchSampler& val, int64_t n_batches) {
+  at::NoGradGuard no_grad;
+  model_->eval();
+  double total = 0;
+  for (int64_t k = 0; k < n_batches; ++k) {
+    const Batch b = val.get(k);
+    auto logits = model_->forward(dp_slice(b.inputs));
+    total += models::token_cross_entropy(logits, dp_slice(b.targets)).item<double>();
+  }
+  model_->train();
+  return mean_over_dp(total / static_cast<double>(n_batches));
+}
+
+std::vector<int64_t> Trainer::generate(const std::vector<int64_t>& prompt, int64_t n_tokens,
+                                       double temperature, uint64_t seed) {
+  at::NoGradGuard no_grad;
+  model_->eval();
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(seed);
+  std::vector<int64_t> tokens = prompt;
+  const int64_t window = config_.seq_len;
+  for (int64_t i = 0; i < n_tokens; ++i) {
+    // A full window, right-padded: causal attention keeps the padding out of earlier
+    // positions, and sequence parallelism needs the fixed length.
+    const int64_t n = std::min<int64_t>(static_cast<int64_t>(tokens.size()), window);
+    auto input = at::zeros({1, window}, at::kLong);
+    std::copy(tokens.end() - n, tokens.end(), input.data_ptr<int64_t>());
+    auto logits = model_->forward(input);
+    if (is_dtensor(logits)) logits = full_tensor(logits);
+    auto last = logits.select(1, n - 1).squeeze(0).to(at::kDouble);
+    last = last.narrow(0, 0, 256);  // only bytes are decodable
+    auto probs = at::softmax(last / temperature, 0);
+    tokens.push_back(at::multinomial(probs, 1, false, gen).item<int64_t>());
+  }
+  model_->train();
+  return {tokens.begin() + static_cast<std::ptrdiff_t>(prompt.size()), tokens.end()};
+}
+
+}  // namespace dtensor::train

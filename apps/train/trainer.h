@@ -1,0 +1,58 @@
+#pragma once
+// One training setup: the model (tensor-parallel over a mesh, or plain LibTorch on one
+// device), AdamW with decoupled weight decay on the matrices only, the learning-rate schedule
+// and gradient clipping. The TP run and the single-device check are both a Trainer, so they
+// run exactly the same steps.
+#include <torch/optim/adamw.h>
+
+#include <cstdint>
+#include <optional>
+
+#include "corpus.h"
+#include "dtensor/mesh/device_mesh.h"
+#include "dtensor/models/llama.h"
+#include "run_config.h"
+
+namespace dtensor::train {
+
+struct StepStats {
+  double loss = 0;       // mean over the global batch, equal on every rank
+  double grad_norm = 0;  // global L2 norm before clipping
+  double lr = 0;
+};
+
+class Trainer {
+ public:
+  // `mesh`: all ranks as [tp] or [dp, tp] (dims named "dp", "tp"); nullopt: plain LibTorch.
+  Trainer(const RunConfig& config, std::optional<DeviceMesh> mesh);
+
+  // One optimizer step on `global_batch` (this rank's dp slice of it is used) at 0-based
+  // `step`, which selects the learning rate.
+  StepStats train_step(int64_t step, const Batch& global_batch);
+
+  // Mean loss over `n_batches` validation batches, without gradients.
+  double evaluate(const BatchSampler& val, int64_t n_batches);
+
+  // Up to `n_tokens` tokens continuing `prompt`, sampled with temperature from a generator
+  // seeded by `seed` (the same on every rank, so all ranks feed the same tokens).
+  std::vector<int64_t> generate(const std::vector<int64_t>& prompt, int64_t n_tokens,
+                                double temperature, uint64_t seed);
+
+  models::TransformerImpl& model() { return *model_; }
+  torch::optim::AdamW& optimizer() { return *optimizer_; }
+  const RunConfig& config() const { return config_; }
+  bool distributed() const { return mesh_.has_value(); }
+
+ private:
+  at::Tensor dp_slice(const at::Tensor& t) const;
+  void all_reduce_dp_grads();
+  double mean_over_dp(double v) const;
+
+  RunConfig config_;
+  std::optional<DeviceMesh> mesh_;
+  models::Transformer model_{nullptr};
+  std::unique_ptr<torch::optim::AdamW> optimizer_;
+  std::vector<at::Tensor> params_;
+};
+
+}  // namespace dtensor::train

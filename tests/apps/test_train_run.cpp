@@ -1,0 +1,191 @@
+// dtensor_train end to end: the built binary (DTENSOR_TRAIN_PATH) under the built launcher
+// (DTRUN_PATH) on 2 CPU ranks, with the tiny preset and a few steps. The TP=2 losses are
+// checked against one device by the program's own --verify-tp1 (plain LibTorch, same seed
+// and batches), a resumed run against an uninterrupted one.
+#include <fcntl.h>
+#include <gtest/gtest.h>
+#include <signal.h>
+#include <spawn.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "train/metrics.h"
+
+extern char** environ;
+
+namespace {
+
+namespace fs = std::filesystem;
+using dtensor::train::MetricsRow;
+using dtensor::train::read_metrics_csv;
+
+struct Result {
+  int exit_code = -1;
+  std::string output;  // stdout and stderr together
+};
+
+// Runs argv with stdout+stderr in a file; kills it after `timeout_s`.
+Result run(const std::vector<std::string>& args, double timeout_s = 240) {
+  const fs::path log =
+      fs::temp_directory_path() / ("dtensor_train_test_" + std::to_string(::getpid()) + ".log");
+  posix_spawn_file_actions_t actions;
+  posix_spawn_file_actions_init(&actions);
+  posix_spawn_file_actions_addopen(&actions, STDOUT_FILENO, log.c_str(),
+                                   O_WRONLY | O_CREAT | O_TRUNC, 0644);
+  posix_spawn_file_actions_adddup2(&actions, STDOUT_FILENO, STDERR_FILENO);
+  std::vector<std::string> copy = args;
+  std::vector<char*> argv;
+  for (auto& a : copy) argv.push_back(a.data());
+  argv.push_back(nullptr);
+  pid_t pid = -1;
+  Result r;
+  if (posix_spawn(&pid, argv[0], &actions, nullptr, argv.data(), environ) != 0) {
+    ADD_FAILURE() << "cannot start " << args[0];
+    return r;
+  }
+  posix_spawn_file_actions_destroy(&actions);
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(timeout_s);
+  int status = 0;
+  while (::waitpid(pid, &status, WNOHANG) == 0) {
+    if (std::chrono::steady_clock::now() > deadline) {
+      ::kill(pid, SIGTERM);  // dtrun stops its ranks
+      ::waitpid(pid, &status, 0);
+      ADD_FAILURE() << args[0] << " did not finish within " << timeout_s << " s";
+      break;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  r.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+  std::ifstream in(log);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  r.output = ss.str();
+  fs::remove(log);
+  return r;
+}
+
+// dtrun -n <ranks> dtensor_train --preset tiny <args>
+Result train(int ranks, std::vector<std::string> args) {
+  std::vector<std::string> cmd = {DTRUN_PATH,         "-n",       std::to_string(ranks),
+                                  DTENSOR_TRAIN_PATH, "--preset", "tiny"};
+  cmd.insert(cmd.end(), args.begin(), args.end());
+  return run(cmd);
+}
+
+class TempDir {
+ public:
+  TempDir() {
+    std::string pattern = (fs::temp_directory_path() / "dtensor_train_run_XXXXXX").string();
+    path_ = ::mkdtemp(pattern.data());
+  }
+  ~TempDir() { fs::remove_all(path_); }
+  std::string str(const std::string& sub) const { return (path_ / sub).string(); }
+
+ private:
+  fs::path path_;
+};
+
+std::string read_file(const std::string& path) {
+  std::ifstream in(path);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+}  // namespace
+
+TEST(TrainRun, TwoRanksTrainTinyModelAndMatchOneDevice) {
+  TempDir dir;
+  const auto r =
+      train(2, {"--steps", "5", "--eval-every", "2", "--out", dir.str("run"), "--verify-tp1"});
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  const auto rows = read_metrics_csv(dir.str("run/metrics.csv"));
+  ASSERT_EQ(rows.size(), 5u) << r.output;
+  for (size_t i = 0; i < rows.size(); ++i) {
+    EXPECT_EQ(rows[i].step, static_cast<int64_t>(i + 1));
+    EXPECT_TRUE(std::isfinite(rows[i].loss));
+    EXPECT_GT(rows[i].loss, 0);
+    EXPECT_TRUE(std::isfinite(rows[i].grad_norm));
+    EXPECT_GT(rows[i].tokens_per_s, 0);
+    // Evaluated every 2 steps and at the end.
+    EXPECT_EQ(rows[i].val_loss.has_value(), i == 1 || i == 3 || i == 4) << "step " << i + 1;
+  }
+  // A fresh byte-level model starts near ln(256).
+  EXPECT_NEAR(rows[0].loss, std::log(256.0), 0.5);
+  EXPECT_NE(read_file(dir.str("run/loss.svg")).find("<polyline"), std::string::npos);
+  EXPECT_NE(read_file(dir.str("run/config.json")).find("\"tp\": 2"), std::string::npos);
+  EXPECT_NE(r.output.find("verify-tp1: PASSED"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("summary"), std::string::npos) << r.output;
+}
+
+TEST(TrainRun, ResumedRunRepeatsTheUninterruptedRunExactly) {
+  TempDir dir;
+  const auto whole = train(2, {"--steps", "6", "--out", dir.str("whole")});
+  ASSERT_EQ(whole.exit_code, 0) << whole.output;
+  const auto first =
+      train(2, {"--steps", "6", "--stop-at", "3", "--ckpt-every", "3", "--out", dir.str("split")});
+  ASSERT_EQ(first.exit_code, 0) << first.output;
+  ASSERT_TRUE(fs::exists(dir.str("split/checkpoints/step_000003.safetensors"))) << first.output;
+  ASSERT_EQ(read_metrics_csv(dir.str("split/metrics.csv")).size(), 3u);
+  const auto second =
+      train(2, {"--steps", "6", "--resume", "--out", dir.str("split"), "--verify-tp1"});
+  ASSERT_EQ(second.exit_code, 0) << second.output;
+  EXPECT_NE(second.output.find("verify-tp1: PASSED"), std::string::npos) << second.output;
+
+  const auto a = read_metrics_csv(dir.str("whole/metrics.csv"));
+  const auto b = read_metrics_csv(dir.str("split/metrics.csv"));
+  ASSERT_EQ(a.size(), 6u);
+  ASSERT_EQ(b.size(), 6u);  // the first run's 3 rows and the resumed run's 3
+  for (size_t i = 0; i < 6; ++i) {
+    EXPECT_EQ(b[i].step, a[i].step);
+    EXPECT_EQ(b[i].loss, a[i].loss) << "step " << i + 1;  // same numbers, not just close
+    EXPECT_EQ(b[i].grad_norm, a[i].grad_norm) << "step " << i + 1;
+    EXPECT_EQ(b[i].lr, a[i].lr) << "step " << i + 1;
+  }
+
+  // The checkpoint holds global tensors: one rank continues the TP=2 run to the same losses
+  // (within float32 rounding of the different reductions).
+  const auto alone =
+      train(1, {"--steps", "6", "--resume", dir.str("split/checkpoints/step_000003.safetensors"),
+                "--out", dir.str("alone")});
+  ASSERT_EQ(alone.exit_code, 0) << alone.output;
+  const auto c = read_metrics_csv(dir.str("alone/metrics.csv"));
+  ASSERT_EQ(c.size(), 3u);
+  for (size_t i = 0; i < 3; ++i) {
+    EXPECT_EQ(c[i].step, a[i + 3].step);
+    EXPECT_NEAR(c[i].loss, a[i + 3].loss, 1e-4 * a[i + 3].loss) << "step " << c[i].step;
+  }
+}
+
+TEST(TrainRun, BadSettingsFailOnceBeforeTheRanksMeet) {
+  // 4 heads cannot be split over 3 ranks: every rank exits 2, only rank 0 says why.
+  auto r = train(3, {"--steps", "2"});
+  EXPECT_EQ(r.exit_code, 2) << r.output;
+  size_t said = 0;
+  for (size_t p = r.output.find("valid tp degrees"); p != std::string::npos;
+       p = r.output.find("valid tp degrees", p + 1)) {
+    ++said;
+  }
+  EXPECT_EQ(said, 1u) << r.output;
+  r = train(2, {"--stpes", "2"});
+  EXPECT_EQ(r.exit_code, 2) << r.output;
+  EXPECT_NE(r.output.find("unknown option '--stpes'"), std::string::npos) << r.output;
+}
+
+TEST(TrainRun, RunsAloneWithoutALauncher) {
+  TempDir dir;
+  const auto r =
+      run({DTENSOR_TRAIN_PATH, "--preset", "tiny", "--steps", "2", "--out", dir.str("alone")});
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_EQ(read_metrics_csv(dir.str("alone/metrics.csv")).size(), 2u);
+  EXPECT_NE(r.output.find("TP=1"), std::string::npos) << r.output;
+}

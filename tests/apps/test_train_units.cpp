@@ -1,0 +1,393 @@
+// The parts of dtensor_train that need no ranks: tokenizer, corpus and batches, learning-rate
+// schedule, metrics CSV, loss plot, progress display and option parsing.
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <limits>
+#include <regex>
+#include <set>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "train/corpus.h"
+#include "train/loss_plot.h"
+#include "train/lr_schedule.h"
+#include "train/metrics.h"
+#include "train/options.h"
+#include "train/progress.h"
+#include "train/run_config.h"
+#include "train/tokenizer.h"
+
+using namespace dtensor::train;
+namespace fs = std::filesystem;
+
+namespace {
+
+// A fresh directory under the system temp dir, removed at the end of the test.
+class TempDir {
+ public:
+  TempDir() {
+    std::string pattern = (fs::temp_directory_path() / "dtensor_train_units_XXXXXX").string();
+    path_ = ::mkdtemp(pattern.data());
+  }
+  ~TempDir() { fs::remove_all(path_); }
+  fs::path operator/(const std::string& name) const { return path_ / name; }
+
+ private:
+  fs::path path_;
+};
+
+int count(const std::string& text, const std::string& needle) {
+  int n = 0;
+  for (size_t p = text.find(needle); p != std::string::npos; p = text.find(needle, p + 1)) ++n;
+  return n;
+}
+
+std::optional<TrainOptions> parse(std::vector<std::string> args, int& exit_code,
+                                  std::string* err = nullptr) {
+  args.insert(args.begin(), "dtensor_train");
+  std::vector<char*> argv;
+  for (auto& a : args) argv.push_back(a.data());
+  std::stringstream captured;
+  auto* old = std::cerr.rdbuf(captured.rdbuf());
+  auto* old_out = std::cout.rdbuf(captured.rdbuf());
+  auto o = parse_args(static_cast<int>(argv.size()), argv.data(), exit_code);
+  std::cerr.rdbuf(old);
+  std::cout.rdbuf(old_out);
+  if (err) *err = captured.str();
+  return o;
+}
+
+}  // namespace
+
+TEST(TrainTokenizer, EveryByteRoundTrips) {
+  ByteTokenizer tok;
+  std::string all;
+  for (int b = 0; b < 256; ++b) all.push_back(static_cast<char>(b));
+  const auto ids = tok.encode(all);
+  ASSERT_EQ(ids.size(), 256u);
+  for (int b = 0; b < 256; ++b) EXPECT_EQ(ids[b], b);
+  EXPECT_EQ(tok.decode(ids), all);
+  EXPECT_EQ(tok.decode(tok.encode("na\xc3\xafve caf\xc3\xa9")), "na\xc3\xafve caf\xc3\xa9");
+  EXPECT_EQ(tok.vocab_size(), 256);
+}
+
+TEST(TrainTokenizer, DecodeRejectsIdsOutsideTheBytes) {
+  ByteTokenizer tok;
+  EXPECT_THROW(tok.decode({65, 256}), std::out_of_range);
+  EXPECT_THROW(tok.decode({-1}), std::out_of_range);
+}
+
+TEST(TrainCorpus, DefaultCorpusIsLargeStableVariedEnglishText) {
+  const std::string& text = default_corpus();
+  EXPECT_GE(text.size(), 200u * 1024);
+  EXPECT_LE(text.size(), 500u * 1024);
+  EXPECT_EQ(&text, &default_corpus());  // built once
+  EXPECT_EQ(text.rfind("Chapter One\n\n", 0), 0u);
+  for (unsigned char c : text) {
+    ASSERT_TRUE(c == '\n' || (c >= 32 && c < 127)) << "unexpected byte " << int(c);
+  }
+  // Prose, not a repeated block: almost every paragraph is different.
+  std::set<std::string> paragraphs;
+  size_t total = 0;
+  for (size_t start = 0; start < text.size();) {
+    size_t end = text.find("\n\n", start);
+    if (end == std::string::npos) end = text.size();
+    if (text.compare(start, 8, "Chapter ") != 0) {
+      paragraphs.insert(text.substr(start, end - start));
+      ++total;
+    }
+    start = end + 2;
+  }
+  EXPECT_GT(total, 1000u);
+  EXPECT_GT(paragraphs.size(), total * 99 / 100);
+  // Sentences start with capitals and end with full stops (what the model learns first).
+  EXPECT_GT(count(text, ". "), 2000);
+}
+
+TEST(TrainCorpus, SplitKeepsTheTailForValidation) {
+  std::vector<int64_t> tokens(1000);
+  for (int i = 0; i < 1000; ++i) tokens[i] = i % 256;
+  const auto split = split_tokens(tokens, 0.1, 16);
+  ASSERT_EQ(split.train.size(), 900u);
+  ASSERT_EQ(split.val.size(), 100u);
+  EXPECT_TRUE(std::equal(split.train.begin(), split.train.end(), tokens.begin()));
+  EXPECT_TRUE(std::equal(split.val.begin(), split.val.end(), tokens.begin() + 900));
+  // Validation gets at least one window even when the fraction is smaller.
+  EXPECT_EQ(split_tokens(tokens, 0.001, 31).val.size(), 32u);
+  EXPECT_THROW(split_tokens(std::vector<int64_t>(40, 1), 0.1, 31), std::runtime_error);
+}
+
+TEST(TrainCorpus, BatchesArePureFunctionsOfSeedAndStep) {
+  std::vector<int64_t> tokens(5000);
+  for (size_t i = 0; i < tokens.size(); ++i) tokens[i] = static_cast<int64_t>((i * 7919) % 256);
+  const BatchSampler a(&tokens, 4, 32, 1234, kTrainStream);
+  const BatchSampler b(&tokens, 4, 32, 1234, kTrainStream);
+  const auto late = b.get(7);  // order of requests does not matter
+  const auto a7 = a.get(7);
+  EXPECT_TRUE(at::equal(a7.inputs, late.inputs));
+  EXPECT_TRUE(at::equal(a7.targets, late.targets));
+  EXPECT_FALSE(at::equal(a.get(8).inputs, a7.inputs));
+  EXPECT_FALSE(at::equal(BatchSampler(&tokens, 4, 32, 99, kTrainStream).get(7).inputs, a7.inputs));
+  EXPECT_FALSE(at::equal(BatchSampler(&tokens, 4, 32, 1234, kValStream).get(7).inputs, a7.inputs));
+  ASSERT_EQ(a7.inputs.sizes(), (std::vector<int64_t>{4, 32}));
+  ASSERT_EQ(a7.inputs.scalar_type(), at::kLong);
+  // Each row is a window of the text and its targets are the next tokens.
+  for (int64_t r = 0; r < 4; ++r) {
+    const int64_t off = a.offset(7, r);
+    ASSERT_GE(off, 0);
+    ASSERT_LE(off + 33, static_cast<int64_t>(tokens.size()));
+    for (int64_t t = 0; t < 32; ++t) {
+      EXPECT_EQ(a7.inputs[r][t].item<int64_t>(), tokens[off + t]);
+      EXPECT_EQ(a7.targets[r][t].item<int64_t>(), tokens[off + t + 1]);
+    }
+  }
+  // Offsets cover the text: over many draws both halves are used.
+  int low = 0;
+  for (int64_t s = 0; s < 200; ++s) low += a.offset(s, 0) < 2500;
+  EXPECT_GT(low, 60);
+  EXPECT_LT(low, 140);
+}
+
+TEST(TrainSchedule, WarmupThenCosineToMinLr) {
+  LrSchedule s{/*lr=*/1e-2, /*min_lr=*/1e-3, /*warmup=*/10, /*total_steps=*/110};
+  EXPECT_DOUBLE_EQ(s.at(0), 1e-3);  // (0+1)/10 of the peak
+  EXPECT_DOUBLE_EQ(s.at(4), 5e-3);
+  EXPECT_DOUBLE_EQ(s.at(9), 1e-2);                      // warmup ends at the peak
+  EXPECT_DOUBLE_EQ(s.at(10), 1e-2);                     // decay starts at the peak
+  EXPECT_NEAR(s.at(10 + 50), (1e-2 + 1e-3) / 2, 1e-4);  // about half way down at mid-decay
+  EXPECT_DOUBLE_EQ(s.at(109), 1e-3);                    // the last step reaches min_lr
+  EXPECT_DOUBLE_EQ(s.at(500), 1e-3);
+  for (int64_t i = 10; i < 109; ++i) EXPECT_LE(s.at(i + 1), s.at(i)) << i;
+  for (int64_t i = 0; i < 9; ++i) EXPECT_LT(s.at(i), s.at(i + 1)) << i;
+}
+
+TEST(TrainSchedule, NoWarmupStartsAtThePeak) {
+  LrSchedule s{3e-3, 3e-4, 0, 5};
+  EXPECT_DOUBLE_EQ(s.at(0), 3e-3);
+  EXPECT_DOUBLE_EQ(s.at(4), 3e-4);
+  EXPECT_DOUBLE_EQ(LrSchedule({3e-3, 3e-4, 0, 1}).at(0), 3e-3);
+}
+
+TEST(TrainMetrics, CsvRoundTripsAndResumeDropsLaterRows) {
+  TempDir dir;
+  const std::string path = (dir / "metrics.csv").string();
+  std::vector<MetricsRow> rows;
+  for (int64_t s = 1; s <= 5; ++s) {
+    MetricsRow r;
+    r.step = s;
+    r.loss = static_cast<float>(5.5 / static_cast<double>(s) + 0.123456789);  // float32 values
+    if (s % 2 == 0) r.val_loss = static_cast<float>(r.loss + 0.25);
+    r.lr = 1e-3 * static_cast<double>(s);
+    r.tokens_per_s = 1000.5 * static_cast<double>(s);
+    r.step_ms = 12.25;
+    r.grad_norm = static_cast<float>(0.75 / static_cast<double>(s));
+    rows.push_back(r);
+  }
+  {
+    MetricsWriter w(path);
+    for (const auto& r : rows) w.write(r);
+    EXPECT_EQ(w.rows().size(), 5u);
+  }
+  std::ifstream in(path);
+  std::string header;
+  std::getline(in, header);
+  EXPECT_EQ(header, "step,loss,val_loss,lr,tokens_per_s,step_ms,grad_norm");
+  auto back = read_metrics_csv(path);
+  ASSERT_EQ(back.size(), 5u);
+  for (size_t i = 0; i < 5; ++i) {
+    EXPECT_EQ(back[i].step, rows[i].step);
+    EXPECT_EQ(static_cast<float>(back[i].loss), static_cast<float>(rows[i].loss));  // exact
+    EXPECT_EQ(back[i].val_loss.has_value(), rows[i].val_loss.has_value());
+    if (rows[i].val_loss)
+      EXPECT_EQ(static_cast<float>(*back[i].val_loss), static_cast<float>(*rows[i].val_loss));
+    EXPECT_NEAR(back[i].lr, rows[i].lr, 1e-9);
+    EXPECT_EQ(static_cast<float>(back[i].grad_norm), static_cast<float>(rows[i].grad_norm));
+  }
+  {
+    MetricsWriter resumed(path, /*keep_through_step=*/3);
+    EXPECT_EQ(resumed.rows().size(), 3u);
+    resumed.write(rows[3]);
+  }
+  back = read_metrics_csv(path);
+  ASSERT_EQ(back.size(), 4u);
+  EXPECT_EQ(back[3].step, 4);
+  std::ofstream(dir / "bad.csv") << "step,loss\n1,2\n";
+  EXPECT_THROW(read_metrics_csv((dir / "bad.csv").string()), std::runtime_error);
+}
+
+TEST(TrainPlot, SvgHasOneTrainingLineAndAValidationDotPerEvaluation) {
+  std::vector<MetricsRow> rows;
+  for (int64_t s = 1; s <= 40; ++s) {
+    MetricsRow r;
+    r.step = s;
+    r.loss = 5.0 * std::exp(-0.05 * static_cast<double>(s)) + 1.0;
+    if (s % 10 == 0) r.val_loss = r.loss + 0.1;
+    rows.push_back(r);
+  }
+  const std::string svg = loss_curve_svg(rows, "loss <TP=2> & more");
+  EXPECT_EQ(svg.rfind("<svg xmlns=\"http://www.w3.org/2000/svg\"", 0), 0u);
+  EXPECT_NE(svg.find("</svg>"), std::string::npos);
+  EXPECT_NE(svg.find("loss &lt;TP=2&gt; &amp; more"), std::string::npos);
+  EXPECT_EQ(count(svg, "<polyline"), 1);
+  // 4 evaluation dots and one in the legend.
+  EXPECT_EQ(count(svg, "<circle"), 5);
+  std::smatch m;
+  ASSERT_TRUE(std::regex_search(svg, m, std::regex("points=\"([^\"]*)\"")));
+  EXPECT_EQ(count(m[1].str(), ","), 40);
+  // Nothing fetched from elsewhere.
+  EXPECT_EQ(svg.find("href"), std::string::npos);
+  // A NaN loss breaks the line instead of poisoning the axes.
+  rows[20].loss = std::numeric_limits<double>::quiet_NaN();
+  const std::string broken = loss_curve_svg(rows, "t");
+  EXPECT_EQ(count(broken, "<polyline"), 2);
+  EXPECT_EQ(broken.find("nan"), std::string::npos);
+  EXPECT_NE(loss_curve_svg({}, "t").find("no finite loss"), std::string::npos);
+}
+
+TEST(TrainPlot, TicksAreRoundAndCoverTheRange) {
+  const auto t = nice_ticks(1.83, 5.61, 6);
+  ASSERT_GE(t.size(), 4u);
+  EXPECT_LE(t.front(), 2.0 + 1e-9);
+  EXPECT_GE(t.back(), 5.0 - 1e-9);
+  const double step = t[1] - t[0];
+  for (size_t i = 1; i < t.size(); ++i) EXPECT_NEAR(t[i] - t[i - 1], step, 1e-9);
+  const double mantissa = step / std::pow(10.0, std::floor(std::log10(step)));
+  EXPECT_TRUE(std::abs(mantissa - 1) < 1e-9 || std::abs(mantissa - 2) < 1e-9 ||
+              std::abs(mantissa - 5) < 1e-9)
+      << step;
+}
+
+TEST(TrainProgress, FormatsDurationsAndRates) {
+  EXPECT_EQ(format_duration(7), "0:07");
+  EXPECT_EQ(format_duration(245), "4:05");
+  EXPECT_EQ(format_duration(3723), "1:02:03");
+  EXPECT_EQ(format_duration(std::numeric_limits<double>::infinity()), "?");
+  EXPECT_EQ(format_count(950), "950");
+  EXPECT_EQ(format_count(12500), "12.5k");
+  EXPECT_EQ(format_count(3.1e6), "3.10M");
+  const std::string line = format_progress({45, 200, 2.31404, 12500, 2.9e-3, 31});
+  EXPECT_NE(line.find(" 45/200"), std::string::npos) << line;
+  EXPECT_NE(line.find("loss 2.3140"), std::string::npos) << line;
+  EXPECT_NE(line.find("12.5k tok/s"), std::string::npos) << line;
+  EXPECT_NE(line.find("lr 2.90e-03"), std::string::npos) << line;
+  EXPECT_NE(line.find("ETA 0:31"), std::string::npos) << line;
+}
+
+TEST(TrainProgress, PlainLinesWithoutATerminalAndRedrawsOnOne) {
+  std::ostringstream plain;
+  {
+    ProgressBar bar(plain, /*tty=*/false, /*every=*/5);
+    for (int64_t s = 1; s <= 12; ++s) bar.update({s, 12, 1.0, 100, 1e-3, 1});
+  }
+  // Step 1, every 5th and the last; no carriage returns to garble a log.
+  EXPECT_EQ(count(plain.str(), "\n"), 4);
+  EXPECT_EQ(plain.str().find('\r'), std::string::npos);
+  EXPECT_NE(plain.str().find("step 12/12"), std::string::npos) << plain.str();
+
+  std::ostringstream tty;
+  {
+    ProgressBar bar(tty, /*tty=*/true, 5);
+    bar.update({1, 2, 1.0, 100, 1e-3, 1});
+    bar.message("hello");
+    bar.update({2, 2, 0.5, 100, 1e-3, 0});
+  }
+  EXPECT_NE(tty.str().find('\r'), std::string::npos);
+  EXPECT_NE(tty.str().find("hello\n"), std::string::npos);
+  EXPECT_NE(tty.str().find("[########################] 2/2"), std::string::npos) << tty.str();
+  EXPECT_EQ(tty.str().back(), '\n');
+}
+
+TEST(TrainOptions, ParsesEveryKindOfOption) {
+  int code = -1;
+  auto o = parse({"--preset", "tiny", "--steps=7", "--lr", "1e-3", "--no-loss-parallel", "--dtype",
+                  "float64", "--resume", "--verify-tp1", "--seq-len", "64"},
+                 code);
+  ASSERT_TRUE(o.has_value());
+  EXPECT_EQ(o->preset, "tiny");
+  EXPECT_EQ(o->steps, 7);
+  EXPECT_EQ(o->lr, 1e-3);
+  EXPECT_FALSE(o->loss_parallel);
+  EXPECT_TRUE(o->sequence_parallel);
+  EXPECT_EQ(o->dtype, "float64");
+  EXPECT_EQ(o->resume, "auto");  // a flag follows: no value given
+  EXPECT_TRUE(o->verify_tp1);
+  EXPECT_EQ(o->seq_len, 64);
+  o = parse({"--resume", "runs/x/checkpoints/step_00000003.safetensors"}, code);
+  ASSERT_TRUE(o.has_value());
+  EXPECT_EQ(o->resume, "runs/x/checkpoints/step_00000003.safetensors");
+}
+
+TEST(TrainOptions, RejectsUnknownFlagsAndBadValuesClearly) {
+  struct Case {
+    std::vector<std::string> args;
+    std::string message;
+  };
+  const std::vector<Case> cases = {
+      {{"--stpes", "3"}, "unknown option '--stpes'"},
+      {{"--steps"}, "--steps needs a value"},
+      {{"--steps", "three"}, "--steps expects an integer, got 'three'"},
+      {{"--steps", "0"}, "--steps must be at least 1"},
+      {{"--lr", "-1"}, "--lr must be in"},
+      {{"--lr", "nan"}, "--lr expects a number"},
+      {{"--preset", "huge"}, "--preset expects one of tiny, demo, bench, got 'huge'"},
+      {{"--dtype", "half"}, "--dtype expects one of float32, float64"},
+      {{"--vocab", "100"}, "--vocab must be at least 256"},
+      {{"--verify-tp1=yes"}, "--verify-tp1 takes no value"},
+      {{"--lr", "1e-3", "--min-lr", "1e-2"}, "--min-lr"},
+  };
+  for (const auto& c : cases) {
+    int code = -1;
+    std::string err;
+    EXPECT_FALSE(parse(c.args, code, &err).has_value()) << c.args[0];
+    EXPECT_EQ(code, 2);
+    EXPECT_NE(err.find(c.message), std::string::npos) << "got: " << err;
+  }
+  int code = -1;
+  std::string out;
+  EXPECT_FALSE(parse({"--help"}, code, &out).has_value());
+  EXPECT_EQ(code, 0);
+  EXPECT_NE(out.find("--verify-tp1"), std::string::npos);
+}
+
+TEST(TrainRunConfig, PresetDefaultsOverridesAndTpChecks) {
+  int code = -1;
+  auto o = parse({"--preset", "tiny", "--dim", "64", "--steps", "30"}, code);
+  ASSERT_TRUE(o);
+  auto c = resolve_run_config(*o, 2);
+  EXPECT_EQ(c.model.dim, 64);
+  EXPECT_EQ(c.model.n_layers, dtensor::models::LlamaConfig::preset("tiny").n_layers);
+  EXPECT_EQ(c.steps, 30);
+  EXPECT_EQ(c.stop_at, 30);
+  EXPECT_EQ(c.schedule.warmup, 3);
+  EXPECT_DOUBLE_EQ(c.schedule.min_lr, c.schedule.lr / 10);
+  EXPECT_EQ(c.seq_len, c.model.max_seq_len);
+  EXPECT_EQ(c.tp, 2);
+  EXPECT_EQ(c.dp, 1);
+  EXPECT_NE(c.to_json().find("\"tp\": 2"), std::string::npos);
+
+  auto expect_error = [&](std::vector<std::string> args, int64_t world, const std::string& what) {
+    int code = -1;
+    auto o = parse(args, code);
+    ASSERT_TRUE(o) << args[0];
+    try {
+      resolve_run_config(*o, world);
+      ADD_FAILURE() << "no error for " << args[0] << " on " << world << " ranks";
+    } catch (const std::exception& e) {
+      EXPECT_NE(std::string(e.what()).find(what), std::string::npos) << e.what();
+    }
+  };
+  // heads split evenly: 3 ranks cannot share 4 heads.
+  expect_error({"--preset", "tiny"}, 3, "valid tp degrees");
+  expect_error({"--preset", "tiny", "--seq-len", "30"}, 4, "--no-sequence-parallel");
+  expect_error({"--preset", "tiny", "--dp", "3"}, 4, "--dp 3 does not divide");
+  expect_error({"--preset", "tiny", "--batch-size", "3", "--dp", "2"}, 2, "not divisible by --dp");
+  expect_error({"--preset", "tiny", "--warmup", "50"}, 1, "--warmup 50 is longer than the run");
+  TempDir dir;
+  std::ofstream(dir / "bad.json") << "{\"dimm\": 3}";
+  expect_error({"--config", (dir / "bad.json").string()}, 1, "dimm");
+}
