@@ -1,0 +1,699 @@
+// bench_train_step: one training step of the bundled Llama ("bench" preset) four ways, in one
+// run on one machine:
+//   (a) plain   LibTorch, the model without apply_tensor_parallel (no DTensor anywhere)
+//   (b) tp1     dtensor-cpp TP on a 1-rank mesh (every parameter a DTensor)
+//   (c) tp2     dtensor-cpp TP on 2 ranks (Gloo on 127.0.0.1)
+//   (d) py-tp2  PyTorch's own Python TP on 2 ranks (bench/pytorch_tp_train_step.py)
+//
+//   build/bench/bench_train_step      scripts/bench train_step      (--help for the options)
+//
+// Every variant is a long-lived worker process (two for the 2-rank ones) with the same initial
+// parameters and token batches, read from one safetensors file this program writes. The
+// controller hands out blocks of steps in rounds, a b c d then d c b a, so that (a, b) and
+// (c, d) always run back to back and each runs first half of the time; a block's time is the
+// slowest rank's. Ratios are medians of per-round ratios, which cancels the slow phases of a
+// busy machine far better than a ratio of medians. The last line is:
+//   RESULT tp1_overhead_pct=<(b - a) / a * 100> speedup_vs_pytorch_tp2=<(d) / (c)>
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <arpa/inet.h>
+#include <fcntl.h>
+#include <netinet/in.h>
+#include <signal.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <torch/optim/adamw.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <iostream>
+#include <map>
+#include <optional>
+#include <sstream>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "dtensor/dtensor.h"
+#include "dtensor/models/llama.h"
+#include "dtensor/models/safetensors.h"
+
+namespace {
+
+namespace models = dtensor::models;
+using Clock = std::chrono::steady_clock;
+
+constexpr const char* kUsage = R"(usage: bench_train_step [options]
+
+Times a full training step (forward, loss, backward, AdamW) of the Llama model's "bench"
+preset (~29M parameters) as (a) plain LibTorch, (b) dtensor TP on a 1-rank mesh, (c) dtensor
+TP on 2 ranks and (d) PyTorch's Python TP on 2 ranks (the same model, plan — sequence parallel
+and loss parallel — initial parameters and data), one intra-op thread per rank, interleaved
+in rounds. Prints ms/step and tokens/s per variant, the first and last losses of each
+variant, and as its last line:
+  RESULT tp1_overhead_pct=<(b-a)/a*100> speedup_vs_pytorch_tp2=<(d)/(c)>
+
+options:
+  --preset NAME          model preset (default bench; tiny, demo for a quick look)
+  --batch N              sequences per step (default 4)
+  --seq N                tokens per sequence (default 128; a multiple of 2)
+  --warmup N             untimed steps per variant first (default 2; the first step's loss
+                         is the numerics check)
+  --steps N              steps per variant per round (default 2)
+  --rounds N             rounds (default 7)
+  --lr X                 AdamW learning rate (default 1e-3)
+  --seed N               parameters and tokens (default 0)
+  --pytorch-script PATH  default bench/pytorch_tp_train_step.py
+  --no-pytorch           skip (d)
+  --quick                --preset tiny --seq 32 --warmup 1 --steps 1 --rounds 2: a smoke test
+  --help                 print this help
+)";
+
+struct Options {
+  std::string preset = "bench";
+  int64_t batch = 4, seq = 128;
+  int warmup = 2, steps = 2, rounds = 7;
+  double lr = 1e-3;
+  uint64_t seed = 0;
+  std::string script = "bench/pytorch_tp_train_step.py";
+  bool pytorch = true;
+  // Worker side.
+  std::string worker;  // "", "plain" or "tp"
+  std::string inputs;
+};
+
+[[noreturn]] void die(const std::string& msg) {
+  std::cerr << "bench_train_step: " << msg << std::endl;
+  std::exit(1);
+}
+
+// ---------------------------------------------------------------------------------------------
+// The line protocol between the controller and a worker (the Python script speaks it too):
+//   worker -> "ready ..."            once set up
+//   ctrl   -> "run N"                worker -> "ok seconds=S losses=L1,L2,... [key=value ...]"
+//   ctrl   -> "quit" (or EOF)
+
+std::map<std::string, std::string> parse_fields(const std::string& line) {
+  std::map<std::string, std::string> out;
+  std::istringstream in(line);
+  std::string word;
+  while (in >> word) {
+    const auto eq = word.find('=');
+    if (eq != std::string::npos) out[word.substr(0, eq)] = word.substr(eq + 1);
+  }
+  return out;
+}
+
+std::vector<double> parse_list(const std::string& s) {
+  std::vector<double> out;
+  std::istringstream in(s);
+  std::string item;
+  while (std::getline(in, item, ',')) out.push_back(std::strtod(item.c_str(), nullptr));
+  return out;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Worker: one variant (or one rank of it).
+
+struct StepTimes {
+  double forward = 0, backward = 0, optimizer = 0;  // seconds
+};
+
+class Worker {
+ public:
+  Worker(const Options& opt, bool tp) : tp_(tp) {
+    at::set_num_threads(1);  // one intra-op thread per rank
+    models::safetensors::File file(opt.inputs);
+    config_ = models::LlamaConfig::from_json(file.metadata().at("config"));
+    batches_ = file.tensor("bench.tokens");
+    model_ = models::Transformer(config_);
+    {
+      // Every rank loads the whole model; apply_tensor_parallel then keeps each rank's chunk.
+      at::NoGradGuard no_grad;
+      for (auto& item : model_->named_parameters()) item.value().copy_(file.tensor(item.key()));
+    }
+    if (tp_) {
+      dtensor::comm::init_process_group();
+      world_ = dtensor::comm::world_group();
+      mesh_ = dtensor::init_device_mesh("cpu", {dtensor::comm::get_world_size()});
+      models::apply_tensor_parallel(*model_, *mesh_);
+    }
+    for (const auto& p : model_->parameters()) dtensor_params_ += dtensor::is_dtensor(p);
+    optimizer_.emplace(
+        model_->parameters(),
+        torch::optim::AdamWOptions(opt.lr).betas({0.9, 0.999}).eps(1e-8).weight_decay(0.01));
+  }
+
+  int rank() const { return tp_ ? dtensor::comm::get_rank() : 0; }
+  int64_t num_parameters() const { return config_.num_parameters(); }
+  int64_t dtensor_params() const { return dtensor_params_; }
+
+  float step(StepTimes& times) {
+    const at::Tensor batch = batches_[step_count_++ % batches_.size(0)];
+    const at::Tensor tokens = batch.slice(1, 0, -1), targets = batch.slice(1, 1);
+    const auto t0 = Clock::now();
+    optimizer_->zero_grad();
+    const at::Tensor logits = model_->forward(tokens);
+    const auto t1 = Clock::now();
+    const at::Tensor loss = models::loss_and_backward(logits, targets);
+    if (tp_) models::reduce_partial_grads(*model_);
+    const auto t2 = Clock::now();
+    optimizer_->step();
+    const float value = loss.item<float>();
+    const auto t3 = Clock::now();
+    times.forward += seconds(t0, t1);
+    times.backward += seconds(t1, t2);
+    times.optimizer += seconds(t2, t3);
+    return value;
+  }
+
+  // Runs `steps` steps; replies with the slowest rank's time.
+  std::string run(int steps) {
+    sync();
+    StepTimes times;
+    const auto before = dtensor::dispatch::cache_stats();
+    std::vector<float> losses;
+    const auto t0 = Clock::now();
+    for (int i = 0; i < steps; ++i) losses.push_back(step(times));
+    double elapsed = seconds(t0, Clock::now());
+    const auto after = dtensor::dispatch::cache_stats();
+    if (tp_) {
+      at::Tensor t = at::tensor({elapsed}, at::kDouble);
+      elapsed = dtensor::comm::all_reduce(t, dtensor::ReduceOp::Max, *world_).item<double>();
+    }
+    std::ostringstream out;
+    out.precision(9);
+    out << "ok seconds=" << elapsed << " losses=";
+    for (size_t i = 0; i < losses.size(); ++i) out << (i ? "," : "") << losses[i];
+    out << " forward=" << times.forward << " backward=" << times.backward
+        << " optimizer=" << times.optimizer
+        << " dtensor_ops=" << (after.hits + after.misses) - (before.hits + before.misses)
+        << " cache_misses=" << after.misses - before.misses;
+    return out.str();
+  }
+
+ private:
+  static double seconds(Clock::time_point a, Clock::time_point b) {
+    return std::chrono::duration<double>(b - a).count();
+  }
+  void sync() {
+    if (!tp_) return;
+    at::Tensor one = at::ones({1});
+    dtensor::comm::all_reduce(one, dtensor::ReduceOp::Sum, *world_);
+  }
+
+  bool tp_;
+  models::LlamaConfig config_;
+  at::Tensor batches_;  // (n, B, S + 1) int64
+  models::Transformer model_{nullptr};
+  std::shared_ptr<dtensor::comm::ProcessGroup> world_;
+  std::optional<dtensor::DeviceMesh> mesh_;
+  std::optional<torch::optim::AdamW> optimizer_;
+  int64_t step_count_ = 0;
+  int64_t dtensor_params_ = 0;
+};
+
+int run_worker(const Options& opt) {
+  Worker worker(opt, opt.worker == "tp");
+  // Only rank 0 talks to the controller; the others follow the same commands silently.
+  const bool speak = worker.rank() == 0;
+  if (speak) {
+    std::printf("ready params=%lld dtensor_params=%lld\n",
+                static_cast<long long>(worker.num_parameters()),
+                static_cast<long long>(worker.dtensor_params()));
+    std::fflush(stdout);
+  }
+  std::string line;
+  while (std::getline(std::cin, line)) {
+    std::istringstream in(line);
+    std::string cmd;
+    int steps = 0;
+    in >> cmd;
+    if (cmd == "quit") break;
+    if (cmd != "run" || !(in >> steps)) die("worker: unknown command '" + line + "'");
+    const std::string reply = worker.run(steps);
+    if (speak) {
+      std::printf("%s\n", reply.c_str());
+      std::fflush(stdout);
+    }
+  }
+  return 0;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Controller.
+
+int free_port() {
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  if (fd < 0) return -1;
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof(addr);
+  int port = -1;
+  if (::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0 &&
+      ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) == 0) {
+    port = ntohs(addr.sin_port);
+  }
+  ::close(fd);
+  return port;
+}
+
+// Worker processes started so far, stopped when the controller exits early.
+std::vector<pid_t> g_children;
+
+void stop_children() {
+  for (pid_t p : g_children) {
+    if (p > 0) ::kill(p, SIGTERM);
+  }
+}
+
+void on_signal(int sig) {
+  stop_children();
+  ::signal(sig, SIG_DFL);
+  ::raise(sig);
+}
+
+// A child running `argv` with `env` added; its stdin is a pipe from us, its stdout a pipe to
+// us (or /dev/null when !listen); stderr is shared.
+struct Child {
+  pid_t pid = -1;
+  FILE* in = nullptr;   // we write commands
+  FILE* out = nullptr;  // we read replies
+};
+
+Child spawn(const std::vector<std::string>& argv, const std::map<std::string, std::string>& env,
+            bool listen) {
+  int to_child[2], from_child[2] = {-1, -1};
+  if (::pipe(to_child) != 0 || (listen && ::pipe(from_child) != 0))
+    die(std::string("pipe: ") + std::strerror(errno));
+  std::cout.flush();
+  std::fflush(stdout);
+  const pid_t pid = ::fork();
+  if (pid < 0) die(std::string("fork: ") + std::strerror(errno));
+  if (pid == 0) {
+    ::dup2(to_child[0], STDIN_FILENO);
+    if (listen) {
+      ::dup2(from_child[1], STDOUT_FILENO);
+    } else {
+      const int devnull = ::open("/dev/null", O_WRONLY);
+      if (devnull >= 0) ::dup2(devnull, STDOUT_FILENO);
+    }
+    // Close every other descriptor, so a worker sees EOF when the controller goes away.
+    for (int fd = 3; fd < 1024; ++fd) ::close(fd);
+    for (const auto& [k, v] : env) ::setenv(k.c_str(), v.c_str(), 1);
+    std::vector<char*> args;
+    for (const auto& a : argv) args.push_back(const_cast<char*>(a.c_str()));
+    args.push_back(nullptr);
+    ::execvp(args[0], args.data());
+    std::fprintf(stderr, "bench_train_step: cannot run %s: %s\n", args[0], std::strerror(errno));
+    ::_exit(127);
+  }
+  ::close(to_child[0]);
+  Child c;
+  c.pid = pid;
+  c.in = ::fdopen(to_child[1], "w");
+  if (listen) {
+    ::close(from_child[1]);
+    c.out = ::fdopen(from_child[0], "r");
+  }
+  g_children.push_back(pid);
+  return c;
+}
+
+// The next line from a child, or nullopt at EOF (the child died).
+std::optional<std::string> read_line(FILE* f) {
+  std::string line;
+  char buf[4096];
+  while (std::fgets(buf, sizeof(buf), f)) {
+    line += buf;
+    if (!line.empty() && line.back() == '\n') {
+      line.pop_back();
+      return line;
+    }
+  }
+  if (!line.empty()) return line;
+  return std::nullopt;
+}
+
+struct Block {
+  double ms_per_step = 0;
+  std::vector<double> losses;
+  double forward_ms = 0, backward_ms = 0, optimizer_ms = 0;  // per step; -1 when not reported
+  double dtensor_ops = -1, cache_misses = -1;                // per step
+};
+
+// One variant: its processes (the first one speaks) and what it reported.
+struct Variant {
+  std::string key, label;
+  std::vector<Child> procs;
+  bool alive = false;
+  std::string ready;
+  std::vector<double> warmup_losses;
+  std::vector<Block> rounds;
+  std::vector<double> all_losses;  // every step's loss, in order
+
+  bool send(const std::string& cmd) {
+    for (auto& p : procs) {
+      if (std::fprintf(p.in, "%s\n", cmd.c_str()) < 0 || std::fflush(p.in) != 0) return false;
+    }
+    return true;
+  }
+
+  std::optional<Block> run(int steps) {
+    if (!alive) return std::nullopt;
+    if (!send("run " + std::to_string(steps))) return fail("could not send a command");
+    auto line = read_line(procs.front().out);
+    if (!line) return fail("exited during a block of steps");
+    if (line->rfind("ok ", 0) != 0) return fail("replied '" + *line + "'");
+    auto f = parse_fields(*line);
+    Block b;
+    b.ms_per_step = std::strtod(f["seconds"].c_str(), nullptr) * 1000.0 / steps;
+    b.losses = parse_list(f["losses"]);
+    auto per_step = [&](const char* key, double scale) {
+      return f.count(key) ? std::strtod(f[key].c_str(), nullptr) * scale / steps : -1.0;
+    };
+    b.forward_ms = per_step("forward", 1000.0);
+    b.backward_ms = per_step("backward", 1000.0);
+    b.optimizer_ms = per_step("optimizer", 1000.0);
+    b.dtensor_ops = per_step("dtensor_ops", 1.0);
+    b.cache_misses = per_step("cache_misses", 1.0);
+    all_losses.insert(all_losses.end(), b.losses.begin(), b.losses.end());
+    return b;
+  }
+
+  std::optional<Block> fail(const std::string& why) {
+    std::cerr << "bench_train_step: " << label << ": " << why << "; leaving it out" << std::endl;
+    alive = false;
+    for (auto& p : procs) {
+      if (p.pid > 0) ::kill(p.pid, SIGTERM);
+    }
+    return std::nullopt;
+  }
+
+  void quit() {
+    if (alive) send("quit");
+    for (auto& p : procs) {
+      if (p.in) std::fclose(p.in);
+      p.in = nullptr;
+    }
+    for (auto& p : procs) {
+      int status = 0;
+      if (p.pid > 0) ::waitpid(p.pid, &status, 0);
+      if (p.out) std::fclose(p.out);
+      p.out = nullptr;
+      p.pid = -1;
+    }
+  }
+};
+
+double median(std::vector<double> v) {
+  if (v.empty()) return std::nan("");
+  std::sort(v.begin(), v.end());
+  const size_t n = v.size();
+  return n % 2 ? v[n / 2] : (v[n / 2 - 1] + v[n / 2]) / 2;
+}
+
+// The model's initial parameters (torchtitan names), the token batches and the config.
+void write_inputs(const Options& opt, const models::LlamaConfig& config, const std::string& path) {
+  models::Transformer model(config);
+  model->init_weights(opt.seed);
+  std::map<std::string, at::Tensor> tensors;
+  for (const auto& item : model->named_parameters()) tensors[item.key()] = item.value().detach();
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(opt.seed + 1);
+  constexpr int64_t kBatches = 4;  // step i uses batch i % 4
+  tensors["bench.tokens"] =
+      at::randint(config.vocab_size, {kBatches, opt.batch, opt.seq + 1}, gen, at::kLong);
+  models::safetensors::save_file(tensors, path, {{"config", config.to_json()}});
+}
+
+std::string fmt(double v, int precision) {
+  if (std::isnan(v)) return "-";
+  char buf[64];
+  std::snprintf(buf, sizeof(buf), "%.*f", precision, v);
+  return buf;
+}
+
+// The reference script: as given, or else beside the source tree of an in-tree build folder
+// (build*/bench/bench_train_step -> bench/), so the benchmark runs from any directory.
+std::string find_script(const std::string& script) {
+  namespace fs = std::filesystem;
+  if (fs::exists(script) || fs::path(script).is_absolute()) return script;
+  std::error_code ec;
+  const fs::path exe = fs::read_symlink("/proc/self/exe", ec);
+  if (!ec) {
+    const fs::path candidate = exe.parent_path() / ".." / ".." / script;
+    if (fs::exists(candidate)) return fs::weakly_canonical(candidate).string();
+  }
+  return script;
+}
+
+int run_controller(const Options& opt, const char* self) {
+  const auto config = models::LlamaConfig::preset(opt.preset);
+  config.validate_tp(2);
+  TORCH_CHECK(opt.seq % 2 == 0 && opt.seq <= config.max_seq_len, "--seq must be even (sequence ",
+              "parallel on 2 ranks) and at most max_seq_len=", config.max_seq_len);
+  char dir_template[] = "/tmp/bench_train_step.XXXXXX";
+  if (!::mkdtemp(dir_template)) die(std::string("mkdtemp: ") + std::strerror(errno));
+  const std::string dir = dir_template, inputs = dir + "/inputs.safetensors";
+  write_inputs(opt, config, inputs);
+
+  struct sigaction sa {};
+  sa.sa_handler = on_signal;
+  sigemptyset(&sa.sa_mask);
+  for (int sig : {SIGTERM, SIGINT, SIGHUP}) ::sigaction(sig, &sa, nullptr);
+  ::signal(SIGPIPE, SIG_IGN);  // a dead worker shows up as a failed write, not a signal
+
+  const std::string lr = std::to_string(opt.lr);
+  const std::vector<std::string> worker_args = {self, "--inputs", inputs, "--lr", lr};
+  auto cpp_worker = [&](const std::string& kind) {
+    auto a = worker_args;
+    a.insert(a.begin() + 1, {"--worker", kind});
+    return a;
+  };
+  const std::map<std::string, std::string> one_thread = {{"OMP_NUM_THREADS", "1"},
+                                                         {"MKL_NUM_THREADS", "1"}};
+  auto rank_env = [&](int rank, int world, int port) {
+    auto env = one_thread;
+    env["RANK"] = env["LOCAL_RANK"] = std::to_string(rank);
+    env["WORLD_SIZE"] = env["LOCAL_WORLD_SIZE"] = std::to_string(world);
+    env["MASTER_ADDR"] = "127.0.0.1";
+    env["MASTER_PORT"] = std::to_string(port);
+    return env;
+  };
+
+  std::vector<Variant> variants(4);
+  variants[0].key = "plain";
+  variants[0].label = "(a) plain LibTorch";
+  variants[0].procs.push_back(spawn(cpp_worker("plain"), one_thread, true));
+  variants[1].key = "tp1";
+  variants[1].label = "(b) dtensor TP=1";
+  variants[1].procs.push_back(spawn(cpp_worker("tp"), rank_env(0, 1, free_port()), true));
+  variants[2].key = "tp2";
+  variants[2].label = "(c) dtensor TP=2";
+  const int port2 = free_port();
+  for (int r = 0; r < 2; ++r)
+    variants[2].procs.push_back(spawn(cpp_worker("tp"), rank_env(r, 2, port2), r == 0));
+  variants[3].key = "py";
+  variants[3].label = "(d) PyTorch TP=2";
+  if (opt.pytorch) {
+    variants[3].procs.push_back(spawn({"python3", find_script(opt.script), "--serve", "--tp", "2",
+                                       "--inputs", inputs, "--lr", lr},
+                                      one_thread, true));
+  }
+  for (auto& v : variants) {
+    if (v.procs.empty()) continue;
+    auto line = read_line(v.procs.front().out);
+    v.alive = line && line->rfind("ready", 0) == 0;
+    if (v.alive) {
+      v.ready = *line;
+    } else {
+      v.fail(line ? "replied '" + *line + "' instead of ready" : "exited while starting");
+    }
+  }
+  for (int i = 0; i < 3; ++i) {
+    if (!variants[i].alive) {
+      stop_children();
+      die(variants[i].label + " could not start");
+    }
+  }
+
+  std::printf(
+      "bench_train_step: Llama preset \"%s\" (%lld parameters), batch %lld x %lld tokens,"
+      " AdamW lr %g\n",
+      opt.preset.c_str(), static_cast<long long>(config.num_parameters()),
+      static_cast<long long>(opt.batch), static_cast<long long>(opt.seq), opt.lr);
+  std::printf(
+      "one intra-op thread per rank; Gloo on 127.0.0.1; %d warm-up step(s), then %d "
+      "rounds of %d step(s) per variant\n",
+      opt.warmup, opt.rounds, opt.steps);
+  std::printf(
+      "rounds alternate a b c d / d c b a; ms/step = median over rounds of the slowest "
+      "rank's block time / steps\n\n");
+  std::fflush(stdout);
+
+  for (auto& v : variants) {
+    if (auto b = v.run(opt.warmup)) v.warmup_losses = b->losses;
+  }
+  for (int r = 0; r < opt.rounds; ++r) {
+    for (int i = 0; i < 4; ++i) {
+      auto& v = variants[r % 2 == 0 ? i : 3 - i];
+      if (auto b = v.run(opt.steps)) v.rounds.push_back(*b);
+    }
+  }
+  for (auto& v : variants) v.quit();
+  std::filesystem::remove_all(dir);
+  for (int i = 0; i < 3; ++i) {
+    if (variants[i].rounds.size() != static_cast<size_t>(opt.rounds))
+      die(variants[i].label + " failed part-way; no RESULT");
+  }
+
+  const double tokens = static_cast<double>(opt.batch * opt.seq);
+  auto med = [](const Variant& v, double Block::*field) {
+    std::vector<double> xs;
+    for (const auto& b : v.rounds) xs.push_back(b.*field);
+    return v.rounds.empty() ? std::nan("") : median(xs);
+  };
+  // Median over rounds of x_r / y_r (rounds where both ran).
+  auto ratio = [](const Variant& x, const Variant& y) {
+    std::vector<double> rs;
+    for (size_t i = 0; i < std::min(x.rounds.size(), y.rounds.size()); ++i)
+      rs.push_back(x.rounds[i].ms_per_step / y.rounds[i].ms_per_step);
+    return median(rs);
+  };
+  const Variant &a = variants[0], &b = variants[1], &c = variants[2], &d = variants[3];
+
+  std::printf("%-20s %10s %10s %9s %9s %9s %9s %11s\n", "variant", "ms/step", "tokens/s",
+              "vs plain", "forward", "backward", "optim", "DTensor ops");
+  std::printf("%s\n", std::string(20 + 10 * 2 + 9 * 4 + 11 + 7, '-').c_str());
+  for (const auto& v : variants) {
+    if (v.rounds.empty()) {
+      std::printf("%-20s %10s   (not run)\n", v.label.c_str(), "-");
+      continue;
+    }
+    const double ms = med(v, &Block::ms_per_step);
+    const double ops = med(v, &Block::dtensor_ops);
+    std::printf("%-20s %10s %10s %8sx %9s %9s %9s %11s\n", v.label.c_str(), fmt(ms, 1).c_str(),
+                fmt(tokens / ms * 1000.0, 1).c_str(), fmt(ratio(v, a), 3).c_str(),
+                fmt(med(v, &Block::forward_ms), 1).c_str(),
+                fmt(med(v, &Block::backward_ms), 1).c_str(),
+                fmt(med(v, &Block::optimizer_ms), 1).c_str(), ops < 0 ? "-" : fmt(ops, 0).c_str());
+  }
+  std::printf(
+      "(forward/backward/optim: rank 0's ms per step in each phase, median; backward "
+      "includes the loss\n and, for dtensor TP, reduce_partial_grads; DTensor ops: "
+      "dispatches through the DTensor kernel per step on rank 0's main thread)\n\n");
+
+  std::printf("per-round ms/step:\n");
+  for (const auto& v : variants) {
+    if (v.rounds.empty()) continue;
+    std::printf("  %-20s", v.label.c_str());
+    for (const auto& blk : v.rounds) std::printf(" %8.1f", blk.ms_per_step);
+    std::printf("\n");
+  }
+
+  // Numerics: identical parameters and data, so the losses agree up to float rounding.
+  std::printf(
+      "\nloss at the first step and after the last (step %d), and the largest difference"
+      " from (a) over all steps:\n",
+      opt.warmup + opt.rounds * opt.steps);
+  for (const auto& v : variants) {
+    if (v.all_losses.empty()) continue;
+    double worst = 0;
+    for (size_t i = 0; i < std::min(v.all_losses.size(), a.all_losses.size()); ++i)
+      worst = std::max(worst, std::abs(v.all_losses[i] - a.all_losses[i]));
+    std::printf("  %-20s first %.6f  last %.6f  max |diff vs (a)| %.2e\n", v.label.c_str(),
+                v.all_losses.front(), v.all_losses.back(), worst);
+  }
+  if (!d.all_losses.empty()) {
+    std::printf("  first-step loss (c) - (d): %+.3e\n",
+                c.all_losses.front() - d.all_losses.front());
+  }
+
+  const double overhead = (ratio(b, a) - 1.0) * 100.0;
+  const double speedup = d.rounds.empty() ? std::nan("") : ratio(d, c);
+  std::printf("\ntp1 overhead (median over rounds of (b-a)/a): %+.2f%%  (target <= 3%%)\n",
+              overhead);
+  if (d.rounds.empty()) {
+    std::printf("PyTorch TP=2 did not run: is python3 with torch installed? (see stderr)\n");
+  } else {
+    std::printf("speedup over PyTorch TP=2 (median over rounds of d/c): %.3fx  (target > 1)\n",
+                speedup);
+  }
+  std::printf("RESULT tp1_overhead_pct=%.2f speedup_vs_pytorch_tp2=%s\n", overhead,
+              d.rounds.empty() ? "nan" : fmt(speedup, 3).c_str());
+  std::fflush(stdout);
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Options opt;
+  for (int i = 1; i < argc; ++i) {
+    const std::string_view arg = argv[i];
+    auto value = [&]() -> std::string {
+      if (i + 1 >= argc) die("option " + std::string(arg) + " needs a value");
+      return argv[++i];
+    };
+    if (arg == "--help" || arg == "-h") {
+      std::cout << kUsage;
+      return 0;
+    } else if (arg == "--preset") {
+      opt.preset = value();
+    } else if (arg == "--batch") {
+      opt.batch = std::stoll(value());
+    } else if (arg == "--seq") {
+      opt.seq = std::stoll(value());
+    } else if (arg == "--warmup") {
+      opt.warmup = std::stoi(value());
+    } else if (arg == "--steps") {
+      opt.steps = std::stoi(value());
+    } else if (arg == "--rounds") {
+      opt.rounds = std::stoi(value());
+    } else if (arg == "--lr") {
+      opt.lr = std::stod(value());
+    } else if (arg == "--seed") {
+      opt.seed = std::stoull(value());
+    } else if (arg == "--pytorch-script") {
+      opt.script = value();
+    } else if (arg == "--no-pytorch") {
+      opt.pytorch = false;
+    } else if (arg == "--quick") {
+      opt.preset = "tiny";
+      opt.seq = 32;
+      opt.warmup = 1;
+      opt.steps = 1;
+      opt.rounds = 2;
+    } else if (arg == "--worker") {
+      opt.worker = value();
+    } else if (arg == "--inputs") {
+      opt.inputs = value();
+    } else {
+      std::cerr << "bench_train_step: unknown option '" << arg << "'\n\n" << kUsage;
+      return 2;
+    }
+  }
+  if (opt.warmup < 1 || opt.steps < 1 || opt.rounds < 1 || opt.batch < 1)
+    die("--warmup, --steps, --rounds and --batch must be at least 1");
+  try {
+    if (!opt.worker.empty()) {
+      if (opt.worker != "plain" && opt.worker != "tp") die("--worker is plain or tp");
+      return run_worker(opt);
+    }
+    return run_controller(opt, "/proc/self/exe");
+  } catch (const c10::Error& e) {
+    std::cerr << "bench_train_step: " << e.what_without_backtrace() << std::endl;
+  } catch (const std::exception& e) {
+    std::cerr << "bench_train_step: " << e.what() << std::endl;
+  }
+  stop_children();
+  return 1;
+}
