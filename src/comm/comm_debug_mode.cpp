@@ -50,12 +50,18 @@ std::atomic<int> CommDebugMode::active_count_{0};
 
 const char* comm_type_name(CommType t) {
   switch (t) {
-    case CommType::all_reduce: return "c10d_functional.all_reduce";
-    case CommType::all_gather_into_tensor: return "c10d_functional.all_gather_into_tensor";
-    case CommType::reduce_scatter_tensor: return "c10d_functional.reduce_scatter_tensor";
-    case CommType::all_to_all_single: return "c10d_functional.all_to_all_single";
-    case CommType::broadcast: return "c10d_functional.broadcast";
-    case CommType::scatter: return "c10d.scatter_";
+    case CommType::all_reduce:
+      return "c10d_functional.all_reduce";
+    case CommType::all_gather_into_tensor:
+      return "c10d_functional.all_gather_into_tensor";
+    case CommType::reduce_scatter_tensor:
+      return "c10d_functional.reduce_scatter_tensor";
+    case CommType::all_to_all_single:
+      return "c10d_functional.all_to_all_single";
+    case CommType::broadcast:
+      return "c10d_functional.broadcast";
+    case CommType::scatter:
+      return "c10d.scatter_";
   }
   return "?";
 }
@@ -154,7 +160,8 @@ std::string CommDebugMode::table() const {
   }
   std::ostringstream os;
   os << std::left << std::setw(42) << "collective" << std::right << std::setw(8) << "count"
-     << std::setw(16) << "bytes" << "\n";
+     << std::setw(16) << "bytes"
+     << "\n";
   os << std::string(66, '-') << "\n";
   int64_t n = 0, b = 0;
   for (const auto& [t, a] : agg) {
@@ -283,8 +290,13 @@ void ModuleScope::enter_backward(const std::string& fqn) {
     auto [it, inserted] = backward_stacks().try_emplace(task);
     new_task = inserted;
     auto& stack = it->second;
-    while (!stack.empty() && !is_ancestor(stack.back(), fqn)) stack.pop_back();
-    stack.push_back(fqn);
+    while (!stack.empty() && !is_ancestor(stack.back(), fqn) && !is_ancestor(fqn, stack.back()))
+      stack.pop_back();
+    // A child that returned the module's output tensor (wo for the attention) had its hook run
+    // first on that shared tensor: it stays the innermost scope.
+    auto first_child = std::find_if(stack.begin(), stack.end(),
+                                    [&](const std::string& s) { return is_ancestor(fqn, s); });
+    stack.insert(first_child, fqn);
   }
   // Forget the task's stack when its backward pass ends.
   if (new_task) {

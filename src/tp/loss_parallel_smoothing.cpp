@@ -59,7 +59,8 @@ struct SmoothingTerm : torch::autograd::Function<SmoothingTerm> {
     const at::Tensor keep = t.ne(ignore_index);
 
     // This rank's classes: w_c (a slice of the replicated weight) and the weights' total.
-    const at::Tensor w = weight.defined() ? whole(weight).to(lp.scalar_type()) : at::Tensor();
+    // No class weights arrive as an empty tensor: autograd Functions cannot take undefined inputs.
+    const at::Tensor w = weight.numel() > 0 ? whole(weight).to(lp.scalar_type()) : at::Tensor();
     at::Tensor w_local, w_total;
     if (w.defined()) {
       std::vector<int64_t> view(lp.dim(), 1);
@@ -144,8 +145,10 @@ at::Tensor cross_entropy_loss(const at::Tensor& self, const at::Tensor& target,
   const int64_t c = self.dim() == 1 ? 0 : 1;
   const at::Tensor logp = at::log_softmax(self, c, self.scalar_type());
   const at::Tensor nll = at::nll_loss_nd_symint(logp, target, weight, reduction, ignore_index);
-  const at::Tensor smooth = SmoothingTerm::apply(self, logp, target, weight.value_or(at::Tensor()),
-                                                 reduction, ignore_index.expect_int());
+  const at::Tensor no_weight = at::empty({0}, self.options().device(c10::kCPU).dtype(at::kDouble));
+  const at::Tensor smooth = SmoothingTerm::apply(
+      self, logp, target, weight.has_value() && weight->defined() ? *weight : no_weight, reduction,
+      ignore_index.expect_int());
   return (1 - label_smoothing) * nll +
          smooth * (label_smoothing / static_cast<double>(self.size(c)));
 }

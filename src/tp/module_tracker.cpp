@@ -57,7 +57,10 @@ TrackedCall::TrackedCall(HookedModule& module, const ModuleCall& call) {
 
   auto state = std::make_shared<InputGradState>();
   state->fqn = fqn_;
-  auto count = [&](const at::Tensor&) { ++state->expected; };
+  auto count = [&](const at::Tensor& t) {
+    ++state->expected;
+    inputs_.insert(t.unsafeGetTensorImpl());
+  };
   for (const auto& a : call.args) for_each_hookable(a, count);
   for (const auto& [k, v] : call.kwargs) for_each_hookable(v, count);
   auto hook = [&](const at::Tensor& t) {
@@ -77,6 +80,7 @@ TrackedCall::TrackedCall(HookedModule& module, const ModuleCall& call) {
 void TrackedCall::track_output(const c10::IValue& output) const {
   if (fqn_.empty() || !c10::GradMode::is_enabled()) return;
   for_each_hookable(output, [&](const at::Tensor& t) {
+    if (inputs_.count(t.unsafeGetTensorImpl())) return;
     t.register_hook([fqn = fqn_](const at::Tensor&) { ModuleScope::enter_backward(fqn); });
   });
 }

@@ -13,6 +13,7 @@
 
 #include <optional>
 #include <string>
+#include <unordered_set>
 
 #include "dtensor/comm/comm_debug_mode.h"
 
@@ -34,6 +35,9 @@ class TrackedCall {
  private:
   std::optional<ModuleScope> scope_;
   std::string fqn_;  // empty: untracked
+  // Inputs handed back unchanged as outputs (an identity Dropout) get no backward-entry hook:
+  // the module computed nothing there, and entering it would pop the module that did.
+  std::unordered_set<const c10::TensorImpl*> inputs_;
 };
 
 }  // namespace dtensor::tp
