@@ -118,9 +118,10 @@ def pattern(code, shape):
     if dt.is_floating_point: return ((i - 7) * 0.25).to(dt)
     if code.startswith("U"): return i.to(torch.int64).to(dt)
     return (i - 7).to(torch.int64).to(dt)
+def raw_bytes(t):  # flattened first: a 0-d tensor cannot be viewed as bytes
+    return t.contiguous().reshape(-1).view(torch.uint8).tolist()
 def same(a, b):
-    return a.dtype == b.dtype and a.shape == b.shape and \
-        a.contiguous().view(torch.uint8).tolist() == b.contiguous().view(torch.uint8).tolist()
+    return a.dtype == b.dtype and a.shape == b.shape and raw_bytes(a) == raw_bytes(b)
 mode, path = sys.argv[1], sys.argv[2]
 expected = {"t_" + c: pattern(c, s) for c, s in SHAPES.items()}
 if mode == "write":
