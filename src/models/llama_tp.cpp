@@ -3,7 +3,6 @@
 #include <ATen/ATen.h>
 #include <c10/util/StringUtil.h>
 
-
 #include "dtensor/core/api.h"
 #include "dtensor/core/distribute_module.h"
 #include "dtensor/core/dtensor_impl.h"
@@ -51,23 +50,34 @@ class ReplicatedKVProjection : public tp::ParallelStyle {
     replace_parameter(
         linear, "weight",
         distribute_tensor(linear.weight.detach(), mesh, {Replicate()}, src_data_rank));
-    linear.register_forward_pre_hook([mesh](torch::nn::Module&, tp::ModuleCall& call) {
-      const at::Tensor x = call.args.at(0).toTensor();
-      if (!is_dtensor(x)) {
-        call.args[0] = from_local(x, mesh, {Replicate()});
-      } else if (!spec_of(x).is_replicated()) {
-        call.args[0] = redistribute(x, mesh, {Replicate()});
-      }
+    // The projection runs on local tensors: the input and the weight enter through to_local
+    // with Partial gradients, so backward hands pending sums on (the input's joins the query
+    // projection's, the weight's is summed by reduce_partial_grads) instead of letting a
+    // DTensor matmul reduce-scatter a Partial output gradient. The module's weight member is
+    // swapped for the local view during the call and restored after it.
+    linear.register_forward_pre_hook([mesh](torch::nn::Module& m, tp::ModuleCall& call) {
+      auto& self = dynamic_cast<dtensor::nn::LinearImpl&>(m);
+      at::Tensor x = call.args.at(0).toTensor();
+      if (!is_dtensor(x)) x = from_local(x, mesh, {Replicate()});
+      if (!spec_of(x).is_replicated()) x = redistribute(x, mesh, {Replicate()});
+      call.args[0] = to_local(x, std::vector<Placement>{Partial()});
+      self.weight = to_local(registered_weight(self), std::vector<Placement>{Partial()});
     });
     const at::Tensor index = kv_heads_of_rank(mesh.get_local_rank(), mesh.size());
     const int64_t n_kv = n_kv_heads_, head_dim = head_dim_;
     linear.register_forward_hook(
-        [index, n_kv, head_dim](torch::nn::Module&, const tp::ModuleCall&, c10::IValue& out) {
-          auto local = to_local(out.toTensor(), std::vector<Placement>{Partial()});
+        [index, n_kv, head_dim](torch::nn::Module& m, const tp::ModuleCall&, c10::IValue& out) {
+          auto& self = dynamic_cast<dtensor::nn::LinearImpl&>(m);
+          self.weight = registered_weight(self);
+          const at::Tensor local = out.toTensor();
           out = local.unflatten(-1, {n_kv, head_dim})
                     .index_select(-2, index.to(local.device()))
                     .flatten(-2);
         });
+  }
+
+  static at::Tensor registered_weight(torch::nn::Module& m) {
+    return *m.named_parameters(/*recurse=*/false).find("weight");
   }
 
   // The KV heads rank `rank` keeps, in the order its query heads use them: the distinct heads
