@@ -12,14 +12,37 @@ bool reducible_linearly(const Placement& p) {
          (p.reduce_op() == ReduceOp::Sum || p.reduce_op() == ReduceOp::Avg);
 }
 
-Decision pointwise(const OpCall& call, Linearity lin, bool inplace) {
+// Fresh: a new result. InPlace: written into input 0 (`self`). Out: written into the `out=`
+// argument, which takes no part in broadcasting (it may be resized) but fixes the layout.
+enum class Write { Fresh, InPlace, Out };
+
+// Index in call.inputs() of the schema's written keyword argument (`Tensor(a!) out`).
+size_t out_input(const OpCall& call) {
+  const auto& args = call.schema().arguments();
+  for (size_t a = 0; a < args.size(); ++a) {
+    const auto* alias = args[a].alias_info();
+    if (args[a].kwarg_only() && alias != nullptr && alias->isWrite()) {
+      const int i = input_of(call, static_cast<int>(a));
+      TORCH_CHECK(i >= 0, call.name(), ": the out= tensor is missing");
+      return static_cast<size_t>(i);
+    }
+  }
+  TORCH_CHECK(false, call.name(), ": registered as an out= variant but has no out argument");
+}
+
+Decision pointwise(const OpCall& call, Linearity lin, Write write) {
   const size_t n = call.num_inputs();
   TORCH_CHECK(n > 0, call.name(), ": pointwise rule without tensor inputs");
-  // Broadcast output shape.
+  const bool inplace = write != Write::Fresh;
+  const size_t written = write == Write::Out ? out_input(call) : 0;
+  // Broadcast output shape (of the operands: an out= tensor's shape does not count).
   int64_t out_nd = 0;
-  for (size_t j = 0; j < n; ++j) out_nd = std::max(out_nd, call.input(j).ndim());
+  for (size_t j = 0; j < n; ++j) {
+    if (write != Write::Out || j != written) out_nd = std::max(out_nd, call.input(j).ndim());
+  }
   std::vector<int64_t> out_shape(out_nd, 1);
   for (size_t j = 0; j < n; ++j) {
+    if (write == Write::Out && j == written) continue;
     const auto& s = call.input(j).shape();
     const int64_t off = out_nd - static_cast<int64_t>(s.size());
     for (size_t k = 0; k < s.size(); ++k) {
@@ -33,7 +56,8 @@ Decision pointwise(const OpCall& call, Linearity lin, bool inplace) {
     for (const auto& p : s.placements()) n += p.is_shard() ? 1 : 0;
     return n;
   };
-  size_t follow = 0;
+  // The written tensor cannot change layout: in-place and out= ops follow it.
+  size_t follow = written;
   if (!inplace) {
     for (size_t j = 1; j < n; ++j) {
       const auto& a = call.input(j);
@@ -64,6 +88,10 @@ Decision pointwise(const OpCall& call, Linearity lin, bool inplace) {
   std::vector<Placements> inputs;
   for (size_t j = 0; j < n; ++j) {
     const auto& in = call.input(j);
+    if (write == Write::Out && j == written) {
+      inputs.push_back(out);  // it receives the result: the output's layout
+      continue;
+    }
     const int64_t off = out_nd - in.ndim();
     Placements tp;
     for (const auto& o : out) {
@@ -83,14 +111,14 @@ Decision pointwise(const OpCall& call, Linearity lin, bool inplace) {
   }
   Decision d = all_outputs(call, std::move(inputs), out);
   // Many element-wise kernels have no meta implementation: give the output metadata here.
-  const at::ScalarType dtype = inplace ? call.input(0).dtype() : proxy_result_dtype(call);
+  const at::ScalarType dtype = inplace ? call.input(written).dtype() : proxy_result_dtype(call);
   d.output_meta.push_back(TensorMeta{out_shape, default_strides(out_shape), dtype});
   return d;
 }
 
-void reg(std::initializer_list<const char*> names, Linearity lin, bool inplace = false) {
+void reg(std::initializer_list<const char*> names, Linearity lin, Write write = Write::Fresh) {
   for (const char* name : names) {
-    dispatch::register_rule(name, [lin, inplace](const OpCall& c) { return pointwise(c, lin, inplace); });
+    dispatch::register_rule(name, [lin, write](const OpCall& c) { return pointwise(c, lin, write); });
   }
 }
 
@@ -99,12 +127,12 @@ void reg(std::initializer_list<const char*> names, Linearity lin, bool inplace =
 DTENSOR_RULES(pointwise) {
   using L = Linearity;
   reg({"aten::add.Tensor", "aten::sub.Tensor"}, L::Additive);
-  reg({"aten::add_.Tensor", "aten::sub_.Tensor"}, L::Additive, true);
+  reg({"aten::add_.Tensor", "aten::sub_.Tensor"}, L::Additive, Write::InPlace);
   reg({"aten::mul.Tensor"}, L::Multiplicative);
-  reg({"aten::mul_.Tensor"}, L::Multiplicative, true);
+  reg({"aten::mul_.Tensor"}, L::Multiplicative, Write::InPlace);
   reg({"aten::mul.Scalar", "aten::div.Scalar", "aten::neg", "aten::_conj", "aten::positive"},
       L::Unary);
-  reg({"aten::mul_.Scalar", "aten::div_.Scalar", "aten::neg_"}, L::Unary, true);
+  reg({"aten::mul_.Scalar", "aten::div_.Scalar", "aten::neg_"}, L::Unary, Write::InPlace);
   reg({"aten::div.Tensor", "aten::div.Tensor_mode", "aten::div.Scalar_mode", "aten::add.Scalar",
        "aten::sub.Scalar", "aten::rsub.Tensor", "aten::rsub.Scalar", "aten::pow.Tensor_Scalar",
        "aten::pow.Tensor_Tensor", "aten::pow.Scalar", "aten::abs", "aten::exp", "aten::exp2",
@@ -145,7 +173,9 @@ DTENSOR_RULES(pointwise) {
        "aten::maximum_", "aten::square_", "aten::erf_", "aten::logical_not_",
        "aten::logical_and_", "aten::logical_or_", "aten::logical_xor_", "aten::bitwise_and_.Tensor",
        "aten::bitwise_or_.Tensor", "aten::where_.self", "aten::fill_.Tensor_"},
-      L::None, true);
+      L::None, Write::InPlace);
+  // out= variants libtorch's optimizers call (AdamW/Adam with amsgrad: max_out).
+  reg({"aten::maximum.out", "aten::minimum.out"}, L::None, Write::Out);
 }
 
 }  // namespace dtensor::ops

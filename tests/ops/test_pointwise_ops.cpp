@@ -109,3 +109,38 @@ TEST(PointwiseSweep, UnaryOpsReductionsAndViewsMatchOneDevice) {
     });
   }
 }
+
+// out= variants (AdamW with amsgrad calls max_out(state, exp_avg_sq, state)): the result goes
+// into the out DTensor's local tensor in its own layout; the operands are redistributed to it.
+TEST(PointwiseOut, MaximumAndMinimumOutWriteIntoTheOutDTensorInItsLayout) {
+  run_ranks(2, [](int) {
+    auto mesh = init_device_mesh("cpu", {2});
+    const at::Tensor a = at::randn({5, 4}, at::kDouble), b = at::randn({5, 4}, at::kDouble);
+    const at::Tensor row = at::randn({4}, at::kDouble);
+    for (const Placements& out_pl : {Placements{Shard(0)}, Placements{Shard(1)},
+                                     Placements{Replicate()}}) {
+      for (const Placements& b_pl : {Placements{Shard(0)}, Placements{Replicate()}}) {
+        SCOPED_TRACE("out " + to_string(out_pl) + ", other " + to_string(b_pl));
+        // Aliased like amsgrad: out is also the first operand.
+        at::Tensor state = distribute_tensor(a.clone(), mesh, out_pl);
+        const at::Tensor local = local_tensor(state);
+        at::Tensor& r = at::maximum_out(state, state, distribute_tensor(b, mesh, b_pl));
+        EXPECT_TRUE(r.is_same(state));
+        EXPECT_TRUE(local_tensor(state).is_same(local));
+        EXPECT_EQ(placements(state), out_pl);
+        EXPECT_TENSOR_EQ(full_tensor(state), at::maximum(a, b));
+        // Separate out, broadcast operand.
+        at::Tensor out = distribute_tensor(at::zeros({5, 4}, at::kDouble), mesh, out_pl);
+        at::minimum_out(out, distribute_tensor(b, mesh, b_pl),
+                        distribute_tensor(row, mesh, {Replicate()}));
+        EXPECT_EQ(placements(out), out_pl);
+        EXPECT_TENSOR_EQ(full_tensor(out), at::minimum(b, row));
+      }
+    }
+    // A Partial out cannot hold a maximum: a clear error, not a wrong result.
+    at::Tensor partial = from_local(at::zeros({5, 4}, at::kDouble), mesh, {Partial()});
+    EXPECT_THROW(at::maximum_out(partial, distribute_tensor(a, mesh, {Replicate()}),
+                                 distribute_tensor(b, mesh, {Replicate()})),
+                 c10::Error);
+  });
+}
