@@ -9,6 +9,7 @@
 #include "dtensor/dtensor.h"
 #include "dtensor/tp/compat.h"
 #include "support/distributed.h"
+#include "support/errors.h"
 
 using namespace dtensor;
 using namespace dtensor::testing;
@@ -16,19 +17,6 @@ using namespace dtensor::testing;
 namespace {
 
 constexpr double kTol = 1e-10;
-
-std::string message_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const c10::Error& e) {
-    return e.what_without_backtrace();
-  }
-  return "(no error)";
-}
-
-#define EXPECT_CONTAINS(text, part)                          \
-  EXPECT_NE(std::string(text).find(part), std::string::npos) \
-      << "expected \"" << (part) << "\" in: " << (text)
 
 // A module whose only child is an MLP (no Linear of its own).
 struct WrapperImpl : torch::nn::Module {

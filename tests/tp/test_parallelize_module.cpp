@@ -10,6 +10,7 @@
 
 #include "dtensor/dtensor.h"
 #include "support/distributed.h"
+#include "support/errors.h"
 
 using namespace dtensor;
 using namespace dtensor::testing;
@@ -108,19 +109,6 @@ class WarningCapture : public c10::WarningHandler {
  private:
   c10::WarningUtils::WarningHandlerGuard guard_;
 };
-
-std::string message_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const c10::Error& e) {
-    return e.what_without_backtrace();
-  }
-  return "(no error)";
-}
-
-#define EXPECT_CONTAINS(text, part)                          \
-  EXPECT_NE(std::string(text).find(part), std::string::npos) \
-      << "expected \"" << (part) << "\" in: " << (text)
 
 tp::Style colwise_replicated_output() {
   return tp::ColwiseParallel({.output_layouts = Replicate()});

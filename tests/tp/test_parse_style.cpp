@@ -5,26 +5,11 @@
 #include "dtensor/dtensor.h"
 #include "dtensor/tp/compat.h"
 #include "dtensor/tp/parse_style.h"
+#include "support/errors.h"
 
 using namespace dtensor;
 using namespace dtensor::tp;
-
-namespace {
-
-std::string message_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const c10::Error& e) {
-    return e.what_without_backtrace();
-  }
-  return "(no error)";
-}
-
-#define EXPECT_CONTAINS(text, part)                          \
-  EXPECT_NE(std::string(text).find(part), std::string::npos) \
-      << "expected \"" << (part) << "\" in: " << (text)
-
-}  // namespace
+using dtensor::testing::message_of;
 
 TEST(ParseStyle, ReprReadsBackToTheSameStyle) {
   const std::vector<Style> styles = {

@@ -12,6 +12,7 @@
 
 #include "dtensor/dtensor.h"
 #include "support/distributed.h"
+#include "support/errors.h"
 
 using namespace dtensor;
 using namespace dtensor::testing;
@@ -107,18 +108,6 @@ at::Tensor chunk_of(const at::Tensor& t, int64_t dim, int64_t rank, int64_t worl
   return t.chunk(world, dim)[rank];
 }
 
-std::string message_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const c10::Error& e) {
-    return e.what_without_backtrace();
-  }
-  return "(no error)";
-}
-
-#define EXPECT_CONTAINS(text, part)                          \
-  EXPECT_NE(std::string(text).find(part), std::string::npos) \
-      << "expected \"" << (part) << "\" in: " << (text)
 #define EXPECT_MESSAGE(statement, part) EXPECT_CONTAINS(message_of([&] { statement; }), part)
 
 }  // namespace
