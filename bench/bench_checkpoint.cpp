@@ -87,25 +87,25 @@ int main(int argc, char** argv) {
   for (const auto& p : model->parameters()) params += p.numel();
   if (world > 1) {
     auto mesh = dtensor::init_device_mesh("cpu", {world}, {"tp"});
-    using dtensor::Shard;
     using dtensor::Replicate;
-    const std::vector<std::pair<int, std::vector<dtensor::Placement>>> layout = {
-        {0, {Shard(0)}}, {2, {Shard(1)}}};
+    using dtensor::Shard;
+    const std::vector<std::pair<int, std::vector<dtensor::Placement>>> layout = {{0, {Shard(0)}},
+                                                                                 {2, {Shard(1)}}};
     for (const auto& [index, weight] : layout) {
       auto& lin = *model[index]->as<torch::nn::Linear>();
       dtensor::replace_parameter(lin, "weight",
                                  dtensor::distribute_tensor(lin.weight.detach(), mesh, weight));
-      dtensor::replace_parameter(
-          lin, "bias",
-          dtensor::distribute_tensor(lin.bias.detach(), mesh,
-                                     {index == 0 ? Shard(0) : Replicate()}));
+      dtensor::replace_parameter(lin, "bias",
+                                 dtensor::distribute_tensor(lin.bias.detach(), mesh,
+                                                            {index == 0 ? Shard(0) : Replicate()}));
     }
   }
   torch::optim::AdamW opt(model->parameters(), torch::optim::AdamWOptions(1e-3));
   {  // one step so that the optimizer has state
     auto x = at::randn({8, kDim});
-    if (world > 1) x = dtensor::distribute_tensor(x, dtensor::device_mesh(model->parameters()[0]),
-                                                  {dtensor::Replicate()});
+    if (world > 1)
+      x = dtensor::distribute_tensor(x, dtensor::device_mesh(model->parameters()[0]),
+                                     {dtensor::Replicate()});
     model->forward(x).sum().backward();
     opt.step();
   }

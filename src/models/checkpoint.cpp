@@ -238,8 +238,7 @@ void save_checkpoint(const std::string& path, const torch::nn::Module& module,
   meta[keys::kConfig] = options.config;
   meta[keys::kStep] = std::to_string(options.step);
   meta[keys::kTpDegree] = std::to_string(first_mesh ? tp_degree_of(*first_mesh) : 1);
-  meta[keys::kWorldSize] =
-      std::to_string(comm::is_initialized() ? comm::get_world_size() : 1);
+  meta[keys::kWorldSize] = std::to_string(comm::is_initialized() ? comm::get_world_size() : 1);
   if (first_mesh) meta[keys::kMesh] = first_mesh->str();
   meta[keys::kPlacements] = placements.dump();
   meta[keys::kChecksumAlgorithm] = kChecksumAlgorithm;
@@ -307,8 +306,7 @@ void verify_checkpoint(const std::string& path) {
 }
 
 CheckpointMetadata load_checkpoint(const std::string& path, torch::nn::Module& module,
-                                   torch::optim::Optimizer* optimizer,
-                                   const LoadOptions& options) {
+                                   torch::optim::Optimizer* optimizer, const LoadOptions& options) {
   at::NoGradGuard no_grad;
   const std::string where = "checkpoint '" + path + "'";
   safetensors::File file(path);
@@ -323,7 +321,8 @@ CheckpointMetadata load_checkpoint(const std::string& path, torch::nn::Module& m
   std::vector<Target> targets;
   std::vector<std::string> missing, unexpected, mismatched;
   std::set<std::string> used;
-  auto match = [&](const std::string& name, const at::Tensor& dest) -> const safetensors::TensorInfo* {
+  auto match = [&](const std::string& name,
+                   const at::Tensor& dest) -> const safetensors::TensorInfo* {
     const safetensors::TensorInfo* info = file.find(name);
     if (info == nullptr) {
       missing.push_back(name);
@@ -381,8 +380,7 @@ CheckpointMetadata load_checkpoint(const std::string& path, torch::nn::Module& m
             used.insert(name);
             if (key == "step") {
               if (!info->shape.empty() || info->dtype != at::kLong) {
-                mismatched.push_back(name + ": checkpoint " +
-                                     safetensors::dtype_name(info->dtype) +
+                mismatched.push_back(name + ": checkpoint " + safetensors::dtype_name(info->dtype) +
                                      shape_string(info->shape) + ", expected a 0-d I64");
                 continue;
               }

@@ -29,8 +29,7 @@ std::string message_of(const c10::Error& e) { return e.what_without_backtrace();
 
 CheckpointManager::CheckpointManager(std::string dir, int keep_last)
     : dir_(std::move(dir)), keep_last_(keep_last) {
-  TORCH_CHECK(keep_last_ >= 1, "CheckpointManager: keep_last must be at least 1, got ",
-              keep_last_);
+  TORCH_CHECK(keep_last_ >= 1, "CheckpointManager: keep_last must be at least 1, got ", keep_last_);
   std::error_code ec;
   fs::create_directories(dir_, ec);  // every rank may race here; only the result matters
   TORCH_CHECK(fs::is_directory(dir_), "CheckpointManager: cannot create directory '", dir_,
@@ -123,8 +122,8 @@ std::string CheckpointManager::save(int64_t step, const torch::nn::Module& modul
       error = std::current_exception();
     }
   }
-  detail::share_rank0_outcome(error, "CheckpointManager::save(step " + std::to_string(step) +
-                                         ") in '" + dir_ + "'");
+  detail::share_rank0_outcome(
+      error, "CheckpointManager::save(step " + std::to_string(step) + ") in '" + dir_ + "'");
   return path;
 }
 

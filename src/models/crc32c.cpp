@@ -29,8 +29,7 @@ constexpr std::array<std::array<uint32_t, 256>, 8> make_tables() {
 constexpr auto kTables = make_tables();
 
 #ifdef DTENSOR_CRC32C_SSE42
-__attribute__((target("sse4.2"))) uint32_t crc32c_sse42(const uint8_t* p, size_t n,
-                                                        uint32_t crc) {
+__attribute__((target("sse4.2"))) uint32_t crc32c_sse42(const uint8_t* p, size_t n, uint32_t crc) {
   uint64_t c = ~crc;
   for (; n > 0 && (reinterpret_cast<uintptr_t>(p) & 7u) != 0; --n) {
     c = _mm_crc32_u8(static_cast<uint32_t>(c), *p++);
@@ -58,8 +57,8 @@ uint32_t crc32c_portable(const void* data, size_t n, uint32_t crc) {
   uint32_t c = ~crc;
   for (; n >= 8; n -= 8, p += 8) {
     // Little-endian word order; the checksum itself is byte-order independent.
-    const uint32_t lo = c ^ (uint32_t(p[0]) | uint32_t(p[1]) << 8 | uint32_t(p[2]) << 16 |
-                             uint32_t(p[3]) << 24);
+    const uint32_t lo =
+        c ^ (uint32_t(p[0]) | uint32_t(p[1]) << 8 | uint32_t(p[2]) << 16 | uint32_t(p[3]) << 24);
     c = kTables[7][lo & 0xFFu] ^ kTables[6][(lo >> 8) & 0xFFu] ^ kTables[5][(lo >> 16) & 0xFFu] ^
         kTables[4][lo >> 24] ^ kTables[3][p[4]] ^ kTables[2][p[5]] ^ kTables[1][p[6]] ^
         kTables[0][p[7]];

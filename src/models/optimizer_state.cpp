@@ -155,7 +155,8 @@ std::vector<StateTensor> state_tensors(const torch::optim::Optimizer& optimizer,
           break;
         case Kind::SGD: {
           const auto& s = static_cast<const torch::optim::SGDParamState&>(*it->second);
-          if (s.momentum_buffer().defined()) tensors.emplace_back("momentum_buffer", s.momentum_buffer());
+          if (s.momentum_buffer().defined())
+            tensors.emplace_back("momentum_buffer", s.momentum_buffer());
           break;
         }
       }
@@ -189,8 +190,8 @@ void check_description(const torch::optim::Optimizer& optimizer, const ParamName
   const std::string type = kind_name(kind_of(optimizer));
   try {
     const std::string saved = d.at("type").get<std::string>();
-    TORCH_CHECK(saved == type, where, " holds ", saved, " optimizer state; it cannot be loaded into ",
-                type);
+    TORCH_CHECK(saved == type, where, " holds ", saved,
+                " optimizer state; it cannot be loaded into ", type);
     const json& groups = d.at("param_groups");
     const auto& current = optimizer.param_groups();
     TORCH_CHECK(groups.size() == current.size(), where, " has ", groups.size(),

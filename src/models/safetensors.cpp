@@ -13,8 +13,8 @@
 #include <cerrno>
 #include <cstring>
 #include <filesystem>
-#include <tuple>
 #include <nlohmann/json.hpp>
+#include <tuple>
 #include <utility>
 
 namespace dtensor::models::safetensors {
@@ -69,8 +69,8 @@ void write_all(int fd, const void* data, size_t size, uint64_t offset, bool posi
                const std::string& path) {
   const auto* p = static_cast<const char*>(data);
   while (size > 0) {
-    const ssize_t n = positioned ? ::pwrite(fd, p, size, static_cast<off_t>(offset))
-                                 : ::write(fd, p, size);
+    const ssize_t n =
+        positioned ? ::pwrite(fd, p, size, static_cast<off_t>(offset)) : ::write(fd, p, size);
     if (n < 0 && errno == EINTR) continue;
     TORCH_CHECK(n > 0, "safetensors: writing '", path, "' failed: ", errno_text());
     p += n;
@@ -95,8 +95,8 @@ std::string dtype_name(c10::ScalarType dtype) {
   for (const auto& [t, name] : kDtypes) {
     if (t == dtype) return name;
   }
-  TORCH_CHECK(false, "safetensors: dtype ", dtype, " cannot be stored; supported dtypes: ",
-              supported_names());
+  TORCH_CHECK(false, "safetensors: dtype ", dtype,
+              " cannot be stored; supported dtypes: ", supported_names());
 }
 
 c10::ScalarType dtype_from_name(std::string_view name) {
@@ -150,9 +150,8 @@ std::string Writer::header(const Metadata& metadata) const {
     h["__metadata__"] = std::move(m);
   }
   for (const auto& t : tensors_) {
-    h[t.name] = {{"dtype", dtype_name(t.dtype)},
-                 {"shape", t.shape},
-                 {"data_offsets", {t.begin, t.end}}};
+    h[t.name] = {
+        {"dtype", dtype_name(t.dtype)}, {"shape", t.shape}, {"data_offsets", {t.begin, t.end}}};
   }
   try {
     return h.dump();
@@ -198,8 +197,8 @@ void Writer::finish(const Metadata& metadata) {
   const int rc = ::close(fd_);
   fd_ = -1;
   TORCH_CHECK(rc == 0, "safetensors: closing '", tmp_path_, "' failed: ", errno_text());
-  TORCH_CHECK(::rename(tmp_path_.c_str(), path_.c_str()) == 0, "safetensors: renaming '",
-              tmp_path_, "' to '", path_, "' failed: ", errno_text());
+  TORCH_CHECK(::rename(tmp_path_.c_str(), path_.c_str()) == 0, "safetensors: renaming '", tmp_path_,
+              "' to '", path_, "' failed: ", errno_text());
   finished_ = true;
   sync_directory_of(path_);
 }
@@ -234,10 +233,12 @@ File::File(const std::string& path) : path_(path) {
     uint64_t n = 0;
     for (int i = 0; i < 8; ++i) n |= static_cast<uint64_t>(map_[i]) << (8 * i);
     TORCH_CHECK(n <= kMaxHeaderSize && n <= size_ - 8, where, " declares a header of ", n,
-                " bytes but the file is ", size_, " bytes long (truncated or not a safetensors file)");
+                " bytes but the file is ", size_,
+                " bytes long (truncated or not a safetensors file)");
     data_offset_ = 8 + n;
     const char* hb = reinterpret_cast<const char*>(map_ + 8);
-    TORCH_CHECK(n > 0 && hb[0] == '{', where, ": the header does not start with '{' (not a "
+    TORCH_CHECK(n > 0 && hb[0] == '{', where,
+                ": the header does not start with '{' (not a "
                 "safetensors file?)");
     nlohmann::json h;
     try {
@@ -252,8 +253,7 @@ File::File(const std::string& path) : path_(path) {
         if (value.is_null()) continue;
         TORCH_CHECK(value.is_object(), where, ": __metadata__ is not an object");
         for (const auto& [k, v] : value.items()) {
-          TORCH_CHECK(v.is_string(), where, ": __metadata__ value of \"", k,
-                      "\" is not a string");
+          TORCH_CHECK(v.is_string(), where, ": __metadata__ value of \"", k, "\" is not a string");
           metadata_[k] = v.get<std::string>();
         }
         continue;
@@ -304,8 +304,8 @@ File::File(const std::string& path) : path_(path) {
     }
     const uint64_t data_size = size_ - data_offset_;
     TORCH_CHECK(expected <= data_size, where, " is truncated: its header describes ", expected,
-                " bytes of tensor data but the file holds ", data_size, " (",
-                size_, " bytes in all; expected ", data_offset_ + expected, ")");
+                " bytes of tensor data but the file holds ", data_size, " (", size_,
+                " bytes in all; expected ", data_offset_ + expected, ")");
     TORCH_CHECK(expected == data_size, where, " has ", data_size - expected,
                 " bytes after the last tensor's data (corrupt or not a safetensors file)");
     for (size_t i = 0; i < tensors_.size(); ++i) index_[tensors_[i].name] = i;

@@ -101,8 +101,8 @@ std::map<std::string, at::Tensor> global_values(const torch::nn::Module& m) {
 ::testing::AssertionResult bitwise_equal(const std::map<std::string, at::Tensor>& actual,
                                          const std::map<std::string, at::Tensor>& expected) {
   if (actual.size() != expected.size()) {
-    return ::testing::AssertionFailure() << actual.size() << " tensors, expected "
-                                         << expected.size();
+    return ::testing::AssertionFailure()
+           << actual.size() << " tensors, expected " << expected.size();
   }
   for (const auto& [name, e] : expected) {
     auto it = actual.find(name);
@@ -126,8 +126,10 @@ std::string error_of(F&& f) {
   }
   return "(no error)";
 }
-#define EXPECT_HAS(text, part) \
-  EXPECT_NE(std::string(text).find(part), std::string::npos) << "expected \"" << (part) << "\" in:\n" << (text)
+#define EXPECT_HAS(text, part)                               \
+  EXPECT_NE(std::string(text).find(part), std::string::npos) \
+      << "expected \"" << (part) << "\" in:\n"               \
+      << (text)
 
 void flip_byte(const std::string& path, uint64_t offset) {
   std::fstream f(path, std::ios::in | std::ios::out | std::ios::binary);
@@ -221,8 +223,12 @@ TEST(Checkpoint, RoundTripsBetweenTpDegreesBitForBit) {
     Plan plan;
   };
   const std::vector<Load> loads = {
-      {"tp2", 4, {4}, kMegatron}, {"tp2", 4, {4}, kSwapped}, {"tp1", 4, {4}, kMegatron},
-      {"tp4", 2, {2}, kMegatron}, {"tp4", 2, {2}, kSwapped}, {"tp2", 1, {1}, kMegatron},
+      {"tp2", 4, {4}, kMegatron},
+      {"tp2", 4, {4}, kSwapped},
+      {"tp1", 4, {4}, kMegatron},
+      {"tp4", 2, {2}, kMegatron},
+      {"tp4", 2, {2}, kSwapped},
+      {"tp2", 1, {1}, kMegatron},
       {"tp4", 4, {2, 2}, {{"0.weight", {Shard(1), Shard(0)}}, {"2.weight", {Shard(0), Shard(0)}}}},
       {"dp2tp2", 2, {2}, kMegatron},
   };
@@ -273,8 +279,7 @@ std::unique_ptr<torch::optim::Optimizer> make_opt(OptKind k, const torch::nn::Se
       return std::make_unique<torch::optim::AdamW>(
           m->parameters(), torch::optim::AdamWOptions(0.05).weight_decay(0.01).amsgrad(true));
     case OptKind::Adam:
-      return std::make_unique<torch::optim::Adam>(m->parameters(),
-                                                  torch::optim::AdamOptions(0.05));
+      return std::make_unique<torch::optim::Adam>(m->parameters(), torch::optim::AdamOptions(0.05));
     case OptKind::SGD:
       return std::make_unique<torch::optim::SGD>(m->parameters(),
                                                  torch::optim::SGDOptions(0.1).momentum(0.9));
@@ -443,9 +448,10 @@ TEST(Checkpoint, ModulesThatDoNotFitAreRejectedWithEveryProblemListed) {
     for (const auto& p : parts) EXPECT_HAS(err, p);
     EXPECT_TRUE(bitwise_equal(global_values(*model), before));
   };
-  check_rejected(mlp(kDim, 12, 1), {"shape mismatch:", "0.weight: checkpoint [10, 6], module [12, 6]",
-                                    "0.bias: checkpoint [10], module [12]",
-                                    "2.weight: checkpoint [6, 10], module [6, 12]"});
+  check_rejected(
+      mlp(kDim, 12, 1),
+      {"shape mismatch:", "0.weight: checkpoint [10, 6], module [12, 6]",
+       "0.bias: checkpoint [10], module [12]", "2.weight: checkpoint [6, 10], module [6, 12]"});
   check_rejected(mlp(kDim, kHidden, 1, at::kFloat, /*bias=*/false),
                  {"unexpected in the checkpoint:\n    0.bias"});
   auto longer = mlp(kDim, kHidden, 1);
@@ -553,10 +559,11 @@ TEST(Checkpoint, ManagerKeepsTheLastNAndFallsBackPastADamagedNewest) {
     auto model = mlp(kDim, kHidden, 1);
     shard(*model, mesh, kSwapped);
     std::vector<std::string> skipped;
-    const auto meta = manager.load_latest(*model, nullptr, {}, [&](const std::string& p, const std::string& why) {
-      skipped.push_back(p);
-      EXPECT_HAS(why, "\"0.weight\" is corrupt");
-    });
+    const auto meta =
+        manager.load_latest(*model, nullptr, {}, [&](const std::string& p, const std::string& why) {
+          skipped.push_back(p);
+          EXPECT_HAS(why, "\"0.weight\" is corrupt");
+        });
     ASSERT_TRUE(meta.has_value());
     EXPECT_EQ(meta->step, 200);
     EXPECT_EQ(meta->config, "cfg");
@@ -569,7 +576,8 @@ TEST(Checkpoint, ManagerKeepsTheLastNAndFallsBackPastADamagedNewest) {
   const std::string older = manager.path_for(200);
   flip_byte(older, data_offset_of(older, "2.bias"));
   auto model = mlp(kDim, kHidden, 1);
-  const std::string err = error_of([&] { manager.load_latest(*model, nullptr, {}, [](auto&, auto&) {}); });
+  const std::string err =
+      error_of([&] { manager.load_latest(*model, nullptr, {}, [](auto&, auto&) {}); });
   EXPECT_HAS(err, "no intact checkpoint");
   EXPECT_HAS(err, "\"2.bias\" is corrupt");
 }

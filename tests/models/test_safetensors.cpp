@@ -75,19 +75,18 @@ at::Tensor pattern(c10::ScalarType dtype, std::vector<int64_t> shape) {
   const at::Tensor i = at::arange(c10::multiply_integers(shape), at::kDouble).reshape(shape);
   if (dtype == at::kBool) return (i.fmod(3) == 0);
   if (at::isFloatingType(dtype)) return ((i - 7) * 0.25).to(dtype);
-  if (dtype == at::kByte || dtype == at::kUInt16 || dtype == at::kUInt32 ||
-      dtype == at::kUInt64) {
+  if (dtype == at::kByte || dtype == at::kUInt16 || dtype == at::kUInt32 || dtype == at::kUInt64) {
     return i.to(at::kLong).to(dtype);
   }
   return (i - 7).to(at::kLong).to(dtype);
 }
 
 const std::vector<std::pair<c10::ScalarType, std::vector<int64_t>>> kCases = {
-    {at::kFloat, {3, 5}},       {at::kDouble, {}},         {at::kHalf, {2, 3, 4}},
-    {at::kBFloat16, {7}},       {at::kLong, {4, 1}},       {at::kInt, {0, 4}},
-    {at::kShort, {5}},          {at::kChar, {3}},          {at::kByte, {9}},
-    {at::kBool, {2, 5}},        {at::kUInt16, {3}},        {at::kUInt32, {2, 2}},
-    {at::kUInt64, {1}},         {at::kFloat8_e4m3fn, {6}}, {at::kFloat8_e5m2, {2, 3}},
+    {at::kFloat, {3, 5}}, {at::kDouble, {}},         {at::kHalf, {2, 3, 4}},
+    {at::kBFloat16, {7}}, {at::kLong, {4, 1}},       {at::kInt, {0, 4}},
+    {at::kShort, {5}},    {at::kChar, {3}},          {at::kByte, {9}},
+    {at::kBool, {2, 5}},  {at::kUInt16, {3}},        {at::kUInt32, {2, 2}},
+    {at::kUInt64, {1}},   {at::kFloat8_e4m3fn, {6}}, {at::kFloat8_e5m2, {2, 3}},
 };
 
 std::map<std::string, at::Tensor> pattern_tensors() {
@@ -187,8 +186,8 @@ int run_python(const TempDir& dir, const std::string& mode, const std::string& p
   }
   shapes += "}";
   const std::string out = dir.file("python.out");
-  const std::string cmd = python() + " " + script + " " + mode + " " + path + " '" + shapes +
-                          "' >" + out + " 2>&1";
+  const std::string cmd =
+      python() + " " + script + " " + mode + " " + path + " '" + shapes + "' >" + out + " 2>&1";
   const int rc = std::system(cmd.c_str());
   output = read_bytes(out);
   return rc;
@@ -254,11 +253,10 @@ TEST(Safetensors, ReadsAHandMadeFileWithUnsortedEntriesAndNoPadding) {
   TempDir dir;
   const std::string path = dir.file("hand.safetensors");
   // b's data comes first although the header lists it second; 0-d and empty tensors.
-  const std::string header =
-      R"({"a":{"dtype":"I32","shape":[2],"data_offsets":[8,16]},)"
-      R"("b":{"dtype":"F64","shape":[],"data_offsets":[0,8]},)"
-      R"("e":{"dtype":"F32","shape":[0,3],"data_offsets":[16,16]},)"
-      R"("__metadata__":{"k":"v"}})";
+  const std::string header = R"({"a":{"dtype":"I32","shape":[2],"data_offsets":[8,16]},)"
+                             R"("b":{"dtype":"F64","shape":[],"data_offsets":[0,8]},)"
+                             R"("e":{"dtype":"F32","shape":[0,3],"data_offsets":[16,16]},)"
+                             R"("__metadata__":{"k":"v"}})";
   ASSERT_NE(header.size() % 8, 0u);
   const double b = 2.5;
   const int32_t a[2] = {-3, 7};

@@ -39,8 +39,8 @@ inline constexpr const char* kWorldSize = "world_size";
 inline constexpr const char* kMesh = "mesh";              // the first DTensor's mesh, printed
 inline constexpr const char* kPlacements = "placements";  // JSON {name: "Shard(0)"}
 inline constexpr const char* kChecksumAlgorithm = "checksum_algorithm";  // "crc32c"
-inline constexpr const char* kChecksums = "checksums";    // JSON {name: "1a2b3c4d"}
-inline constexpr const char* kOptimizer = "optimizer";    // JSON {type, param_groups}
+inline constexpr const char* kChecksums = "checksums";                   // JSON {name: "1a2b3c4d"}
+inline constexpr const char* kOptimizer = "optimizer";  // JSON {type, param_groups}
 }  // namespace checkpoint_keys
 
 inline constexpr int64_t kCheckpointFormatVersion = 1;
