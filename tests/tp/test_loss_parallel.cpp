@@ -179,10 +179,14 @@ TEST(LossParallel, LabelSmoothingWithPlainTargetAndOutsideTheGuard) {
         if (!guard) plain.emplace();
         CommDebugMode comm;
         loss = F::cross_entropy(dx, target, options(Reduce::Mean, weight, -100, 0.3));
-        if (guard) EXPECT_EQ(comm.get_comm_counts(), CommCounts({{CommType::all_reduce, 4}}));
+        if (guard) {
+          EXPECT_EQ(comm.get_comm_counts(), CommCounts({{CommType::all_reduce, 4}}));
+        }
         comm.enter();
         loss.backward();
-        if (guard) EXPECT_EQ(comm.get_total_counts(), 0) << comm.table();
+        if (guard) {
+          EXPECT_EQ(comm.get_total_counts(), 0) << comm.table();
+        }
       }
       EXPECT_TENSOR_CLOSE(full_tensor(loss.detach()), ref.detach(), 1e-12, 1e-12);
       EXPECT_TENSOR_CLOSE(full_tensor(dx.grad()), xr.grad(), 1e-12, 1e-12);
