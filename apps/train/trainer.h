@@ -46,6 +46,7 @@ class Trainer {
  private:
   at::Tensor dp_slice(const at::Tensor& t) const;
   void all_reduce_dp_grads();
+  double clip_grad_norm(double max_norm);  // returns the global norm before clipping
   double mean_over_dp(double v) const;
 
   RunConfig config_;
