@@ -113,7 +113,7 @@ constexpr std::array<std::string_view, 12> kSaid = {
     "laughed", "muttered", "sighed",    "warned", "promised", "explained"};
 constexpr std::array<std::string_view, 16> kSpeech = {
     "The bridge will not hold another winter", "We should finish before the rain",
-    "Have you seen the ferry today",           "The bread is still warm",
+    "Have you seen the ferry today?",          "The bread is still warm",
     "Nobody remembers who built the well",     "Bring the lantern, it is getting dark",
     "The river is higher than last year",      "I will be back before supper",
     "There is a letter for you at the inn",    "The bees are quiet this morning",
@@ -157,7 +157,7 @@ class Chronicle {
   }
 
   std::string sentence() {
-    switch (rng_.below(8)) {
+    switch (rng_.below(10)) {
       case 0:
         return std::string(rng_.pick(kTimes)) + ", " + person() + " " +
                std::string(rng_.pick(kWent)) + " " + std::string(rng_.pick(kPlaces)) + ".";
@@ -169,8 +169,10 @@ class Chronicle {
                std::string(rng_.pick(kFeelings)) + ".";
       case 3: {
         const std::string who = person();
-        return "\"" + std::string(rng_.pick(kSpeech)) + ",\" " + std::string(rng_.pick(kSaid)) +
-               " " + who + ".";
+        const std::string_view words = rng_.pick(kSpeech);
+        // A question keeps its question mark; a statement gets the comma before the speaker.
+        return "\"" + std::string(words) + (words.ends_with('?') ? "\" " : ",\" ") +
+               std::string(rng_.pick(kSaid)) + " " + who + ".";
       }
       case 4: {
         size_t giver = 0;
@@ -183,6 +185,21 @@ class Chronicle {
       case 6:
         return "At " + std::string(rng_.pick(kPlaces)) + ", " + person() + " found " +
                std::string(rng_.pick(kThings)) + " that nobody had missed.";
+      case 7: {
+        // A name always with its own trade, so the pairing recurs.
+        const size_t i = rng_.below(kNames.size());
+        return "Everyone knew that " + std::string(kNames[i]) + " the " + std::string(kRoles[i]) +
+               " kept " + std::string(rng_.pick(kThings)) + " near " +
+               std::string(rng_.pick(kPlaces)) + ".";
+      }
+      case 8: {
+        size_t asker = 0;
+        const std::string a = person(&asker);
+        return "\"Where is " +
+               std::string(kNames[(asker + 1 + rng_.below(kNames.size() - 1)) % kNames.size()]) +
+               "?\" asked " + a + ". \"Gone to " + std::string(rng_.pick(kPlaces)) + ",\" " +
+               std::string(rng_.pick(kSaid)) + " " + person(nullptr, asker) + ".";
+      }
       default: {
         size_t first = 0;
         const std::string a = person(&first);
@@ -194,7 +211,7 @@ class Chronicle {
 
   std::string paragraph() {
     std::string p;
-    const size_t n = 3 + rng_.below(5);
+    const size_t n = 2 + rng_.below(5);
     for (size_t i = 0; i < n; ++i) {
       if (i) p += ' ';
       p += sentence();
