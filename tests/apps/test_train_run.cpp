@@ -119,8 +119,10 @@ TEST(TrainRun, TwoRanksTrainTinyModelAndMatchOneDevice) {
     // Evaluated every 2 steps and at the end.
     EXPECT_EQ(rows[i].val_loss.has_value(), i == 1 || i == 3 || i == 4) << "step " << i + 1;
   }
-  // A fresh byte-level model starts near ln(256).
-  EXPECT_NEAR(rows[0].loss, std::log(256.0), 0.5);
+  // A fresh byte-level model starts near ln(256) + 1/2: the final norm gives unit-RMS features
+  // and the output weights have std 1/sqrt(dim) (torchtitan's init), so the logits have unit
+  // variance, which costs about half a nat over uniform predictions.
+  EXPECT_NEAR(rows[0].loss, std::log(256.0) + 0.5, 0.4);
   EXPECT_NE(read_file(dir.str("run/loss.svg")).find("<polyline"), std::string::npos);
   EXPECT_NE(read_file(dir.str("run/config.json")).find("\"tp\": 2"), std::string::npos);
   EXPECT_NE(r.output.find("verify-tp1: PASSED"), std::string::npos) << r.output;
