@@ -14,6 +14,7 @@
 #include <optional>
 #include <sstream>
 #include <stdexcept>
+#include <thread>
 
 #include "checkpoints.h"
 #include "corpus.h"
@@ -288,8 +289,13 @@ int run_training(const TrainOptions& o, const comm::LaunchEnv& env) {
 
   int status = 0;
   if (o.verify_tp1 && rank0) {
-    std::printf("\nverify-tp1: the same %zu steps on one device with plain LibTorch\n",
-                losses.size());
+    // The other ranks have finished: the check may use the cores they trained on.
+    const auto cores = static_cast<int64_t>(std::max(1u, std::thread::hardware_concurrency()));
+    const int64_t verify_threads = std::min(o.threads * cfg.world_size, cores);
+    at::set_num_threads(static_cast<int>(verify_threads));
+    std::printf(
+        "\nverify-tp1: the same %zu steps on one device with plain LibTorch (%lld thread%s)\n",
+        losses.size(), static_cast<long long>(verify_threads), verify_threads > 1 ? "s" : "");
     std::fflush(stdout);
     ProgressBar vbar(std::cerr, tty, std::max<int64_t>(1, static_cast<int64_t>(losses.size()) / 4));
     const auto t = Clock::now();
