@@ -30,14 +30,15 @@ model:
   --kv-heads N           key/value heads (grouped-query attention)
   --ffn-dim N            feed-forward hidden size
   --vocab N              vocabulary size (>= 256: the tokenizer is byte-level)
-  --seq-len N            training sequence length (also the model's maximum)
+  --seq-len N            training sequence length, also the model's maximum (default:
+                         tiny 64, demo 256, bench 512)
 
 optimization:
-  --steps N              optimizer steps (default per preset)
+  --steps N              optimizer steps (default: tiny 20, demo 60, bench 50)
   --stop-at N            end this run after step N, as if interrupted; the schedule still
                          spans --steps and --resume continues the run
-  --batch-size N         sequences per step (default per preset)
-  --lr X                 peak learning rate (default per preset)
+  --batch-size N         sequences per step (default: tiny 4, demo 8, bench 8)
+  --lr X                 peak learning rate (default: 3e-3; bench 1e-3)
   --min-lr X             final learning rate of the cosine decay (default lr/10)
   --warmup N             linear warmup steps (default steps/10)
   --weight-decay X       AdamW weight decay on matrices (default 0.1)
