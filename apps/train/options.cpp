@@ -60,7 +60,10 @@ evaluation and output:
   --save-final           also save a checkpoint after the last step
   --resume [PATH|auto]   continue from a checkpoint; auto (or no value): the latest in
                          DIR/checkpoints
-  --log-every N          steps between progress lines when stderr is not a terminal
+  --progress MODE        auto | bar | lines: a bar redrawn in place, or plain lines (auto:
+                         the bar when stderr is a terminal; under dtrun it is a pipe, so
+                         pass bar when dtrun's output is a terminal)
+  --log-every N          steps between plain progress lines (default: about 20 per run)
   --sample N             after training, print N characters generated from the model
 
 parallelism and numerics:
@@ -175,6 +178,7 @@ std::optional<TrainOptions> parse_args(int argc, char** argv, int& exit_code, bo
       {"--ckpt-every", integer(o.ckpt_every, 0)},
       {"--keep-ckpts", integer(o.keep_ckpts, 1)},
       {"--log-every", integer(o.log_every, 1)},
+      {"--progress", choice(o.progress, {"auto", "bar", "lines"})},
       {"--sample", integer(o.sample_chars, 0)},
       {"--dp", integer(o.dp, 1)},
       {"--dtype", choice(o.dtype, {"float32", "float64"})},

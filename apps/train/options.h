@@ -39,6 +39,7 @@ struct TrainOptions {
   bool final_ckpt = false;
   std::optional<std::string> resume;  // "auto" or a checkpoint path
   int64_t log_every = 0;              // plain progress lines; 0 = about 20 per run
+  std::string progress = "auto";      // auto (bar on a terminal) | bar | lines
 
   // Parallelism and numerics.
   bool sequence_parallel = true;

@@ -63,13 +63,16 @@ void ProgressBar::update(const ProgressState& s) {
   const int filled = s.total > 0 ? static_cast<int>(kBar * s.step / s.total) : kBar;
   last_ =
       "[" + std::string(filled, '#') + std::string(kBar - filled, '.') + "] " + format_progress(s);
-  out_ << "\r\033[2K" << last_ << std::flush;  // \033[2K clears the old, longer line
+  // The line, \033[K to clear what a longer old line left, then \r: the cursor waits at the
+  // start for the next draw. Ending each draw with \r (not starting with it) lets a relay
+  // such as dtrun forward it at once and keep its "[rank 0] " prefix in front of it.
+  out_ << last_ << "\033[K\r" << std::flush;
   drawn_ = true;
 }
 
 void ProgressBar::message(const std::string& line) {
   if (tty_ && drawn_) {
-    out_ << "\r\033[2K" << line << '\n' << last_ << std::flush;
+    out_ << line << "\033[K\n" << last_ << "\033[K\r" << std::flush;
   } else {
     out_ << line << '\n' << std::flush;
   }

@@ -1,8 +1,10 @@
 #pragma once
 // The progress display of rank 0, on stderr. On a terminal one line is redrawn in place
 //   [#########.........]  45/200  loss 2.3140  12.5k tok/s  lr 2.9e-03  ETA 0:31
-// Elsewhere (a log file, or dtrun, which prefixes every line with its rank) a plain line is
-// printed every `every` steps and at the last step, since carriage returns would garble it.
+// Elsewhere (a log file, a pipe) a plain line is printed every `every` steps and at the last
+// step, since carriage returns would garble it. Under dtrun stderr is a pipe even when dtrun's
+// is a terminal: dtensor_train --progress bar (what scripts/demo passes on a terminal) asks
+// for the bar then, and dtrun relays each redraw behind its "[rank 0] " prefix.
 #include <chrono>
 #include <cstdint>
 #include <iosfwd>

@@ -14,7 +14,6 @@
 #include <optional>
 #include <sstream>
 #include <stdexcept>
-#include <thread>
 
 #include "checkpoints.h"
 #include "corpus.h"
@@ -146,7 +145,7 @@ int run_training(const TrainOptions& o, const comm::LaunchEnv& env) {
 
   std::optional<MetricsWriter> metrics;
   if (rank0) metrics.emplace((out_dir / "metrics.csv").string(), o.resume ? start_step : -1);
-  const bool tty = ProgressBar::stderr_is_tty();
+  const bool tty = o.progress == "bar" || (o.progress == "auto" && ProgressBar::stderr_is_tty());
   const int64_t log_every = o.log_every > 0 ? o.log_every : std::max<int64_t>(1, cfg.steps / 20);
   std::ostream null_stream(nullptr);
   ProgressBar bar(rank0 ? std::cerr : null_stream, tty, log_every);
@@ -289,10 +288,9 @@ int run_training(const TrainOptions& o, const comm::LaunchEnv& env) {
 
   int status = 0;
   if (o.verify_tp1 && rank0) {
-    // The other ranks have finished: the check may use the cores they trained on.
-    const auto cores = static_cast<int64_t>(std::max(1u, std::thread::hardware_concurrency()));
-    const int64_t verify_threads = std::min(o.threads * cfg.world_size, cores);
-    at::set_num_threads(static_cast<int>(verify_threads));
+    // As many threads as a rank had: more would be faster on idle cores but, with OpenMP
+    // spinning, much slower while anything else (a build) runs.
+    const int64_t verify_threads = o.threads;
     std::printf(
         "\nverify-tp1: the same %zu steps on one device with plain LibTorch (%lld thread%s)\n",
         losses.size(), static_cast<long long>(verify_threads), verify_threads > 1 ? "s" : "");

@@ -203,8 +203,9 @@ TEST(TrainMetrics, CsvRoundTripsAndResumeDropsLaterRows) {
     EXPECT_EQ(back[i].step, rows[i].step);
     EXPECT_EQ(static_cast<float>(back[i].loss), static_cast<float>(rows[i].loss));  // exact
     EXPECT_EQ(back[i].val_loss.has_value(), rows[i].val_loss.has_value());
-    if (rows[i].val_loss)
+    if (rows[i].val_loss) {
       EXPECT_EQ(static_cast<float>(*back[i].val_loss), static_cast<float>(*rows[i].val_loss));
+    }
     EXPECT_NEAR(back[i].lr, rows[i].lr, 1e-9);
     EXPECT_EQ(static_cast<float>(back[i].grad_norm), static_cast<float>(rows[i].grad_norm));
   }
@@ -297,9 +298,13 @@ TEST(TrainProgress, PlainLinesWithoutATerminalAndRedrawsOnOne) {
     bar.update({2, 2, 0.5, 100, 1e-3, 0});
   }
   EXPECT_NE(tty.str().find('\r'), std::string::npos);
-  EXPECT_NE(tty.str().find("hello\n"), std::string::npos);
+  EXPECT_NE(tty.str().find("hello\033[K\n"), std::string::npos) << tty.str();
   EXPECT_NE(tty.str().find("[########################] 2/2"), std::string::npos) << tty.str();
   EXPECT_EQ(tty.str().back(), '\n');
+  // Every draw ends with a carriage return, never starts with one: a line relay such as dtrun
+  // forwards it at once, behind its rank prefix.
+  EXPECT_NE(tty.str().rfind("\033[K\r\n"), std::string::npos) << tty.str();
+  EXPECT_NE(tty.str().front(), '\r');
 }
 
 TEST(TrainOptions, ParsesEveryKindOfOption) {
@@ -317,6 +322,10 @@ TEST(TrainOptions, ParsesEveryKindOfOption) {
   EXPECT_EQ(o->resume, "auto");  // a flag follows: no value given
   EXPECT_TRUE(o->verify_tp1);
   EXPECT_EQ(o->seq_len, 64);
+  EXPECT_EQ(o->progress, "auto");
+  o = parse({"--progress", "bar"}, code);
+  ASSERT_TRUE(o.has_value());
+  EXPECT_EQ(o->progress, "bar");
   o = parse({"--resume", "runs/x/checkpoints/step_00000003.safetensors"}, code);
   ASSERT_TRUE(o.has_value());
   EXPECT_EQ(o->resume, "runs/x/checkpoints/step_00000003.safetensors");
@@ -336,6 +345,7 @@ TEST(TrainOptions, RejectsUnknownFlagsAndBadValuesClearly) {
       {{"--lr", "nan"}, "--lr expects a number"},
       {{"--preset", "huge"}, "--preset expects one of tiny, demo, bench, got 'huge'"},
       {{"--dtype", "half"}, "--dtype expects one of float32, float64"},
+      {{"--progress", "fancy"}, "--progress expects one of auto, bar, lines"},
       {{"--vocab", "100"}, "--vocab must be at least 256"},
       {{"--verify-tp1=yes"}, "--verify-tp1 takes no value"},
       {{"--lr", "1e-3", "--min-lr", "1e-2"}, "--min-lr"},
