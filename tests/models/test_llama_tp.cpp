@@ -91,7 +91,9 @@ void expect_training_matches(const DeviceMesh& mesh, const Case& c) {
     for (const auto& [name, p] : tp_params) {
       SCOPED_TRACE(name);
       ASSERT_TRUE(p.grad().defined());
-      if (is_dtensor(p.grad())) EXPECT_FALSE(spec_of(p.grad()).has_partial());
+      if (is_dtensor(p.grad())) {
+        EXPECT_FALSE(spec_of(p.grad()).has_partial());
+      }
       EXPECT_TRUE(close(whole(p.grad()), ref_params.at(name).grad(), c.tol)) << "gradient";
     }
     ref_opt.step();

@@ -95,8 +95,8 @@ struct FeedForwardImpl : dtensor::nn::Module {
     resid_dropout = register_module("resid_dropout", dtensor::nn::Dropout(dropout_p));
   }
   at::Tensor forward(const at::Tensor& x) {
-    return call_forward(
-        [this](const at::Tensor& x) { return resid_dropout(w2(at::gelu(w1(x)))); }, x);
+    return call_forward([this](const at::Tensor& x) { return resid_dropout(w2(at::gelu(w1(x)))); },
+                        x);
   }
 };
 TORCH_MODULE(FeedForward);
@@ -136,7 +136,8 @@ struct TransformerImpl : dtensor::nn::Module {
   dtensor::nn::Linear output{nullptr};
   explicit TransformerImpl(const ModelArgs& a) : args(a) {
     tok_embeddings = register_module("tok_embeddings", dtensor::nn::Embedding(a.vocab_size, a.dim));
-    pos_embeddings = register_module("pos_embeddings", dtensor::nn::Embedding(a.max_seq_len, a.dim));
+    pos_embeddings =
+        register_module("pos_embeddings", dtensor::nn::Embedding(a.max_seq_len, a.dim));
     dropout = register_module("dropout", dtensor::nn::Dropout(a.dropout_p));
     layers = register_module("layers", torch::nn::ModuleList());
     for (int64_t i = 0; i < a.n_layers; ++i) layers->push_back(TransformerBlock(a));
@@ -185,8 +186,9 @@ void parallelize_transformer(TransformerImpl& m, const DeviceMesh& mesh, bool se
   for (const auto& layer : *m.layers) {
     ParallelizePlan plan;
     if (seq_parallel) {
-      plan.emplace_back("attention", PrepareModuleInput({.input_layouts = Layouts{Shard(1)},
-                                                         .desired_input_layouts = Layouts{Replicate()}}));
+      plan.emplace_back("attention",
+                        PrepareModuleInput({.input_layouts = Layouts{Shard(1)},
+                                            .desired_input_layouts = Layouts{Replicate()}}));
       plan.emplace_back("attention_norm", SequenceParallel());
       plan.emplace_back("ffn_norm", SequenceParallel());
     }
@@ -194,9 +196,8 @@ void parallelize_transformer(TransformerImpl& m, const DeviceMesh& mesh, bool se
       plan.emplace_back(w, ColwiseParallel({.use_local_output = local_output_for_attn}));
     plan.emplace_back("attention.wo", seq_parallel ? RowwiseParallel({.output_layouts = Shard(1)})
                                                    : RowwiseParallel());
-    plan.emplace_back("feed_forward.w1", seq_parallel
-                                             ? ColwiseParallel({.input_layouts = Shard(1)})
-                                             : ColwiseParallel());
+    plan.emplace_back("feed_forward.w1", seq_parallel ? ColwiseParallel({.input_layouts = Shard(1)})
+                                                      : ColwiseParallel());
     plan.emplace_back("feed_forward.w2", seq_parallel
                                              ? RowwiseParallel({.output_layouts = Shard(1)})
                                              : RowwiseParallel());
@@ -243,8 +244,6 @@ void check_module(torch::nn::Module& ref, torch::nn::Module& tp, bool grad, doub
     }
   }
 }
-
-std::string counts_str(const CommCounts& c) { return format_comm_counts(c); }
 
 }  // namespace
 
@@ -358,14 +357,18 @@ void train_step(TransformerPair& t, const at::Tensor& inp, const ExpCommCounts* 
   auto output_tp = t.model_tp(inp);
   comm.exit();
   EXPECT_TENSOR_CLOSE(output_tp, output, tol, tol);
-  if (expected) EXPECT_EQ(comm.get_comm_counts(), expected->fwd) << comm.module_table();
+  if (expected) {
+    EXPECT_EQ(comm.get_comm_counts(), expected->fwd) << comm.module_table();
+  }
   if (fwd_modules) *fwd_modules = comm.comm_module_counts();
 
   output.sum().backward();
   comm.enter();
   output_tp.sum().backward();
   comm.exit();
-  if (expected) EXPECT_EQ(comm.get_comm_counts(), expected->bwd) << comm.module_table();
+  if (expected) {
+    EXPECT_EQ(comm.get_comm_counts(), expected->bwd) << comm.module_table();
+  }
   if (bwd_modules) *bwd_modules = comm.comm_module_counts();
   check_module(*t.model, *t.model_tp, /*grad=*/true, tol);
 
@@ -374,7 +377,9 @@ void train_step(TransformerPair& t, const at::Tensor& inp, const ExpCommCounts* 
   reduce_partial_grads(*t.model_tp);
   t.optim_tp->step();
   comm.exit();
-  if (expected) EXPECT_EQ(comm.get_comm_counts(), expected->optim) << comm.table();
+  if (expected) {
+    EXPECT_EQ(comm.get_comm_counts(), expected->optim) << comm.table();
+  }
   check_module(*t.model, *t.model_tp, /*grad=*/false, tol);
   t.optim->zero_grad();
   t.optim_tp->zero_grad();
@@ -429,7 +434,8 @@ TEST(TpExamples, TransformerCountsCollectivesPerModule) {
           EXPECT_EQ(fwd[l + ".attention.wo"]["forward"], (CommCounts{{AR, 1}}));
           EXPECT_EQ(fwd[l + ".feed_forward.w2"]["forward"], (CommCounts{{AR, 1}}));
           EXPECT_EQ(fwd[l]["forward"], (CommCounts{{AR, 2}}));
-          for (const char* w : {".attention.wq", ".attention.wk", ".attention.wv", ".feed_forward.w1"})
+          for (const char* w :
+               {".attention.wq", ".attention.wk", ".attention.wv", ".feed_forward.w1"})
             EXPECT_EQ(bwd[l + w]["backward"], (CommCounts{{AR, 1}})) << w;
           EXPECT_EQ(bwd[l + ".attention"]["backward"], (CommCounts{{AR, 3}}));
           EXPECT_EQ(bwd[l]["backward"], (CommCounts{{AR, 4}}));
@@ -542,14 +548,15 @@ TEST(TpExamples, TiedWeightsShareOneGradient) {
   run_ranks(4, [](int) {
     auto mesh = init_device_mesh("cpu", {4});
     auto model = std::make_shared<TiedImpl>();
-    parallelize_module(*model, mesh,
-                       ParallelizePlan{{"embedding", ColwiseParallel()}, {"fc", RowwiseParallel()}});
+    parallelize_module(
+        *model, mesh, ParallelizePlan{{"embedding", ColwiseParallel()}, {"fc", RowwiseParallel()}});
     at::manual_seed(0);
     auto inp = at::randint(16, {5});
     auto local = [](const at::Tensor& t) { return local_tensor(t); };
     EXPECT_FALSE(at::equal(local(model->embedding->weight), local(model->fc->weight)));
     model->forward(inp).sum().backward();
-    EXPECT_FALSE(at::equal(local(model->embedding->weight.grad()), local(model->fc->weight.grad())));
+    EXPECT_FALSE(
+        at::equal(local(model->embedding->weight.grad()), local(model->fc->weight.grad())));
     model->zero_grad();
 
     replace_parameter(*model->fc, "weight", model->embedding->weight);

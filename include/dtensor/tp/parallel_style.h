@@ -25,8 +25,8 @@ class ParallelStyle {
   // Throws (naming `fqn`, the module's type, the style and the fix) when the style cannot be
   // applied to `module`. parallelize_module() calls it for every entry of a plan before it
   // changes anything; apply() calls it too.
-  virtual void validate(torch::nn::Module& module, const std::string& fqn,
-                        const DeviceMesh& mesh) const {}
+  virtual void validate(torch::nn::Module& /*module*/, const std::string& /*fqn*/,
+                        const DeviceMesh& /*mesh*/) const {}
 
   // Shards the module's parameters and installs its hooks. `mesh` is 1-D.
   virtual void apply(torch::nn::Module& module, const std::string& fqn,
