@@ -435,7 +435,8 @@ void write_inputs(const Options& opt, const models::LlamaConfig& config, const s
 }
 
 std::string fmt(double v, int precision) {
-  if (std::isnan(v)) return "-";
+  if (std::isnan(v) || v < 0)
+    return "-";  // -1: not reported (the PyTorch worker times whole steps)
   char buf[64];
   std::snprintf(buf, sizeof(buf), "%.*f", precision, v);
   return buf;
