@@ -111,11 +111,15 @@ std::optional<DeviceMesh> get_tp_mesh(const DeviceMesh& mesh) {
   return std::nullopt;
 }
 
-void apply_tensor_parallel(TransformerImpl& model, const DeviceMesh& mesh,
+void apply_tensor_parallel(TransformerImpl& model, const DeviceMesh& device_mesh,
                            TensorParallelOptions options) {
   using namespace tp;
-  TORCH_CHECK(mesh.ndim() == 1, "apply_tensor_parallel needs a 1-D mesh, got ", mesh.str(),
-              "; pass get_tp_mesh(mesh) (mesh[\"tp\"])");
+  const std::optional<DeviceMesh> tp_mesh = get_tp_mesh(device_mesh);
+  TORCH_CHECK(tp_mesh,
+              "apply_tensor_parallel needs a 1-D mesh or one with a dimension named "
+              "\"tp\", got ",
+              device_mesh.str(), " (see get_tp_mesh)");
+  const DeviceMesh& mesh = *tp_mesh;
   TORCH_CHECK(!model.tp_state(), "apply_tensor_parallel: the model is already parallelized");
   const LlamaConfig& config = model.config();
   const int64_t tp = mesh.size();

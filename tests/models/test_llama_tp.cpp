@@ -239,8 +239,19 @@ TEST(LlamaTp, PlanRefusesWhatItCannotShardNamingTheFix) {
     auto tokens = at::randint(64, {1, 6}, at::kLong);
     EXPECT_TRUE(close(megatron->forward(tokens).detach(), ref->forward(tokens).detach(), 1e-5));
 
+    // A multi-dimensional mesh: its "tp" dimension, or an error when it has none.
     auto mesh2d = init_device_mesh("cpu", {2, 2}, {"dp", "tp"});
-    EXPECT_NE(message([&] { apply_tensor_parallel(*ref, mesh2d); }).find("get_tp_mesh"),
+    Transformer on2d(tiny(2));
+    apply_tensor_parallel(*on2d, mesh2d);
+    EXPECT_EQ(on2d->tp_state()->mesh.size(), 2);
+    EXPECT_EQ(spec_of(on2d->layers[0]->as<TransformerBlock>()->attention->wq->weight).mesh(),
+              *get_tp_mesh(mesh2d));
+    auto tokens4 = at::randint(64, {1, 4}, at::kLong);
+    EXPECT_TRUE(
+        close(full_tensor(on2d->forward(tokens4).detach()), ref->forward(tokens4).detach(), 1e-5));
+    EXPECT_NE(message([&] {
+                apply_tensor_parallel(*ref, init_device_mesh("cpu", {2, 2}, {"dp", "cp"}));
+              }).find("get_tp_mesh"),
               std::string::npos);
     ASSERT_TRUE(get_tp_mesh(mesh2d).has_value());
     EXPECT_EQ(get_tp_mesh(mesh2d)->size(), 2);

@@ -167,15 +167,14 @@ struct TensorParallelOptions {
   std::optional<int64_t> src_data_rank;
 };
 
-// Parallelizes `model` over the 1-D `mesh` with the torchtitan plan (spec §9), in place:
-// tok_embeddings Rowwise (vocab rows), attention wq/wk/wv and feed_forward w1/w3 Colwise,
-// wo/w2 Rowwise, output Colwise (vocab), norms SequenceParallel.
-// Needs n_heads and the FFN hidden size divisible by tp (else throws listing valid degrees);
-// with sequence parallelism the sequence length must be too (checked in forward).
-// KV heads: when n_kv_heads % tp == 0, wk/wv are Colwise like wq; otherwise wk/wv stay
-// replicated, every rank projects all KV heads and keeps those its query heads use (their
-// gradients are Partial and summed by reduce_partial_grads). A tied embedding stays tied (both
-// uses are Shard(0) on the vocab).
+// Parallelizes `model` over `mesh` (1-D, or the dimension named "tp" of an N-D mesh) with the
+// torchtitan plan (spec §9), in place: tok_embeddings Rowwise (vocab rows), attention wq/wk/wv and
+// feed_forward w1/w3 Colwise, wo/w2 Rowwise, output Colwise (vocab), norms SequenceParallel. Needs
+// n_heads and the FFN hidden size divisible by tp (else throws listing valid degrees); with
+// sequence parallelism the sequence length must be too (checked in forward). KV heads: when
+// n_kv_heads % tp == 0, wk/wv are Colwise like wq; otherwise wk/wv stay replicated, every rank
+// projects all KV heads and keeps those its query heads use (their gradients are Partial and summed
+// by reduce_partial_grads). A tied embedding stays tied (both uses are Shard(0) on the vocab).
 void apply_tensor_parallel(TransformerImpl& model, const DeviceMesh& mesh,
                            TensorParallelOptions options = {});
 
