@@ -35,7 +35,8 @@ double median(std::vector<double> v) {
 // {op: [plain_us, dtensor_us]} from the Python script, or empty if it cannot run.
 std::map<std::string, std::pair<double, double>> run_pytorch(const std::string& script, int iters) {
   std::map<std::string, std::pair<double, double>> out;
-  const std::string cmd = "python3 " + script + " --iters " + std::to_string(iters) + " 2>/dev/null";
+  const std::string cmd =
+      "python3 " + script + " --iters " + std::to_string(iters) + " 2>/dev/null";
   FILE* p = ::popen(cmd.c_str(), "r");
   if (!p) return out;
   std::string line, all;
@@ -122,7 +123,8 @@ int main(int argc, char** argv) {
   std::printf("\nPer-op time of tiny (8x8) ops, µs per call (median of 7 interleaved blocks)\n");
   std::printf("%-6s | %10s %10s %10s | %10s %10s %10s | %8s\n", "op", "plain", "dtensor",
               "overhead", "torch", "py-DT", "overhead", "ratio");
-  std::printf("-------+----------------------------------+----------------------------------+---------\n");
+  std::printf(
+      "-------+----------------------------------+----------------------------------+---------\n");
   double sum_ours = 0, sum_theirs = 0;
   int n_ours = 0, n_theirs = 0;
   for (const auto& [name, v] : ours) {

@@ -9,10 +9,10 @@
 // R -> S(0), the same local chunk copy). A call's time is the slowest rank's; the table shows
 // medians, and the overhead is the median of the back-to-back pair differences relative to the
 // direct median. The last line is machine-readable:
-//   RESULT redistribute_overhead_pct=<worst at 1 MiB> redistribute_overhead_pct_64mib=<worst at 64 MiB>
+//   RESULT redistribute_overhead_pct=<worst at 1 MiB> redistribute_overhead_pct_64mib=<worst at 64
+//   MiB>
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-
 #include <arpa/inet.h>
 #include <fcntl.h>
 #include <netinet/in.h>
@@ -177,7 +177,7 @@ int launch_ranks(char** argv) {
 // One rank.
 
 struct Case {
-  std::string transition;  // "S(0)->R"
+  std::string transition;   // "S(0)->R"
   std::string direct_name;  // what (B) runs
   std::function<at::Tensor()> ours;
   std::function<at::Tensor()> direct;
@@ -308,8 +308,8 @@ int run_rank(const Options& opt) {
   say("overhead % = diff us / direct us");
   std::string iters_line = "iterations:";
   for (const auto& s : sizes) {
-    iters_line += " " + s.label + " " + std::to_string(s.iters) + " (+" +
-                  std::to_string(s.warmup) + " warm-up)";
+    iters_line += " " + s.label + " " + std::to_string(s.iters) + " (+" + std::to_string(s.warmup) +
+                  " warm-up)";
   }
   say(iters_line + (opt.quick ? "  [--quick: smoke test only]" : ""));
   say("");
@@ -332,11 +332,9 @@ int run_rank(const Options& opt) {
         {"S(0)->R", "all_gather_into_tensor",
          [&] { return dtensor::redistribute(s0, {Replicate()}); },
          [&] { return dtensor::comm::all_gather_into_tensor(s0_local, 0, pg); }},
-        {"P->R", "all_reduce",
-         [&] { return dtensor::redistribute(p, {Replicate()}); },
+        {"P->R", "all_reduce", [&] { return dtensor::redistribute(p, {Replicate()}); },
          [&] { return dtensor::comm::all_reduce(p_local, dtensor::ReduceOp::Sum, pg); }},
-        {"P->S(0)", "reduce_scatter_tensor",
-         [&] { return dtensor::redistribute(p, {Shard(0)}); },
+        {"P->S(0)", "reduce_scatter_tensor", [&] { return dtensor::redistribute(p, {Shard(0)}); },
          [&] {
            return dtensor::comm::reduce_scatter_tensor(p_local, 0, dtensor::ReduceOp::Sum, pg);
          }},
@@ -347,8 +345,7 @@ int run_rank(const Options& opt) {
                .narrow(1, rank * chunk, chunk)
                .contiguous();
          }},
-        {"R->S(0)", "chunk copy (no comm)",
-         [&] { return dtensor::redistribute(r, {Shard(0)}); },
+        {"R->S(0)", "chunk copy (no comm)", [&] { return dtensor::redistribute(r, {Shard(0)}); },
          [&] { return r_local.narrow(0, rank * chunk, chunk).clone(); }},
     };
 
@@ -368,15 +365,16 @@ int run_rank(const Options& opt) {
         all_match = false;
         continue;
       }
-      results.push_back({c.transition, c.direct_name, sz.label, bench.time(c, sz.warmup, sz.iters)});
+      results.push_back(
+          {c.transition, c.direct_name, sz.label, bench.time(c, sz.warmup, sz.iters)});
     }
   }
 
   if (rank == 0) {
     std::printf("%-11s %-7s %11s %11s %10s %11s   %s\n", "transition", "size", "ours us",
                 "direct us", "diff us", "overhead %", "direct call");
-    std::printf("%s\n", std::string(11 + 1 + 7 + 1 + 11 + 1 + 11 + 1 + 10 + 1 + 11 + 3 + 23, '-')
-                           .c_str());
+    std::printf("%s\n",
+                std::string(11 + 1 + 7 + 1 + 11 + 1 + 11 + 1 + 10 + 1 + 11 + 3 + 23, '-').c_str());
     for (const auto& r : results) {
       std::printf("%-11s %-7s %11s %11s %+10.1f %+11.1f   %s\n", r.transition.c_str(),
                   r.size.c_str(), fixed(r.t.ours_us, 1).c_str(), fixed(r.t.direct_us, 1).c_str(),

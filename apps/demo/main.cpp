@@ -69,7 +69,7 @@ std::optional<Options> parse_args(int argc, char** argv, int& exit_code) {
       exit_code = 0;
       return std::nullopt;
     }
-    int64_t* value = arg == "--rows" ? &o.rows
+    int64_t* value = arg == "--rows"   ? &o.rows
                      : arg == "--cols" ? &o.cols
                      : arg == "--seed" ? &o.seed
                                        : nullptr;
@@ -78,8 +78,8 @@ std::optional<Options> parse_args(int argc, char** argv, int& exit_code) {
     const std::string_view text = argv[++i];
     auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), *value);
     if (ec != std::errc() || end != text.data() + text.size() || *value < 0) {
-      return fail(std::string(arg) + " expects a non-negative integer, got '" +
-                  std::string(text) + "'");
+      return fail(std::string(arg) + " expects a non-negative integer, got '" + std::string(text) +
+                  "'");
     }
   }
   if (o.rows < 1 || o.cols < 1) return fail("--rows and --cols must be at least 1");
@@ -127,9 +127,9 @@ class Walk {
   }
 
   void print_header() const {
-    say(std::left, std::setw(3), "#", std::setw(5), "mesh", std::setw(14), "from",
-        std::setw(14), "to", std::setw(15), "rank0 local", std::setw(28), "collectives",
-        std::right, std::setw(10), "bytes", std::setw(10), "time ms", "  check");
+    say(std::left, std::setw(3), "#", std::setw(5), "mesh", std::setw(14), "from", std::setw(14),
+        "to", std::setw(15), "rank0 local", std::setw(28), "collectives", std::right, std::setw(10),
+        "bytes", std::setw(10), "time ms", "  check");
     say(std::string(3 + 5 + 14 + 14 + 15 + 28 + 10 + 10 + 7, '-'));
   }
 
@@ -214,10 +214,12 @@ int run(const Options& opt) {
   walk.say("  Shard(1) splits ", opt.cols, " columns as ", shard_sizes(opt.cols, world));
   walk.say("Partial: each rank holds whole numbers in [-9, 9]; the expected value is their sum");
   walk.say("");
-  walk.say("Each row is one redistribute(). collectives: what CommDebugMode counted; bytes: the "
-           "payload rank 0");
-  walk.say("put into them; time: rank 0's wall clock for the call, waiting for the other ranks "
-           "included;");
+  walk.say(
+      "Each row is one redistribute(). collectives: what CommDebugMode counted; bytes: the "
+      "payload rank 0");
+  walk.say(
+      "put into them; time: rank 0's wall clock for the call, waiting for the other ranks "
+      "included;");
   walk.say("check: full_tensor() equals the expected tensor on every rank.");
   walk.say("");
   walk.print_header();
@@ -246,8 +248,9 @@ int run(const Options& opt) {
 
   whole_run.exit();
   walk.say("");
-  walk.say("CommDebugMode over the whole run (the steps above plus distribute_tensor, the "
-           "full_tensor() checks and the votes):");
+  walk.say(
+      "CommDebugMode over the whole run (the steps above plus distribute_tensor, the "
+      "full_tensor() checks and the votes):");
   if (rank == 0) std::cout << whole_run.table() << std::flush;
   walk.say("");
   if (walk.failures() == 0) {

@@ -2,11 +2,11 @@
 // Factories for the c10d backends, each in its own translation unit so that only one file
 // sees gloo's (or NCCL's) headers.
 #include <c10/util/intrusive_ptr.h>
-#include <torch/csrc/distributed/c10d/Backend.hpp>
-#include <torch/csrc/distributed/c10d/Store.hpp>
 
 #include <chrono>
 #include <string>
+#include <torch/csrc/distributed/c10d/Backend.hpp>
+#include <torch/csrc/distributed/c10d/Store.hpp>
 
 namespace dtensor::comm::detail {
 

@@ -3,6 +3,7 @@
 #include <ATen/ops/empty.h>
 #include <ATen/ops/stack.h>
 #include <c10/util/Exception.h>
+
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
@@ -16,9 +17,12 @@ c10d::ReduceOp to_c10d(ReduceOp op) {
     case ReduceOp::Sum:
     case ReduceOp::Avg:  // Gloo has no AVG: sum, then divide in finish()
       return c10d::ReduceOp(c10d::ReduceOp::SUM);
-    case ReduceOp::Max: return c10d::ReduceOp(c10d::ReduceOp::MAX);
-    case ReduceOp::Min: return c10d::ReduceOp(c10d::ReduceOp::MIN);
-    case ReduceOp::Product: return c10d::ReduceOp(c10d::ReduceOp::PRODUCT);
+    case ReduceOp::Max:
+      return c10d::ReduceOp(c10d::ReduceOp::MAX);
+    case ReduceOp::Min:
+      return c10d::ReduceOp(c10d::ReduceOp::MIN);
+    case ReduceOp::Product:
+      return c10d::ReduceOp(c10d::ReduceOp::PRODUCT);
   }
   return c10d::ReduceOp(c10d::ReduceOp::SUM);
 }
@@ -175,18 +179,18 @@ PendingResult reduce_scatter_tensor_async(const at::Tensor& t, int64_t dim, Redu
     // Gloo reduce-scatter only sums: reduce everything, keep our chunk.
     at::Tensor buf = in.clone();
     const int64_t r = pg.rank();
-    return launch("reduce_scatter_tensor", CommType::reduce_scatter_tensor, pg, t, buf,
-                  [dim, k, r, out_shape](at::Tensor x) {
-                    at::Tensor mine =
-                        dim == 0 ? x.chunk(k, 0)[r] : x.select(0, r);
-                    return mine.contiguous().view(out_shape);
-                  },
-                  [&](c10d::Backend& b) {
-                    std::vector<at::Tensor> v{buf};
-                    c10d::AllreduceOptions o;
-                    o.reduceOp = to_c10d(op);
-                    return b.allreduce(v, o);
-                  });
+    return launch(
+        "reduce_scatter_tensor", CommType::reduce_scatter_tensor, pg, t, buf,
+        [dim, k, r, out_shape](at::Tensor x) {
+          at::Tensor mine = dim == 0 ? x.chunk(k, 0)[r] : x.select(0, r);
+          return mine.contiguous().view(out_shape);
+        },
+        [&](c10d::Backend& b) {
+          std::vector<at::Tensor> v{buf};
+          c10d::AllreduceOptions o;
+          o.reduceOp = to_c10d(op);
+          return b.allreduce(v, o);
+        });
   }
   return launch("reduce_scatter_tensor", CommType::reduce_scatter_tensor, pg, t, out,
                 std::move(finish), [&](c10d::Backend& b) {

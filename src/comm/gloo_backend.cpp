@@ -2,9 +2,8 @@
 #ifndef USE_C10D_GLOO
 #define USE_C10D_GLOO
 #endif
-#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
-
 #include <cstdlib>
+#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 
 #include "backends.h"
 

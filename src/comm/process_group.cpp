@@ -1,13 +1,13 @@
 #include "dtensor/comm/process_group.h"
 
 #include <c10/util/Exception.h>
-#include <torch/csrc/distributed/c10d/Backend.hpp>
-#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
-#include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
 #include <cstdlib>
 #include <mutex>
 #include <thread>
+#include <torch/csrc/distributed/c10d/Backend.hpp>
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
 #include "backends.h"
 
@@ -27,8 +27,7 @@ int env_int(const char* name, const std::string& value) {
     TORCH_CHECK(pos == value.size(), "");
     return v;
   } catch (...) {
-    TORCH_CHECK(false, "dtensor: environment variable ", name, "='", value,
-                "' is not an integer");
+    TORCH_CHECK(false, "dtensor: environment variable ", name, "='", value, "' is not an integer");
   }
 }
 
@@ -97,8 +96,8 @@ LaunchEnv read_launch_env() {
 }
 
 ProcessGroup::ProcessGroup(std::string name, std::vector<int> global_ranks, int rank,
-                           c10::intrusive_ptr<c10d::Store> store,
-                           std::chrono::milliseconds timeout, std::string gloo_host, int mesh_dim)
+                           c10::intrusive_ptr<c10d::Store> store, std::chrono::milliseconds timeout,
+                           std::string gloo_host, int mesh_dim)
     : name_(std::move(name)),
       global_ranks_(std::move(global_ranks)),
       rank_(rank),
@@ -154,11 +153,10 @@ void init_process_group(const InitOptions& options_in) {
   try {
     store = c10::make_intrusive<c10d::TCPStore>(e.master_addr, so);
   } catch (const std::exception& ex) {
-    TORCH_CHECK(false, "dtensor: rank ", e.rank, " could not rendezvous with ", e.world_size,
-                " ranks at ", e.master_addr, ":", e.master_port, " within ",
-                options.timeout.count() / 1000.0,
-                " s (a rank never started, crashed before joining, or the port is taken): ",
-                ex.what());
+    TORCH_CHECK(
+        false, "dtensor: rank ", e.rank, " could not rendezvous with ", e.world_size, " ranks at ",
+        e.master_addr, ":", e.master_port, " within ", options.timeout.count() / 1000.0,
+        " s (a rank never started, crashed before joining, or the port is taken): ", ex.what());
   }
   join_barrier(*store, e, options.timeout, s.generation++);
   s.env = e;
@@ -166,9 +164,9 @@ void init_process_group(const InitOptions& options_in) {
   s.store = store;
   std::vector<int> all(e.world_size);
   for (int i = 0; i < e.world_size; ++i) all[i] = i;
-  s.world = std::make_shared<ProcessGroup>(
-      "world", all, e.rank, c10::make_intrusive<c10d::PrefixStore>("world", store),
-      options.timeout, options.gloo_host);
+  s.world = std::make_shared<ProcessGroup>("world", all, e.rank,
+                                           c10::make_intrusive<c10d::PrefixStore>("world", store),
+                                           options.timeout, options.gloo_host);
   s.group_counter = 0;
   s.initialized = true;
 }
@@ -206,9 +204,8 @@ std::shared_ptr<ProcessGroup> new_group(const std::vector<int>& global_ranks, in
   std::lock_guard<std::mutex> lock(s.mu);
   const int64_t id = s.group_counter++;
   for (size_t i = 0; i < global_ranks.size(); ++i) {
-    TORCH_CHECK(global_ranks[i] >= 0 && global_ranks[i] < s.env.world_size,
-                "dtensor: group rank ", global_ranks[i], " is outside the world of ",
-                s.env.world_size, " ranks");
+    TORCH_CHECK(global_ranks[i] >= 0 && global_ranks[i] < s.env.world_size, "dtensor: group rank ",
+                global_ranks[i], " is outside the world of ", s.env.world_size, " ranks");
     TORCH_CHECK(i == 0 || global_ranks[i] > global_ranks[i - 1],
                 "dtensor: group ranks must be sorted and unique");
   }

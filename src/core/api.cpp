@@ -50,7 +50,8 @@ Placements default_placements(const std::optional<std::vector<Placement>>& p,
 at::Tensor as_local_grad(const at::Tensor& grad, const DTensorSpec& target) {
   if (is_dtensor(grad)) return {};
   auto rep = make_spec(target.mesh(), replicate_all(target.mesh().ndim()), target.meta());
-  return redistribute_local(grad, *rep, *target.with_placements(backward_target(target.placements())))
+  return redistribute_local(grad, *rep,
+                            *target.with_placements(backward_target(target.placements())))
       .wait();
 }
 
@@ -106,7 +107,8 @@ struct ToLocalFn : torch::autograd::Function<ToLocalFn> {
 };
 
 // The forward of a redistribution, shared by the autograd Function and the no-grad path.
-at::Tensor redistribute_forward(const at::Tensor& dt, const SpecPtr& dst, const RedistributeOptions& o) {
+at::Tensor redistribute_forward(const at::Tensor& dt, const SpecPtr& dst,
+                                const RedistributeOptions& o) {
   const auto* impl = dtensor_impl(dt);
   at::Tensor local = impl->local();
   const auto orig = local.scalar_type();
@@ -161,8 +163,9 @@ void check_from_local_consistency(const at::Tensor& local, const DeviceMesh& mes
     auto all = comm::all_gather_into_tensor(mine.unsqueeze(0), 0, world);
     for (int64_t r : mesh.ranks()) same = same && all[r].equal(all[mesh.ranks()[0]]);
   }
-  TORCH_CHECK_VALUE(same, "Inconsistent tensor metadata (including shape and stride) across "
-                          "ranks.");
+  TORCH_CHECK_VALUE(same,
+                    "Inconsistent tensor metadata (including shape and stride) across "
+                    "ranks.");
 }
 
 }  // namespace
@@ -184,8 +187,8 @@ at::Tensor from_local(const at::Tensor& local_in, const DeviceMesh& mesh,
     meta.shape = *options.shape;
     meta.stride = *options.stride;
   } else {
-    auto gs = compute_global_shape_and_stride(local.sizes(), local.strides(), mesh.shape(),
-                                              placements);
+    auto gs =
+        compute_global_shape_and_stride(local.sizes(), local.strides(), mesh.shape(), placements);
     meta.shape = std::move(gs.first);
     meta.stride = std::move(gs.second);
   }
@@ -227,13 +230,13 @@ at::Tensor to_local(const at::Tensor& dt, std::optional<std::vector<Placement>> 
 }
 
 at::Tensor redistribute(const at::Tensor& dt, const DeviceMesh& mesh,
-                        c10::ArrayRef<Placement> placements_in, const RedistributeOptions& options) {
+                        c10::ArrayRef<Placement> placements_in,
+                        const RedistributeOptions& options) {
   TORCH_CHECK(is_dtensor(dt), "redistribute: expected a DTensor, got a plain tensor");
   const auto& src = *dtensor_impl(dt)->spec();
   TORCH_CHECK_NOT_IMPLEMENTED(mesh == src.mesh(), "Cross device mesh comm not supported yet! (",
                               src.mesh(), " -> ", mesh, ")");
-  TORCH_CHECK(!placements_in.empty() || mesh.ndim() == 0,
-              "placements is needed for redistribute!");
+  TORCH_CHECK(!placements_in.empty() || mesh.ndim() == 0, "placements is needed for redistribute!");
   Placements placements = normalize_placements(placements_in, dt.dim(), mesh, "redistribute");
   for (const auto& p : placements) {
     TORCH_CHECK(!p.is_partial(),
@@ -254,7 +257,8 @@ at::Tensor redistribute(const at::Tensor& dt, c10::ArrayRef<Placement> placement
   return redistribute(dt, dtensor_impl(dt)->spec()->mesh(), placements, options);
 }
 
-at::Tensor full_tensor(const at::Tensor& dt, std::optional<std::vector<Placement>> grad_placements) {
+at::Tensor full_tensor(const at::Tensor& dt,
+                       std::optional<std::vector<Placement>> grad_placements) {
   TORCH_CHECK(is_dtensor(dt), "full_tensor: expected a DTensor, got a plain tensor");
   const auto& mesh = dtensor_impl(dt)->spec()->mesh();
   at::Tensor r = redistribute(dt, mesh, replicate_all(mesh.ndim()));
@@ -273,12 +277,11 @@ at::Tensor distribute_tensor(const at::Tensor& tensor, const DeviceMesh& mesh,
     const auto& s = *dtensor_impl(tensor)->spec();
     TORCH_CHECK_VALUE(s.mesh() == mesh, "Cannot distribute a DTensor with device mesh ", s.mesh(),
                       " to a different device mesh ", mesh, ".");
-    TORCH_CHECK_VALUE(
-        std::equal(s.placements().begin(), s.placements().end(), placements.begin(),
-                   placements.end()),
-        "Cannot distribute a DTensor with placements ", to_string(s.placements()),
-        " to a different placements ", to_string(placements),
-        ". do you want to call `redistribute` instead?");
+    TORCH_CHECK_VALUE(std::equal(s.placements().begin(), s.placements().end(), placements.begin(),
+                                 placements.end()),
+                      "Cannot distribute a DTensor with placements ", to_string(s.placements()),
+                      " to a different placements ", to_string(placements),
+                      ". do you want to call `redistribute` instead?");
     return tensor;
   }
   for (const auto& p : placements) {

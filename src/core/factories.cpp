@@ -1,11 +1,10 @@
 #include "dtensor/core/factories.h"
 
-#include "dtensor/core/random.h"
-
 #include <ATen/ops/empty.h>
 #include <ATen/ops/full.h>
 #include <c10/util/Exception.h>
 
+#include "dtensor/core/random.h"
 
 namespace dtensor {
 namespace {
@@ -15,8 +14,8 @@ at::TensorOptions local_options(at::TensorOptions o, const DeviceMesh& mesh) {
   return o.device(mesh.device()).requires_grad(false);
 }
 
-at::Tensor wrap(at::Tensor local, at::IntArrayRef size, const DeviceMesh& mesh,
-                const Placements& p, at::TensorOptions options) {
+at::Tensor wrap(at::Tensor local, at::IntArrayRef size, const DeviceMesh& mesh, const Placements& p,
+                at::TensorOptions options) {
   TensorMeta meta{size.vec(), default_strides(size), local.scalar_type()};
   at::Tensor out = make_dtensor(std::move(local), make_spec(mesh, p, std::move(meta)));
   if (options.requires_grad()) out.set_requires_grad(true);
@@ -39,17 +38,19 @@ at::Tensor create(at::IntArrayRef size, const DeviceMesh& mesh, c10::ArrayRef<Pl
 
 enum class Dist { Uniform, Normal };
 
-at::Tensor random_factory(at::IntArrayRef size, const DeviceMesh& mesh, c10::ArrayRef<Placement> placements,
-                  at::TensorOptions options, Dist dist, const char* api) {
+at::Tensor random_factory(at::IntArrayRef size, const DeviceMesh& mesh,
+                          c10::ArrayRef<Placement> placements, at::TensorOptions options, Dist dist,
+                          const char* api) {
   int64_t numel = 1;
   for (auto s : size) numel *= s;
   // Every rank reserves the whole tensor's counters, so the streams stay in step.
   const random::Draw d = random::reserve(numel);
-  return create(size, mesh, placements, options, api, [&](const LocalShard& s, at::TensorOptions o) {
-    if (!mesh.contains_this_rank()) return at::empty({0}, o);
-    return dist == Dist::Normal ? random::normal_block(d, size, s.shape, s.offset, o)
-                                : random::uniform_block(d, size, s.shape, s.offset, o);
-  });
+  return create(
+      size, mesh, placements, options, api, [&](const LocalShard& s, at::TensorOptions o) {
+        if (!mesh.contains_this_rank()) return at::empty({0}, o);
+        return dist == Dist::Normal ? random::normal_block(d, size, s.shape, s.offset, o)
+                                    : random::uniform_block(d, size, s.shape, s.offset, o);
+      });
 }
 
 }  // namespace
@@ -62,8 +63,9 @@ at::Tensor empty(at::IntArrayRef size, const DeviceMesh& mesh, c10::ArrayRef<Pla
 
 at::Tensor full(at::IntArrayRef size, const at::Scalar& value, const DeviceMesh& mesh,
                 c10::ArrayRef<Placement> placements, at::TensorOptions options) {
-  return create(size, mesh, placements, options, "dtensor::full",
-                [&](const LocalShard& s, at::TensorOptions o) { return at::full(s.shape, value, o); });
+  return create(
+      size, mesh, placements, options, "dtensor::full",
+      [&](const LocalShard& s, at::TensorOptions o) { return at::full(s.shape, value, o); });
 }
 
 at::Tensor zeros(at::IntArrayRef size, const DeviceMesh& mesh, c10::ArrayRef<Placement> placements,

@@ -8,11 +8,16 @@ namespace dtensor {
 
 const char* reduce_op_name(ReduceOp op) {
   switch (op) {
-    case ReduceOp::Sum: return "sum";
-    case ReduceOp::Avg: return "avg";
-    case ReduceOp::Max: return "max";
-    case ReduceOp::Min: return "min";
-    case ReduceOp::Product: return "product";
+    case ReduceOp::Sum:
+      return "sum";
+    case ReduceOp::Avg:
+      return "avg";
+    case ReduceOp::Max:
+      return "max";
+    case ReduceOp::Min:
+      return "min";
+    case ReduceOp::Product:
+      return "product";
   }
   return "?";
 }
@@ -31,8 +36,10 @@ Placement Placement::normalized(int64_t ndim) const {
 
 std::string Placement::str() const {
   switch (type_) {
-    case Type::Replicate: return "R";
-    case Type::Shard: return "S(" + std::to_string(dim_) + ")";
+    case Type::Replicate:
+      return "R";
+    case Type::Shard:
+      return "S(" + std::to_string(dim_) + ")";
     case Type::Partial:
       if (norm_p_ != 0.0) return "P(norm" + c10::str(norm_p_) + ")";
       return std::string("P(") + reduce_op_name(op_) + ")";
@@ -42,8 +49,10 @@ std::string Placement::str() const {
 
 std::string Placement::repr() const {
   switch (type_) {
-    case Type::Replicate: return "Replicate()";
-    case Type::Shard: return "Shard(dim=" + std::to_string(dim_) + ")";
+    case Type::Replicate:
+      return "Replicate()";
+    case Type::Shard:
+      return "Shard(dim=" + std::to_string(dim_) + ")";
     case Type::Partial:
       if (norm_p_ != 0.0) return "NormPartial(p=" + c10::str(norm_p_) + ")";
       return std::string("Partial(") + reduce_op_name(op_) + ")";
@@ -61,6 +70,8 @@ std::string to_string(c10::ArrayRef<Placement> placements) {
 }
 
 std::ostream& operator<<(std::ostream& os, const Placement& p) { return os << p.str(); }
-std::ostream& operator<<(std::ostream& os, c10::ArrayRef<Placement> p) { return os << to_string(p); }
+std::ostream& operator<<(std::ostream& os, c10::ArrayRef<Placement> p) {
+  return os << to_string(p);
+}
 
 }  // namespace dtensor

@@ -5,8 +5,8 @@
 #include <c10/util/Exception.h>
 
 #include <cmath>
-#include <unordered_map>
 #include <mutex>
+#include <unordered_map>
 
 namespace dtensor {
 namespace {
@@ -109,8 +109,8 @@ comm::PendingResult redistribute_local(const at::Tensor& local, const DTensorSpe
                                        const DTensorSpec& dst,
                                        const RedistributeLocalOptions& options) {
   const DeviceMesh& mesh = src.mesh();
-  TORCH_CHECK(mesh == dst.mesh(), "Cross device mesh comm not supported yet! (from ", mesh,
-              " to ", dst.mesh(), ")");
+  TORCH_CHECK(mesh == dst.mesh(), "Cross device mesh comm not supported yet! (from ", mesh, " to ",
+              dst.mesh(), ")");
   if (!mesh.contains_this_rank()) return comm::PendingResult({}, local, nullptr, "");
   Placements target(dst.placements().begin(), dst.placements().end());
   if (options.is_backward) {
@@ -145,7 +145,8 @@ comm::PendingResult redistribute_local(const at::Tensor& local, const DTensorSpe
       }
       if (!async) pending.wait();
     } else if (from.is_partial() && to.is_shard()) {
-      TORCH_CHECK(!from.is_norm_partial(), "dtensor: a pending norm cannot be scattered; "
+      TORCH_CHECK(!from.is_norm_partial(),
+                  "dtensor: a pending norm cannot be scattered; "
                   "replicate it first");
       const int64_t d = to.dim();
       const int64_t n = logical_size(src, cur, i, d);
@@ -162,7 +163,8 @@ comm::PendingResult redistribute_local(const at::Tensor& local, const DTensorSpe
       }
       pending = comm::reduce_scatter_tensor_async(in, d, from.reduce_op(), pg);
       const int64_t mine = chunk_range(n, k, coord[i]).size;
-      if (mine != c) pending.then([d, mine](at::Tensor x) { return x.narrow(d, 0, mine).contiguous(); });
+      if (mine != c)
+        pending.then([d, mine](at::Tensor x) { return x.narrow(d, 0, mine).contiguous(); });
       if (!async) pending.wait();
     } else if (from.is_replicate() && to.is_shard()) {
       pending = comm::PendingResult({}, local_chunk(t, to.dim(), k, coord[i]), nullptr, "");
@@ -176,7 +178,9 @@ comm::PendingResult redistribute_local(const at::Tensor& local, const DTensorSpe
             break;
           case ReduceOp::Avg:
           case ReduceOp::Max:
-          case ReduceOp::Min: v = t; break;  // reducing identical copies is the identity
+          case ReduceOp::Min:
+            v = t;
+            break;  // reducing identical copies is the identity
           case ReduceOp::Product:
             TORCH_CHECK(false, "dtensor: only support replicate to Partial(sum|avg|max|min)");
         }

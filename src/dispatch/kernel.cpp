@@ -2,6 +2,7 @@
 // unwrap -> cached sharding decision -> redistribute inputs -> local op -> wrap outputs.
 #include "kernel.h"
 
+#include <ATen/core/LegacyTypeDispatch.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_strided.h>
@@ -11,14 +12,13 @@
 #include <c10/util/SmallVector.h>
 #include <torch/csrc/autograd/InferenceMode.h>
 #include <torch/csrc/autograd/graph_task.h>
-#include <ATen/core/LegacyTypeDispatch.h>
 
 #include <cstring>
 #include <unordered_map>
 
 #include "dtensor/core/dtensor_impl.h"
-#include "dtensor/dispatch/implicit_replication.h"
 #include "dtensor/core/redistribute.h"
+#include "dtensor/dispatch/implicit_replication.h"
 #include "op_registry.h"
 
 namespace dtensor {
@@ -46,23 +46,23 @@ namespace {
 // A tensor found among the arguments.
 struct Slot {
   int arg;
-  int list_index;   // -1 for a plain Tensor argument
-  at::Tensor t;     // the DTensor or plain tensor as passed
+  int list_index;     // -1 for a plain Tensor argument
+  at::Tensor t;       // the DTensor or plain tensor as passed
   DTensorImpl* impl;  // null for plain tensors
 };
 
 struct CompiledReturn {
   ReturnKind kind;
-  SpecPtr spec;                 // Tensor return
-  std::vector<SpecPtr> specs;   // Tensor[] return
+  SpecPtr spec;                // Tensor return
+  std::vector<SpecPtr> specs;  // Tensor[] return
   int writes_arg;
-  bool respec = false;          // in-place op that changes its tensor's metadata (squeeze_, t_)
+  bool respec = false;  // in-place op that changes its tensor's metadata (squeeze_, t_)
 };
 
 // A cached decision, ready to execute.
 struct Compiled {
-  std::vector<SpecPtr> in_spec;      // per slot: the spec it arrives with
-  std::vector<SpecPtr> in_target;    // per slot: target spec, or null when unchanged
+  std::vector<SpecPtr> in_spec;    // per slot: the spec it arrives with
+  std::vector<SpecPtr> in_target;  // per slot: target spec, or null when unchanged
   std::vector<std::pair<int, c10::IValue>> local_args;
   std::vector<CompiledReturn> returns;
   bool mesh_member = true;
@@ -150,7 +150,8 @@ void scan(const OpInfo& info, const void* op_key, c10::ArrayRef<c10::IValue> arg
       auto list = v.toTensorList();
       push_word(k, -4);
       push_word(k, static_cast<int64_t>(list.size()));
-      for (size_t j = 0; j < list.size(); ++j) add_tensor(k, slots, list.get(j), ai, static_cast<int>(j));
+      for (size_t j = 0; j < list.size(); ++j)
+        add_tensor(k, slots, list.get(j), ai, static_cast<int>(j));
     } else if (v.isList()) {
       auto list = v.toListRef();
       push_word(k, -5);
@@ -169,7 +170,11 @@ void scan(const OpInfo& info, const void* op_key, c10::ArrayRef<c10::IValue> arg
       }
     } else if (!info.static_arg[i]) {
       // Scalars/floats: only their kind matters (int vs float changes the result dtype).
-      push_word(k, v.isDouble() ? -10 : v.isInt() ? -11 : v.isBool() ? -12 : v.isNone() ? -13 : -14);
+      push_word(k, v.isDouble() ? -10
+                   : v.isInt()  ? -11
+                   : v.isBool() ? -12
+                   : v.isNone() ? -13
+                                : -14);
     } else if (v.isInt()) {
       push_word(k, v.toInt());
     } else if (v.isDouble()) {
@@ -268,8 +273,10 @@ Compiled compile(const c10::OperatorHandle& op, const OpInfo& info, c10::ArrayRe
     if (!mesh) {
       mesh = &m;
     } else {
-      TORCH_CHECK_VALUE(*mesh == m, info.name, ": could not run computation across different "
-                        "meshes (", *mesh, " and ", m, ")");
+      TORCH_CHECK_VALUE(*mesh == m, info.name,
+                        ": could not run computation across different "
+                        "meshes (",
+                        *mesh, " and ", m, ")");
     }
   }
   std::vector<InputSpec> inputs;
@@ -291,7 +298,8 @@ Compiled compile(const c10::OperatorHandle& op, const OpInfo& info, c10::ArrayRe
   if (!info.rule) {
     TORCH_CHECK_NOT_IMPLEMENTED(false, "Operator ", info.name,
                                 " does not have a sharding strategy registered (inputs ",
-                                call.placements_str(), "). dtensor will not run it on local "
+                                call.placements_str(),
+                                "). dtensor will not run it on local "
                                 "shards silently: add a rule with dtensor::dispatch::register_rule,"
                                 " or call full_tensor()/to_local() first.");
   }
@@ -322,8 +330,10 @@ Compiled compile(const c10::OperatorHandle& op, const OpInfo& info, c10::ArrayRe
     try {
       metas = meta_outputs(op, info, args, slots, c.in_spec, list_meta);
     } catch (const std::exception& e) {
-      TORCH_CHECK(false, "dtensor: ", info.name, " cannot run on meta tensors to find its output "
-                  "shapes, and its sharding rule does not supply them: ", e.what());
+      TORCH_CHECK(false, "dtensor: ", info.name,
+                  " cannot run on meta tensors to find its output "
+                  "shapes, and its sharding rule does not supply them: ",
+                  e.what());
     }
   }
   for (size_t r = 0; r < info.num_returns; ++r) {
@@ -373,10 +383,14 @@ Compiled compile(const c10::OperatorHandle& op, const OpInfo& info, c10::ArrayRe
 // Local value a rank outside the mesh returns for a non-tensor output.
 c10::IValue non_member_value(const c10::Argument& ret) {
   switch (ret.type()->kind()) {
-    case c10::TypeKind::BoolType: return true;
-    case c10::TypeKind::IntType: return int64_t{0};
-    case c10::TypeKind::FloatType: return 0.0;
-    default: return c10::IValue(at::Scalar(0));
+    case c10::TypeKind::BoolType:
+      return true;
+    case c10::TypeKind::IntType:
+      return int64_t{0};
+    case c10::TypeKind::FloatType:
+      return 0.0;
+    default:
+      return c10::IValue(at::Scalar(0));
   }
 }
 
@@ -429,7 +443,8 @@ void run(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
       } else if (cr.kind == ReturnKind::Tensor && cr.spec) {
         const bool scalar = cr.spec->ndim() == 0;
         auto opts = at::TensorOptions().dtype(cr.spec->dtype()).device(cr.spec->mesh().device());
-        stack->push_back(make_dtensor(scalar ? at::zeros({}, opts) : at::empty({0}, opts), cr.spec));
+        stack->push_back(
+            make_dtensor(scalar ? at::zeros({}, opts) : at::empty({0}, opts), cr.spec));
       } else if (cr.kind == ReturnKind::TensorList) {
         std::vector<at::Tensor> v;
         for (const auto& sp : cr.specs) {
@@ -484,7 +499,8 @@ void run(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
       auto locals = out.toTensorVector();
       std::vector<at::Tensor> wrapped;
       wrapped.reserve(locals.size());
-      for (size_t j = 0; j < locals.size(); ++j) wrapped.push_back(make_dtensor(locals[j], cr.specs[j]));
+      for (size_t j = 0; j < locals.size(); ++j)
+        wrapped.push_back(make_dtensor(locals[j], cr.specs[j]));
       out = c10::IValue(wrapped);
     }
   }
@@ -492,9 +508,7 @@ void run(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
 
 }  // namespace
 
-void dtensor_kernel(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
-  run(op, stack);
-}
+void dtensor_kernel(const c10::OperatorHandle& op, torch::jit::Stack* stack) { run(op, stack); }
 
 CacheStats cache_stats() {
   CacheStats s = tl_stats;

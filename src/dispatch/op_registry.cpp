@@ -55,7 +55,8 @@ std::unique_ptr<OpInfo> build(const c10::OperatorHandle& op) {
     if (t->kind() == c10::TypeKind::TensorType) {
       info->return_kind.push_back(ReturnKind::Tensor);
     } else if (t->kind() == c10::TypeKind::ListType &&
-               t->expectRef<c10::ListType>().getElementType()->kind() == c10::TypeKind::TensorType) {
+               t->expectRef<c10::ListType>().getElementType()->kind() ==
+                   c10::TypeKind::TensorType) {
       info->return_kind.push_back(ReturnKind::TensorList);
     } else {
       info->return_kind.push_back(ReturnKind::Other);
@@ -66,7 +67,8 @@ std::unique_ptr<OpInfo> build(const c10::OperatorHandle& op) {
       if (ai->isWrite()) {
         for (size_t i = 0; i < schema.arguments().size(); ++i) {
           const auto* aa = schema.arguments()[i].alias_info();
-          if (aa && aa->isWrite() && aa->beforeSets() == ai->beforeSets()) writes = static_cast<int>(i);
+          if (aa && aa->isWrite() && aa->beforeSets() == ai->beforeSets())
+            writes = static_cast<int>(i);
         }
       } else {
         view = true;

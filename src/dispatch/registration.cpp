@@ -37,8 +37,9 @@ int route_composite_ops() {
     if (!lib) {
       lib = std::make_unique<torch::Library>(torch::Library::IMPL, ns, key, __FILE__, __LINE__);
     }
-    const std::string op_name =
-        name.overload_name.empty() ? full.substr(sep + 2) : full.substr(sep + 2) + "." + name.overload_name;
+    const std::string op_name = name.overload_name.empty()
+                                    ? full.substr(sep + 2)
+                                    : full.substr(sep + 2) + "." + name.overload_name;
     lib->impl(op_name.c_str(), torch::CppFunction::makeFromBoxedFunction<&boxed>());
     ++n;
   }
@@ -58,16 +59,12 @@ int registered_composite_ops() {
 TORCH_LIBRARY_IMPL(_, PrivateUse2, m) {
   m.fallback(torch::CppFunction::makeFromBoxedFunction<&dtensor::dispatch::boxed>());
 }
-TORCH_LIBRARY_IMPL(_, AutogradPrivateUse2, m) {
-  m.fallback(torch::CppFunction::makeFallthrough());
-}
+TORCH_LIBRARY_IMPL(_, AutogradPrivateUse2, m) { m.fallback(torch::CppFunction::makeFallthrough()); }
 #elif defined(DTENSOR_KEY_PRIVATEUSE3)
 TORCH_LIBRARY_IMPL(_, PrivateUse3, m) {
   m.fallback(torch::CppFunction::makeFromBoxedFunction<&dtensor::dispatch::boxed>());
 }
-TORCH_LIBRARY_IMPL(_, AutogradPrivateUse3, m) {
-  m.fallback(torch::CppFunction::makeFallthrough());
-}
+TORCH_LIBRARY_IMPL(_, AutogradPrivateUse3, m) { m.fallback(torch::CppFunction::makeFallthrough()); }
 #else
 TORCH_LIBRARY_IMPL(_, PrivateUse1, m) {
   m.fallback(torch::CppFunction::makeFromBoxedFunction<&dtensor::dispatch::boxed>());

@@ -77,8 +77,10 @@ Decision choose(const OpCall& call, const std::vector<Strategy>& candidates) {
       best = c;
     }
   }
-  TORCH_CHECK(std::isfinite(best_cost), call.name(), ": every sharding strategy needs an "
-              "impossible redistribution of inputs ", call.placements_str());
+  TORCH_CHECK(std::isfinite(best_cost), call.name(),
+              ": every sharding strategy needs an "
+              "impossible redistribution of inputs ",
+              call.placements_str());
   // Among zero-cost candidates prefer one that needs no redistribution at all.
   if (best_cost == 0.0) {
     for (size_t c = 0; c < candidates.size(); ++c) {
@@ -100,8 +102,8 @@ Decision choose(const OpCall& call, const std::vector<Strategy>& candidates) {
   size_t k = 0;
   for (int64_t r = 0; r < call.num_returns(); ++r) {
     const auto& t = call.schema().returns()[r].type();
-    const bool tensorish = t->kind() == c10::TypeKind::TensorType ||
-                           t->kind() == c10::TypeKind::ListType;
+    const bool tensorish =
+        t->kind() == c10::TypeKind::TensorType || t->kind() == c10::TypeKind::ListType;
     if (tensorish && k < s.outputs.size()) {
       d.outputs.push_back(s.outputs[k++]);
     } else {

@@ -79,10 +79,9 @@ DeviceMesh::DeviceMesh(c10::DeviceType device_type, std::vector<int64_t> shape,
     TORCH_CHECK(dim_names.size() == shape.size(),
                 "mesh_shape and mesh_dim_names should have same length! (got ", shape.size(),
                 " dims and ", dim_names.size(), " names)");
-    TORCH_CHECK(std::set<std::string>(dim_names.begin(), dim_names.end()).size() ==
-                    dim_names.size(),
-                "Each mesh_dim_name must be unique. Found repeated names in (", join(dim_names),
-                ")");
+    TORCH_CHECK(
+        std::set<std::string>(dim_names.begin(), dim_names.end()).size() == dim_names.size(),
+        "Each mesh_dim_name must be unique. Found repeated names in (", join(dim_names), ")");
   }
   auto impl = std::make_shared<Impl>();
   impl->id = next_mesh_id();
@@ -167,8 +166,7 @@ int64_t DeviceMesh::dim_index(const std::string& name) const {
 }
 
 int64_t DeviceMesh::get_local_rank(std::optional<int64_t> mesh_dim) const {
-  TORCH_CHECK(mesh_dim.has_value() || ndim() == 1,
-              "Found the DeviceMesh have ", ndim(),
+  TORCH_CHECK(mesh_dim.has_value() || ndim() == 1, "Found the DeviceMesh have ", ndim(),
               " dimensions. Optional kwarg `mesh_dim` needs to be specified when "
               "device_mesh.ndim > 1.");
   const int64_t d = mesh_dim.value_or(0);
@@ -226,8 +224,8 @@ DeviceMesh DeviceMesh::slice(const std::vector<std::string>& names) const {
     child_coord.push_back(coord[d]);
   }
   // Ranks of the sub-mesh through this rank: vary the sliced dims, fix the others.
-  const int64_t n = std::accumulate(child->shape.begin(), child->shape.end(), int64_t{1},
-                                    std::multiplies<>());
+  const int64_t n =
+      std::accumulate(child->shape.begin(), child->shape.end(), int64_t{1}, std::multiplies<>());
   for (int64_t i = 0; i < n; ++i) {
     std::vector<int64_t> c = coord;
     int64_t rest = i;
@@ -285,8 +283,9 @@ std::ostream& operator<<(std::ostream& os, const DeviceMesh& m) { return os << m
 
 DeviceMesh init_device_mesh(const std::string& device_type, std::vector<int64_t> mesh_shape,
                             std::vector<std::string> mesh_dim_names) {
-  TORCH_CHECK(device_type.find(':') == std::string::npos, "Device type with index is not supported ",
-              "but got ", device_type, ". If you maintained a 'torch.device' object, it's "
+  TORCH_CHECK(device_type.find(':') == std::string::npos,
+              "Device type with index is not supported ", "but got ", device_type,
+              ". If you maintained a 'torch.device' object, it's "
               "recommended to pass in 'device.type'.");
   if (!mesh_dim_names.empty()) {
     TORCH_CHECK(mesh_dim_names.size() == mesh_shape.size(),
@@ -294,8 +293,8 @@ DeviceMesh init_device_mesh(const std::string& device_type, std::vector<int64_t>
   }
   const c10::DeviceType type = c10::Device(device_type).type();
   comm::init_process_group();
-  const int64_t n = std::accumulate(mesh_shape.begin(), mesh_shape.end(), int64_t{1},
-                                    std::multiplies<>());
+  const int64_t n =
+      std::accumulate(mesh_shape.begin(), mesh_shape.end(), int64_t{1}, std::multiplies<>());
   TORCH_CHECK(n <= comm::get_world_size(), "dtensor: mesh shape ", c10::IntArrayRef(mesh_shape),
               " needs ", n, " ranks but the world has ", comm::get_world_size());
   std::vector<int64_t> ranks(n);

@@ -62,7 +62,6 @@ TensorMeta meta_like(const DTensorSpec& like, std::vector<int64_t> shape,
   return TensorMeta{std::move(shape), std::move(stride), dtype.value_or(like.dtype())};
 }
 
-
 // Gradients of q, k, v laid out as (B, L, H, D) in memory, as the CPU and memory-efficient
 // backward kernels return them.
 TensorMeta grad_bshd(const DTensorSpec& like) {

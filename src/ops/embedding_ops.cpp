@@ -57,7 +57,6 @@ std::vector<Strategy> expand(const OpCall& call, const std::vector<DimChoice>& c
   return out;
 }
 
-
 // Lookup in this rank's rows of a row-sharded weight: ids of other ranks' rows give zeros.
 void masked_lookup(const c10::OperatorHandle& op, torch::jit::Stack& st,
                    const dispatch::LocalContext& ctx) {

@@ -16,7 +16,6 @@
 namespace dtensor::ops {
 namespace {
 
-
 int64_t class_dim(const DTensorSpec& in) { return in.ndim() >= 2 ? 1 : 0; }
 
 // The input's placements with the class dim and pending sums replicated.
@@ -45,7 +44,6 @@ Placements reduce_all(c10::ArrayRef<Placement> p) {
 bool has_shard(c10::ArrayRef<Placement> p) {
   return std::any_of(p.begin(), p.end(), [](const Placement& x) { return x.is_shard(); });
 }
-
 
 // nll_loss's total weight: the summed class weights (or count) of the targets not ignored.
 at::Tensor total_weight_of(const at::Tensor& target, const at::Tensor& weight, int64_t ignore_index,

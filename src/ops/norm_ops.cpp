@@ -10,7 +10,6 @@
 namespace dtensor::ops {
 namespace {
 
-
 // Placements of a tensor normalised over dims >= axis.
 Placements keep_outer(c10::ArrayRef<Placement> p, int64_t axis) {
   Placements out;
@@ -26,7 +25,6 @@ Placements sum_outer(c10::ArrayRef<Placement> p) {
   for (const auto& x : p) out.push_back(x.is_shard() ? Partial() : x);
   return out;
 }
-
 
 // native_layer_norm(input, normalized_shape, weight?, bias?, eps) -> (out, mean, rstd)
 // _fused_rms_norm(input, normalized_shape, weight?, eps?) -> (out, rstd)

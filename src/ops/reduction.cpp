@@ -28,8 +28,7 @@ Decision reduce(const OpCall& call, ReductionKind kind, std::optional<std::vecto
     if (p.is_shard() && nd > 0 && reduced[p.dim()]) {
       const bool uneven = in.shape()[p.dim()] % k != 0;
       const bool empty_shard = chunk_range(in.shape()[p.dim()], k, k - 1).size == 0;
-      if ((kind.op == ReduceOp::Avg && uneven) ||
-          (empty_shard && kind.op != ReduceOp::Sum)) {
+      if ((kind.op == ReduceOp::Avg && uneven) || (empty_shard && kind.op != ReduceOp::Sum)) {
         // A mean of uneven shards would be biased; max/min/prod of an empty shard is undefined.
         tgt.push_back(Replicate());
         out.push_back(Replicate());
@@ -68,8 +67,10 @@ Decision reduce(const OpCall& call, ReductionKind kind, std::optional<std::vecto
   }
   const at::ScalarType dtype = proxy_result_dtype(call);
   for (auto& o : d.outputs) {
-    if (o) d.output_meta.push_back(TensorMeta{shape, default_strides(shape), dtype});
-    else d.output_meta.push_back(std::nullopt);
+    if (o)
+      d.output_meta.push_back(TensorMeta{shape, default_strides(shape), dtype});
+    else
+      d.output_meta.push_back(std::nullopt);
   }
   return d;
 }
@@ -79,11 +80,15 @@ Decision reduce(const OpCall& call, ReductionKind kind, std::optional<std::vecto
 DTENSOR_RULES(reduction) {
   using dispatch::register_rule;
   // sum(self, dtype) / sum.dim_IntList(self, dim, keepdim, dtype)
-  register_rule("aten::sum", [](const OpCall& c) { return reduce(c, {ReduceOp::Sum, true}, {}, false); });
+  register_rule("aten::sum", [](const OpCall& c) {
+    return reduce(c, {ReduceOp::Sum, true}, {}, false);
+  });
   register_rule("aten::sum.dim_IntList", [](const OpCall& c) {
     return reduce(c, {ReduceOp::Sum, true}, c.opt_int_list_arg(1), c.bool_arg(2));
   });
-  register_rule("aten::mean", [](const OpCall& c) { return reduce(c, {ReduceOp::Avg, true}, {}, false); });
+  register_rule("aten::mean", [](const OpCall& c) {
+    return reduce(c, {ReduceOp::Avg, true}, {}, false);
+  });
   register_rule("aten::mean.dim", [](const OpCall& c) {
     return reduce(c, {ReduceOp::Avg, true}, c.opt_int_list_arg(1), c.bool_arg(2));
   });
@@ -93,8 +98,12 @@ DTENSOR_RULES(reduction) {
   register_rule({"aten::amin"}, [](const OpCall& c) {
     return reduce(c, {ReduceOp::Min, false}, c.opt_int_list_arg(1), c.bool_arg(2));
   });
-  register_rule("aten::max", [](const OpCall& c) { return reduce(c, {ReduceOp::Max, false}, {}, false); });
-  register_rule("aten::min", [](const OpCall& c) { return reduce(c, {ReduceOp::Min, false}, {}, false); });
+  register_rule("aten::max", [](const OpCall& c) {
+    return reduce(c, {ReduceOp::Max, false}, {}, false);
+  });
+  register_rule("aten::min", [](const OpCall& c) {
+    return reduce(c, {ReduceOp::Min, false}, {}, false);
+  });
   register_rule("aten::prod", [](const OpCall& c) {
     return reduce(c, {ReduceOp::Product, false}, {}, false);
   });

@@ -19,7 +19,8 @@ inline std::vector<int64_t> local_shape_of(const DeviceMesh& mesh, c10::IntArray
 }
 
 // Strides for `local_shape` that keep the dimension order of `global_stride`.
-inline std::vector<int64_t> strides_like(c10::IntArrayRef local_shape, c10::IntArrayRef global_stride) {
+inline std::vector<int64_t> strides_like(c10::IntArrayRef local_shape,
+                                         c10::IntArrayRef global_stride) {
   const int64_t n = static_cast<int64_t>(local_shape.size());
   std::vector<int64_t> order(n);
   for (int64_t i = 0; i < n; ++i) order[i] = i;
@@ -65,7 +66,8 @@ inline int64_t wrap_dim(int64_t d, int64_t ndim) {
 }
 
 // A Decision with every output given `out` (tensor returns only).
-inline Decision all_outputs(const OpCall& call, std::vector<Placements> inputs, const Placements& out) {
+inline Decision all_outputs(const OpCall& call, std::vector<Placements> inputs,
+                            const Placements& out) {
   Decision d;
   d.inputs = std::move(inputs);
   for (const auto& r : call.schema().returns()) {

@@ -23,8 +23,8 @@ Decision like(const OpCall& call) {
 Decision new_factory(const OpCall& call) {
   const DTensorSpec& self = call.input(0);
   std::vector<int64_t> size = call.int_list_arg(1);
-  Placements out = size == self.shape() ? clear_partial(self.placements())
-                                        : replicate_all(call.mesh_ndim());
+  Placements out =
+      size == self.shape() ? clear_partial(self.placements()) : replicate_all(call.mesh_ndim());
   Decision d = all_outputs(call, {self.placements()}, out);
   d.local_args.push_back({1, c10::IValue(local_shape_of(call.mesh(), size, out))});
   return d;
@@ -75,12 +75,13 @@ Decision local_scalar(const OpCall& call) {
 
 DTENSOR_RULES(tensor_ops) {
   using dispatch::register_rule;
-  register_rule({"aten::clone", "aten::detach", "aten::alias", "aten::_to_copy",
-                 "aten::lift_fresh", "aten::_conj_physical", "aten::view.dtype",
-                 "aten::_assert_tensor_metadata", "aten::resolve_conj", "aten::resolve_neg"},
+  register_rule({"aten::clone", "aten::detach", "aten::alias", "aten::_to_copy", "aten::lift_fresh",
+                 "aten::_conj_physical", "aten::view.dtype", "aten::_assert_tensor_metadata",
+                 "aten::resolve_conj", "aten::resolve_neg"},
                 follow_input);
   // rand_like & co. draw from DTensor's stream: see random_ops.cpp.
-  register_rule({"aten::empty_like", "aten::zeros_like", "aten::ones_like", "aten::full_like"}, like);
+  register_rule({"aten::empty_like", "aten::zeros_like", "aten::ones_like", "aten::full_like"},
+                like);
   register_rule({"aten::new_empty", "aten::new_zeros", "aten::new_ones", "aten::new_full"},
                 new_factory);
   register_rule("aten::new_empty_strided", new_empty_strided);

@@ -40,21 +40,29 @@ Decision vector_norm(const OpCall& call, double ord, std::optional<std::vector<i
   return all_outputs(call, {tgt}, out);
 }
 
-double scalar_or(const c10::IValue& v, double dflt) { return v.isNone() ? dflt : v.toScalar().toDouble(); }
+double scalar_or(const c10::IValue& v, double dflt) {
+  return v.isNone() ? dflt : v.toScalar().toDouble();
+}
 
 }  // namespace
 
 DTENSOR_RULES(vector_norm) {
   using dispatch::register_rule;
-  register_rule("aten::linalg_vector_norm", [](const OpCall& c) {
-    return vector_norm(c, scalar_or(c.arg(1), 2.0), c.opt_int_list_arg(2), c.bool_arg(3));
-  }, /*static_args=*/{1});
+  register_rule("aten::linalg_vector_norm",
+                [](const OpCall& c) {
+                  return vector_norm(c, scalar_or(c.arg(1), 2.0), c.opt_int_list_arg(2),
+                                     c.bool_arg(3));
+                },
+                /*static_args=*/{1});
   register_rule({"aten::norm.Scalar", "aten::norm.ScalarOpt_dtype"},
                 [](const OpCall& c) { return vector_norm(c, scalar_or(c.arg(1), 2.0), {}, false); },
                 {1});
-  register_rule({"aten::norm.ScalarOpt_dim", "aten::norm.ScalarOpt_dim_dtype"}, [](const OpCall& c) {
-    return vector_norm(c, scalar_or(c.arg(1), 2.0), c.opt_int_list_arg(2), c.bool_arg(3));
-  }, {1});
+  register_rule({"aten::norm.ScalarOpt_dim", "aten::norm.ScalarOpt_dim_dtype"},
+                [](const OpCall& c) {
+                  return vector_norm(c, scalar_or(c.arg(1), 2.0), c.opt_int_list_arg(2),
+                                     c.bool_arg(3));
+                },
+                {1});
 }
 
 }  // namespace dtensor::ops

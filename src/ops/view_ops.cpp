@@ -95,7 +95,8 @@ Decision view_like(const OpCall& call, bool with_stride) {
   if (with_stride) {
     // The global strides say nothing about the local tensor's layout (it may be expanded):
     // view it with its own strides instead of rewriting the stride argument.
-    d.local_kernel = [](const c10::OperatorHandle&, torch::jit::Stack& st, const dispatch::LocalContext&) {
+    d.local_kernel = [](const c10::OperatorHandle&, torch::jit::Stack& st,
+                        const dispatch::LocalContext&) {
       st.pop_back();  // stride
       auto size = st.back().toIntVector();
       st.pop_back();
@@ -162,9 +163,8 @@ Decision permute(const OpCall& call) {
 Decision unsqueeze(const OpCall& call) {
   const DTensorSpec& in = call.input(0);
   const int64_t d = wrap_dim(call.int_arg(1), in.ndim() + 1);
-  Placements outp = remap_shards(in.placements(), [&](int64_t s) -> std::optional<int64_t> {
-    return s >= d ? s + 1 : s;
-  });
+  Placements outp = remap_shards(
+      in.placements(), [&](int64_t s) -> std::optional<int64_t> { return s >= d ? s + 1 : s; });
   return all_outputs(call, {in.placements()}, outp);
 }
 
@@ -184,7 +184,8 @@ Decision squeeze(const OpCall& call) {
     }
   }
   Placements tgt;
-  for (const auto& p : in.placements()) tgt.push_back(p.is_shard() && removed[p.dim()] ? Replicate() : p);
+  for (const auto& p : in.placements())
+    tgt.push_back(p.is_shard() && removed[p.dim()] ? Replicate() : p);
   Placements outp = remap_shards(tgt, [&](int64_t s) -> std::optional<int64_t> {
     int64_t shift = 0;
     for (int64_t d = 0; d < s; ++d) shift += removed[d] ? 1 : 0;

@@ -56,7 +56,8 @@ int64_t reduce_partial_grads(const std::vector<at::Tensor>& params) {
     it->params.push_back(p);
   }
   for (auto& gr : groups) {
-    const DeviceMesh mesh = gr.spec->mesh();  // a copy: the grads holding the spec are replaced below
+    const DeviceMesh mesh =
+        gr.spec->mesh();  // a copy: the grads holding the spec are replaced below
     const Placements pl = gr.spec->placements();
     const Placements target = clear_partial(pl);
     if (gr.params.size() == 1) {

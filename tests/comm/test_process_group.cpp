@@ -38,10 +38,10 @@ struct EnvGuard {
 };
 
 void clear_launch_env(EnvGuard& g) {
-  for (const char* k : {"RANK", "WORLD_SIZE", "LOCAL_RANK", "OMPI_COMM_WORLD_RANK",
-                        "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK", "SLURM_PROCID",
-                        "SLURM_NTASKS", "SLURM_LOCALID", "PMI_RANK", "PMI_SIZE", "MASTER_ADDR",
-                        "MASTER_PORT"}) {
+  for (const char* k :
+       {"RANK", "WORLD_SIZE", "LOCAL_RANK", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE",
+        "OMPI_COMM_WORLD_LOCAL_RANK", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "PMI_RANK",
+        "PMI_SIZE", "MASTER_ADDR", "MASTER_PORT"}) {
     g.set(k, nullptr);
   }
 }
@@ -101,69 +101,67 @@ TEST(LaunchEnv, RejectsRankOutsideWorldAndNonNumbers) {
 }
 
 TEST(Rendezvous, RankThatNeverJoinsFailsTheOthersWithinTheTimeout) {
-  run_ranks(
-      2,
-      [](int rank) {
-        if (rank == 1) {
-          std::this_thread::sleep_for(std::chrono::seconds(3));
-          return;  // never joined
-        }
-        auto t0 = now();
-        try {
-          comm::init_process_group();
-          ADD_FAILURE() << "rendezvous should have timed out";
-        } catch (const c10::Error& e) {
-          const std::string msg = e.what_without_backtrace();
-          EXPECT_NE(msg.find("rank 0 could not rendezvous with 2 ranks"), std::string::npos) << msg;
-          EXPECT_LT(seconds_since(t0), 5.0);
-        }
-      },
-      {.comm_timeout = std::chrono::seconds(2), .init_process_group = false});
+  run_ranks(2,
+            [](int rank) {
+              if (rank == 1) {
+                std::this_thread::sleep_for(std::chrono::seconds(3));
+                return;  // never joined
+              }
+              auto t0 = now();
+              try {
+                comm::init_process_group();
+                ADD_FAILURE() << "rendezvous should have timed out";
+              } catch (const c10::Error& e) {
+                const std::string msg = e.what_without_backtrace();
+                EXPECT_NE(msg.find("rank 0 could not rendezvous with 2 ranks"), std::string::npos)
+                    << msg;
+                EXPECT_LT(seconds_since(t0), 5.0);
+              }
+            },
+            {.comm_timeout = std::chrono::seconds(2), .init_process_group = false});
 }
 
 TEST(Collectives, DeadPeerFailsTheCollectiveNamingRankAndCollective) {
-  run_ranks(
-      2,
-      [](int rank) {
-        auto world = comm::world_group();
-        comm::all_reduce(at::ones({4}), ReduceOp::Sum, *world);  // both connected
-        if (rank == 1) ::_exit(0);                                // dies without a word
-        auto t0 = now();
-        try {
-          comm::all_reduce(at::ones({4}), ReduceOp::Sum, *world);
-          ADD_FAILURE() << "all_reduce with a dead peer should fail";
-        } catch (const c10::Error& e) {
-          const std::string msg = e.what_without_backtrace();
-          EXPECT_NE(msg.find("rank 0"), std::string::npos) << msg;
-          EXPECT_NE(msg.find("all_reduce"), std::string::npos) << msg;
-          EXPECT_LT(seconds_since(t0), 5.0);
-        }
-      },
-      {.comm_timeout = std::chrono::seconds(3)});
+  run_ranks(2,
+            [](int rank) {
+              auto world = comm::world_group();
+              comm::all_reduce(at::ones({4}), ReduceOp::Sum, *world);  // both connected
+              if (rank == 1) ::_exit(0);                               // dies without a word
+              auto t0 = now();
+              try {
+                comm::all_reduce(at::ones({4}), ReduceOp::Sum, *world);
+                ADD_FAILURE() << "all_reduce with a dead peer should fail";
+              } catch (const c10::Error& e) {
+                const std::string msg = e.what_without_backtrace();
+                EXPECT_NE(msg.find("rank 0"), std::string::npos) << msg;
+                EXPECT_NE(msg.find("all_reduce"), std::string::npos) << msg;
+                EXPECT_LT(seconds_since(t0), 5.0);
+              }
+            },
+            {.comm_timeout = std::chrono::seconds(3)});
 }
 
 TEST(Collectives, HungPeerTimesOutInsteadOfHanging) {
-  run_ranks(
-      2,
-      [](int rank) {
-        auto world = comm::world_group();
-        comm::all_reduce(at::ones({4}), ReduceOp::Sum, *world);
-        if (rank == 1) {
-          std::this_thread::sleep_for(std::chrono::seconds(5));  // alive but silent
-          return;
-        }
-        auto t0 = now();
-        try {
-          comm::all_gather_into_tensor(at::ones({4}), 0, *world);
-          ADD_FAILURE() << "all_gather with a silent peer should time out";
-        } catch (const c10::Error& e) {
-          const std::string msg = e.what_without_backtrace();
-          EXPECT_NE(msg.find("rank 0"), std::string::npos) << msg;
-          EXPECT_NE(msg.find("all_gather_into_tensor"), std::string::npos) << msg;
-          EXPECT_LT(seconds_since(t0), 4.5);
-        }
-      },
-      {.comm_timeout = std::chrono::seconds(2)});
+  run_ranks(2,
+            [](int rank) {
+              auto world = comm::world_group();
+              comm::all_reduce(at::ones({4}), ReduceOp::Sum, *world);
+              if (rank == 1) {
+                std::this_thread::sleep_for(std::chrono::seconds(5));  // alive but silent
+                return;
+              }
+              auto t0 = now();
+              try {
+                comm::all_gather_into_tensor(at::ones({4}), 0, *world);
+                ADD_FAILURE() << "all_gather with a silent peer should time out";
+              } catch (const c10::Error& e) {
+                const std::string msg = e.what_without_backtrace();
+                EXPECT_NE(msg.find("rank 0"), std::string::npos) << msg;
+                EXPECT_NE(msg.find("all_gather_into_tensor"), std::string::npos) << msg;
+                EXPECT_LT(seconds_since(t0), 4.5);
+              }
+            },
+            {.comm_timeout = std::chrono::seconds(2)});
 }
 
 TEST(Collectives, ReduceOpsGatherScatterAndBroadcastMatchLocalComputation) {
@@ -181,13 +179,15 @@ TEST(Collectives, ReduceOpsGatherScatterAndBroadcastMatchLocalComputation) {
     EXPECT_TENSOR_EQ(comm::all_gather_into_tensor(mine, 1, g), at::cat(all.unbind(0), 1));
     auto big = at::arange(18, at::kDouble).view({3, 6}) * (rank + 1);
     auto total = at::arange(18, at::kDouble).view({3, 6}) * 6;
-    EXPECT_TENSOR_EQ(comm::reduce_scatter_tensor(big, 1, ReduceOp::Sum, g), total.chunk(3, 1)[rank]);
+    EXPECT_TENSOR_EQ(comm::reduce_scatter_tensor(big, 1, ReduceOp::Sum, g),
+                     total.chunk(3, 1)[rank]);
     EXPECT_TENSOR_EQ(comm::reduce_scatter_tensor(big, 0, ReduceOp::Max, g),
                      (at::arange(18, at::kDouble).view({3, 6}) * 3).chunk(3, 0)[rank]);
     auto a2a = at::full({3, 2}, static_cast<double>(rank), at::kDouble);
     auto got = comm::all_to_all_single(a2a, 0, 1, g);  // chunk r of every rank, side by side
     EXPECT_TENSOR_EQ(got, at::cat({at::zeros({1, 2}, at::kDouble), at::ones({1, 2}, at::kDouble),
-                                   at::full({1, 2}, 2.0, at::kDouble)}, 1));
+                                   at::full({1, 2}, 2.0, at::kDouble)},
+                                  1));
     EXPECT_TENSOR_EQ(comm::broadcast(mine, 2, g), at::arange(6, at::kDouble).view({2, 3}) + 2);
     std::vector<at::Tensor> parts;
     if (rank == 1) {

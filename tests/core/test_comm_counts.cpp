@@ -22,9 +22,7 @@ struct Mlp {
     net1->to(at::kDouble);
     net2->to(at::kDouble);
   }
-  std::vector<at::Tensor> params() {
-    return {net1->weight, net1->bias, net2->weight, net2->bias};
-  }
+  std::vector<at::Tensor> params() { return {net1->weight, net1->bias, net2->weight, net2->bias}; }
 };
 
 void shard(torch::nn::LinearImpl& l, const DeviceMesh& mesh, Placement w, Placement b) {
@@ -66,7 +64,8 @@ TEST(CommCounts, ColwiseThenRowwiseMlpIssuesOneAllReduceForForwardAndBackward) {
     tp_opt.step();
     EXPECT_EQ(comm.get_total_counts(), 0);  // SGD needs no communication here
     for (size_t i = 0; i < 4; ++i) {
-      EXPECT_TENSOR_CLOSE(full_tensor(tp.params()[i].detach()), ref.params()[i].detach(), 1e-12, 1e-12);
+      EXPECT_TENSOR_CLOSE(full_tensor(tp.params()[i].detach()), ref.params()[i].detach(), 1e-12,
+                          1e-12);
     }
   });
 }

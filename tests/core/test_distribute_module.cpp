@@ -19,12 +19,13 @@ TEST(DistributeModule, PartitionFnShardsAndTheRestIsReplicatedFromRankZero) {
     torch::nn::LayerNorm norm(torch::nn::LayerNormOptions({6}));
     auto seq = torch::nn::Sequential(fc, norm);
     const at::Tensor w0 = fc->weight.detach().clone();
-    distribute_module(*seq, mesh, [](const std::string& name, torch::nn::Module& m,
-                                     const DeviceMesh& mesh) {
-      if (name != "0") return;
-      auto& lin = dynamic_cast<torch::nn::LinearImpl&>(m);
-      replace_parameter(lin, "weight", distribute_tensor(lin.weight.detach(), mesh, {Shard(0)}));
-    });
+    distribute_module(*seq, mesh,
+                      [](const std::string& name, torch::nn::Module& m, const DeviceMesh& mesh) {
+                        if (name != "0") return;
+                        auto& lin = dynamic_cast<torch::nn::LinearImpl&>(m);
+                        replace_parameter(lin, "weight",
+                                          distribute_tensor(lin.weight.detach(), mesh, {Shard(0)}));
+                      });
     // Registry and member point at the same DTensor.
     EXPECT_TRUE(is_dtensor(fc->weight));
     EXPECT_TRUE(fc->weight.is_same(fc->named_parameters()["weight"]));

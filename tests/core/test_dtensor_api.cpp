@@ -12,7 +12,9 @@ using namespace dtensor;
 using dtensor::testing::run_ranks;
 
 namespace {
-CommCounts counts(std::initializer_list<std::pair<const CommType, int64_t>> l) { return CommCounts(l); }
+CommCounts counts(std::initializer_list<std::pair<const CommType, int64_t>> l) {
+  return CommCounts(l);
+}
 }  // namespace
 
 TEST(FromLocal, ShardZeroGivesGlobalRowsAndReplicateKeepsShape) {
@@ -49,8 +51,9 @@ TEST(FromLocal, UnevenShardsNeedShapeAndStrideTogether) {
     auto mesh = init_device_mesh("cpu", {4});
     const int64_t rows = rank < 3 ? 3 : 1;  // 10 rows on 4 ranks: 3,3,3,1
     auto local = at::ones({rows, 2});
-    auto dt = from_local(local, mesh, {Shard(0)}, {.shape = std::vector<int64_t>{10, 2},
-                                                   .stride = std::vector<int64_t>{2, 1}});
+    auto dt =
+        from_local(local, mesh, {Shard(0)},
+                   {.shape = std::vector<int64_t>{10, 2}, .stride = std::vector<int64_t>{2, 1}});
     EXPECT_EQ(dt.sizes(), at::IntArrayRef({10, 2}));
     EXPECT_TENSOR_EQ(full_tensor(dt), at::ones({10, 2}));
     try {
@@ -125,8 +128,8 @@ TEST(ToLocal, GradPlacementsPartialAfterGatherGivesReduceScatterInBackward) {
     auto r = redistribute(dt, {Replicate()});
     auto local = to_local(r, std::vector<Placement>{Partial()});
     local.sum().backward();
-    EXPECT_EQ(comm.get_comm_counts(),
-              counts({{CommType::all_gather_into_tensor, 1}, {CommType::reduce_scatter_tensor, 1}}));
+    EXPECT_EQ(comm.get_comm_counts(), counts({{CommType::all_gather_into_tensor, 1},
+                                              {CommType::reduce_scatter_tensor, 1}}));
     // Every rank's ones are summed: 4 * ones for this rank's rows.
     EXPECT_TENSOR_EQ(x.grad(), at::full({3, 3}, 4.0));
   });
@@ -187,7 +190,8 @@ TEST(DistributeTensor, RejectsNonLeafPartialAndWrongPlacementCount) {
                 std::string::npos);
     }
     EXPECT_THROW(distribute_tensor(at::ones({4}), mesh, {Partial()}), c10::Error);
-    EXPECT_THROW(distribute_tensor(at::ones({4}), mesh, {Replicate(), Replicate()}), c10::ValueError);
+    EXPECT_THROW(distribute_tensor(at::ones({4}), mesh, {Replicate(), Replicate()}),
+                 c10::ValueError);
   });
 }
 
@@ -260,7 +264,8 @@ TEST(Redistribute, ForwardAndBackwardDtypesCastOnlyWhileCommunicating) {
     auto mesh = init_device_mesh("cpu", {2});
     auto local = at::full({2, 3}, 1.0 / 3.0, at::kDouble).requires_grad_(true);
     auto x = from_local(local, mesh, {Partial()});
-    auto y = redistribute(x, {Replicate()}, {.forward_dtype = at::kFloat, .backward_dtype = at::kFloat});
+    auto y =
+        redistribute(x, {Replicate()}, {.forward_dtype = at::kFloat, .backward_dtype = at::kFloat});
     EXPECT_EQ(y.scalar_type(), at::kDouble);  // cast back after the collective
     // The sum went through float32: 2/3 rounded to float, not the double value.
     EXPECT_DOUBLE_EQ(local_tensor(y)[0][0].item<double>(), static_cast<double>(2.0f / 3.0f));

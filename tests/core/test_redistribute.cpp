@@ -11,12 +11,15 @@ using dtensor::testing::run_ranks;
 
 namespace {
 
-CommCounts counts(std::initializer_list<std::pair<const CommType, int64_t>> l) { return CommCounts(l); }
+CommCounts counts(std::initializer_list<std::pair<const CommType, int64_t>> l) {
+  return CommCounts(l);
+}
 const CommCounts kNone{};
 
 // The local shard this rank must hold of `global` laid out as `p` (torch.chunk rule).
 at::Tensor expected_local(const at::Tensor& global, const DeviceMesh& mesh, const Placements& p) {
-  auto s = compute_local_shape_and_global_offset(global.sizes(), mesh.shape(), *mesh.coordinate(), p);
+  auto s =
+      compute_local_shape_and_global_offset(global.sizes(), mesh.shape(), *mesh.coordinate(), p);
   at::Tensor t = global;
   for (int64_t d = 0; d < global.dim(); ++d) {
     const int64_t off = std::min(s.offset[d], global.size(d));
@@ -68,7 +71,8 @@ TEST(Redistribute1D, EveryTransitionMatchesTheSingleDeviceTensorWithExactCounts)
         {Shard(0), Shard(0), kNone},
         {Partial(ReduceOp::Max), Replicate(), counts({{CommType::all_reduce, 1}})},
     };
-    const std::vector<std::vector<int64_t>> shapes = {{8, 4}, {5, 3}, {13, 3}, {1, 4}, {3, 1}, {0, 4}};
+    const std::vector<std::vector<int64_t>> shapes = {{8, 4}, {5, 3}, {13, 3},
+                                                      {1, 4}, {3, 1}, {0, 4}};
     int n = 0;
     for (const auto& shape : shapes) {
       at::manual_seed(7);
@@ -226,7 +230,8 @@ TEST(Redistribute2D, EveryPlacementCombinationRoundTripsEvenAndUneven) {
               Placements from{a, b}, to{c, d};
               SCOPED_TRACE(name(from, to, global.sizes()));
               auto out = redistribute(make(global, mesh, from), to);
-              EXPECT_TENSOR_CLOSE(local_tensor(out), expected_local(global, mesh, to), 1e-12, 1e-12);
+              EXPECT_TENSOR_CLOSE(local_tensor(out), expected_local(global, mesh, to), 1e-12,
+                                  1e-12);
               ++n;
             }
           }

@@ -70,15 +70,22 @@ TEST(DeviceMesh, SlicesReuseTheParentGroups) {
 
 TEST(DeviceMesh, ConstructionAndSlicingErrorsSayWhatIsWrong) {
   run_ranks(2, [](int) {
-    expect_error<c10::Error>([] { init_device_mesh("cpu", {2}, {"a", "b"}); },
-                             "mesh_shape and mesh_dim_names should have same length!");
-    expect_error<c10::Error>([] { init_device_mesh("cpu", {1, 2}, {"a", "a"}); },
-                             "Each mesh_dim_name must be unique.");
+    expect_error<c10::Error>(
+        [] {
+          init_device_mesh("cpu", {2}, {"a", "b"});
+        },
+        "mesh_shape and mesh_dim_names should have same length!");
+    expect_error<c10::Error>(
+        [] {
+          init_device_mesh("cpu", {1, 2}, {"a", "a"});
+        },
+        "Each mesh_dim_name must be unique.");
     expect_error<c10::Error>([] { init_device_mesh("cuda:0", {2}); },
                              "Device type with index is not supported");
     expect_error<c10::Error>([] { init_device_mesh("cpu", {4}); }, "needs 4 ranks");
     auto plain = init_device_mesh("cpu", {2});
-    expect_error<c10::Error>([&] { plain["tp"]; }, "Cannot slice a DeviceMesh without mesh_dim_names!");
+    expect_error<c10::Error>([&] { plain["tp"]; },
+                             "Cannot slice a DeviceMesh without mesh_dim_names!");
     auto mesh = init_device_mesh("cpu", {1, 2}, {"dp", "tp"});
     expect_error<c10::IndexError>([&] { mesh["pp"]; }, "Valid mesh_dim_names: ('dp', 'tp')");
     expect_error<c10::IndexError>([&] { mesh.slice({"tp", "dp"}); }, "ascending order");

@@ -37,7 +37,8 @@ TEST(ClipGradNorm, MixedPlacementsClipLikeOneDevice) {
         }
         return t;
       };
-      std::vector<at::Tensor> dist{make(g1, {Shard(0)}), make(g2, {Replicate()}), make(g3, {Partial()})};
+      std::vector<at::Tensor> dist{make(g1, {Shard(0)}), make(g2, {Replicate()}),
+                                   make(g3, {Partial()})};
       CommDebugMode comm;
       const double norm = torch::nn::utils::clip_grad_norm_(dist, 0.5, p);
       EXPECT_NEAR(norm, ref_norm, 1e-10);

@@ -202,7 +202,8 @@ TEST(Loss, PlacementsAndCollectivesLikePyTorch) {
               }
               EXPECT_TENSOR_CLOSE(full_tensor(dy.detach()), y.detach(), 1e-10, 1e-10);
               comm.exit();
-              // "none": an explicit cotangent, not sum(): see NoneLossSumBackwardThroughSpatialReshape
+              // "none": an explicit cotangent, not sum(): see
+              // NoneLossSumBackwardThroughSpatialReshape
               if (r == Reduce::None) {
                 dy.backward(at::ones_like(dy));
               } else {

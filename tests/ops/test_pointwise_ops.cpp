@@ -20,7 +20,9 @@ struct NamedOp {
 
 std::vector<NamedOp> binary_ops() {
   auto b = [](std::string n, std::function<at::Tensor(const at::Tensor&, const at::Tensor&)> f) {
-    return NamedOp{n, 2, [f](const std::vector<at::Tensor>& x) { return std::vector<at::Tensor>{f(x[0], x[1])}; }};
+    return NamedOp{n, 2, [f](const std::vector<at::Tensor>& x) {
+                     return std::vector<at::Tensor>{f(x[0], x[1])};
+                   }};
   };
   return {
       b("add", [](auto& a, auto& c) { return a + c; }),
@@ -36,7 +38,8 @@ std::vector<NamedOp> binary_ops() {
 
 std::vector<NamedOp> unary_ops() {
   auto u = [](std::string n, std::function<at::Tensor(const at::Tensor&)> f) {
-    return NamedOp{n, 1, [f](const std::vector<at::Tensor>& x) { return std::vector<at::Tensor>{f(x[0])}; }};
+    return NamedOp{
+        n, 1, [f](const std::vector<at::Tensor>& x) { return std::vector<at::Tensor>{f(x[0])}; }};
   };
   return {
       u("neg", [](auto& a) { return -a; }),
@@ -64,7 +67,10 @@ std::vector<NamedOp> unary_ops() {
       u("clone", [](auto& a) { return a.clone(); }),
       u("contiguous_t", [](auto& a) { return a.t().contiguous(); }),
       u("reshape_flat", [](auto& a) { return a.reshape({-1}); }),
-      u("unsqueeze_expand", [](auto& a) { return a.unsqueeze(0).expand({2, -1, -1}); }),
+      u("unsqueeze_expand",
+        [](auto& a) {
+          return a.unsqueeze(0).expand({2, -1, -1});
+        }),
   };
 }
 
@@ -80,13 +86,16 @@ TEST(PointwiseSweep, BinaryOpsWithBroadcastingMatchOneDevice) {
       for (const auto& op : binary_ops()) {
         for (const auto& [sa, sb] : shapes) {
           auto a = at::randn(sa, at::kDouble), b = at::randn(sb, at::kDouble);
-          for (auto& pl : combinations({placements_1d(a.dim(), true), placements_1d(b.dim(), true)})) {
+          for (auto& pl :
+               combinations({placements_1d(a.dim(), true), placements_1d(b.dim(), true)})) {
             const std::string label = op.name + " " + to_string(pl[0]) + "x" + to_string(pl[1]);
             n.add(check_op(mesh, label, op.fn, {a, b}, pl));
           }
         }
       }
-      if (rank == 0) std::printf("[sweep] binary ops, world %d: %ld (op, case) combinations\n", world, (long)n.cases);
+      if (rank == 0)
+        std::printf("[sweep] binary ops, world %d: %ld (op, case) combinations\n", world,
+                    (long)n.cases);
     });
   }
 }
@@ -100,12 +109,14 @@ TEST(PointwiseSweep, UnaryOpsReductionsAndViewsMatchOneDevice) {
         auto a = at::randn(shape, at::kDouble);
         for (const auto& op : unary_ops()) {
           for (const auto& p : placements_1d(a.dim(), true)) {
-            n.add(check_op(mesh, op.name + " " + to_string(p) + " " + c10::str(a.sizes()), op.fn, {a},
-                           {p}, {.rtol = op.tol, .atol = op.tol}));
+            n.add(check_op(mesh, op.name + " " + to_string(p) + " " + c10::str(a.sizes()), op.fn,
+                           {a}, {p}, {.rtol = op.tol, .atol = op.tol}));
           }
         }
       }
-      if (rank == 0) std::printf("[sweep] unary/reduction/view ops, world %d: %ld (op, case) combinations\n", world, (long)n.cases);
+      if (rank == 0)
+        std::printf("[sweep] unary/reduction/view ops, world %d: %ld (op, case) combinations\n",
+                    world, (long)n.cases);
     });
   }
 }
@@ -117,8 +128,8 @@ TEST(PointwiseOut, MaximumAndMinimumOutWriteIntoTheOutDTensorInItsLayout) {
     auto mesh = init_device_mesh("cpu", {2});
     const at::Tensor a = at::randn({5, 4}, at::kDouble), b = at::randn({5, 4}, at::kDouble);
     const at::Tensor row = at::randn({4}, at::kDouble);
-    for (const Placements& out_pl : {Placements{Shard(0)}, Placements{Shard(1)},
-                                     Placements{Replicate()}}) {
+    for (const Placements& out_pl :
+         {Placements{Shard(0)}, Placements{Shard(1)}, Placements{Replicate()}}) {
       for (const Placements& b_pl : {Placements{Shard(0)}, Placements{Replicate()}}) {
         SCOPED_TRACE("out " + to_string(out_pl) + ", other " + to_string(b_pl));
         // Aliased like amsgrad: out is also the first operand.

@@ -22,20 +22,27 @@ TEST(VectorNormSweep, NormsOfShardedTensorsMatchOneDevice) {
         for (double p : {1.0, 2.0, 3.0, inf}) {
           for (const auto& pl : placements_1d(a.dim(), false)) {
             auto label = "norm p=" + std::to_string(p) + " " + to_string(pl);
-            n.add(check_op(mesh, label, [p](const std::vector<at::Tensor>& x) {
-              return std::vector<at::Tensor>{at::linalg_vector_norm(x[0], p)};
-            }, {a}, {pl}));
-            n.add(check_op(mesh, label + " dim1", [p](const std::vector<at::Tensor>& x) {
-              return std::vector<at::Tensor>{at::linalg_vector_norm(x[0], p, {1})};
-            }, {a}, {pl}));
-            n.add(check_op(mesh, label + " .norm()", [p](const std::vector<at::Tensor>& x) {
-              return std::vector<at::Tensor>{x[0].norm(p)};
-            }, {a}, {pl}, {.backward = false}));
+            n.add(check_op(mesh, label,
+                           [p](const std::vector<at::Tensor>& x) {
+                             return std::vector<at::Tensor>{at::linalg_vector_norm(x[0], p)};
+                           },
+                           {a}, {pl}));
+            n.add(check_op(mesh, label + " dim1",
+                           [p](const std::vector<at::Tensor>& x) {
+                             return std::vector<at::Tensor>{at::linalg_vector_norm(x[0], p, {1})};
+                           },
+                           {a}, {pl}));
+            n.add(check_op(mesh, label + " .norm()",
+                           [p](const std::vector<at::Tensor>& x) {
+                             return std::vector<at::Tensor>{x[0].norm(p)};
+                           },
+                           {a}, {pl}, {.backward = false}));
           }
         }
       }
-      if (rank == 0) std::printf("[sweep] vector norms, world %d: %ld (op, case) combinations\n", world, (long)n.cases);
+      if (rank == 0)
+        std::printf("[sweep] vector norms, world %d: %ld (op, case) combinations\n", world,
+                    (long)n.cases);
     });
   }
 }
-

@@ -12,9 +12,8 @@
 #include <cstring>
 #include <sstream>
 #include <thread>
-#include <vector>
-
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
+#include <vector>
 
 #include "dtensor/comm/process_group.h"
 
@@ -54,7 +53,9 @@ std::string read_all(int fd) {
     at::manual_seed(0);  // every rank starts from the same seed, as single-device references need
     const bool trace = std::getenv("DTENSOR_TEST_TRACE") != nullptr;
     auto t0 = std::chrono::steady_clock::now();
-    auto since = [&] { return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(); };
+    auto since = [&] {
+      return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    };
     if (o.init_process_group) dtensor::comm::init_process_group();
     if (trace) std::fprintf(stderr, "[trace] rank %d joined after %.3f s\n", rank, since());
     body(rank);
@@ -146,8 +147,8 @@ void run_ranks(int world_size, const std::function<void(int)>& body, const RunOp
       for (int q = 0; q < world_size; ++q) {
         if (status[q] == -1) ::kill(pids[q], SIGKILL);
       }
-      ADD_FAILURE() << "distributed test timed out after " << options.timeout.count()
-                    << " s with " << remaining << " rank(s) still running";
+      ADD_FAILURE() << "distributed test timed out after " << options.timeout.count() << " s with "
+                    << remaining << " rank(s) still running";
       killed = true;
       for (int q = 0; q < world_size; ++q) {
         if (status[q] == -1) {
@@ -183,8 +184,8 @@ void run_ranks(int world_size, const std::function<void(int)>& body, const RunOp
 ::testing::AssertionResult tensors_close(const at::Tensor& actual, const at::Tensor& expected,
                                          double rtol, double atol) {
   if (actual.sizes() != expected.sizes()) {
-    return ::testing::AssertionFailure() << "shape " << actual.sizes() << " != expected "
-                                         << expected.sizes();
+    return ::testing::AssertionFailure()
+           << "shape " << actual.sizes() << " != expected " << expected.sizes();
   }
   if (actual.numel() == 0) return ::testing::AssertionSuccess();
   auto a = actual.detach().to(at::kDouble).cpu();

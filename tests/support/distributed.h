@@ -12,9 +12,9 @@
 namespace dtensor::testing {
 
 struct RunOptions {
-  std::chrono::seconds timeout{120};       // whole run
-  std::chrono::seconds comm_timeout{30};   // c10d timeout inside the ranks
-  bool init_process_group = true;          // false: body joins by itself
+  std::chrono::seconds timeout{120};      // whole run
+  std::chrono::seconds comm_timeout{30};  // c10d timeout inside the ranks
+  bool init_process_group = true;         // false: body joins by itself
 };
 
 // Runs `body(rank)` on `world_size` forked ranks. Returns when all ranks exit.

@@ -15,7 +15,7 @@ namespace dtensor::testing {
 using OpFn = std::function<std::vector<at::Tensor>(const std::vector<at::Tensor>&)>;
 
 struct OpCheckOptions {
-  bool backward = true;      // also compare the gradients of every floating input
+  bool backward = true;  // also compare the gradients of every floating input
   double rtol = 1e-10;
   double atol = 1e-10;
   std::vector<bool> requires_grad;  // per input; default: every floating input
@@ -33,7 +33,8 @@ bool check_op(const DeviceMesh& mesh, const std::string& label, const OpFn& fn,
 // Placements of a tensor with `ndim` dims on a 1-D mesh: R, S(0), ..., S(ndim-1) [, P].
 std::vector<Placements> placements_1d(int64_t ndim, bool with_partial = false);
 // Every combination of per-input choices.
-std::vector<std::vector<Placements>> combinations(const std::vector<std::vector<Placements>>& per_input);
+std::vector<std::vector<Placements>> combinations(
+    const std::vector<std::vector<Placements>>& per_input);
 
 // Counts (op, case) combinations a test ran, printed by the test at the end.
 struct SweepCounter {

@@ -42,9 +42,11 @@ TORCH_MODULE(Block);
 // parallel: net1's input is this rank's Shard(0) rows (gathered), net2's output is
 // reduce-scattered back to rows.
 void megatron(MlpImpl& m, const DeviceMesh& mesh, bool sequence_parallel = false) {
-  replace_parameter(*m.net1, "weight", distribute_tensor(m.net1->weight.detach(), mesh, {Shard(0)}));
+  replace_parameter(*m.net1, "weight",
+                    distribute_tensor(m.net1->weight.detach(), mesh, {Shard(0)}));
   replace_parameter(*m.net1, "bias", distribute_tensor(m.net1->bias.detach(), mesh, {Shard(0)}));
-  replace_parameter(*m.net2, "weight", distribute_tensor(m.net2->weight.detach(), mesh, {Shard(1)}));
+  replace_parameter(*m.net2, "weight",
+                    distribute_tensor(m.net2->weight.detach(), mesh, {Shard(1)}));
   replace_parameter(*m.net2, "bias", distribute_tensor(m.net2->bias.detach(), mesh, {Replicate()}));
   const Placement in = sequence_parallel ? Placement(Shard(0)) : Placement(Replicate());
   const Placement out = sequence_parallel ? Placement(Shard(0)) : Placement(Replicate());

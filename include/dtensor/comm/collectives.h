@@ -2,10 +2,10 @@
 // The collectives DTensor uses, on local tensors of one process group. Out-of-place,
 // counted by CommDebugMode, failing with the rank, group and collective on error or timeout.
 #include <ATen/core/Tensor.h>
-#include <torch/csrc/distributed/c10d/Work.hpp>
 
 #include <functional>
 #include <memory>
+#include <torch/csrc/distributed/c10d/Work.hpp>
 
 #include "dtensor/comm/process_group.h"
 #include "dtensor/core/placement.h"

@@ -26,8 +26,8 @@ std::ostream& operator<<(std::ostream& os, CommType t);
 
 struct CommRecord {
   CommType type;
-  int64_t bytes;     // payload this rank contributed
-  int mesh_dim;      // -1 when the group is not a mesh dimension
+  int64_t bytes;  // payload this rank contributed
+  int mesh_dim;   // -1 when the group is not a mesh dimension
   int group_size;
   std::string module;  // innermost module FQN being run ("" outside any tracked module)
   bool backward;       // issued while the autograd engine runs a backward pass

@@ -7,13 +7,13 @@
 // tensors, NCCL for CUDA tensors (when LibTorch has CUDA).
 #include <c10/core/DeviceType.h>
 #include <c10/util/intrusive_ptr.h>
-#include <torch/csrc/distributed/c10d/Backend.hpp>
-#include <torch/csrc/distributed/c10d/Store.hpp>
 
 #include <chrono>
 #include <memory>
 #include <optional>
 #include <string>
+#include <torch/csrc/distributed/c10d/Backend.hpp>
+#include <torch/csrc/distributed/c10d/Store.hpp>
 #include <vector>
 
 namespace dtensor::comm {
@@ -34,7 +34,8 @@ struct LaunchEnv {
   int local_rank = 0;
   std::string master_addr = "127.0.0.1";
   int master_port = 29500;
-  std::string source;  // which launcher's variables were used: "torchrun", "ompi", "slurm", "default"
+  std::string
+      source;  // which launcher's variables were used: "torchrun", "ompi", "slurm", "default"
 };
 LaunchEnv read_launch_env();
 

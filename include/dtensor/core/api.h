@@ -23,7 +23,8 @@ struct FromLocalOptions {
 at::Tensor from_local(const at::Tensor& local, const DeviceMesh& mesh,
                       c10::ArrayRef<Placement> placements, const FromLocalOptions& options = {});
 // With the current mesh (MeshGuard) and all-Replicate placements by default.
-at::Tensor from_local(const at::Tensor& local, std::optional<std::vector<Placement>> placements = {},
+at::Tensor from_local(const at::Tensor& local,
+                      std::optional<std::vector<Placement>> placements = {},
                       const FromLocalOptions& options = {});
 
 // The local shard as a plain tensor. Differentiable: the gradient is wrapped with
@@ -33,9 +34,9 @@ at::Tensor to_local(const at::Tensor& dtensor,
                     std::optional<std::vector<Placement>> grad_placements = {});
 
 struct RedistributeOptions {
-  bool async_op = false;                             // leave the collective in flight
-  std::optional<c10::ScalarType> forward_dtype;      // cast before communicating
-  std::optional<c10::ScalarType> backward_dtype;     // cast the gradient before its collective
+  bool async_op = false;                          // leave the collective in flight
+  std::optional<c10::ScalarType> forward_dtype;   // cast before communicating
+  std::optional<c10::ScalarType> backward_dtype;  // cast the gradient before its collective
 };
 
 // New DTensor with `placements` (never Partial). Differentiable.

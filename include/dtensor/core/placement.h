@@ -20,7 +20,9 @@ class Placement {
 
   constexpr Placement() = default;  // Replicate
   static constexpr Placement replicate() { return Placement(); }
-  static constexpr Placement shard(int64_t dim) { return Placement(Type::Shard, dim, ReduceOp::Sum); }
+  static constexpr Placement shard(int64_t dim) {
+    return Placement(Type::Shard, dim, ReduceOp::Sum);
+  }
   static constexpr Placement partial(ReduceOp op = ReduceOp::Sum) {
     return Placement(Type::Partial, 0, op);
   }
@@ -77,7 +79,9 @@ using Placements = c10::SmallVector<Placement, 4>;
 std::string to_string(c10::ArrayRef<Placement> placements);  // "(S(0), R)"
 
 // n Replicate placements.
-inline Placements replicate_all(int64_t n) { return Placements(static_cast<size_t>(n), Placement()); }
+inline Placements replicate_all(int64_t n) {
+  return Placements(static_cast<size_t>(n), Placement());
+}
 // `p` with every Partial replaced by Replicate.
 inline Placements clear_partial(c10::ArrayRef<Placement> p) {
   Placements out;

@@ -1,6 +1,6 @@
 #pragma once
-// torch.chunk semantics for shards: chunk size c = ceil(N / k); rank r holds [r*c, min(N, (r+1)*c));
-// trailing ranks may hold fewer or zero elements (an empty shard reports offset N).
+// torch.chunk semantics for shards: chunk size c = ceil(N / k); rank r holds [r*c, min(N,
+// (r+1)*c)); trailing ranks may hold fewer or zero elements (an empty shard reports offset N).
 #include <c10/util/ArrayRef.h>
 
 #include <cstdint>

@@ -65,8 +65,8 @@ struct LocalContext {
 // Replaces `op.callBoxed` when an op's local computation differs from the plain op (a masked
 // embedding lookup, a random op drawing from DTensor's stream). It gets the stack exactly as
 // the op would (local tensors, rewritten arguments) and must leave the returns on it.
-using LocalKernel =
-    std::function<void(const c10::OperatorHandle& op, torch::jit::Stack& stack, const LocalContext&)>;
+using LocalKernel = std::function<void(const c10::OperatorHandle& op, torch::jit::Stack& stack,
+                                       const LocalContext&)>;
 
 struct Decision {
   // Placements each input must have for the local call (one entry per OpCall input; an
@@ -125,13 +125,12 @@ Decision choose(const OpCall& call, const std::vector<Strategy>& candidates);
 double redistribute_cost(const DTensorSpec& src, c10::ArrayRef<Placement> dst);
 
 // Registers rules from a static initializer: DTENSOR_RULES(pointwise) { register_rule(...); }
-#define DTENSOR_RULES(family)                                      \
-  static void dtensor_register_rules_##family();                   \
-  static const bool dtensor_rules_registered_##family = [] {        \
-    dtensor_register_rules_##family();                             \
-    return true;                                                   \
-  }();                                                             \
+#define DTENSOR_RULES(family)                                \
+  static void dtensor_register_rules_##family();             \
+  static const bool dtensor_rules_registered_##family = [] { \
+    dtensor_register_rules_##family();                       \
+    return true;                                             \
+  }();                                                       \
   static void dtensor_register_rules_##family()
 
 }  // namespace dtensor::dispatch
-
