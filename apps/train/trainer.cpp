@@ -2,15 +2,15 @@
 
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
+#include <torch/nn/utils/clip_grad.h>
 
-#include <cmath>
 #include <limits>
-#include <stdexcept>
 #include <unordered_set>
 
 #include "dtensor/comm/collectives.h"
 #include "dtensor/core/api.h"
 #include "dtensor/core/dtensor_impl.h"
+#include "dtensor/dispatch/implicit_replication.h"
 
 namespace dtensor::train {
 
@@ -86,48 +86,12 @@ void Trainer::all_reduce_dp_grads() {
   }
 }
 
-// torch::nn::utils::clip_grad_norm_ cannot take a mix of DTensor and plain gradients (the norm
-// weights stay plain without sequence parallelism), so the global norm is summed here: squares
-// of sharded gradients are summed over the TP group with one all_reduce, replicated and plain
-// ones (equal on every TP rank) count once. The gradients are then scaled in place as
-// PyTorch does: by max_norm / (norm + 1e-6) when that is below 1.
+// LibTorch's clip_grad_norm_ runs on DTensor gradients (pending p-norms, one all_reduce for the
+// sharded ones); the plain gradients of the norm weights without sequence parallelism join them
+// as replicated values.
 double Trainer::clip_grad_norm(double max_norm) {
-  at::NoGradGuard no_grad;
-  double replicated_sq = 0, sharded_sq = 0;
-  std::vector<at::Tensor> locals;
-  for (const auto& p : params_) {
-    const at::Tensor& g = p.grad();
-    if (!g.defined()) continue;
-    at::Tensor local = g;
-    bool sharded = false;
-    if (is_dtensor(g)) {
-      const DTensorSpec& spec = spec_of(g);
-      if (spec.has_partial()) {
-        throw std::logic_error("clip_grad_norm: a gradient is still Partial (" + spec.str() +
-                               "); reduce_partial_grads must run first");
-      }
-      if (spec.mesh().ndim() != 1) {
-        throw std::logic_error("clip_grad_norm: expected gradients on the 1-D TP mesh, got " +
-                               spec.str());
-      }
-      sharded = spec.has_shard();
-      local = to_local(g);
-    }
-    const double sq = local.to(at::kDouble).square().sum().item<double>();
-    (sharded ? sharded_sq : replicated_sq) += sq;
-    locals.push_back(local);
-  }
-  if (mesh_ && config_.tp > 1) {
-    auto t = at::full({1}, sharded_sq, at::kDouble);
-    sharded_sq =
-        comm::all_reduce(t, ReduceOp::Sum, mesh_->group(mesh_->dim_index("tp"))).item<double>();
-  }
-  const double norm = std::sqrt(replicated_sq + sharded_sq);
-  const double coef = max_norm / (norm + 1e-6);
-  if (coef < 1) {
-    for (auto& l : locals) l.mul_(coef);
-  }
-  return norm;
+  ImplicitReplication plain_gradients_are_replicated;
+  return torch::nn::utils::clip_grad_norm_(params_, max_norm);
 }
 
 StepStats Trainer::train_step(int64_t step, const Batch& global_batch) {

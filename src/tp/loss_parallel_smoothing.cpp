@@ -19,6 +19,7 @@
 #include "dtensor/comm/collectives.h"
 #include "dtensor/core/api.h"
 #include "dtensor/core/dtensor_impl.h"
+#include "dtensor/core/shard_math.h"
 #include "dtensor/tp/loss_parallel.h"
 
 namespace dtensor::tp::detail {
@@ -33,14 +34,6 @@ at::Tensor whole(const at::Tensor& t) {
   if (!is_dtensor(t)) return t;
   if (spec_of(t).is_replicated()) return local_tensor(t);
   return local_tensor(redistribute(t, replicate_all(static_cast<int64_t>(placements(t).size()))));
-}
-
-std::vector<int64_t> contiguous_strides(c10::IntArrayRef shape) {
-  std::vector<int64_t> s(shape.size(), 1);
-  for (int64_t i = static_cast<int64_t>(shape.size()) - 2; i >= 0; --i) {
-    s[i] = s[i + 1] * std::max<int64_t>(shape[i + 1], 1);
-  }
-  return s;
 }
 
 // smooth = -sum_c w_c * log_softmax(logits)_c per target position, zero where the target is
@@ -97,7 +90,7 @@ struct SmoothingTerm : torch::autograd::Function<SmoothingTerm> {
     const std::vector<int64_t> shape = out.sizes().vec();
     return make_dtensor(out,
                         make_spec(spec.mesh(), replicate_all(spec.mesh().ndim()),
-                                  TensorMeta{shape, contiguous_strides(shape), out.scalar_type()}));
+                                  TensorMeta{shape, default_strides(shape), out.scalar_type()}));
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
@@ -124,7 +117,7 @@ struct SmoothingTerm : torch::autograd::Function<SmoothingTerm> {
     result[0] =
         make_dtensor(grad.contiguous(),
                      make_spec(spec.mesh(), spec.placements(),
-                               TensorMeta{shape, contiguous_strides(shape), grad.scalar_type()}));
+                               TensorMeta{shape, default_strides(shape), grad.scalar_type()}));
     return result;
   }
 };
