@@ -2,6 +2,7 @@
 
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
+#include <c10/util/StringUtil.h>
 #include <torch/nn/module.h>
 #include <torch/optim/optimizer.h>
 
@@ -42,20 +43,11 @@ std::string hex32(uint32_t v) {
   return buf;
 }
 
-// PyTorch's spelling: "Shard(0)", "Replicate()", "Partial(sum)"; mesh dims joined by ", ".
+// PyTorch's repr ("Shard(dim=0)", "Replicate()", "Partial(sum)"), mesh dims joined by ", ".
 std::string placements_string(const Placements& ps) {
-  std::string s;
-  for (const auto& p : ps) {
-    if (!s.empty()) s += ", ";
-    if (p.is_shard()) {
-      s += "Shard(" + std::to_string(p.dim()) + ")";
-    } else if (p.is_replicate()) {
-      s += "Replicate()";
-    } else {
-      s += std::string("Partial(") + reduce_op_name(p.reduce_op()) + ")";
-    }
-  }
-  return s;
+  std::vector<std::string> each;
+  for (const auto& p : ps) each.push_back(p.repr());
+  return c10::Join(", ", each);
 }
 
 int64_t tp_degree_of(const DeviceMesh& mesh) {

@@ -18,9 +18,12 @@
 #include <thread>
 #include <vector>
 
+#include "support/temp_dir.h"
 #include "train/metrics.h"
 
 extern char** environ;
+
+using dtensor::testing::TempDir;
 
 namespace {
 
@@ -81,19 +84,6 @@ Result train(int ranks, std::vector<std::string> args) {
   return run(cmd);
 }
 
-class TempDir {
- public:
-  TempDir() {
-    std::string pattern = (fs::temp_directory_path() / "dtensor_train_run_XXXXXX").string();
-    path_ = ::mkdtemp(pattern.data());
-  }
-  ~TempDir() { fs::remove_all(path_); }
-  std::string str(const std::string& sub) const { return (path_ / sub).string(); }
-
- private:
-  fs::path path_;
-};
-
 std::string read_file(const std::string& path) {
   std::ifstream in(path);
   std::stringstream ss;
@@ -106,9 +96,9 @@ std::string read_file(const std::string& path) {
 TEST(TrainRun, TwoRanksTrainTinyModelAndMatchOneDevice) {
   TempDir dir;
   const auto r =
-      train(2, {"--steps", "5", "--eval-every", "2", "--out", dir.str("run"), "--verify-tp1"});
+      train(2, {"--steps", "5", "--eval-every", "2", "--out", dir.file("run"), "--verify-tp1"});
   ASSERT_EQ(r.exit_code, 0) << r.output;
-  const auto rows = read_metrics_csv(dir.str("run/metrics.csv"));
+  const auto rows = read_metrics_csv(dir.file("run/metrics.csv"));
   ASSERT_EQ(rows.size(), 5u) << r.output;
   for (size_t i = 0; i < rows.size(); ++i) {
     EXPECT_EQ(rows[i].step, static_cast<int64_t>(i + 1));
@@ -123,28 +113,28 @@ TEST(TrainRun, TwoRanksTrainTinyModelAndMatchOneDevice) {
   // and the output weights have std 1/sqrt(dim) (torchtitan's init), so the logits have unit
   // variance, which costs about half a nat over uniform predictions.
   EXPECT_NEAR(rows[0].loss, std::log(256.0) + 0.5, 0.4);
-  EXPECT_NE(read_file(dir.str("run/loss.svg")).find("<polyline"), std::string::npos);
-  EXPECT_NE(read_file(dir.str("run/config.json")).find("\"tp\": 2"), std::string::npos);
+  EXPECT_NE(read_file(dir.file("run/loss.svg")).find("<polyline"), std::string::npos);
+  EXPECT_NE(read_file(dir.file("run/config.json")).find("\"tp\": 2"), std::string::npos);
   EXPECT_NE(r.output.find("verify-tp1: PASSED"), std::string::npos) << r.output;
   EXPECT_NE(r.output.find("summary"), std::string::npos) << r.output;
 }
 
 TEST(TrainRun, ResumedRunRepeatsTheUninterruptedRunExactly) {
   TempDir dir;
-  const auto whole = train(2, {"--steps", "6", "--out", dir.str("whole")});
+  const auto whole = train(2, {"--steps", "6", "--out", dir.file("whole")});
   ASSERT_EQ(whole.exit_code, 0) << whole.output;
   const auto first =
-      train(2, {"--steps", "6", "--stop-at", "3", "--ckpt-every", "3", "--out", dir.str("split")});
+      train(2, {"--steps", "6", "--stop-at", "3", "--ckpt-every", "3", "--out", dir.file("split")});
   ASSERT_EQ(first.exit_code, 0) << first.output;
-  ASSERT_TRUE(fs::exists(dir.str("split/checkpoints/step_000003.safetensors"))) << first.output;
-  ASSERT_EQ(read_metrics_csv(dir.str("split/metrics.csv")).size(), 3u);
+  ASSERT_TRUE(fs::exists(dir.file("split/checkpoints/step_000003.safetensors"))) << first.output;
+  ASSERT_EQ(read_metrics_csv(dir.file("split/metrics.csv")).size(), 3u);
   const auto second =
-      train(2, {"--steps", "6", "--resume", "--out", dir.str("split"), "--verify-tp1"});
+      train(2, {"--steps", "6", "--resume", "--out", dir.file("split"), "--verify-tp1"});
   ASSERT_EQ(second.exit_code, 0) << second.output;
   EXPECT_NE(second.output.find("verify-tp1: PASSED"), std::string::npos) << second.output;
 
-  const auto a = read_metrics_csv(dir.str("whole/metrics.csv"));
-  const auto b = read_metrics_csv(dir.str("split/metrics.csv"));
+  const auto a = read_metrics_csv(dir.file("whole/metrics.csv"));
+  const auto b = read_metrics_csv(dir.file("split/metrics.csv"));
   ASSERT_EQ(a.size(), 6u);
   ASSERT_EQ(b.size(), 6u);  // the first run's 3 rows and the resumed run's 3
   for (size_t i = 0; i < 6; ++i) {
@@ -157,10 +147,10 @@ TEST(TrainRun, ResumedRunRepeatsTheUninterruptedRunExactly) {
   // The checkpoint holds global tensors: one rank continues the TP=2 run to the same losses
   // (within float32 rounding of the different reductions).
   const auto alone =
-      train(1, {"--steps", "6", "--resume", dir.str("split/checkpoints/step_000003.safetensors"),
-                "--out", dir.str("alone")});
+      train(1, {"--steps", "6", "--resume", dir.file("split/checkpoints/step_000003.safetensors"),
+                "--out", dir.file("alone")});
   ASSERT_EQ(alone.exit_code, 0) << alone.output;
-  const auto c = read_metrics_csv(dir.str("alone/metrics.csv"));
+  const auto c = read_metrics_csv(dir.file("alone/metrics.csv"));
   ASSERT_EQ(c.size(), 3u);
   for (size_t i = 0; i < 3; ++i) {
     EXPECT_EQ(c[i].step, a[i + 3].step);
@@ -186,8 +176,8 @@ TEST(TrainRun, BadSettingsFailOnceBeforeTheRanksMeet) {
 TEST(TrainRun, RunsAloneWithoutALauncher) {
   TempDir dir;
   const auto r =
-      run({DTENSOR_TRAIN_PATH, "--preset", "tiny", "--steps", "2", "--out", dir.str("alone")});
+      run({DTENSOR_TRAIN_PATH, "--preset", "tiny", "--steps", "2", "--out", dir.file("alone")});
   ASSERT_EQ(r.exit_code, 0) << r.output;
-  EXPECT_EQ(read_metrics_csv(dir.str("alone/metrics.csv")).size(), 2u);
+  EXPECT_EQ(read_metrics_csv(dir.file("alone/metrics.csv")).size(), 2u);
   EXPECT_NE(r.output.find("TP=1"), std::string::npos) << r.output;
 }

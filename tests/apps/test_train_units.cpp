@@ -13,6 +13,7 @@
 #include <string>
 #include <vector>
 
+#include "support/temp_dir.h"
 #include "train/corpus.h"
 #include "train/loss_plot.h"
 #include "train/lr_schedule.h"
@@ -25,21 +26,9 @@
 using namespace dtensor::train;
 namespace fs = std::filesystem;
 
+using dtensor::testing::TempDir;
+
 namespace {
-
-// A fresh directory under the system temp dir, removed at the end of the test.
-class TempDir {
- public:
-  TempDir() {
-    std::string pattern = (fs::temp_directory_path() / "dtensor_train_units_XXXXXX").string();
-    path_ = ::mkdtemp(pattern.data());
-  }
-  ~TempDir() { fs::remove_all(path_); }
-  fs::path operator/(const std::string& name) const { return path_ / name; }
-
- private:
-  fs::path path_;
-};
 
 int count(const std::string& text, const std::string& needle) {
   int n = 0;
@@ -175,7 +164,7 @@ TEST(TrainSchedule, NoWarmupStartsAtThePeak) {
 
 TEST(TrainMetrics, CsvRoundTripsAndResumeDropsLaterRows) {
   TempDir dir;
-  const std::string path = (dir / "metrics.csv").string();
+  const std::string path = dir.file("metrics.csv");
   std::vector<MetricsRow> rows;
   for (int64_t s = 1; s <= 5; ++s) {
     MetricsRow r;
@@ -217,8 +206,8 @@ TEST(TrainMetrics, CsvRoundTripsAndResumeDropsLaterRows) {
   back = read_metrics_csv(path);
   ASSERT_EQ(back.size(), 4u);
   EXPECT_EQ(back[3].step, 4);
-  std::ofstream(dir / "bad.csv") << "step,loss\n1,2\n";
-  EXPECT_THROW(read_metrics_csv((dir / "bad.csv").string()), std::runtime_error);
+  std::ofstream(dir.file("bad.csv")) << "step,loss\n1,2\n";
+  EXPECT_THROW(read_metrics_csv(dir.file("bad.csv")), std::runtime_error);
 }
 
 TEST(TrainPlot, SvgHasOneTrainingLineAndAValidationDotPerEvaluation) {
@@ -398,6 +387,6 @@ TEST(TrainRunConfig, PresetDefaultsOverridesAndTpChecks) {
   expect_error({"--preset", "tiny", "--batch-size", "3", "--dp", "2"}, 2, "not divisible by --dp");
   expect_error({"--preset", "tiny", "--warmup", "50"}, 1, "--warmup 50 is longer than the run");
   TempDir dir;
-  std::ofstream(dir / "bad.json") << "{\"dimm\": 3}";
-  expect_error({"--config", (dir / "bad.json").string()}, 1, "dimm");
+  std::ofstream(dir.file("bad.json")) << "{\"dimm\": 3}";
+  expect_error({"--config", dir.file("bad.json")}, 1, "dimm");
 }

@@ -28,6 +28,7 @@
 #include "dtensor/models/crc32c.h"
 #include "dtensor/models/safetensors.h"
 #include "support/distributed.h"
+#include "support/temp_dir.h"
 
 using namespace dtensor;
 using namespace dtensor::models;
@@ -35,29 +36,6 @@ using namespace dtensor::testing;
 namespace fs = std::filesystem;
 
 namespace {
-
-class TempDir {
- public:
-  TempDir() {
-    const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
-    path_ = fs::temp_directory_path() /
-            ("dtensor_ckpt_" + std::string(info->name()) + "_" + std::to_string(::getpid()));
-    fs::remove_all(path_);
-    fs::create_directories(path_);
-  }
-  ~TempDir() { fs::remove_all(path_); }
-  std::string file(const std::string& name) const { return (path_ / name).string(); }
-  const fs::path& path() const { return path_; }
-  std::vector<std::string> entries() const {
-    std::vector<std::string> out;
-    for (const auto& e : fs::directory_iterator(path_)) out.push_back(e.path().filename());
-    std::sort(out.begin(), out.end());
-    return out;
-  }
-
- private:
-  fs::path path_;
-};
 
 // Linear(dim, hidden) - ReLU - Linear(hidden, dim), initialised from `seed`.
 torch::nn::Sequential mlp(int64_t dim, int64_t hidden, uint64_t seed,
@@ -196,11 +174,11 @@ TEST(Checkpoint, RoundTripsBetweenTpDegreesBitForBit) {
   EXPECT_EQ(meta.world_size, 2);
   EXPECT_EQ(meta.format_version, kCheckpointFormatVersion);
   EXPECT_EQ(meta.entries.at("run"), "a");
-  EXPECT_HAS(meta.entries.at("placements"), R"j("0.weight":"Shard(0)")j");
-  EXPECT_HAS(meta.entries.at("placements"), R"j("2.weight":"Shard(1)")j");
+  EXPECT_HAS(meta.entries.at("placements"), R"j("0.weight":"Shard(dim=0)")j");
+  EXPECT_HAS(meta.entries.at("placements"), R"j("2.weight":"Shard(dim=1)")j");
   EXPECT_HAS(meta.entries.at("placements"), R"j("2.bias":"Replicate()")j");
   EXPECT_HAS(read_checkpoint_metadata(dir.file("dp2tp2.safetensors")).entries.at("placements"),
-             R"j("0.weight":"Shard(0), Shard(1)")j");
+             R"j("0.weight":"Shard(dim=0), Shard(dim=1)")j");
   EXPECT_EQ(read_checkpoint_metadata(dir.file("dp2tp2.safetensors")).tp_degree, 2);
   EXPECT_EQ(read_checkpoint_metadata(dir.file("tp1.safetensors")).tp_degree, 1);
 

@@ -19,33 +19,14 @@
 #include <vector>
 
 #include "dtensor/models/safetensors.h"
+#include "support/temp_dir.h"
 
 namespace fs = std::filesystem;
 namespace st = dtensor::models::safetensors;
 
+using dtensor::testing::TempDir;
+
 namespace {
-
-// A fresh directory per test, removed afterwards.
-class TempDir {
- public:
-  TempDir() {
-    const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
-    path_ = fs::temp_directory_path() /
-            ("dtensor_st_" + std::string(info->name()) + "_" + std::to_string(::getpid()));
-    fs::remove_all(path_);
-    fs::create_directories(path_);
-  }
-  ~TempDir() { fs::remove_all(path_); }
-  std::string file(const std::string& name) const { return (path_ / name).string(); }
-  std::vector<std::string> entries() const {
-    std::vector<std::string> out;
-    for (const auto& e : fs::directory_iterator(path_)) out.push_back(e.path().filename());
-    return out;
-  }
-
- private:
-  fs::path path_;
-};
 
 std::string read_bytes(const std::string& path) {
   std::ifstream in(path, std::ios::binary);

@@ -10,7 +10,7 @@
 // the optimizer state under "optim.state.<parameter name>.<key>" (Adam/AdamW: exp_avg,
 // exp_avg_sq, max_exp_avg_sq, step; SGD: momentum_buffer); and __metadata__ entries
 // (kMetadataKeys): format and version, the caller's config string, step, the TP degree and
-// world size that saved it, each DTensor's placements ("Shard(0)"), each tensor's CRC-32C,
+// world size that saved it, each DTensor's placements ("Shard(dim=0)"), each tensor's CRC-32C,
 // the optimizer's type and param-group options, and the caller's own entries.
 #include <ATen/core/Tensor.h>
 
@@ -37,7 +37,7 @@ inline constexpr const char* kStep = "step";
 inline constexpr const char* kTpDegree = "tp_degree";
 inline constexpr const char* kWorldSize = "world_size";
 inline constexpr const char* kMesh = "mesh";              // the first DTensor's mesh, printed
-inline constexpr const char* kPlacements = "placements";  // JSON {name: "Shard(0)"}
+inline constexpr const char* kPlacements = "placements";  // JSON {name: "Shard(dim=0)"}
 inline constexpr const char* kChecksumAlgorithm = "checksum_algorithm";  // "crc32c"
 inline constexpr const char* kChecksums = "checksums";                   // JSON {name: "1a2b3c4d"}
 inline constexpr const char* kOptimizer = "optimizer";  // JSON {type, param_groups}
