@@ -1,6 +1,7 @@
 #include "style_support.h"
 
 #include <c10/util/Exception.h>
+#include <c10/util/StringUtil.h>
 #include <torch/nn/modules/dropout.h>
 #include <torch/nn/modules/embedding.h>
 #include <torch/nn/modules/linear.h>
@@ -152,6 +153,53 @@ c10::IValue prepare_value(const c10::IValue& value, const DeviceMesh& mesh,
   if (!is_dtensor(t)) t = from_local(t, mesh, {*layout});
   if (desired && *layout != *desired) t = redistribute(t, {*desired});
   return use_local ? to_local(t) : t;
+}
+
+std::string linear_style_repr(const LinearStyleSpec& s) {
+  return std::string(s.name) + "(input_layouts=(" + s.input.repr() + ",), output_layouts=(" +
+         s.output.repr() + ",), use_local_output=" + py_bool(s.use_local_output) + ")";
+}
+
+bool check_linear_or_embedding(const LinearStyleSpec& s, const torch::nn::Module& module,
+                               const std::string& fqn) {
+  const bool linear = dynamic_cast<const torch::nn::LinearImpl*>(&module) != nullptr;
+  const bool embedding = dynamic_cast<const torch::nn::EmbeddingImpl*>(&module) != nullptr;
+  TORCH_CHECK_NOT_IMPLEMENTED(
+      linear || embedding, s.name, " currently only support nn.Linear and nn.Embedding! (",
+      describe_module(module, fqn),
+      " is neither a torch::nn::LinearImpl nor a torch::nn::EmbeddingImpl)");
+  return linear;
+}
+
+void check_hooks_not_needed(const LinearStyleSpec& s, torch::nn::Module& module,
+                            const std::string& fqn) {
+  if (hooks_of(module)) return;
+  std::vector<std::string> needs;
+  if (s.input != s.input_desired)
+    needs.push_back("taking the input as input_layouts=(" + s.input.repr() +
+                    ",) and redistributing it to " + s.input_desired.repr());
+  if (s.output != s.plain_output)
+    needs.push_back("redistributing the output to output_layouts=(" + s.output.repr() + ",)");
+  if (s.use_local_output) needs.push_back("returning the local shard (use_local_output=True)");
+  if (needs.empty()) return;
+  const bool only_local = needs.size() == 1 && s.use_local_output;
+  throw_needs_hooks(module, fqn, linear_style_repr(s), c10::Join(" and ", needs),
+                    only_local ? "set use_local_output=false and pass DTensor inputs"
+                               : "keep the default layouts, set use_local_output=false and pass " +
+                                     s.input_desired.repr() + " DTensor inputs");
+}
+
+void apply_linear_style(const LinearStyleSpec& s, torch::nn::Module& module, const DeviceMesh& mesh,
+                        std::optional<int64_t> src_data_rank, const ParamLayout& layout) {
+  distribute_parameters(module, mesh, src_data_rank, layout);
+  HookedModule* hooks = hooks_of(module);
+  if (!hooks) return;
+  hooks->register_forward_pre_hook([s, mesh](torch::nn::Module& m, ModuleCall& call) {
+    prepare_first_input(call, mesh, s.input, s.input_desired, s.name, m);
+  });
+  hooks->register_forward_hook([s](torch::nn::Module& m, const ModuleCall&, c10::IValue& out) {
+    prepare_single_output(out, s.output, s.use_local_output, s.name, m);
+  });
 }
 
 }  // namespace dtensor::tp::detail

@@ -7,6 +7,7 @@
 #include <functional>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "dtensor/core/placement.h"
 #include "dtensor/mesh/device_mesh.h"
@@ -60,6 +61,27 @@ void prepare_first_input(ModuleCall& call, const DeviceMesh& mesh, Placement inp
 // placement differs; the local shard when `use_local_output`.
 void prepare_single_output(c10::IValue& output, Placement output_layout, bool use_local_output,
                            const char* style, const torch::nn::Module& module);
+
+// What ColwiseParallel and RowwiseParallel share. `input_desired` is what the module computes
+// on; `plain_output` is what it returns without hooks (Colwise: Shard(-1), Rowwise: the Partial
+// sum, which its consumer reduces exactly as a Replicate output hook would).
+struct LinearStyleSpec {
+  const char* name;  // "ColwiseParallel"
+  Placement input, input_desired, output, plain_output;
+  bool use_local_output;
+};
+// "ColwiseParallel(input_layouts=(Replicate(),), output_layouts=(...), use_local_output=True)".
+std::string linear_style_repr(const LinearStyleSpec& s);
+// Throws PyTorch's error unless `module` is a Linear or an Embedding; returns whether a Linear.
+bool check_linear_or_embedding(const LinearStyleSpec& s, const torch::nn::Module& module,
+                               const std::string& fqn);
+// On a module without hooks, throws naming each conversion that would need one.
+void check_hooks_not_needed(const LinearStyleSpec& s, torch::nn::Module& module,
+                            const std::string& fqn);
+// Shards the parameters with `layout`, then installs the input and output hooks when the module
+// has hooks.
+void apply_linear_style(const LinearStyleSpec& s, torch::nn::Module& module, const DeviceMesh& mesh,
+                        std::optional<int64_t> src_data_rank, const ParamLayout& layout);
 
 // One input or output of a Prepare* style: untouched without a layout; else a plain tensor
 // becomes a DTensor with `layout`, is redistributed (synchronously) to `desired` when that is
