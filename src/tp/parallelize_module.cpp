@@ -156,10 +156,8 @@ class ModelSnapshot {
         replace_buffer(*s.module, name, tensor);
       }
       if (s.hooks) {
-        // Handles grow monotonically, so the hooks added since the snapshot are those between
-        // the two marks.
-        const size_t now = hook_mark(*s.hooks);
-        for (size_t h = s.hook_mark + 1; h < now; ++h) s.hooks->remove_hook(h);
+        const size_t now = s.hooks->next_hook_handle();
+        for (size_t h = s.hook_mark; h < now; ++h) s.hooks->remove_hook(h);
       }
       if (!s.distributed && is_distributed_module(*s.module)) forget_distributed_module(*s.module);
     }
@@ -176,17 +174,9 @@ class ModelSnapshot {
     std::vector<Param> params;
     std::vector<std::pair<std::string, at::Tensor>> buffers;
     HookedModule* hooks;
-    size_t hook_mark;
+    size_t hook_mark;  // hooks with a handle from here on were added after the snapshot
     bool distributed;
   };
-
-  // The next hook handle of `hooks` (HookedModule has no accessor; register and remove a
-  // no-op hook to read it).
-  static size_t hook_mark(HookedModule& hooks) {
-    const size_t handle = hooks.register_forward_hook({});
-    hooks.remove_hook(handle);
-    return handle;
-  }
 
   void take(torch::nn::Module& m) {
     Saved s{&m, {}, {}, detail::hooks_of(m), 0, is_distributed_module(m)};
@@ -194,7 +184,7 @@ class ModelSnapshot {
       s.params.push_back({p.key(), p.value(), p.value().requires_grad()});
     for (const auto& b : m.named_buffers(/*recurse=*/false))
       s.buffers.emplace_back(b.key(), b.value());
-    if (s.hooks) s.hook_mark = hook_mark(*s.hooks);
+    if (s.hooks) s.hook_mark = s.hooks->next_hook_handle();
     saved_.push_back(std::move(s));
   }
 

@@ -58,6 +58,9 @@ class HookedModule {
   size_t register_forward_hook(ForwardHook hook);
   void remove_hook(size_t handle);
   size_t num_hooks() const { return pre_hooks_.size() + hooks_.size(); }
+  // The handle the next hook will get: handles only grow, so hooks registered after this call
+  // are exactly those with a handle at or above it.
+  size_t next_hook_handle() const { return next_handle_; }
 
   // The module's path from the root of its model ("layers.0.attention"), used to attribute
   // collectives in CommDebugMode; set by parallelize_module and tp::name_modules().
