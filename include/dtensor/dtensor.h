@@ -10,6 +10,7 @@
 #include "dtensor/core/placement.h"
 #include "dtensor/core/redistribute.h"
 #include "dtensor/dispatch/cache.h"
+#include "dtensor/dispatch/explicit_redistribution.h"
 #include "dtensor/dispatch/implicit_replication.h"
 #include "dtensor/dispatch/op_call.h"
 #include "dtensor/mesh/device_mesh.h"
@@ -18,4 +19,5 @@
 #include "dtensor/tp/module_hooks.h"
 #include "dtensor/tp/parallel_style.h"
 #include "dtensor/tp/parallelize_module.h"
+#include "dtensor/tp/partial_grads.h"
 #include "dtensor/tp/styles.h"

@@ -13,21 +13,33 @@
 #include <torch/csrc/autograd/InferenceMode.h>
 #include <torch/csrc/autograd/graph_task.h>
 
+#include <algorithm>
 #include <cstring>
+#include <sstream>
 #include <unordered_map>
 
+#include "dtensor/comm/comm_debug_mode.h"
 #include "dtensor/core/dtensor_impl.h"
 #include "dtensor/core/redistribute.h"
+#include "dtensor/core/shard_math.h"
+#include "dtensor/dispatch/explicit_redistribution.h"
 #include "dtensor/dispatch/implicit_replication.h"
 #include "op_registry.h"
 
 namespace dtensor {
 namespace {
 thread_local bool tl_implicit_replication = false;
-}
+thread_local bool tl_explicit_redistribution = false;
+}  // namespace
 ImplicitReplication::ImplicitReplication() { tl_implicit_replication = true; }
 ImplicitReplication::~ImplicitReplication() { tl_implicit_replication = false; }
 bool ImplicitReplication::enabled() { return tl_implicit_replication; }
+
+ExplicitRedistribution::ExplicitRedistribution() : prev_(tl_explicit_redistribution) {
+  tl_explicit_redistribution = true;
+}
+ExplicitRedistribution::~ExplicitRedistribution() { tl_explicit_redistribution = prev_; }
+bool ExplicitRedistribution::enabled() { return tl_explicit_redistribution; }
 }  // namespace dtensor
 
 namespace dtensor::dispatch {
@@ -57,6 +69,9 @@ struct CompiledReturn {
   std::vector<SpecPtr> specs;  // Tensor[] return
   int writes_arg;
   bool respec = false;  // in-place op that changes its tensor's metadata (squeeze_, t_)
+  // Fresh dense results: the local strides that follow the global stride order, checked
+  // after the local call (empty: not checked).
+  std::vector<int64_t> local_stride;
 };
 
 // A cached decision, ready to execute.
@@ -66,6 +81,7 @@ struct Compiled {
   std::vector<std::pair<int, c10::IValue>> local_args;
   std::vector<CompiledReturn> returns;
   bool mesh_member = true;
+  bool communicates = false;  // some input's redistribution issues a collective
   LocalKernel local_kernel;
   std::vector<SpecPtr> local_in_specs;   // for local_kernel: specs at the local call
   std::vector<SpecPtr> local_out_specs;  // for local_kernel: per return
@@ -263,6 +279,89 @@ std::vector<std::optional<TensorMeta>> meta_outputs(const c10::OperatorHandle& o
   return out;
 }
 
+// Strides for `local_shape` that keep the dimension order of `global_stride` (innermost
+// first; ties keep the later dim inner, as contiguous strides do).
+std::vector<int64_t> ops_strides_like(c10::IntArrayRef local_shape,
+                                      c10::IntArrayRef global_stride) {
+  const size_t n = local_shape.size();
+  std::vector<size_t> order(n);
+  for (size_t i = 0; i < n; ++i) order[i] = i;
+  std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) {
+    return global_stride[a] < global_stride[b] || (global_stride[a] == global_stride[b] && a > b);
+  });
+  std::vector<int64_t> out(n, 1);
+  int64_t acc = 1;
+  for (size_t d : order) {
+    out[d] = acc;
+    acc *= std::max<int64_t>(local_shape[d], 1);
+  }
+  return out;
+}
+
+// Whether `t`'s strides agree with `expected` on every dim that has more than one element.
+bool has_layout(const at::Tensor& t, const std::vector<int64_t>& expected) {
+  if (t.numel() <= 1) return true;
+  const auto sizes = t.sizes();
+  const auto strides = t.strides();
+  for (size_t d = 0; d < expected.size(); ++d) {
+    if (sizes[d] > 1 && strides[d] != expected[d]) return false;
+  }
+  return true;
+}
+
+// The op refused the inputs' global shapes: the same error on every rank, naming the layout.
+[[noreturn]] void fail_global_shapes(const OpInfo& info, const OpCall& call, const c10::Error& e) {
+  TORCH_CHECK_VALUE(false, "dtensor: ", info.name, " rejects the global shapes of its inputs ",
+                    call.placements_str(), ": ", e.msg());
+}
+
+bool is_dense(const TensorMeta& m) {
+  int64_t expected = 1;
+  std::vector<int64_t> order(m.shape.size());
+  for (size_t i = 0; i < order.size(); ++i) order[i] = static_cast<int64_t>(i);
+  std::stable_sort(order.begin(), order.end(),
+                   [&](int64_t a, int64_t b) { return m.stride[a] < m.stride[b]; });
+  for (int64_t d : order) {
+    if (m.shape[d] == 1) continue;
+    if (m.stride[d] != expected) return false;
+    expected *= m.shape[d];
+  }
+  return true;
+}
+
+// A rule that supplies its outputs' metadata still gets the op's own checks of the global
+// shapes (broadcasting, contracted sizes, dims in range) by a run on meta tensors, once per
+// cache entry; every rank then refuses the same inputs with the same message, instead of
+// some ranks failing on their local shards and the others waiting in the next collective.
+// Ops without a meta kernel rely on their rule's checks. Where the meta run succeeds, its
+// strides (PyTorch's layout propagation) replace dense strides the rule guessed.
+void check_global_shapes(const c10::OperatorHandle& op, const OpInfo& info, const OpCall& call,
+                         c10::ArrayRef<c10::IValue> args, const c10::SmallVector<Slot, 8>& slots,
+                         const std::vector<SpecPtr>& specs,
+                         std::vector<std::optional<TensorMeta>>& metas) {
+  for (size_t r = 0; r < info.num_returns; ++r) {
+    // Data-dependent outputs (no metadata from the rule) cannot be found on meta tensors.
+    if (info.return_kind[r] != ReturnKind::Other && (r >= metas.size() || !metas[r])) return;
+  }
+  std::vector<std::vector<TensorMeta>> lists;
+  std::vector<std::optional<TensorMeta>> found;
+  try {
+    found = meta_outputs(op, info, args, slots, specs, lists);
+  } catch (const c10::NotImplementedError&) {
+    return;
+  } catch (const c10::Error& e) {
+    fail_global_shapes(info, call, e);
+  }
+  for (size_t r = 0; r < metas.size() && r < found.size(); ++r) {
+    if (!metas[r] || !found[r]) continue;
+    TORCH_CHECK(metas[r]->shape == found[r]->shape, "dtensor: the sharding rule of ", info.name,
+                " gives output ", r, " the global shape ", c10::IntArrayRef(metas[r]->shape),
+                " but the op gives ", c10::IntArrayRef(found[r]->shape), " for inputs ",
+                call.placements_str());
+    if (is_dense(*metas[r]) && is_dense(*found[r])) metas[r]->stride = found[r]->stride;
+  }
+}
+
 Compiled compile(const c10::OperatorHandle& op, const OpInfo& info, c10::ArrayRef<c10::IValue> args,
                  const c10::SmallVector<Slot, 8>& slots) {
   // The compute mesh is the first DTensor's; all DTensors must share it.
@@ -281,6 +380,7 @@ Compiled compile(const c10::OperatorHandle& op, const OpInfo& info, c10::ArrayRe
   }
   std::vector<InputSpec> inputs;
   Compiled c;
+  c.in_target.reserve(slots.size());
   for (const auto& s : slots) {
     SpecPtr sp;
     if (s.impl) {
@@ -318,22 +418,31 @@ Compiled compile(const c10::OperatorHandle& op, const OpInfo& info, c10::ArrayRe
       t = cur.with_placements(d.inputs[i]);
     }
     target_specs.push_back(t ? t : c.in_spec[i]);
+    if (t) {
+      // Moves out of Replicate are local chunks or zero-fills; anything else communicates.
+      for (size_t m = 0; m < d.inputs[i].size(); ++m) {
+        const Placement& from = cur.placements()[m];
+        c.communicates = c.communicates || (!from.is_replicate() && !(from == d.inputs[i][m]));
+      }
+    }
     c.in_target.push_back(std::move(t));
   }
   // Output metadata from the rule, or from the op on meta tensors.
   std::vector<std::vector<TensorMeta>> list_meta;
   std::vector<std::optional<TensorMeta>> metas;
-  bool have_all = !d.output_meta.empty();
-  if (have_all) {
+  if (!d.output_meta.empty()) {
     metas = d.output_meta;
+    check_global_shapes(op, info, call, args, slots, c.in_spec, metas);
   } else {
     try {
       metas = meta_outputs(op, info, args, slots, c.in_spec, list_meta);
-    } catch (const std::exception& e) {
+    } catch (const c10::NotImplementedError& e) {
       TORCH_CHECK(false, "dtensor: ", info.name,
                   " cannot run on meta tensors to find its output "
                   "shapes, and its sharding rule does not supply them: ",
-                  e.what());
+                  e.what_without_backtrace());
+    } catch (const c10::Error& e) {
+      fail_global_shapes(info, call, e);
     }
   }
   for (size_t r = 0; r < info.num_returns; ++r) {
@@ -367,6 +476,14 @@ Compiled compile(const c10::OperatorHandle& op, const OpInfo& info, c10::ArrayRe
           cr.spec = c.in_spec[i];
         }
       }
+    }
+    if (cr.kind == ReturnKind::Tensor && cr.spec && cr.writes_arg < 0 && !info.return_is_view[r] &&
+        is_dense(cr.spec->meta()) && mesh->coordinate()) {
+      const auto local =
+          compute_local_shape_and_global_offset(cr.spec->shape(), mesh->shape(),
+                                                *mesh->coordinate(), cr.spec->placements())
+              .shape;
+      cr.local_stride = ops_strides_like(local, cr.spec->stride());
     }
     c.returns.push_back(std::move(cr));
   }
@@ -406,6 +523,39 @@ void set_local(torch::jit::Stack& stack, size_t base, const Slot& s, const at::T
     l.set(s.list_index, local);
   }
 }
+
+// "(S(0))[8, 4], (R)[4]" for error messages.
+std::string describe(const std::vector<SpecPtr>& specs) {
+  std::ostringstream os;
+  for (size_t i = 0; i < specs.size(); ++i) {
+    os << (i ? ", " : "") << to_string(specs[i]->placements())
+       << c10::IntArrayRef(specs[i]->shape());
+  }
+  return os.str();
+}
+
+[[noreturn]] void fail_implicit_redistribution(const OpInfo& info, const Compiled& cd) {
+  std::ostringstream moves;
+  for (size_t i = 0; i < cd.in_target.size(); ++i) {
+    if (!cd.in_target[i]) continue;
+    moves << "\n  input " << i << " " << c10::IntArrayRef(cd.in_spec[i]->shape()) << ": "
+          << to_string(cd.in_spec[i]->placements()) << " -> "
+          << to_string(cd.in_target[i]->placements());
+  }
+  const std::string module = ModuleScope::current();
+  TORCH_CHECK(false, info.name, " needs an implicit redistribution in ",
+              module.empty() ? std::string("no tracked module") : "module '" + module + "'",
+              BackwardScope::active() || torch::autograd::get_current_graph_task_id() != -1
+                  ? " (backward)"
+                  : " (forward)",
+              ", which ExplicitRedistribution forbids:", moves.str(),
+              "\nRedistribute the inputs yourself (redistribute()), or change the plan.");
+}
+
+void run_local(const c10::OperatorHandle& op, const Compiled& cd,
+               const c10::SmallVector<Slot, 8>& slots, torch::jit::Stack& st, size_t base);
+void wrap_returns(const Compiled& cd, c10::SmallVector<at::Tensor, 2>& written,
+                  torch::jit::Stack& st);
 
 void run(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   const OpInfo& info = op_info(op);
@@ -458,6 +608,22 @@ void run(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
     return;
   }
 
+  if (C10_UNLIKELY(tl_explicit_redistribution && cd.communicates)) {
+    fail_implicit_redistribution(info, cd);
+  }
+  try {
+    run_local(op, cd, slots, *stack, base);
+  } catch (c10::Error& e) {
+    e.add_context(c10::str("while running ", info.name, " on DTensor inputs ", describe(cd.in_spec),
+                           " (module '", ModuleScope::current(), "')"));
+    throw;
+  }
+  wrap_returns(cd, written, *stack);
+}
+
+void run_local(const c10::OperatorHandle& op, const Compiled& cd,
+               const c10::SmallVector<Slot, 8>& slots, torch::jit::Stack& st, size_t base) {
+  torch::jit::Stack* stack = &st;
   int copied_list = -1;
   for (size_t i = 0; i < slots.size(); ++i) {
     const Slot& s = slots[i];
@@ -483,7 +649,11 @@ void run(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
       op.callBoxed(*stack);
     }
   }
+}
 
+void wrap_returns(const Compiled& cd, c10::SmallVector<at::Tensor, 2>& written,
+                  torch::jit::Stack& st) {
+  torch::jit::Stack* stack = &st;
   const size_t nret = cd.returns.size();
   const size_t rbase = stack->size() - nret;
   size_t w = 0;
@@ -494,7 +664,19 @@ void run(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
       if (C10_UNLIKELY(cr.respec)) dtensor_impl(written[w])->replace(out.toTensor(), cr.spec);
       out = written[w++];
     } else if (cr.kind == ReturnKind::Tensor) {
-      if (cr.spec && out.isTensor()) out = make_dtensor(out.toTensor(), cr.spec);
+      if (cr.spec && out.isTensor()) {
+        // A DTensor's local tensor is laid out in its global stride order, so that views and
+        // reshapes decided on the global strides are valid on every rank's shard.
+        if (!cr.local_stride.empty() &&
+            C10_UNLIKELY(!has_layout(out.toTensor(), cr.local_stride))) {
+          const at::Tensor& t = out.toTensor();
+          ++tl_stats.layout_copies;
+          at::Tensor laid = at::empty_strided(t.sizes(), cr.local_stride, t.options());
+          laid.copy_(t);
+          out = laid;
+        }
+        out = make_dtensor(out.toTensor(), cr.spec);
+      }
     } else if (cr.kind == ReturnKind::TensorList && !cr.specs.empty()) {
       auto locals = out.toTensorVector();
       std::vector<at::Tensor> wrapped;

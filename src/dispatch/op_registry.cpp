@@ -2,6 +2,7 @@
 
 #include <ATen/core/jit_type.h>
 
+#include <algorithm>
 #include <memory>
 #include <mutex>
 #include <unordered_map>
@@ -122,6 +123,15 @@ void register_rule(std::initializer_list<const char*> names, const Rule& rule,
 }
 
 bool has_rule(const std::string& qualified_name) { return find_rule(qualified_name) != nullptr; }
+
+std::vector<std::string> registered_rule_names() {
+  std::lock_guard<std::mutex> l(mu());
+  std::vector<std::string> out;
+  out.reserve(rules().size());
+  for (const auto& [name, entry] : rules()) out.push_back(name);
+  std::sort(out.begin(), out.end());
+  return out;
+}
 
 const OpInfo& op_info(const c10::OperatorHandle& op) {
   const void* key = &op.schema();

@@ -103,6 +103,17 @@ std::vector<Strategy> einsum_candidates(const OpCall& call, const Equation& e, b
                 call.name(), ": operand ", j, " has ", call.input(first + j).ndim(),
                 " dims, expected ", e.operands[j].size());
   }
+  // A letter names one size in every operand (dot and mv have no meta kernel to check it).
+  for (char c : std::set<char>(e.operands[0].begin(), e.operands[0].end())) {
+    for (size_t j = 1; j < e.operands.size(); ++j) {
+      const auto a = e.operands[0].find(c), b = e.operands[j].find(c);
+      if (b == std::string::npos) continue;
+      TORCH_CHECK_VALUE(call.input(first).shape()[a] == call.input(first + j).shape()[b],
+                        call.name(), ": the global shapes of its operands ", call.placements_str(),
+                        " disagree on the size of dim '", c, "' (", call.input(first).shape()[a],
+                        " vs ", call.input(first + j).shape()[b], ")");
+    }
+  }
   const std::vector<DimChoice> choices = single_dim_choices(e);
   const int64_t mesh_nd = call.mesh_ndim();
   const DeviceMesh& mesh = call.mesh();

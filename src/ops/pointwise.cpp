@@ -1,5 +1,8 @@
 // Element-wise ops with broadcasting (spec §5.5, Pointwise): follow the input with the most
 // shards; Partial survives only through linear ops.
+#include <ATen/TensorIterator.h>
+#include <ATen/ops/empty_strided.h>
+
 #include "rule_utils.h"
 
 namespace dtensor::ops {
@@ -30,25 +33,41 @@ size_t out_input(const OpCall& call) {
   TORCH_CHECK(false, call.name(), ": registered as an out= variant but has no out argument");
 }
 
+// The broadcast shape of the operands (all inputs but `skip`) and the strides an element-wise
+// result gets from them, as TensorIterator decides both on the global shapes: incompatible
+// shapes are refused here, the same on every rank, and a result of permuted inputs is
+// permuted like theirs (a transposed operand gives a transposed result, as on one device).
+TensorMeta broadcast_layout(const OpCall& call, size_t skip) {
+  // Dtypes do not change shapes or layouts: one float dtype for all keeps TensorIterator's
+  // type checks out of it (the result dtype is found elsewhere).
+  at::TensorIteratorConfig config;
+  config.add_owned_output(at::Tensor());
+  for (size_t j = 0; j < call.num_inputs(); ++j) {
+    if (j == skip) continue;
+    const auto& in = call.input(j);
+    config.add_owned_const_input(at::empty_strided(
+        in.shape(), in.stride(), at::TensorOptions().dtype(at::kFloat).device(c10::kMeta)));
+  }
+  at::TensorIterator iter;
+  try {
+    iter = config.build();
+  } catch (const c10::Error& e) {
+    TORCH_CHECK_VALUE(false, call.name(), ": the global shapes of its inputs ",
+                      call.placements_str(), " do not broadcast: ", e.msg());
+  }
+  const at::Tensor& out = iter.output(0);
+  return TensorMeta{out.sizes().vec(), out.strides().vec(), at::kFloat};
+}
+
 Decision pointwise(const OpCall& call, Linearity lin, Write write) {
   const size_t n = call.num_inputs();
   TORCH_CHECK(n > 0, call.name(), ": pointwise rule without tensor inputs");
   const bool inplace = write != Write::Fresh;
   const size_t written = write == Write::Out ? out_input(call) : 0;
-  // Broadcast output shape (of the operands: an out= tensor's shape does not count).
-  int64_t out_nd = 0;
-  for (size_t j = 0; j < n; ++j) {
-    if (write != Write::Out || j != written) out_nd = std::max(out_nd, call.input(j).ndim());
-  }
-  std::vector<int64_t> out_shape(out_nd, 1);
-  for (size_t j = 0; j < n; ++j) {
-    if (write == Write::Out && j == written) continue;
-    const auto& s = call.input(j).shape();
-    const int64_t off = out_nd - static_cast<int64_t>(s.size());
-    for (size_t k = 0; k < s.size(); ++k) {
-      if (s[k] != 1) out_shape[off + k] = s[k];
-    }
-  }
+  // Broadcast output shape and layout (of the operands: an out= tensor's does not count).
+  const TensorMeta layout = broadcast_layout(call, write == Write::Out ? written : n);
+  const std::vector<int64_t>& out_shape = layout.shape;
+  const int64_t out_nd = static_cast<int64_t>(out_shape.size());
   // Follow the most-sharded input; on equal shard counts (a 1-rank mesh) a Shard placement
   // still beats Replicate/Partial, then more dims, then the earliest.
   auto shard_dims = [](const DTensorSpec& s) {
@@ -112,7 +131,8 @@ Decision pointwise(const OpCall& call, Linearity lin, Write write) {
   Decision d = all_outputs(call, std::move(inputs), out);
   // Many element-wise kernels have no meta implementation: give the output metadata here.
   const at::ScalarType dtype = inplace ? call.input(written).dtype() : proxy_result_dtype(call);
-  d.output_meta.push_back(TensorMeta{out_shape, default_strides(out_shape), dtype});
+  d.output_meta.push_back(
+      TensorMeta{out_shape, inplace ? call.input(written).stride() : layout.stride, dtype});
   return d;
 }
 

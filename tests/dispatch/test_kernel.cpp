@@ -133,3 +133,18 @@ TEST(Kernel, ViewsAndReshapesKeepShardsWhenTheyCan) {
     EXPECT_EQ(placements(e)[0], Shard(1));
   });
 }
+
+// A rule registered under a misspelt name would never be reached: every name must resolve to
+// an operator the dispatcher knows.
+TEST(Kernel, EveryRegisteredRuleNamesARealOperator) {
+  const auto names = dispatch::registered_rule_names();
+  EXPECT_GT(names.size(), 100u);
+  for (const auto& name : names) {
+    const auto ns = name.find("::");
+    const auto dot = name.find('.', ns == std::string::npos ? 0 : ns + 2);
+    const std::string op = name.substr(0, dot);
+    const std::string overload = dot == std::string::npos ? "" : name.substr(dot + 1);
+    EXPECT_TRUE(c10::Dispatcher::singleton().findSchema({op, overload}).has_value())
+        << "a sharding rule is registered for '" << name << "', which is no operator";
+  }
+}

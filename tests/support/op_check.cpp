@@ -31,6 +31,17 @@ at::Tensor distribute(const at::Tensor& g, const DeviceMesh& mesh, const Placeme
 
 }  // namespace
 
+::testing::AssertionResult same_layout(const at::Tensor& actual, const at::Tensor& expected) {
+  bool ok = actual.sizes() == expected.sizes();
+  for (int64_t d = 0; ok && d < actual.dim(); ++d) {
+    ok = actual.size(d) <= 1 || actual.stride(d) == expected.stride(d);
+  }
+  if (ok) return ::testing::AssertionSuccess();
+  return ::testing::AssertionFailure()
+         << "sizes " << actual.sizes() << " strides " << actual.strides() << ", expected sizes "
+         << expected.sizes() << " strides " << expected.strides();
+}
+
 bool check_op(const DeviceMesh& mesh, const std::string& label, const OpFn& fn,
               const std::vector<at::Tensor>& inputs, const std::vector<Placements>& placements,
               const OpCheckOptions& o) {
@@ -65,6 +76,10 @@ bool check_op(const DeviceMesh& mesh, const std::string& label, const OpFn& fn,
     auto r = tensors_close(full, ref[k], o.rtol, o.atol);
     if (!r) {
       ADD_FAILURE() << label << ": output " << k << " differs: " << r.message();
+      ok = false;
+    }
+    if (auto l = same_layout(out[k], ref[k]); o.layout && !l) {
+      ADD_FAILURE() << label << ": output " << k << " layout: " << l.message();
       ok = false;
     }
     if (!o.backward || !ref[k].is_floating_point() || !ref[k].requires_grad()) continue;
@@ -104,6 +119,10 @@ bool check_op(const DeviceMesh& mesh, const std::string& label, const OpFn& fn,
       auto r = tensors_close(full, rgd, o.rtol, o.atol);
       if (!r) {
         ADD_FAILURE() << label << ": gradient of input " << i << " differs: " << r.message();
+        ok = false;
+      }
+      if (auto l = same_layout(dg, rgd); o.layout && !l) {
+        ADD_FAILURE() << label << ": gradient of input " << i << " layout: " << l.message();
         ok = false;
       }
     }

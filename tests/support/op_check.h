@@ -19,7 +19,13 @@ struct OpCheckOptions {
   double rtol = 1e-10;
   double atol = 1e-10;
   std::vector<bool> requires_grad;  // per input; default: every floating input
+  // Also compare the sizes and strides of every DTensor output and gradient with the plain
+  // result's (strides of dims with one element are not compared: any value is valid there).
+  bool layout = true;
 };
+
+// Whether `actual` has `expected`'s sizes and, on dims of more than one element, its strides.
+::testing::AssertionResult same_layout(const at::Tensor& actual, const at::Tensor& expected);
 
 // Distributes `inputs` (global tensors, identical on every rank) with `placements` (a Partial
 // input holds value/n per rank), runs `fn` on them and on the plain tensors, and compares

@@ -100,6 +100,9 @@ void register_rule(const std::string& qualified_name, Rule rule, std::vector<int
 void register_rule(std::initializer_list<const char*> names, const Rule& rule,
                    std::vector<int> static_args = {});
 bool has_rule(const std::string& qualified_name);
+// Every name a rule was registered for, sorted (a misspelt name registers a rule that no
+// operator ever reaches: tests check each against the dispatcher).
+std::vector<std::string> registered_rule_names();
 
 // Thread-local state that changes sharding decisions (a guard such as loss_parallel sets bits
 // here while active). It is part of every decision-cache key, so decisions made inside and
