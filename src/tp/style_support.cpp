@@ -9,6 +9,7 @@
 
 #include "dtensor/core/api.h"
 #include "dtensor/core/distribute_module.h"
+#include "dtensor/core/shard_math.h"
 
 namespace dtensor::tp::detail {
 
@@ -116,13 +117,32 @@ ParamLayout rowwise_layout(bool linear) {
   };
 }
 
+namespace {
+// A Linear's input sharded on its features has in_features of them globally: giving from_local
+// that shape keeps an uneven split (features not divisible by the ranks) the same global
+// tensor on every rank, where the default (local size x ranks) would differ between ranks.
+FromLocalOptions linear_input_shape(const at::Tensor& local, const Placement& layout,
+                                    const torch::nn::Module& module) {
+  const auto* linear = dynamic_cast<const torch::nn::LinearImpl*>(&module);
+  if (!linear || !layout.is_shard() || local.dim() == 0 ||
+      layout.normalized(local.dim()).dim() != local.dim() - 1) {
+    return {};
+  }
+  std::vector<int64_t> shape = local.sizes().vec();
+  shape.back() = linear->options.in_features();
+  return {.shape = shape, .stride = default_strides(shape)};
+}
+}  // namespace
+
 void prepare_first_input(ModuleCall& call, const DeviceMesh& mesh, Placement input_layout,
                          Placement desired, const char* style, const torch::nn::Module& module) {
   TORCH_CHECK(!call.args.empty() && call.args[0].isTensor(), style, " on ",
               module_type_name(module), " expects a tensor as the first positional input, got ",
               call.args.empty() ? std::string("no positional input") : call.args[0].tagKind());
   at::Tensor input = call.args[0].toTensor();
-  if (!is_dtensor(input)) input = from_local(input, mesh, {input_layout});
+  if (!is_dtensor(input))
+    input =
+        from_local(input, mesh, {input_layout}, linear_input_shape(input, input_layout, module));
   if (input_layout != desired) input = redistribute(input, {desired}, {.async_op = true});
   call.args[0] = std::move(input);
 }
