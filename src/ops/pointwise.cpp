@@ -1,5 +1,5 @@
-// Element-wise ops with broadcasting (spec §5.5, Pointwise): follow the input with the most
-// shards; Partial survives only through linear ops.
+// Element-wise ops with broadcasting: follow the input with the most shards; Partial survives only
+// through linear ops (docs/ARCHITECTURE.md, "Pointwise").
 #include "rule_utils.h"
 
 namespace dtensor::ops {
