@@ -1,4 +1,4 @@
-// The boxed kernel every op on a DTensor reaches (ARCHITECTURE.md §1):
+// The boxed kernel every op on a DTensor reaches (docs/ARCHITECTURE.md, "The dispatch path"):
 // unwrap -> cached sharding decision -> redistribute inputs -> local op -> wrap outputs.
 #include "kernel.h"
 

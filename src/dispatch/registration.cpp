@@ -1,6 +1,7 @@
-// Installs the kernel: a backend fallback for our key, plus a direct registration on every op
-// that has a CompositeExplicitAutograd(NonFunctional) kernel, because those kernels would
-// otherwise run on the wrapper before any fallback (ARCHITECTURE.md §1, fact 1).
+// Installs the kernel: a backend fallback for our key, plus a direct registration on every op that
+// has a CompositeExplicitAutograd(NonFunctional) kernel, because those kernels would otherwise run
+// on the wrapper before any fallback
+// (docs/ARCHITECTURE.md, "Why composite ops are routed to our kernel").
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 

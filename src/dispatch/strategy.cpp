@@ -1,4 +1,5 @@
-// Strategy selection by redistribution cost (spec §4.4, §5.3) and OpCall helpers.
+// Strategy selection by redistribution cost (docs/ARCHITECTURE.md, "Strategy choice") and OpCall
+// helpers.
 #include <c10/util/Exception.h>
 
 #include <cmath>

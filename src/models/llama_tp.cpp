@@ -1,5 +1,6 @@
-// The Llama tensor-parallel plan (torchtitan's, spec §9), the replicated-KV projection used
-// when KV heads do not split over the TP ranks, and the pending-gradient reduction.
+// The Llama tensor-parallel plan (torchtitan's; docs/ARCHITECTURE.md, "The Llama plan"), the
+// replicated-KV projection used when KV heads do not split over the TP ranks, and the
+// pending-gradient reduction.
 #include <ATen/ATen.h>
 #include <c10/util/StringUtil.h>
 

@@ -1,8 +1,8 @@
-// Fused scaled-dot-product attention kernels (spec §5.5, SDPA). Attention is independent per
-// batch element and per head, so on each mesh dim q, k, v and the [B, H, ...] results are
-// either all replicated, all split along heads (dim 1) or all split along batch (dim 0);
-// RNG state stays replicated. None of these kernels has a C++ meta function, so every rule
-// also gives the global metadata of the results.
+// Fused scaled-dot-product attention kernels. Attention is independent per batch element and per
+// head, so on each mesh dim q, k, v and the [B, H, ...] results are either all replicated, all
+// split along heads (dim 1) or all split along batch (dim 0); RNG state stays replicated. None of
+// these kernels has a C++ meta function, so every rule also gives the global metadata of the
+// results.
 #include <ATen/OpMathType.h>
 #include <ATen/ops/empty_strided.h>
 

@@ -1,7 +1,7 @@
-// Embedding lookups (spec §5.5, Embedding). Candidates per mesh dim, in PyTorch's order
-// [output | weight, indices]: all Replicate; colwise [Shard(last) | Shard(1), R]; rowwise
-// [Partial | Shard(0), R]; batch [Shard(d) | R, Shard(d)] for each index dim d. They are
-// combined over mesh dims and the cheapest is chosen with PyTorch's tie-break.
+// Embedding lookups. Candidates per mesh dim, in PyTorch's order [output | weight, indices]:
+// all Replicate; colwise [Shard(last) | Shard(1), R]; rowwise [Partial | Shard(0), R]; batch
+// [Shard(d) | R, Shard(d)] for each index dim d. They are combined over mesh dims and the
+// cheapest is chosen with PyTorch's tie-break.
 //
 // Rowwise: PyTorch moves the indices to a mask placement that remembers which ids fall outside
 // this rank's rows, and zeroes those rows when the output is reduced. Here the local lookup

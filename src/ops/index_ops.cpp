@@ -1,5 +1,5 @@
-// Tensor-manipulation and indexing ops (spec §5.5, Tensor ops): cat/stack/split, slicing,
-// select, index/gather/scatter, repeat/roll/flip, triangles, padding, complex views, equal.
+// Tensor-manipulation and indexing ops: cat/stack/split, slicing, select, index/gather/scatter,
+// repeat/roll/flip, triangles, padding, complex views, equal.
 //
 // Most rules are written as an iteration space, einsum-style: every logical dim says which dim
 // of each operand it runs over and which output dim it becomes (or that it is summed over).

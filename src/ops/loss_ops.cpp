@@ -1,7 +1,7 @@
-// Negative log-likelihood losses without loss_parallel (spec §5.5, Reductions / norms /
-// softmax / loss; cross_entropy reaches us as _log_softmax + nll_loss). The class dim of the
-// input is replicated (class-sharded logits are gathered), the target follows the input's other
-// dims and the class weights are replicated. A sharded batch leaves pending sums.
+// Negative log-likelihood losses without loss_parallel (cross_entropy reaches us as _log_softmax +
+// nll_loss). The class dim of the input is replicated (class-sharded logits are gathered), the
+// target follows the input's other dims and the class weights are replicated. A sharded batch
+// leaves pending sums.
 //
 // "mean" differs from PyTorch on purpose: PyTorch averages the shards' means (Partial(avg)),
 // which is only the batch mean when every shard has the same total weight — not so with class

@@ -1,8 +1,8 @@
-// Matrix products as einsum equations (spec §5.5, Matrix). On each mesh dim a product can
-// replicate everything, shard a batch dim of every operand, shard a contracting dim of both
-// operands (the output is then a pending sum), or shard a free dim of one operand and the
-// output. Candidates are the product of those choices over mesh dims, listed in PyTorch's
-// order so that equal-cost ties pick the same layout.
+// Matrix products as einsum equations. On each mesh dim a product can replicate everything, shard a
+// batch dim of every operand, shard a contracting dim of both operands (the output is then a
+// pending sum), or shard a free dim of one operand and the output. Candidates are the product of
+// those choices over mesh dims, listed in PyTorch's order so that equal-cost ties pick the same
+// layout (docs/ARCHITECTURE.md, "Strategy choice").
 #include <set>
 
 #include "rule_utils.h"

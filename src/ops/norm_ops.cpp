@@ -1,8 +1,7 @@
-// Layer norm and fused RMS norm (spec §5.5, Reductions / norms / softmax / loss). Statistics
-// are taken over the trailing normalised dims, so those dims (and pending sums) are replicated
-// while shards of the outer dims (batch, sequence) are kept. The weight and bias gradients sum
-// over the outer dims: a shard there leaves a pending sum, which is why sequence-parallel norm
-// weights get Partial gradients with no communication.
+// Layer norm and fused RMS norm. Statistics are taken over the trailing normalised dims, so those
+// dims (and pending sums) are replicated while shards of the outer dims (batch, sequence) are kept.
+// The weight and bias gradients sum over the outer dims: a shard there leaves a pending sum, which
+// is why sequence-parallel norm weights get Partial gradients with no communication.
 #include <ATen/OpMathType.h>
 
 #include "rule_utils.h"

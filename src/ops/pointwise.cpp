@@ -1,5 +1,5 @@
-// Element-wise ops with broadcasting (spec §5.5, Pointwise): follow the input with the most
-// shards; Partial survives only through linear ops.
+// Element-wise ops with broadcasting: follow the input with the most shards; Partial survives only
+// through linear ops (docs/ARCHITECTURE.md, "Pointwise").
 #include <ATen/TensorIterator.h>
 #include <ATen/ops/empty_strided.h>
 

@@ -1,9 +1,9 @@
-// Random ops (spec §5.10) drawing from DTensor's counter-based stream (core/random.h) instead
-// of the local generator: every rank reserves the counters of the whole global tensor, in the
-// same order, and computes the values of its own block. Replicas therefore draw equal numbers,
-// shards disjoint ones, and the full tensor equals the single-device draw for the same seed,
-// whatever the mesh or placements (uneven shards included). An explicit Generator argument is
-// ignored: the stream is seeded with dtensor::manual_seed.
+// Random ops drawing from DTensor's counter-based stream (core/random.h) instead of the local
+// generator: every rank reserves the counters of the whole global tensor, in the same order, and
+// computes the values of its own block. Replicas therefore draw equal numbers, shards disjoint
+// ones, and the full tensor equals the single-device draw for the same seed, whatever the mesh or
+// placements (uneven shards included). An explicit Generator argument is ignored: the stream is
+// seeded with dtensor::manual_seed.
 #include <ATen/ops/empty_strided.h>
 #include <ATen/ops/ones_like.h>
 

@@ -1,5 +1,5 @@
-// Reductions (spec §5.5): a Shard on a reduced dim becomes Partial(op); Partial inputs pass
-// through linear reductions; reducing an unevenly sharded dim by mean replicates it first.
+// Reductions: a Shard on a reduced dim becomes Partial(op); Partial inputs pass through linear
+// reductions; reducing an unevenly sharded dim by mean replicates it first.
 #include "rule_utils.h"
 
 namespace dtensor::ops {

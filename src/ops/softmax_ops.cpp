@@ -1,6 +1,5 @@
-// Softmax family (spec §5.5, Reductions / norms / softmax / loss): a softmax normalises over
-// one dim, so that dim (and any pending sum, which is not linear through exp) is replicated;
-// shards of the other dims pass through untouched.
+// Softmax family: a softmax normalises over one dim, so that dim (and any pending sum, which is not
+// linear through exp) is replicated; shards of the other dims pass through untouched.
 #include "../tp/loss_parallel_rules.h"
 #include "rule_utils.h"
 
@@ -40,7 +39,8 @@ Decision softmax_backward(const OpCall& call) {
   return all_outputs(call, {p, p}, p);
 }
 
-// Inside a LossParallel the log variants are vocab-parallel (spec §7).
+// Inside a LossParallel the log variants are vocab-parallel
+// (docs/ARCHITECTURE.md, "Loss parallel").
 Decision log_softmax(const OpCall& call) {
   return tp::loss_parallel_enabled() ? tp::detail::log_softmax(call) : softmax(call);
 }

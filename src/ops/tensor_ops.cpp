@@ -1,4 +1,5 @@
-// Tensor ops that copy, alias, create-like or read scalars (spec §5.5, Tensor ops).
+// Tensor ops that copy, alias, create-like or read scalars
+// (docs/ARCHITECTURE.md, "Tensor ops and indexing").
 #include "rule_utils.h"
 
 namespace dtensor::ops {

@@ -1,5 +1,6 @@
 // Vector norms (gradient clipping): a shard of a reduced dim leaves a pending p-norm
-// (spec 1.1 _NormPartial); norms of pending norms of the same p stay pending.
+// (docs/ARCHITECTURE.md, "Placements and shard math"); norms of pending norms of the same p stay
+// pending.
 #include "rule_utils.h"
 
 namespace dtensor::ops {

@@ -1,6 +1,6 @@
-// View and shape ops as dimension maps (spec §5.5, Views). A shard survives a reshape when
-// it sits on the leftmost (non-singleton) input dim of a merged/split group and both ends
-// divide evenly; otherwise that mesh dim is replicated first.
+// View and shape ops as dimension maps. A shard survives a reshape when it sits on the leftmost
+// (non-singleton) input dim of a merged/split group and both ends divide evenly; otherwise that
+// mesh dim is replicated first.
 #include "rule_utils.h"
 
 namespace dtensor::ops {

@@ -1,4 +1,4 @@
-// ColwiseParallel (spec §6.1): output features sharded; the input is replicated.
+// ColwiseParallel: output features sharded; the input is replicated.
 #include <torch/nn/modules/embedding.h>
 
 #include "dtensor/tp/styles.h"

@@ -1,11 +1,11 @@
-// loss_parallel (spec §7): vocab-parallel log_softmax / nll_loss on class-sharded logits.
-// Each rank holds a slice of the classes. Forward: a max and a sum of exp over the classes are
-// all-reduced for log_softmax, and the target's log-probability (picked on the rank owning
-// that class, zero elsewhere) is all-reduced for nll_loss: three all_reduces of N elements.
-// Backward is fused into nll_loss_backward, which returns softmax - one_hot for the local
-// classes (the whole gradient of the logits), so _log_softmax_backward_data passes it through
-// and no rank needs another's classes. cross_entropy with label smoothing adds a term whose
-// gradient needs the softmax correction: see loss_parallel_smoothing.cpp.
+// loss_parallel: vocab-parallel log_softmax / nll_loss on class-sharded logits. Each rank holds a
+// slice of the classes. Forward: a max and a sum of exp over the classes are all-reduced for
+// log_softmax, and the target's log-probability (picked on the rank owning that class, zero
+// elsewhere) is all-reduced for nll_loss: three all_reduces of N elements. Backward is fused into
+// nll_loss_backward, which returns softmax - one_hot for the local classes (the whole gradient of
+// the logits), so _log_softmax_backward_data passes it through and no rank needs another's classes.
+// cross_entropy with label smoothing adds a term whose gradient needs the softmax correction: see
+// loss_parallel_smoothing.cpp.
 #include <ATen/ATen.h>
 #include <ATen/core/Reduction.h>
 

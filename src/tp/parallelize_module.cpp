@@ -1,5 +1,5 @@
-// parallelize_module (spec §6.7): resolve the plan to (module, style) pairs, validate them all,
-// then apply them in order; on a failure, put the model back as it was.
+// parallelize_module: resolve the plan to (module, style) pairs, validate them all, then apply them
+// in order; on a failure, put the model back as it was.
 #include "dtensor/tp/parallelize_module.h"
 
 #include <c10/util/Exception.h>

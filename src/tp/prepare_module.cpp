@@ -1,5 +1,5 @@
-// PrepareModuleInput / PrepareModuleOutput / PrepareModuleInputOutput (spec §6.4–6.6): layout
-// conversions at a module's boundary, nothing else.
+// PrepareModuleInput / PrepareModuleOutput / PrepareModuleInputOutput: layout conversions at a
+// module's boundary, nothing else.
 #include <ATen/core/ivalue.h>
 #include <c10/util/Exception.h>
 

@@ -1,5 +1,4 @@
-// RowwiseParallel (spec §6.2): input features sharded; the output is a Partial sum reduced to
-// output_layouts.
+// RowwiseParallel: input features sharded; the output is a Partial sum reduced to output_layouts.
 #include <torch/nn/modules/linear.h>
 
 #include "dtensor/tp/styles.h"

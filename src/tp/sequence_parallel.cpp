@@ -1,5 +1,5 @@
-// SequenceParallel (spec §6.3): the module runs on activations sharded along the sequence dim,
-// with replicated parameters.
+// SequenceParallel: the module runs on activations sharded along the sequence dim, with replicated
+// parameters.
 #include <c10/util/Exception.h>
 
 #include "dtensor/core/api.h"

@@ -1,5 +1,5 @@
-// Collective counts of spec §8.2 that need no module hooks: the layouts TP styles produce,
-// built by hand with from_local/redistribute/to_local around unmodified torch::nn::Linear.
+// PyTorch's collective counts that need no module hooks: the layouts TP styles produce, built by
+// hand with from_local/redistribute/to_local around unmodified torch::nn::Linear.
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 #include <torch/nn/modules/linear.h>

@@ -1,5 +1,6 @@
-// from_local / to_local / full_tensor / distribute_tensor semantics (spec §3, §11 case 25),
-// each compared with a single-device computation from the same seed.
+// from_local / to_local / full_tensor / distribute_tensor semantics
+// (docs/ARCHITECTURE.md, "DTensor API semantics"), each compared with a single-device computation
+// from the same seed.
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 #include <torch/csrc/autograd/autograd.h>

@@ -1,5 +1,5 @@
-// Every placement transition, on even, uneven and empty shards, against the single-device
-// tensor, with the exact collective counts of spec §8.2 and §11 cases 22-24.
+// Every placement transition, on even, uneven and empty shards, against the single-device tensor,
+// with PyTorch's exact collective counts (docs/ARCHITECTURE.md, "Redistribution").
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
@@ -180,7 +180,7 @@ TEST(Redistribute1D, InternalReplicateToPartialDividesByTheMeshSize) {
   });
 }
 
-// The greedy N-D planner's worked examples on a 2x2 mesh (spec §4.2) with their counts.
+// The greedy N-D planner's worked examples on a 2x2 mesh with their counts.
 TEST(Redistribute2D, PlannerExamplesHaveTheExpectedCollectiveCounts) {
   run_ranks(4, [](int) {
     auto mesh = init_device_mesh("cpu", {2, 2}, {"dp", "tp"});
@@ -213,8 +213,8 @@ TEST(Redistribute2D, PlannerExamplesHaveTheExpectedCollectiveCounts) {
   });
 }
 
-// Every combination of R / S(0) / S(1) / P on a 2x2 mesh to every R / S combination, on even
-// and uneven shapes (spec §11 case 24).
+// Every combination of R / S(0) / S(1) / P on a 2x2 mesh to every R / S combination, on even and
+// uneven shapes.
 TEST(Redistribute2D, EveryPlacementCombinationRoundTripsEvenAndUneven) {
   run_ranks(4, [](int) {
     auto mesh = init_device_mesh("cpu", {2, 2});

@@ -1,4 +1,4 @@
-// DeviceMesh: layout, coordinates, per-dimension groups, slicing and its errors (spec §2).
+// DeviceMesh: layout, coordinates, per-dimension groups, slicing and its errors.
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 

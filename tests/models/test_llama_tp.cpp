@@ -1,8 +1,8 @@
-// The Llama model under tensor parallelism (spec §9): for TP degrees 1-4, with and without
-// sequence parallelism and loss parallelism, with GQA where tp exceeds the KV heads, tied
-// embeddings and a vocabulary the ranks split unevenly, three AdamW steps give the same loss,
-// every gradient and every parameter as the unparallelized model from the same seed; a
-// training step issues exactly the analytic minimum of collectives.
+// The Llama model under tensor parallelism: for TP degrees 1-4, with and without sequence
+// parallelism and loss parallelism, with GQA where tp exceeds the KV heads, tied embeddings and a
+// vocabulary the ranks split unevenly, three AdamW steps give the same loss, every gradient and
+// every parameter as the unparallelized model from the same seed; a training step issues exactly
+// the analytic minimum of collectives.
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 #include <torch/optim/adamw.h>

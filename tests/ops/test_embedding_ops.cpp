@@ -1,7 +1,7 @@
-// Embedding: sweeps over weight/indices shapes x padding_idx x scale_grad_by_freq x placements
-// x world sizes against one device (forward and weight gradient), torch::nn::Embedding with
-// rowwise, colwise, replicated weights and batch-sharded indices, and PyTorch's collective
-// counts (spec §8.2, §11 cases 2 and 4).
+// Embedding: sweeps over weight/indices shapes x padding_idx x scale_grad_by_freq x placements x
+// world sizes against one device (forward and weight gradient), torch::nn::Embedding with rowwise,
+// colwise, replicated weights and batch-sharded indices, and PyTorch's collective counts
+// (docs/ARCHITECTURE.md, "Expected collective counts").
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 #include <torch/nn/modules/embedding.h>
@@ -214,9 +214,9 @@ TEST(EmbeddingModule, RowwiseColwiseReplicatedAndBatchShardedMatchOneDevice) {
   }
 }
 
-// Spec §11 case 4: a rowwise embedding's output reduced to Replicate costs one all_reduce and
-// nothing backward; reduced to Shard(1), one reduce_scatter forward and one all_gather backward.
-// Case 2: colwise costs nothing either way.
+// A rowwise embedding's output reduced to Replicate costs one all_reduce and nothing backward;
+// reduced to Shard(1), one reduce_scatter forward and one all_gather backward. A colwise one costs
+// nothing either way.
 TEST(EmbeddingModule, CollectiveCountsLikePyTorch) {
   run_ranks(4, [](int) {
     auto mesh = init_device_mesh("cpu", {4});

@@ -1,5 +1,5 @@
 // Matrix products: a sweep over shapes x placements x world sizes against one device, and the
-// tensor-parallel layouts of spec §5.5 with their collective counts.
+// tensor-parallel layouts (colwise and rowwise linear) with their collective counts.
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
@@ -143,7 +143,7 @@ TEST(MatrixSweep, MmOnTwoDimensionalMeshMatchesOneDevice) {
   });
 }
 
-// Spec §5.5: colwise linear (x R, W S(0), so Wᵀ S(1)) needs no communication and gives S(-1).
+// Colwise linear (x R, W S(0), so Wᵀ S(1)) needs no communication and gives S(-1).
 TEST(MatrixTensorParallel, ColwiseLinearIsShardedWithoutCommunication) {
   for (int world : {2, 4}) {
     run_ranks(world, [world](int) {
@@ -181,8 +181,8 @@ TEST(MatrixTensorParallel, ColwiseLinearIsShardedWithoutCommunication) {
   }
 }
 
-// Spec §5.5: rowwise linear (x S(-1), W S(1)) gives a pending sum without communication; a
-// replicated bias is divided by the mesh size on each rank so that the sum adds it once.
+// Rowwise linear (x S(-1), W S(1)) gives a pending sum without communication; a replicated bias is
+// divided by the mesh size on each rank so that the sum adds it once.
 TEST(MatrixTensorParallel, RowwiseLinearIsPartialAndAddsTheBiasOnce) {
   for (int world : {2, 3, 4}) {
     run_ranks(world, [world](int) {

@@ -1,6 +1,6 @@
-// Layer norm and RMS norm: sweeps against one device (forward and every gradient), the
-// output_mask cases, and sequence-parallel semantics (spec §6.3): a Shard(1) input runs with no
-// communication forward or backward and leaves Partial weight gradients.
+// Layer norm and RMS norm: sweeps against one device (forward and every gradient), the output_mask
+// cases, and sequence-parallel semantics: a Shard(1) input runs with no communication forward or
+// backward and leaves Partial weight gradients.
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 #include <torch/nn/modules/normalization.h>
@@ -214,9 +214,9 @@ TEST(LayerNorm, StatisticsFollowTheInputAndMaskedGradientsAreUndefined) {
   });
 }
 
-// SequenceParallel on norms (spec §6.3, §11 case 8): parameters are replicated from local
-// copies, the input is Shard(1); nothing is communicated forward or backward, the output stays
-// Shard(1) and the parameter gradients are Partial.
+// SequenceParallel on norms: parameters are replicated from local copies, the input is Shard(1);
+// nothing is communicated forward or backward, the output stays Shard(1) and the parameter
+// gradients are Partial.
 TEST(SequenceParallelNorms, ShardOneInputNeedsNoCommunication) {
   run_ranks(4, [](int) {
     auto mesh = init_device_mesh("cpu", {4});

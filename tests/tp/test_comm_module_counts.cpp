@@ -1,8 +1,8 @@
-// CommDebugMode's per-module counts (spec §8.1): collectives count for the module that issued
-// them and its parents, forward and backward apart; backward collectives count for the module
-// whose forward built that part of the graph. The layouts are built by hand with forward hooks
-// (the same from_local/redistribute/to_local calls ColwiseParallel/RowwiseParallel make), so
-// these tests need no parallel style.
+// CommDebugMode's per-module counts (docs/ARCHITECTURE.md, "Collective counts"): collectives count
+// for the module that issued them and its parents, forward and backward apart; backward collectives
+// count for the module whose forward built that part of the graph. The layouts are built by hand
+// with forward hooks (the same from_local/redistribute/to_local calls ColwiseParallel and
+// RowwiseParallel make), so these tests need no parallel style.
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 

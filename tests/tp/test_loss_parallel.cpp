@@ -1,8 +1,8 @@
-// loss_parallel (spec §7, §11 case 20): cross entropy on class-sharded logits inside a
-// LossParallel matches one device, costs exactly three all_reduces forward and none backward,
-// and keeps the gradient Shard(1). Label smoothing (which PyTorch's loss_parallel gets wrong)
-// matches one device too, for one more all_reduce forward. Other shardings raise; outside the
-// guard the ordinary (class-gathering) rules still apply.
+// loss_parallel: cross entropy on class-sharded logits inside a LossParallel matches one device,
+// costs exactly three all_reduces forward and none backward, and keeps the gradient Shard(1). Label
+// smoothing (which PyTorch's loss_parallel gets wrong) matches one device too, for one more
+// all_reduce forward. Other shardings raise; outside the guard the ordinary (class-gathering) rules
+// still apply.
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 #include <torch/nn/functional/loss.h>

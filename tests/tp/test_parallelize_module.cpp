@@ -1,7 +1,7 @@
-// parallelize_module (spec §6.7, §11 cases 9–14): plans by path with wildcards and nesting,
-// the root key, unmatched keys (warned), src_data_rank, the current mesh; training parity with
-// one device; refusals (N-D mesh, two sharding styles on one module) and the rollback that
-// leaves a model untouched when a style fails part-way.
+// parallelize_module (the cases of PyTorch's test_parallelize_api.py): plans by path with wildcards
+// and nesting, the root key, unmatched keys (warned), src_data_rank, the current mesh; training
+// parity with one device; refusals (N-D mesh, two sharding styles on one module) and the rollback
+// that leaves a model untouched when a style fails part-way.
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 #include <torch/nn/modules/activation.h>
@@ -130,8 +130,8 @@ class FailingStyle : public tp::ParallelStyle {
 
 }  // namespace
 
-// Case 9: both Linears colwise with replicated outputs; net2 is uneven (10 features, 4 ranks).
-// Cases 10 and 11: nested paths, wildcards, and a rowwise Linear fed column chunks.
+// Both Linears colwise with replicated outputs; net2 is uneven (10 features, 4 ranks). Nested
+// paths, wildcards, and a rowwise Linear fed column chunks.
 TEST(ParallelizeModule, PlansByPathAndWildcardMatchOneDeviceThroughSgd) {
   run_ranks(4, [](int rank) {
     auto mesh = init_device_mesh("cpu", {4});
@@ -194,7 +194,7 @@ TEST(ParallelizeModule, PlansByPathAndWildcardMatchOneDeviceThroughSgd) {
   });
 }
 
-// Case 12: the root key "" and keys that match nothing.
+// The root key "" and keys that match nothing.
 TEST(ParallelizeModule, RootKeyAppliesToTheModuleAndUnmatchedKeysWarn) {
   run_ranks(4, [](int rank) {
     auto mesh = init_device_mesh("cpu", {4});
@@ -254,7 +254,7 @@ TEST(ParallelizeModule, RootKeyAppliesToTheModuleAndUnmatchedKeysWarn) {
   });
 }
 
-// Case 13: where parameters come from.
+// Where parameters come from.
 TEST(ParallelizeModule, SrcDataRankPicksTheSourceOrKeepsLocalValuesWithoutComm) {
   run_ranks(4, [](int rank) {
     auto mesh = init_device_mesh("cpu", {4});
@@ -292,7 +292,7 @@ TEST(ParallelizeModule, SrcDataRankPicksTheSourceOrKeepsLocalValuesWithoutComm) 
   });
 }
 
-// Case 14: the mesh from a MeshGuard, and no plan at all.
+// The mesh from a MeshGuard, and no plan at all.
 TEST(ParallelizeModule, CurrentMeshAndMissingPlan) {
   run_ranks(2, [](int rank) {
     auto mesh = init_device_mesh("cpu", {2});

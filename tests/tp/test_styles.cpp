@@ -1,6 +1,6 @@
-// The parallel styles on single modules (spec §6.1–6.6, §11 cases 1–8): parameter layouts,
-// input/output conversion, exact collective counts forward and backward, values against one
-// device; construction and call-time errors; which styles a plain torch::nn module accepts.
+// The parallel styles on single modules (the cases of PyTorch's test_tp_style.py): parameter
+// layouts, input/output conversion, exact collective counts forward and backward, values against
+// one device; construction and call-time errors; which styles a plain torch::nn module accepts.
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 #include <torch/nn/modules/activation.h>
@@ -112,7 +112,7 @@ at::Tensor chunk_of(const at::Tensor& t, int64_t dim, int64_t rank, int64_t worl
 
 }  // namespace
 
-// Cases 1–2: colwise Linear (replicated and Shard(0) inputs) and Embedding.
+// Colwise Linear (replicated and Shard(0) inputs) and Embedding.
 TEST(Styles, ColwiseLinearAndEmbeddingMatchOneDeviceWithPyTorchCommCounts) {
   run_ranks(4, [](int rank) {
     const int64_t world = 4;
@@ -181,7 +181,7 @@ TEST(Styles, ColwiseLinearAndEmbeddingMatchOneDeviceWithPyTorchCommCounts) {
   });
 }
 
-// Cases 3–4: rowwise Linear (Replicate and Shard(0) outputs) and Embedding.
+// Rowwise Linear (Replicate and Shard(0) outputs) and Embedding.
 TEST(Styles, RowwiseLinearAndEmbeddingMatchOneDeviceWithPyTorchCommCounts) {
   run_ranks(4, [](int rank) {
     const int64_t world = 4;
@@ -240,8 +240,7 @@ TEST(Styles, RowwiseLinearAndEmbeddingMatchOneDeviceWithPyTorchCommCounts) {
   });
 }
 
-// Cases 5–7 and 15: PrepareModuleInput (positional and keyword), PrepareModuleOutput and
-// PrepareModuleInputOutput.
+// PrepareModuleInput (positional and keyword), PrepareModuleOutput and PrepareModuleInputOutput.
 TEST(Styles, PrepareModuleInputOutputConvertPositionalAndKeywordInputs) {
   run_ranks(4, [](int rank) {
     const int64_t world = 4;
@@ -375,7 +374,7 @@ TEST(Styles, PrepareModuleInputOutputConvertPositionalAndKeywordInputs) {
   });
 }
 
-// Case 8: SequenceParallel on norms and dropout.
+// SequenceParallel on norms and dropout.
 TEST(Styles, SequenceParallelKeepsSequenceShardsWithoutCommunication) {
   run_ranks(4, [](int rank) {
     const int64_t world = 4;

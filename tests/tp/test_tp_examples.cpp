@@ -1,8 +1,8 @@
-// The end-to-end examples of PyTorch's test_tp_examples.py (spec §11 cases 16-19): an MLP and
-// the toy Transformer of spec §8.2 parallelized with parallelize_module, trained next to a
-// single-device copy built from the same seed. Exact collective counts for forward, backward
-// and the optimizer step (spec §8.2), per module too; outputs, gradients and parameters equal
-// the single-device model's.
+// The end-to-end examples of PyTorch's test_tp_examples.py: an MLP and PyTorch's toy Transformer
+// parallelized with parallelize_module, trained next to a single-device copy built from the same
+// seed. Exact collective counts for forward, backward and the optimizer step (docs/ARCHITECTURE.md,
+// "Expected collective counts"), per module too; outputs, gradients and parameters equal the
+// single-device model's.
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 #include <torch/nn/modules/container/modulelist.h>
@@ -247,7 +247,7 @@ void check_module(torch::nn::Module& ref, torch::nn::Module& tp, bool grad, doub
 
 }  // namespace
 
-// ---- case 16: MLP training ----
+// ---- MLP training ----
 
 TEST(TpExamples, MlpTrainingColwiseRowwiseAllReducesOnceAndMatchesOneDevice) {
   run_ranks(4, [](int) {
@@ -315,7 +315,7 @@ TEST(TpExamples, MlpTrainingSequenceParallelGathersTwiceReduceScattersOnce) {
   });
 }
 
-// ---- case 17: Transformer training ----
+// ---- Transformer training ----
 
 namespace {
 
@@ -477,7 +477,7 @@ TEST(TpExamples, TransformerCountsCollectivesPerModule) {
   });
 }
 
-// ---- case 18: partial requires_grad ----
+// ---- partial requires_grad ----
 
 TEST(TpExamples, TransformerWithFrozenParametersCommunicatesOnlyForTrainedOnes) {
   struct Case {
@@ -531,7 +531,7 @@ TEST(TpExamples, TransformerWithFrozenParametersCommunicatesOnlyForTrainedOnes) 
   });
 }
 
-// ---- case 19: weight tying ----
+// ---- weight tying ----
 
 TEST(TpExamples, TiedWeightsShareOneGradient) {
   struct TiedImpl : dtensor::nn::Module {

@@ -1,5 +1,6 @@
 #pragma once
-// The DTensor API with PyTorch's semantics and autograd behaviour (spec §3).
+// The DTensor API with PyTorch's semantics and autograd behaviour
+// (docs/ARCHITECTURE.md, "DTensor API semantics").
 #include <ATen/core/Tensor.h>
 
 #include <optional>

@@ -1,8 +1,8 @@
 #pragma once
-// A DTensor is an ordinary at::Tensor whose TensorImpl is DTensorImpl: it holds the local
-// shard (a plain tensor without autograd) and an immutable DTensorSpec, reports the global
-// sizes/strides and the local device, and dispatches on a backend key (PrivateUse1 by
-// default) with autograd above it. See ARCHITECTURE.md §1.
+// A DTensor is an ordinary at::Tensor whose TensorImpl is DTensorImpl: it holds the local shard (a
+// plain tensor without autograd) and an immutable DTensorSpec, reports the global sizes/strides and
+// the local device, and dispatches on a backend key (PrivateUse1 by default) with autograd above
+// it. See docs/ARCHITECTURE.md, "A DTensor is an at::Tensor".
 #include <ATen/core/Tensor.h>
 #include <c10/core/TensorImpl.h>
 

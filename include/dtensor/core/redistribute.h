@@ -1,6 +1,6 @@
 #pragma once
-// Planner and executor for changing a DTensor's placements (spec §4): per-mesh-dim
-// transitions with torch.chunk padding, and the greedy N-D planner.
+// Planner and executor for changing a DTensor's placements (docs/ARCHITECTURE.md,
+// "Redistribution"): per-mesh-dim transitions with torch.chunk padding, and the greedy N-D planner.
 #include <ATen/core/Tensor.h>
 
 #include <vector>

@@ -120,11 +120,12 @@ class DecisionContextGuard {
   int64_t prev_;
 };
 
-// Picks the cheapest candidate by the redistribution cost model, with PyTorch's tie-break
-// order (spec §5.3), and turns it into a Decision.
+// Picks the cheapest candidate by the redistribution cost model, with PyTorch's tie-break order,
+// and turns it into a Decision (docs/ARCHITECTURE.md, "Strategy choice").
 Decision choose(const OpCall& call, const std::vector<Strategy>& candidates);
 
-// Estimated cost (µs) of moving `src` to `dst` placements (spec §4.4).
+// Estimated cost (µs) of moving `src` to `dst` placements
+// (docs/ARCHITECTURE.md, "Strategy choice").
 double redistribute_cost(const DTensorSpec& src, c10::ArrayRef<Placement> dst);
 
 // Registers rules from a static initializer: DTENSOR_RULES(pointwise) { register_rule(...); }

@@ -1,7 +1,7 @@
 #pragma once
 // A Llama-style decoder (torchtitan's llama3 model) written against dtensor-cpp, and its
-// tensor-parallel plan (spec §9). Module and parameter names follow torchtitan, so plans and
-// checkpoints use the same paths ("layers.0.attention.wq.weight").
+// tensor-parallel plan (docs/ARCHITECTURE.md, "The Llama plan"). Module and parameter names follow
+// torchtitan, so plans and checkpoints use the same paths ("layers.0.attention.wq.weight").
 //
 //   auto config = LlamaConfig::preset("tiny");
 //   Transformer model(config);
@@ -168,7 +168,7 @@ struct TensorParallelOptions {
 };
 
 // Parallelizes `model` over `mesh` (1-D, or the dimension named "tp" of an N-D mesh) with the
-// torchtitan plan (spec §9), in place: tok_embeddings Rowwise (vocab rows), attention wq/wk/wv and
+// torchtitan plan, in place: tok_embeddings Rowwise (vocab rows), attention wq/wk/wv and
 // feed_forward w1/w3 Colwise, wo/w2 Rowwise, output Colwise (vocab), norms SequenceParallel. Needs
 // n_heads and the FFN hidden size divisible by tp (else throws listing valid degrees); with
 // sequence parallelism the sequence length must be too (checked in forward). KV heads: when

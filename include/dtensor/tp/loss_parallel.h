@@ -1,9 +1,9 @@
 #pragma once
-// Vocab-parallel cross entropy (PyTorch's loss_parallel(), spec §7). While a LossParallel
-// lives on this thread, log_softmax / nll_loss on logits that are a DTensor sharded on the
-// class dim of a 1-D mesh are computed without gathering the classes: forward costs three
-// all_reduces of N elements (N = product of the non-class dims), backward none. The loss is
-// Replicate and the logits' gradient stays Shard(class).
+// Vocab-parallel cross entropy (PyTorch's loss_parallel()). While a LossParallel lives on this
+// thread, log_softmax / nll_loss on logits that are a DTensor sharded on the class dim of a 1-D
+// mesh are computed without gathering the classes: forward costs three all_reduces of N elements
+// (N = product of the non-class dims), backward none. The loss is Replicate and the logits'
+// gradient stays Shard(class).
 //
 //   {
 //     dtensor::tp::LossParallel lp;

@@ -1,10 +1,9 @@
 #pragma once
-// parallelize_module (spec §6.7): apply one style to a module, or a plan of styles to its
-// submodules by path. Plan keys are matched one path segment at a time with shell wildcards
-// ("layers.*.attention.wq", "net[1-2]", "net?", "[!x]*") against the names of direct children
-// (ModuleList/Sequential indices included); "" is the module itself; entries apply in order.
-// A key that matches nothing warns (TORCH_WARN, PyTorch's text) and is skipped. The mesh must
-// be 1-D (slice mesh["tp"] first).
+// parallelize_module: apply one style to a module, or a plan of styles to its submodules by path.
+// Plan keys are matched one path segment at a time with shell wildcards ("layers.*.attention.wq",
+// "net[1-2]", "net?", "[!x]*") against the names of direct children (ModuleList/Sequential indices
+// included); "" is the module itself; entries apply in order. A key that matches nothing warns
+// (TORCH_WARN, PyTorch's text) and is skipped. The mesh must be 1-D (slice mesh["tp"] first).
 //
 // Every (module, style) pair is validated before anything changes (a style's own checks, and
 // no module sharded by two styles or sharded again), and a failure part-way through applying

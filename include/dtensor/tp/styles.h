@@ -1,6 +1,7 @@
 #pragma once
-// The built-in parallel styles (spec §6.1–6.6), with PyTorch's arguments and defaults.
-// Options are aggregates, so arguments read like Python keywords:
+// The built-in parallel styles, with PyTorch's arguments and defaults (docs/ARCHITECTURE.md,
+// "Parallel styles and their defaults"). Options are aggregates, so arguments read like Python
+// keywords:
 //   ColwiseParallel({.input_layouts = Shard(0), .use_local_output = false})
 // A layout left empty means PyTorch's default (None).
 //
