@@ -312,7 +312,6 @@ DTENSOR_RULES(pointwise) {
        "aten::leaky_relu_",
        "aten::threshold_",
        "aten::nan_to_num_",
-       "aten::maximum_",
        "aten::square_",
        "aten::erf_",
        "aten::logical_not_",
@@ -320,9 +319,7 @@ DTENSOR_RULES(pointwise) {
        "aten::logical_or_",
        "aten::logical_xor_",
        "aten::bitwise_and_.Tensor",
-       "aten::bitwise_or_.Tensor",
-       "aten::where_.self",
-       "aten::fill_.Tensor_"},
+       "aten::bitwise_or_.Tensor"},
       L::None, Write::InPlace);
   // out= variants libtorch's optimizers call (AdamW/Adam with amsgrad: max_out).
   reg({"aten::maximum.out", "aten::minimum.out"}, L::None, Write::Out);

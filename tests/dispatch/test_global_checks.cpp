@@ -160,15 +160,26 @@ TEST(GlobalChecks, ExplicitRedistributionRefusesImplicitCommunication) {
 TEST(GlobalChecks, ExplicitRedistributionCoversBackward) {
   run_ranks(2, [](int) {
     auto mesh = init_device_mesh("cpu", {2});
-    auto a =
-        distribute_tensor(at::randn({4, 6}, at::kDouble), mesh, {Shard(0)}).requires_grad_(true);
-    auto w =
-        distribute_tensor(at::randn({6, 6}, at::kDouble), mesh, {Shard(1)}).requires_grad_(true);
-    auto loss = at::mm(a, w).sum();  // forward outside the guard communicates freely
+    at::manual_seed(0);
+    const auto a0 = at::randn({4, 6}, at::kDouble), w0 = at::randn({6, 6}, at::kDouble),
+               c0 = at::randn({4, 6}, at::kDouble);
+    // A product scaled by a tensor sharded on another dim: its gradients need operands moved
+    // between layouts again in backward. Forward runs outside the guard.
+    auto loss_of = [&] {
+      auto a = distribute_tensor(a0, mesh, {Shard(0)}).requires_grad_(true);
+      auto w = distribute_tensor(w0, mesh, {Shard(1)}).requires_grad_(true);
+      auto c = distribute_tensor(c0, mesh, {Shard(1)});
+      return (at::mm(a, w) * c).sum();
+    };
+    CommDebugMode comm;
+    auto loss = loss_of();
+    comm.enter();
+    loss.backward();
+    ASSERT_GT(comm.get_total_counts(), 0) << "this backward should communicate";
+    comm.exit();
+    auto strict_loss = loss_of();
     ExplicitRedistribution strict;
-    // The gradients of a product whose operands were sharded on different dims need the
-    // same all-gather again in backward.
-    const auto msg = message_of([&] { loss.backward(); });
+    const auto msg = message_of([&] { strict_loss.backward(); });
     EXPECT_CONTAINS(msg, "ExplicitRedistribution");
     EXPECT_CONTAINS(msg, "(backward)");
   });
