@@ -6,22 +6,6 @@
 
 namespace dtensor {
 
-const char* reduce_op_name(ReduceOp op) {
-  switch (op) {
-    case ReduceOp::Sum:
-      return "sum";
-    case ReduceOp::Avg:
-      return "avg";
-    case ReduceOp::Max:
-      return "max";
-    case ReduceOp::Min:
-      return "min";
-    case ReduceOp::Product:
-      return "product";
-  }
-  return "?";
-}
-
 Placement Placement::norm_partial(double p) {
   const ReduceOp op = std::isinf(p) ? (p > 0 ? ReduceOp::Max : ReduceOp::Min) : ReduceOp::Sum;
   Placement out(Type::Partial, 0, op);

@@ -395,7 +395,14 @@ Compiled compile(const c10::OperatorHandle& op, const OpInfo& info, c10::ArrayRe
     c.in_spec.push_back(sp);
   }
   OpCall call(op, args, inputs, *mesh);
-  if (!info.rule) {
+  const Rule* rule = info.rule;
+  for (const ContextRule* cr : info.context_rules) {
+    if (tl_decision_context & cr->mask) {
+      rule = &cr->rule;
+      break;
+    }
+  }
+  if (!rule) {
     TORCH_CHECK_NOT_IMPLEMENTED(false, "Operator ", info.name,
                                 " does not have a sharding strategy registered (inputs ",
                                 call.placements_str(),
@@ -403,7 +410,7 @@ Compiled compile(const c10::OperatorHandle& op, const OpInfo& info, c10::ArrayRe
                                 "shards silently: add a rule with dtensor::dispatch::register_rule,"
                                 " or call full_tensor()/to_local() first.");
   }
-  Decision d = (*info.rule)(call);
+  Decision d = (*rule)(call);
   TORCH_CHECK(d.inputs.size() == slots.size(), "dtensor: the rule for ", info.name, " returned ",
               d.inputs.size(), " input placements for ", slots.size(), " inputs");
   TORCH_CHECK(d.outputs.size() == info.num_returns, "dtensor: the rule for ", info.name,

@@ -22,6 +22,18 @@ std::unordered_map<std::string, std::unique_ptr<RuleEntry>>& rules() {
   static std::unordered_map<std::string, std::unique_ptr<RuleEntry>> r;
   return r;
 }
+// Rules that replace an op's rule while some decision-context bits are set, in registration
+// order (stable addresses: OpInfos point into them).
+std::unordered_map<std::string, std::vector<std::unique_ptr<ContextRule>>>& context_rules() {
+  static std::unordered_map<std::string, std::vector<std::unique_ptr<ContextRule>>> r;
+  return r;
+}
+void attach_context_rules(OpInfo& info) {
+  info.context_rules.clear();
+  auto it = context_rules().find(info.name);
+  if (it == context_rules().end()) return;
+  for (const auto& c : it->second) info.context_rules.push_back(c.get());
+}
 
 void mark_static(OpInfo& info, const std::vector<int>& args) {
   for (int a : args) {
@@ -85,6 +97,7 @@ std::unique_ptr<OpInfo> build(const c10::OperatorHandle& op) {
       info->rule = &it->second->rule;
       mark_static(*info, it->second->static_args);
     }
+    attach_context_rules(*info);
   }
   return info;
 }
@@ -117,6 +130,22 @@ void register_rule(const std::string& qualified_name, Rule rule, std::vector<int
   }
 }
 
+void register_context_rule(const std::string& qualified_name, int64_t context_mask, Rule rule) {
+  TORCH_CHECK(context_mask != 0, "register_context_rule(", qualified_name,
+              "): the context mask must name at least one decision-context bit");
+  std::lock_guard<std::mutex> l(mu());
+  context_rules()[qualified_name].push_back(
+      std::make_unique<ContextRule>(ContextRule{context_mask, std::move(rule)}));
+  for (auto& [k, info] : infos()) {
+    if (info->name == qualified_name) attach_context_rules(*info);
+  }
+}
+
+void register_context_rule(std::initializer_list<const char*> names, int64_t context_mask,
+                           const Rule& rule) {
+  for (const char* n : names) register_context_rule(n, context_mask, rule);
+}
+
 void register_rule(std::initializer_list<const char*> names, const Rule& rule,
                    std::vector<int> static_args) {
   for (const char* n : names) register_rule(n, rule, static_args);
@@ -129,6 +158,9 @@ std::vector<std::string> registered_rule_names() {
   std::vector<std::string> out;
   out.reserve(rules().size());
   for (const auto& [name, entry] : rules()) out.push_back(name);
+  for (const auto& [name, entries] : context_rules()) {
+    if (!rules().count(name)) out.push_back(name);
+  }
   std::sort(out.begin(), out.end());
   return out;
 }

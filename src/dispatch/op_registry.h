@@ -11,9 +11,15 @@ namespace dtensor::dispatch {
 
 enum class ReturnKind : uint8_t { Tensor, TensorList, Other };
 
+struct ContextRule {
+  int64_t mask;
+  Rule rule;
+};
+
 struct OpInfo {
   std::string name;  // "aten::add.Tensor"
   const Rule* rule = nullptr;
+  std::vector<const ContextRule*> context_rules;  // checked first while their bits are set
   bool decomposable = false;  // has a CompositeExplicitAutograd kernel and no CPU kernel
   size_t num_args = 0;
   size_t num_returns = 0;

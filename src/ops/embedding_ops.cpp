@@ -9,7 +9,7 @@
 // and no mask has to outlive the op.
 #include <array>
 
-#include "rule_utils.h"
+#include "dtensor/ops/rule_utils.h"
 
 namespace dtensor::ops {
 namespace {

@@ -9,7 +9,7 @@
 #include <ATen/ops/scalar_tensor.h>
 
 #include "dtensor/comm/collectives.h"
-#include "rule_utils.h"
+#include "dtensor/ops/rule_utils.h"
 
 namespace dtensor::ops {
 namespace {

@@ -9,9 +9,8 @@
 // batch, and the result is an ordinary pending sum.
 #include <ATen/core/Reduction.h>
 
-#include "../tp/loss_parallel_rules.h"
 #include "dtensor/comm/collectives.h"
-#include "rule_utils.h"
+#include "dtensor/ops/rule_utils.h"
 
 namespace dtensor::ops {
 namespace {
@@ -94,7 +93,6 @@ dispatch::LocalKernel mean_over_shards(Placements target_p, bool target_replicat
 // nll_loss_forward / nll_loss2d_forward(self, target, weight?, reduction, ignore_index)
 //   -> (output, total_weight)
 Decision nll_forward(const OpCall& call) {
-  if (tp::loss_parallel_enabled()) return tp::detail::nll_forward(call);
   const DTensorSpec& in = call.input(0);
   const DTensorSpec& target = call.input(1);
   const int64_t reduction = call.int_arg(3);
@@ -127,7 +125,6 @@ Decision nll_forward(const OpCall& call) {
 // nll_loss_backward / nll_loss2d_backward(grad_output, self, target, weight?, reduction,
 //                                         ignore_index, total_weight) -> grad_input
 Decision nll_backward(const OpCall& call) {
-  if (tp::loss_parallel_enabled()) return tp::detail::nll_backward(call);
   const DTensorSpec& in = call.input(input_of(call, 1));
   const int64_t reduction = call.int_arg(4);
   const Placements in_p = input_layout(in);

@@ -5,7 +5,7 @@
 // layout (docs/ARCHITECTURE.md, "Strategy choice").
 #include <set>
 
-#include "rule_utils.h"
+#include "dtensor/ops/rule_utils.h"
 
 namespace dtensor::ops {
 namespace {

@@ -4,7 +4,7 @@
 // is why sequence-parallel norm weights get Partial gradients with no communication.
 #include <ATen/OpMathType.h>
 
-#include "rule_utils.h"
+#include "dtensor/ops/rule_utils.h"
 
 namespace dtensor::ops {
 namespace {

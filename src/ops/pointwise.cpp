@@ -3,7 +3,7 @@
 #include <ATen/TensorIterator.h>
 #include <ATen/ops/empty_strided.h>
 
-#include "rule_utils.h"
+#include "dtensor/ops/rule_utils.h"
 
 namespace dtensor::ops {
 namespace {

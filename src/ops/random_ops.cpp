@@ -8,7 +8,7 @@
 #include <ATen/ops/ones_like.h>
 
 #include "dtensor/core/random.h"
-#include "rule_utils.h"
+#include "dtensor/ops/rule_utils.h"
 
 namespace dtensor::ops {
 namespace {

@@ -1,6 +1,6 @@
 // Reductions: a Shard on a reduced dim becomes Partial(op); Partial inputs pass through linear
 // reductions; reducing an unevenly sharded dim by mean replicates it first.
-#include "rule_utils.h"
+#include "dtensor/ops/rule_utils.h"
 
 namespace dtensor::ops {
 namespace {

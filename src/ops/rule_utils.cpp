@@ -1,4 +1,4 @@
-#include "rule_utils.h"
+#include "dtensor/ops/rule_utils.h"
 
 #include <ATen/core/LegacyTypeDispatch.h>
 #include <ATen/ops/ones.h>

@@ -1,7 +1,6 @@
 // Softmax family: a softmax normalises over one dim, so that dim (and any pending sum, which is not
 // linear through exp) is replicated; shards of the other dims pass through untouched.
-#include "../tp/loss_parallel_rules.h"
-#include "rule_utils.h"
+#include "dtensor/ops/rule_utils.h"
 
 namespace dtensor::ops {
 namespace {
@@ -39,25 +38,17 @@ Decision softmax_backward(const OpCall& call) {
   return all_outputs(call, {p, p}, p);
 }
 
-// Inside a LossParallel the log variants are vocab-parallel
-// (docs/ARCHITECTURE.md, "Loss parallel").
-Decision log_softmax(const OpCall& call) {
-  return tp::loss_parallel_enabled() ? tp::detail::log_softmax(call) : softmax(call);
-}
-Decision log_softmax_backward(const OpCall& call) {
-  return tp::loss_parallel_enabled() ? tp::detail::log_softmax_backward(call)
-                                     : softmax_backward(call);
-}
-
 }  // namespace
 
 DTENSOR_RULES(softmax_ops) {
   using dispatch::register_rule;
   register_rule("aten::_softmax", softmax);
-  register_rule("aten::_log_softmax", log_softmax);
+  // Inside a LossParallel, tp's context rules make the log variants vocab-parallel
+  // (docs/ARCHITECTURE.md, "Loss parallel").
+  register_rule("aten::_log_softmax", softmax);
   register_rule("aten::_safe_softmax", safe_softmax);
   register_rule("aten::_softmax_backward_data", softmax_backward);
-  register_rule("aten::_log_softmax_backward_data", log_softmax_backward);
+  register_rule("aten::_log_softmax_backward_data", softmax_backward);
 }
 
 }  // namespace dtensor::ops

@@ -1,6 +1,6 @@
 // Tensor ops that copy, alias, create-like or read scalars
 // (docs/ARCHITECTURE.md, "Tensor ops and indexing").
-#include "rule_utils.h"
+#include "dtensor/ops/rule_utils.h"
 
 namespace dtensor::ops {
 namespace {

@@ -1,7 +1,7 @@
 // Vector norms (gradient clipping): a shard of a reduced dim leaves a pending p-norm
 // (docs/ARCHITECTURE.md, "Placements and shard math"); norms of pending norms of the same p stay
 // pending.
-#include "rule_utils.h"
+#include "dtensor/ops/rule_utils.h"
 
 namespace dtensor::ops {
 namespace {

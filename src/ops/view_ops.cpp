@@ -1,7 +1,7 @@
 // View and shape ops as dimension maps. A shard survives a reshape when it sits on the leftmost
 // (non-singleton) input dim of a merged/split group and both ends divide evenly; otherwise that
 // mesh dim is replicated first.
-#include "rule_utils.h"
+#include "dtensor/ops/rule_utils.h"
 
 namespace dtensor::ops {
 namespace {

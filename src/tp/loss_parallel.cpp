@@ -9,8 +9,8 @@
 #include <ATen/ATen.h>
 #include <ATen/core/Reduction.h>
 
-#include "../ops/rule_utils.h"
 #include "dtensor/comm/collectives.h"
+#include "dtensor/ops/rule_utils.h"
 #include "loss_parallel_rules.h"
 
 namespace dtensor::tp::detail {
@@ -191,3 +191,19 @@ Decision nll_backward(const OpCall& call) {
 }
 
 }  // namespace dtensor::tp::detail
+
+namespace dtensor::tp {
+
+// While a LossParallel is alive these replace the ordinary softmax and nll_loss rules.
+DTENSOR_RULES(loss_parallel) {
+  using dispatch::register_context_rule;
+  register_context_rule("aten::_log_softmax", kLossParallelBit, detail::log_softmax);
+  register_context_rule("aten::_log_softmax_backward_data", kLossParallelBit,
+                        detail::log_softmax_backward);
+  register_context_rule({"aten::nll_loss_forward", "aten::nll_loss2d_forward"}, kLossParallelBit,
+                        detail::nll_forward);
+  register_context_rule({"aten::nll_loss_backward", "aten::nll_loss2d_backward"}, kLossParallelBit,
+                        detail::nll_backward);
+}
+
+}  // namespace dtensor::tp

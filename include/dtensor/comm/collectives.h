@@ -8,7 +8,7 @@
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
 #include "dtensor/comm/process_group.h"
-#include "dtensor/core/placement.h"
+#include "dtensor/comm/reduce_op.h"
 
 namespace dtensor::comm {
 

@@ -8,11 +8,9 @@
 #include <string>
 #include <vector>
 
+#include "dtensor/comm/reduce_op.h"
+
 namespace dtensor {
-
-enum class ReduceOp : uint8_t { Sum, Avg, Max, Min, Product };
-
-const char* reduce_op_name(ReduceOp op);
 
 class Placement {
  public:

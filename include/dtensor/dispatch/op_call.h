@@ -99,6 +99,14 @@ using Rule = std::function<Decision(const OpCall&)>;
 void register_rule(const std::string& qualified_name, Rule rule, std::vector<int> static_args = {});
 void register_rule(std::initializer_list<const char*> names, const Rule& rule,
                    std::vector<int> static_args = {});
+// Registers `rule` to decide `qualified_name` instead of its ordinary rule while
+// decision_context() has any bit of `context_mask` set. A guard that changes how a family of
+// ops is sharded (tp::LossParallel: vocab-parallel log_softmax and nll_loss) registers its
+// rules this way from its own layer, and the ordinary rules never need to know about it. The
+// first registered rule whose mask matches wins.
+void register_context_rule(const std::string& qualified_name, int64_t context_mask, Rule rule);
+void register_context_rule(std::initializer_list<const char*> names, int64_t context_mask,
+                           const Rule& rule);
 bool has_rule(const std::string& qualified_name);
 // Every name a rule was registered for, sorted (a misspelt name registers a rule that no
 // operator ever reaches: tests check each against the dispatcher).

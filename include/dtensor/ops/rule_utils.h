@@ -1,5 +1,7 @@
 #pragma once
-// Small helpers shared by the op rule families.
+// The toolkit for writing sharding rules, shared by the op rule families and by layers above
+// (tp registers loss-parallel rules with it): local shapes, stride orders, placements remapped
+// through a dim map, Decision builders, output metadata.
 #include <ATen/InferSize.h>
 #include <c10/util/Exception.h>
 
