@@ -1,5 +1,7 @@
 #include <gtest/gtest.h>
 
+#include <unordered_set>
+
 #include "dtensor/core/placement.h"
 #include "dtensor/core/shard_math.h"
 
@@ -12,7 +14,15 @@ TEST(Placement, EqualityAndHashFollowKindDimAndReduceOp) {
   EXPECT_EQ(Partial(), Partial(ReduceOp::Sum));
   EXPECT_NE(Partial(), Partial(ReduceOp::Max));
   EXPECT_NE(Shard(0), Replicate());
-  EXPECT_EQ(std::hash<Placement>{}(Shard(2)), std::hash<Placement>{}(Shard(2)));
+  // Equal placements hash equal and distinct ones apart: a set keeps one of each.
+  std::unordered_set<Placement> set{
+      Shard(0), Shard(1),    Replicate(),           Partial(), Partial(ReduceOp::Max),
+      Shard(0), Replicate(), Partial(ReduceOp::Sum)};
+  EXPECT_EQ(set.size(), 5u);
+  const std::hash<Placement> h;
+  EXPECT_NE(h(Shard(0)), h(Shard(1)));
+  EXPECT_NE(h(Shard(0)), h(Replicate()));
+  EXPECT_NE(h(Partial()), h(Partial(ReduceOp::Max)));
 }
 
 TEST(Placement, PrintsShortAndLongForms) {

@@ -16,14 +16,18 @@ CommCounts counts(std::initializer_list<std::pair<const CommType, int64_t>> l) {
 }
 const CommCounts kNone{};
 
-// The local shard this rank must hold of `global` laid out as `p` (torch.chunk rule).
+// The local shard this rank must hold of `global` laid out as `p`, by torch.chunk over each
+// mesh dim in turn (independently of the library's shard math): a rank past the last chunk
+// holds an empty slice.
 at::Tensor expected_local(const at::Tensor& global, const DeviceMesh& mesh, const Placements& p) {
-  auto s =
-      compute_local_shape_and_global_offset(global.sizes(), mesh.shape(), *mesh.coordinate(), p);
   at::Tensor t = global;
-  for (int64_t d = 0; d < global.dim(); ++d) {
-    const int64_t off = std::min(s.offset[d], global.size(d));
-    t = t.narrow(d, off, s.shape[d]);
+  const auto& coord = *mesh.coordinate();
+  for (size_t m = 0; m < p.size(); ++m) {
+    if (!p[m].is_shard()) continue;
+    const int64_t d = p[m].dim();
+    const auto pieces = t.chunk(mesh.size(static_cast<int64_t>(m)), d);
+    const auto c = static_cast<size_t>(coord[m]);
+    t = c < pieces.size() ? pieces[c] : t.narrow(d, t.size(d), 0);
   }
   return t;
 }
@@ -73,7 +77,6 @@ TEST(Redistribute1D, EveryTransitionMatchesTheSingleDeviceTensorWithExactCounts)
     };
     const std::vector<std::vector<int64_t>> shapes = {{8, 4}, {5, 3}, {13, 3},
                                                       {1, 4}, {3, 1}, {0, 4}};
-    int n = 0;
     for (const auto& shape : shapes) {
       at::manual_seed(7);
       auto global = at::randn(shape, at::kDouble);
@@ -94,10 +97,8 @@ TEST(Redistribute1D, EveryTransitionMatchesTheSingleDeviceTensorWithExactCounts)
         EXPECT_EQ(out.sizes(), global.sizes());
         EXPECT_TENSOR_CLOSE(local_tensor(out), expected_local(global, mesh, to), 1e-12, 1e-12);
         EXPECT_TENSOR_CLOSE(full_tensor(out), global, 1e-12, 1e-12);
-        ++n;
       }
     }
-    EXPECT_EQ(n, 72);
   });
 }
 
@@ -220,7 +221,6 @@ TEST(Redistribute2D, EveryPlacementCombinationRoundTripsEvenAndUneven) {
     auto mesh = init_device_mesh("cpu", {2, 2});
     const std::vector<Placement> srcs = {Replicate(), Shard(0), Shard(1), Partial()};
     const std::vector<Placement> dsts = {Replicate(), Shard(0), Shard(1)};
-    int n = 0;
     for (auto shape : std::vector<std::vector<int64_t>>{{8, 12}, {10, 5}, {9, 5}, {3, 5}, {1, 3}}) {
       auto global = at::randn(shape, at::kDouble);
       for (auto a : srcs) {
@@ -232,13 +232,11 @@ TEST(Redistribute2D, EveryPlacementCombinationRoundTripsEvenAndUneven) {
               auto out = redistribute(make(global, mesh, from), to);
               EXPECT_TENSOR_CLOSE(local_tensor(out), expected_local(global, mesh, to), 1e-12,
                                   1e-12);
-              ++n;
             }
           }
         }
       }
     }
-    EXPECT_EQ(n, 5 * 16 * 9);
   });
 }
 
