@@ -2,15 +2,11 @@
 #include <c10/util/Exception.h>
 #include <c10/util/StringUtil.h>
 
-#include <cctype>
-#include <charconv>
 #include <cmath>
-#include <cstring>
-#include <map>
+#include <nlohmann/json.hpp>
 #include <numeric>
-#include <sstream>
+#include <set>
 #include <string>
-#include <variant>
 
 #include "dtensor/models/llama.h"
 
@@ -121,104 +117,44 @@ void LlamaConfig::validate_tp(int64_t tp) const {
 
 namespace {
 
-using JsonValue = std::variant<std::nullptr_t, bool, double>;
+using nlohmann::json;
 
-// A flat JSON object of numbers, booleans and null: all a config needs.
-class FlatJsonParser {
- public:
-  explicit FlatJsonParser(const std::string& s) : s_(s) {}
-
-  std::map<std::string, JsonValue> parse() {
-    std::map<std::string, JsonValue> out;
-    expect('{');
-    if (peek() == '}') {
-      ++i_;
-    } else {
-      while (true) {
-        std::string key = string();
-        expect(':');
-        TORCH_CHECK(out.emplace(key, value()).second, "LlamaConfig JSON: duplicate key '", key,
-                    "'");
-        const char c = next();
-        if (c == '}') break;
-        TORCH_CHECK(c == ',', "LlamaConfig JSON: expected ',' or '}' at offset ", i_ - 1);
-      }
-    }
-    skip_ws();
-    TORCH_CHECK(i_ == s_.size(), "LlamaConfig JSON: trailing characters at offset ", i_);
-    return out;
-  }
-
- private:
-  void skip_ws() {
-    while (i_ < s_.size() && std::isspace(static_cast<unsigned char>(s_[i_]))) ++i_;
-  }
-  char peek() {
-    skip_ws();
-    TORCH_CHECK(i_ < s_.size(), "LlamaConfig JSON: unexpected end of input");
-    return s_[i_];
-  }
-  char next() {
-    const char c = peek();
-    ++i_;
-    return c;
-  }
-  void expect(char c) {
-    TORCH_CHECK(next() == c, "LlamaConfig JSON: expected '", c, "' at offset ", i_ - 1);
-  }
-  std::string string() {
-    expect('"');
-    const size_t end = s_.find('"', i_);
-    TORCH_CHECK(end != std::string::npos, "LlamaConfig JSON: unterminated string");
-    std::string out = s_.substr(i_, end - i_);
-    i_ = end + 1;
-    return out;
-  }
-  JsonValue value() {
-    const char c = peek();
-    for (const auto& [word, v] :
-         {std::pair<const char*, JsonValue>{"true", true}, {"false", false}, {"null", nullptr}}) {
-      if (s_.compare(i_, std::strlen(word), word) == 0) {
-        i_ += std::strlen(word);
-        return v;
-      }
-    }
-    TORCH_CHECK(c == '-' || std::isdigit(static_cast<unsigned char>(c)),
-                "LlamaConfig JSON: expected a number, true, false or null at offset ", i_);
-    size_t used = 0;
-    const double d = std::stod(s_.substr(i_), &used);
-    i_ += used;
-    return d;
-  }
-
-  const std::string& s_;
-  size_t i_ = 0;
-};
-
-int64_t as_int(const std::string& key, const JsonValue& v) {
-  const double* d = std::get_if<double>(&v);
-  TORCH_CHECK(d && std::floor(*d) == *d, "LlamaConfig JSON: '", key, "' must be an integer");
-  return static_cast<int64_t>(*d);
+int64_t as_int(const std::string& key, const json& v) {
+  TORCH_CHECK(v.is_number_integer() ||
+                  (v.is_number_float() && std::floor(v.get<double>()) == v.get<double>()),
+              "LlamaConfig JSON: '", key, "' must be an integer");
+  return v.is_number_integer() ? v.get<int64_t>() : static_cast<int64_t>(v.get<double>());
 }
 
-double as_double(const std::string& key, const JsonValue& v) {
-  const double* d = std::get_if<double>(&v);
-  TORCH_CHECK(d, "LlamaConfig JSON: '", key, "' must be a number");
-  return *d;
+double as_double(const std::string& key, const json& v) {
+  TORCH_CHECK(v.is_number(), "LlamaConfig JSON: '", key, "' must be a number");
+  return v.get<double>();
 }
 
-std::string number(double d) {
-  std::ostringstream os;
-  os.precision(17);
-  os << d;
-  return os.str();
+// A flat object; a key given twice is an error (JSON parsers otherwise keep the last).
+json parse_object(const std::string& text) {
+  std::set<std::string> seen;
+  json j;
+  try {
+    j = json::parse(text, [&](int depth, json::parse_event_t event, json& parsed) {
+      if (event == json::parse_event_t::key && depth == 1) {
+        const auto key = parsed.get<std::string>();
+        TORCH_CHECK(seen.insert(key).second, "LlamaConfig JSON: duplicate key '", key, "'");
+      }
+      return true;
+    });
+  } catch (const json::exception& e) {
+    TORCH_CHECK(false, "LlamaConfig JSON: ", e.what());
+  }
+  TORCH_CHECK(j.is_object(), "LlamaConfig JSON: expected an object, got ", j.type_name());
+  return j;
 }
 
 }  // namespace
 
-LlamaConfig LlamaConfig::from_json(const std::string& json) {
+LlamaConfig LlamaConfig::from_json(const std::string& text) {
   LlamaConfig c;
-  for (const auto& [key, v] : FlatJsonParser(json).parse()) {
+  for (const auto& [key, v] : parse_object(text).items()) {
     if (key == "vocab_size") {
       c.vocab_size = as_int(key, v);
     } else if (key == "dim") {
@@ -228,13 +164,13 @@ LlamaConfig LlamaConfig::from_json(const std::string& json) {
     } else if (key == "n_heads") {
       c.n_heads = as_int(key, v);
     } else if (key == "n_kv_heads") {
-      c.n_kv_heads = std::holds_alternative<std::nullptr_t>(v) ? 0 : as_int(key, v);
+      c.n_kv_heads = v.is_null() ? 0 : as_int(key, v);
     } else if (key == "ffn_hidden_dim") {
-      c.ffn_hidden_dim = std::holds_alternative<std::nullptr_t>(v) ? 0 : as_int(key, v);
+      c.ffn_hidden_dim = v.is_null() ? 0 : as_int(key, v);
     } else if (key == "multiple_of") {
       c.multiple_of = as_int(key, v);
     } else if (key == "ffn_dim_multiplier") {
-      if (std::holds_alternative<std::nullptr_t>(v)) {
+      if (v.is_null()) {
         c.ffn_dim_multiplier.reset();
       } else {
         c.ffn_dim_multiplier = as_double(key, v);
@@ -246,9 +182,8 @@ LlamaConfig LlamaConfig::from_json(const std::string& json) {
     } else if (key == "rope_theta") {
       c.rope_theta = as_double(key, v);
     } else if (key == "tie_embeddings") {
-      const bool* b = std::get_if<bool>(&v);
-      TORCH_CHECK(b, "LlamaConfig JSON: 'tie_embeddings' must be true or false");
-      c.tie_embeddings = *b;
+      TORCH_CHECK(v.is_boolean(), "LlamaConfig JSON: 'tie_embeddings' must be true or false");
+      c.tie_embeddings = v.get<bool>();
     } else {
       TORCH_CHECK(false, "LlamaConfig JSON: unknown key '", key, "'");
     }
@@ -258,16 +193,20 @@ LlamaConfig LlamaConfig::from_json(const std::string& json) {
 }
 
 std::string LlamaConfig::to_json() const {
-  std::ostringstream os;
-  os << "{\"vocab_size\": " << vocab_size << ", \"dim\": " << dim << ", \"n_layers\": " << n_layers
-     << ", \"n_heads\": " << n_heads << ", \"n_kv_heads\": " << kv_heads()
-     << ", \"ffn_hidden_dim\": " << hidden_dim() << ", \"multiple_of\": " << multiple_of
-     << ", \"ffn_dim_multiplier\": "
-     << (ffn_dim_multiplier ? number(*ffn_dim_multiplier) : std::string("null"))
-     << ", \"max_seq_len\": " << max_seq_len << ", \"norm_eps\": " << number(norm_eps)
-     << ", \"rope_theta\": " << number(rope_theta)
-     << ", \"tie_embeddings\": " << (tie_embeddings ? "true" : "false") << "}";
-  return os.str();
+  nlohmann::ordered_json j;
+  j["vocab_size"] = vocab_size;
+  j["dim"] = dim;
+  j["n_layers"] = n_layers;
+  j["n_heads"] = n_heads;
+  j["n_kv_heads"] = kv_heads();
+  j["ffn_hidden_dim"] = hidden_dim();
+  j["multiple_of"] = multiple_of;
+  j["ffn_dim_multiplier"] = ffn_dim_multiplier ? json(*ffn_dim_multiplier) : json(nullptr);
+  j["max_seq_len"] = max_seq_len;
+  j["norm_eps"] = norm_eps;
+  j["rope_theta"] = rope_theta;
+  j["tie_embeddings"] = tie_embeddings;
+  return j.dump();
 }
 
 }  // namespace dtensor::models

@@ -3,6 +3,7 @@
 #include "dtensor/tp/parallelize_module.h"
 
 #include <c10/util/Exception.h>
+#include <fnmatch.h>
 
 #include <map>
 #include <memory>
@@ -15,71 +16,9 @@
 namespace dtensor::tp {
 
 bool fnmatch(std::string_view pattern, std::string_view name) {
-  // A bracket expression starting at pattern[p] ('['): whether it is well formed (has a
-  // closing ']'), whether `c` matches it, and where it ends.
-  struct Bracket {
-    bool valid = false;
-    bool matches = false;
-    size_t end = 0;
-  };
-  auto bracket = [&](size_t p, char c) {
-    Bracket b;
-    size_t j = p + 1;
-    const bool negate = j < pattern.size() && pattern[j] == '!';
-    if (negate) ++j;
-    const size_t first = j;
-    if (j < pattern.size() && pattern[j] == ']') ++j;  // a leading ']' is literal
-    while (j < pattern.size() && pattern[j] != ']') ++j;
-    if (j >= pattern.size()) return b;  // no closing ']': the '[' is literal
-    b.valid = true;
-    b.end = j + 1;
-    bool in = false;
-    for (size_t k = first; k < j; ++k) {
-      if (k + 2 < j && pattern[k + 1] == '-') {  // a range lo-hi
-        if (pattern[k] <= c && c <= pattern[k + 2]) in = true;
-        k += 2;
-      } else if (pattern[k] == c) {
-        in = true;
-      }
-    }
-    b.matches = in != negate;
-    return b;
-  };
-  // Iterative matching with one backtrack point for the last '*'.
-  size_t p = 0, n = 0;
-  size_t star_p = std::string_view::npos, star_n = 0;
-  while (n < name.size()) {
-    if (p < pattern.size()) {
-      const char c = pattern[p];
-      if (c == '*') {
-        star_p = p++;
-        star_n = n;
-        continue;
-      }
-      if (c == '?') {
-        ++p;
-        ++n;
-        continue;
-      }
-      if (c == '[') {
-        const Bracket b = bracket(p, name[n]);
-        if (b.valid ? b.matches : name[n] == '[') {
-          p = b.valid ? b.end : p + 1;
-          ++n;
-          continue;
-        }
-      } else if (c == name[n]) {
-        ++p;
-        ++n;
-        continue;
-      }
-    }
-    if (star_p == std::string_view::npos) return false;
-    p = star_p + 1;  // let the last '*' swallow one more character
-    n = ++star_n;
-  }
-  while (p < pattern.size() && pattern[p] == '*') ++p;
-  return p == pattern.size();
+  // libc's fnmatch without FNM_PATHNAME or escapes is Python's fnmatchcase on one path segment.
+  const std::string p(pattern), n(name);
+  return ::fnmatch(p.c_str(), n.c_str(), FNM_NOESCAPE) == 0;
 }
 
 namespace {
