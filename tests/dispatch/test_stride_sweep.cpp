@@ -67,6 +67,7 @@ void sweep(const DeviceMesh& mesh, int rank, const std::vector<std::vector<Place
   const auto x = at::randn({4, 3, 5}, at::kDouble);
   const auto y = at::randn({4, 3, 5}, at::kDouble);
   SweepCounter counter;
+  const int64_t copies_before = dispatch::cache_stats().layout_copies;
   for (const auto& op : ops()) {
     for (const auto& pl : layouts) {
       const std::string label = op.name + " on " + to_string(pl[0]) + ", " + to_string(pl[1]);
@@ -74,6 +75,8 @@ void sweep(const DeviceMesh& mesh, int rank, const std::vector<std::vector<Place
     }
   }
   EXPECT_EQ(counter.failures, 0);
+  // Every rule gave its results the strides their local kernels produce: none was re-laid out.
+  EXPECT_EQ(dispatch::cache_stats().layout_copies - copies_before, 0);
   EXPECT_EQ(counter.cases, static_cast<int64_t>(ops().size() * layouts.size()));
   if (rank == 0) {
     std::printf("[sweep] strides after permuted-input ops on a %s mesh: %ld cases, %ld failures\n",

@@ -338,10 +338,13 @@ TEST(LlamaTp, TrainingStepIssuesTheAnalyticMinimumOfCollectives) {
           if (kv_replicated) want.reduce = {{AR, 1}};
         }
         if (options.loss_parallel) want.loss = {{AR, 3}};
+        const int64_t copies_before = dispatch::cache_stats().layout_copies;
         for (int step = 0; step < 2; ++step) {
           SCOPED_TRACE(step);
           expect_counts(count_step(model, opt, c.vocab_size), want);
         }
+        // Every op's local result came back in the layout its rule announced: no extra copies.
+        EXPECT_EQ(dispatch::cache_stats().layout_copies - copies_before, 0);
       }
     });
   }
