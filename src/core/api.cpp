@@ -7,6 +7,8 @@
 #include <c10/util/Exception.h>
 #include <torch/csrc/autograd/custom_function.h>
 
+#include <sstream>
+
 #include "dtensor/comm/comm_debug_mode.h"
 #include "dtensor/core/redistribute.h"
 
@@ -145,27 +147,96 @@ struct RedistributeFn : torch::autograd::Function<RedistributeFn> {
   }
 };
 
+// Coordinate of the rank at row-major position `index` of `mesh`.
+std::vector<int64_t> coordinate_of(const DeviceMesh& mesh, int64_t index) {
+  std::vector<int64_t> c(mesh.ndim());
+  for (int64_t i = mesh.ndim() - 1; i >= 0; --i) {
+    c[i] = index % mesh.size(i);
+    index /= mesh.size(i);
+  }
+  return c;
+}
+
+// from_local(run_check=true): every rank of the mesh must agree on dtype, requires_grad and
+// ndim, and its local shape must be the one the global layout gives it (with a declared global
+// shape: torch.chunk of it; without: every rank the same, as the even-shard default assumes).
+// Every rank sees all ranks' metadata, so all fail together with the same message.
 void check_from_local_consistency(const at::Tensor& local, const DeviceMesh& mesh,
-                                  const TensorMeta& meta, bool shape_given) {
-  // Gather (dtype, requires_grad, ndim, shape..., stride...) from every rank of the mesh.
+                                  c10::ArrayRef<Placement> placements, const TensorMeta& meta,
+                                  bool shape_given) {
   auto& world = *comm::world_group();
-  std::vector<int64_t> info = {static_cast<int64_t>(local.scalar_type()),
-                               local.requires_grad() ? 1 : 0,
-                               static_cast<int64_t>(meta.shape.size())};
-  if (!shape_given) {
-    info.insert(info.end(), meta.shape.begin(), meta.shape.end());
-    info.insert(info.end(), meta.stride.begin(), meta.stride.end());
+  auto head = comm::all_gather_into_tensor(
+      at::tensor(std::vector<int64_t>{static_cast<int64_t>(local.scalar_type()),
+                                      local.requires_grad() ? 1 : 0, local.dim()},
+                 at::kLong)
+          .unsqueeze(0),
+      0, world);
+  const auto& ranks = mesh.ranks();
+  const int64_t r0 = ranks[0];
+  std::ostringstream bad;
+  auto note = [&bad](auto&&... parts) {
+    if (bad.tellp() > 0) bad << "; ";
+    ((bad << parts), ...);
+  };
+  auto h = [&](int64_t r, int64_t j) { return head[r][j].item<int64_t>(); };
+  for (int64_t r : ranks) {
+    if (h(r, 0) != h(r0, 0)) {
+      note("rank ", r, " has dtype ", static_cast<at::ScalarType>(h(r, 0)), ", rank ", r0, " has ",
+           static_cast<at::ScalarType>(h(r0, 0)));
+    }
+    if (h(r, 1) != h(r0, 1)) {
+      note("rank ", r, " has requires_grad=", h(r, 1) != 0, ", rank ", r0, " has ", h(r0, 1) != 0);
+    }
+    if (h(r, 2) != h(r0, 2)) {
+      note("rank ", r, " has a ", h(r, 2), "-D local tensor, rank ", r0, " a ", h(r0, 2), "-D one");
+    }
   }
-  auto mine = at::tensor(info, at::kLong);
-  auto lens = comm::all_gather_into_tensor(at::tensor({mine.numel()}, at::kLong), 0, world);
-  bool same = (lens == lens[0]).all().item<bool>();
-  if (same) {
-    auto all = comm::all_gather_into_tensor(mine.unsqueeze(0), 0, world);
-    for (int64_t r : mesh.ranks()) same = same && all[r].equal(all[mesh.ranks()[0]]);
+  if (bad.tellp() == 0) {
+    // ndim agrees: gather every rank's local shape and stride.
+    std::vector<int64_t> info(local.sizes().begin(), local.sizes().end());
+    info.insert(info.end(), local.strides().begin(), local.strides().end());
+    auto all = comm::all_gather_into_tensor(at::tensor(info, at::kLong).unsqueeze(0), 0, world);
+    const int64_t nd = local.dim();
+    auto shape_of = [&](int64_t r) {
+      auto v = all[r].narrow(0, 0, nd).contiguous();
+      return std::vector<int64_t>(v.data_ptr<int64_t>(), v.data_ptr<int64_t>() + nd);
+    };
+    auto stride_of = [&](int64_t r) {
+      auto v = all[r].narrow(0, nd, nd).contiguous();
+      return std::vector<int64_t>(v.data_ptr<int64_t>(), v.data_ptr<int64_t>() + nd);
+    };
+    if (shape_given && nd != static_cast<int64_t>(meta.shape.size())) {
+      note("the local tensors are ", nd, "-D but the global shape ", c10::IntArrayRef(meta.shape),
+           " has ", meta.shape.size(), " dims");
+    } else if (shape_given) {
+      for (size_t idx = 0; idx < ranks.size(); ++idx) {
+        const auto want = compute_local_shape_and_global_offset(
+                              meta.shape, mesh.shape(),
+                              coordinate_of(mesh, static_cast<int64_t>(idx)), placements)
+                              .shape;
+        const auto have = shape_of(ranks[idx]);
+        if (have != want) {
+          note("rank ", ranks[idx], " has local shape ", c10::IntArrayRef(have), ", expected ",
+               c10::IntArrayRef(want), " for global shape ", c10::IntArrayRef(meta.shape),
+               " with placements ", to_string(placements));
+        }
+      }
+    } else {
+      for (int64_t r : ranks) {
+        if (shape_of(r) != shape_of(r0) || stride_of(r) != stride_of(r0)) {
+          note("rank ", r, " has local shape ", c10::IntArrayRef(shape_of(r)), " stride ",
+               c10::IntArrayRef(stride_of(r)), ", rank ", r0, " has ",
+               c10::IntArrayRef(shape_of(r0)), " stride ", c10::IntArrayRef(stride_of(r0)),
+               " (without shape and stride, from_local assumes even shards; pass the global "
+               "shape and stride for uneven ones)");
+        }
+      }
+    }
   }
-  TORCH_CHECK_VALUE(same,
-                    "Inconsistent tensor metadata (including shape and stride) across "
-                    "ranks.");
+  TORCH_CHECK_VALUE(bad.tellp() == 0,
+                    "Inconsistent tensor metadata (including shape and stride) across ranks "
+                    "in from_local(run_check=true): ",
+                    bad.str());
 }
 
 }  // namespace
@@ -195,7 +266,7 @@ at::Tensor from_local(const at::Tensor& local_in, const DeviceMesh& mesh,
   if (!mesh.contains_this_rank()) {
     local = at::empty({0}, local.options());
   } else if (options.run_check) {
-    check_from_local_consistency(local, mesh, meta, options.shape.has_value());
+    check_from_local_consistency(local, mesh, placements, meta, options.shape.has_value());
     for (int64_t i = 0; i < mesh.ndim(); ++i) {
       if (placements[i].is_replicate()) {
         at::Tensor b = comm::broadcast(local.detach(), 0, mesh.group(i));

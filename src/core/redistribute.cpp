@@ -43,6 +43,40 @@ comm::PendingResult shard_to_replicate(const at::Tensor& local, int64_t d, int64
   return p;
 }
 
+// P -> R: all-reduce (a pending p-norm sums the p-th powers, then takes the root).
+comm::PendingResult partial_to_replicate(const at::Tensor& t, const Placement& from,
+                                         comm::ProcessGroup& pg, bool async) {
+  const double p = from.norm_p();
+  comm::PendingResult pending({}, t, nullptr, "");
+  if (p != 0.0 && std::isfinite(p)) {
+    pending = comm::all_reduce_async(t.abs().pow(p), ReduceOp::Sum, pg);
+    pending.then([p](at::Tensor x) { return x.pow(1.0 / p); });
+  } else {
+    pending = comm::all_reduce_async(t, from.reduce_op(), pg);
+  }
+  if (!async) pending.wait();
+  return pending;
+}
+
+// R -> P: the local value that reduces to `t` over the k ranks (no communication). Gradients
+// (is_backward) keep the replica.
+at::Tensor replicate_to_partial(const at::Tensor& t, const Placement& to, int64_t k,
+                                bool is_backward) {
+  if (is_backward) return t;
+  switch (to.reduce_op()) {
+    case ReduceOp::Sum:  // summing k copies (of p-th powers for a norm) gives the value
+      return to.is_norm_partial() ? t / std::pow(static_cast<double>(k), 1.0 / to.norm_p()) : t / k;
+    case ReduceOp::Avg:
+    case ReduceOp::Max:
+    case ReduceOp::Min:
+      return t;  // reducing identical copies is the identity
+    case ReduceOp::Product:
+      break;
+  }
+  TORCH_CHECK(false, "dtensor: redistributing to ", to.str(),
+              " is not supported (only to Partial(sum|avg|max|min)); replicate instead");
+}
+
 }  // namespace
 
 at::Tensor local_chunk(const at::Tensor& t, int64_t dim, int64_t k, int64_t r) {
@@ -135,15 +169,7 @@ comm::PendingResult redistribute_local(const at::Tensor& local, const DTensorSpe
     if (from.is_shard() && to.is_replicate()) {
       pending = shard_to_replicate(t, from.dim(), logical_size(src, cur, i, from.dim()), pg, async);
     } else if (from.is_partial() && to.is_replicate()) {
-      const double p = from.norm_p();
-      if (p != 0.0 && std::isfinite(p)) {
-        // norm partial: sum the p-th powers, then take the root
-        pending = comm::all_reduce_async(t.abs().pow(p), ReduceOp::Sum, pg);
-        pending.then([p](at::Tensor x) { return x.pow(1.0 / p); });
-      } else {
-        pending = comm::all_reduce_async(t, from.reduce_op(), pg);
-      }
-      if (!async) pending.wait();
+      pending = partial_to_replicate(t, from, pg, async);
     } else if (from.is_partial() && to.is_shard()) {
       TORCH_CHECK(!from.is_norm_partial(),
                   "dtensor: a pending norm cannot be scattered; "
@@ -169,23 +195,8 @@ comm::PendingResult redistribute_local(const at::Tensor& local, const DTensorSpe
     } else if (from.is_replicate() && to.is_shard()) {
       pending = comm::PendingResult({}, local_chunk(t, to.dim(), k, coord[i]), nullptr, "");
     } else if (from.is_replicate() && to.is_partial()) {
-      at::Tensor v = t;
-      if (!options.is_backward) {
-        switch (to.reduce_op()) {
-          case ReduceOp::Sum:  // summing k copies (of p-th powers for a norm) gives the value
-            v = to.is_norm_partial() ? t / std::pow(static_cast<double>(k), 1.0 / to.norm_p())
-                                     : t / k;
-            break;
-          case ReduceOp::Avg:
-          case ReduceOp::Max:
-          case ReduceOp::Min:
-            v = t;
-            break;  // reducing identical copies is the identity
-          case ReduceOp::Product:
-            TORCH_CHECK(false, "dtensor: only support replicate to Partial(sum|avg|max|min)");
-        }
-      }
-      pending = comm::PendingResult({}, v, nullptr, "");
+      pending =
+          comm::PendingResult({}, replicate_to_partial(t, to, k, options.is_backward), nullptr, "");
     } else if (from.is_shard() && to.is_shard()) {
       // Shard-dim change: gather the old dim, keep our chunk of the new one. (Counted as an
       // all-gather, as PyTorch does on CPU.)
@@ -197,8 +208,11 @@ comm::PendingResult redistribute_local(const at::Tensor& local, const DTensorSpe
                   " not supported yet");
       pending = shard_to_replicate(t, from.dim(), logical_size(src, cur, i, from.dim()), pg, async);
     } else if (from.is_partial() && to.is_partial()) {
-      TORCH_CHECK(from.reduce_op() == to.reduce_op(), "dtensor: cannot redistribute ", from.str(),
-                  " to ", to.str(), ": reduce it first");
+      // A different reduction (P(avg) meeting P(sum)): reduce to a replica, then split it
+      // the target's way.
+      at::Tensor r = partial_to_replicate(t, from, pg, /*async=*/false).wait();
+      pending =
+          comm::PendingResult({}, replicate_to_partial(r, to, k, options.is_backward), nullptr, "");
     }
     cur[i] = to;
     if (!async) t = pending.wait();

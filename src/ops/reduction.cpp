@@ -1,6 +1,10 @@
-// Reductions: a Shard on a reduced dim becomes Partial(op); Partial inputs pass through linear
-// reductions; reducing an unevenly sharded dim by mean replicates it first.
+// Reductions (docs/ARCHITECTURE.md, "Reductions, norms, softmax and losses"): a Shard on a
+// reduced dim becomes Partial(op); Partial inputs pass through linear reductions. A reduced dim
+// whose shards would make the combined result wrong (uneven shards for a mean, empty shards for
+// max/min) is replicated first. Reductions that return indices (max.dim, argmax) replicate the
+// reduced dim so the indices are global.
 #include "dtensor/ops/rule_utils.h"
+#include "reduction_layout.h"
 
 namespace dtensor::ops {
 namespace {
@@ -8,41 +12,47 @@ namespace {
 struct ReductionKind {
   ReduceOp op;
   bool linear;  // Partial(sum) inputs may pass through
+  ShardNeeds needs;
 };
+
+std::vector<bool> reduced_dims(int64_t nd, const std::optional<std::vector<int64_t>>& dims) {
+  std::vector<bool> reduced(nd, !dims || dims->empty());
+  if (dims) {
+    for (auto d : *dims) reduced[wrap_dim(d, nd)] = true;
+  }
+  return reduced;
+}
+
+// Shard(d) of a kept dim, renumbered for the output (reduced dims before it disappear
+// without keepdim).
+Placement kept_shard(int64_t d, const std::vector<bool>& reduced, bool keepdim) {
+  int64_t shift = 0;
+  if (!keepdim) {
+    for (int64_t e = 0; e < d; ++e) shift += reduced[e] ? 1 : 0;
+  }
+  return Shard(d - shift);
+}
 
 // dims = nullopt or empty list: reduce everything.
 Decision reduce(const OpCall& call, ReductionKind kind, std::optional<std::vector<int64_t>> dims,
                 bool keepdim) {
   const DTensorSpec& in = call.input(0);
   const int64_t nd = in.ndim();
-  std::vector<bool> reduced(nd, false);
-  if (!dims || dims->empty()) {
-    std::fill(reduced.begin(), reduced.end(), true);
-  } else {
-    for (auto d : *dims) reduced[wrap_dim(d, nd)] = true;
-  }
+  const std::vector<bool> reduced = reduced_dims(nd, dims);
   Placements tgt, out;
   for (size_t i = 0; i < in.placements().size(); ++i) {
     const Placement& p = in.placements()[i];
-    const int64_t k = call.mesh().size(static_cast<int64_t>(i));
     if (p.is_shard() && nd > 0 && reduced[p.dim()]) {
-      const bool uneven = in.shape()[p.dim()] % k != 0;
-      const bool empty_shard = chunk_range(in.shape()[p.dim()], k, k - 1).size == 0;
-      if ((kind.op == ReduceOp::Avg && uneven) || (empty_shard && kind.op != ReduceOp::Sum)) {
-        // A mean of uneven shards would be biased; max/min/prod of an empty shard is undefined.
-        tgt.push_back(Replicate());
-        out.push_back(Replicate());
-      } else {
+      if (keepable_shards(in, p.dim(), kind.needs)[i]) {
         tgt.push_back(p);
         out.push_back(Partial(kind.op));
+      } else {
+        tgt.push_back(Replicate());
+        out.push_back(Replicate());
       }
     } else if (p.is_shard()) {
-      int64_t shift = 0;
-      if (!keepdim) {
-        for (int64_t d = 0; d < p.dim(); ++d) shift += reduced[d] ? 1 : 0;
-      }
       tgt.push_back(p);
-      out.push_back(Shard(p.dim() - shift));
+      out.push_back(kept_shard(p.dim(), reduced, keepdim));
     } else if (p.is_partial()) {
       const bool pass = kind.linear && !p.is_norm_partial() &&
                         (p.reduce_op() == ReduceOp::Sum || p.reduce_op() == ReduceOp::Avg);
@@ -75,50 +85,107 @@ Decision reduce(const OpCall& call, ReductionKind kind, std::optional<std::vecto
   return d;
 }
 
+// max.dim / min.dim / argmax / argmin: values and indices along `dim` (nullopt: over the
+// flattened tensor). The reduced dim is gathered so that local indices are global ones;
+// shards of other dims stay.
+Decision reduce_with_indices(const OpCall& call, std::optional<int64_t> dim, bool keepdim) {
+  const DTensorSpec& in = call.input(0);
+  const int64_t nd = in.ndim();
+  std::vector<bool> reduced(nd, !dim.has_value());
+  if (dim && nd > 0) reduced[wrap_dim(*dim, nd)] = true;
+  Placements tgt, out;
+  for (const Placement& p : in.placements()) {
+    if (p.is_shard() && !reduced[p.dim()]) {
+      tgt.push_back(p);
+      out.push_back(kept_shard(p.dim(), reduced, keepdim));
+    } else {
+      tgt.push_back(Replicate());
+      out.push_back(Replicate());
+    }
+  }
+  return all_outputs(call, {tgt}, out);
+}
+
+// sort / topk / cumsum along `dim`: that dim is gathered (every output element depends on
+// the whole of it, and indices must be global); shards of other dims stay.
+Decision along_dim(const OpCall& call, int64_t dim) {
+  const DTensorSpec& in = call.input(0);
+  const int64_t d = wrap_dim(dim, in.ndim());
+  Placements tgt;
+  for (const Placement& p : in.placements()) {
+    tgt.push_back(p.is_shard() && p.dim() != d ? p : Replicate());
+  }
+  return all_outputs(call, {tgt}, tgt);
+}
+
+std::optional<std::vector<int64_t>> any_all_dims(const OpCall& c) {
+  if (c.num_args() > 1 && c.arg(1).isInt()) return std::vector<int64_t>{c.arg(1).toInt()};
+  if (c.num_args() > 1 && c.arg(1).isIntList()) return c.arg(1).toIntVector();
+  return std::nullopt;
+}
+
+constexpr ShardNeeds kAnySize{};
+constexpr ShardNeeds kEven{.even = true};
+constexpr ShardNeeds kNonEmpty{.nonempty = true};
+
 }  // namespace
 
 DTENSOR_RULES(reduction) {
   using dispatch::register_rule;
   // sum(self, dtype) / sum.dim_IntList(self, dim, keepdim, dtype)
   register_rule("aten::sum", [](const OpCall& c) {
-    return reduce(c, {ReduceOp::Sum, true}, {}, false);
+    return reduce(c, {ReduceOp::Sum, true, kAnySize}, {}, false);
   });
   register_rule("aten::sum.dim_IntList", [](const OpCall& c) {
-    return reduce(c, {ReduceOp::Sum, true}, c.opt_int_list_arg(1), c.bool_arg(2));
+    return reduce(c, {ReduceOp::Sum, true, kAnySize}, c.opt_int_list_arg(1), c.bool_arg(2));
   });
   register_rule("aten::mean", [](const OpCall& c) {
-    return reduce(c, {ReduceOp::Avg, true}, {}, false);
+    return reduce(c, {ReduceOp::Avg, true, kEven}, {}, false);
   });
   register_rule("aten::mean.dim", [](const OpCall& c) {
-    return reduce(c, {ReduceOp::Avg, true}, c.opt_int_list_arg(1), c.bool_arg(2));
+    return reduce(c, {ReduceOp::Avg, true, kEven}, c.opt_int_list_arg(1), c.bool_arg(2));
   });
   register_rule({"aten::amax"}, [](const OpCall& c) {
-    return reduce(c, {ReduceOp::Max, false}, c.opt_int_list_arg(1), c.bool_arg(2));
+    return reduce(c, {ReduceOp::Max, false, kNonEmpty}, c.opt_int_list_arg(1), c.bool_arg(2));
   });
   register_rule({"aten::amin"}, [](const OpCall& c) {
-    return reduce(c, {ReduceOp::Min, false}, c.opt_int_list_arg(1), c.bool_arg(2));
+    return reduce(c, {ReduceOp::Min, false, kNonEmpty}, c.opt_int_list_arg(1), c.bool_arg(2));
   });
   register_rule("aten::max", [](const OpCall& c) {
-    return reduce(c, {ReduceOp::Max, false}, {}, false);
+    return reduce(c, {ReduceOp::Max, false, kNonEmpty}, {}, false);
   });
   register_rule("aten::min", [](const OpCall& c) {
-    return reduce(c, {ReduceOp::Min, false}, {}, false);
+    return reduce(c, {ReduceOp::Min, false, kNonEmpty}, {}, false);
   });
   register_rule("aten::prod", [](const OpCall& c) {
-    return reduce(c, {ReduceOp::Product, false}, {}, false);
+    return reduce(c, {ReduceOp::Product, false, kAnySize}, {}, false);
   });
+  // any/all of an empty shard is false/true, the identity of the combining max/min
   register_rule({"aten::any", "aten::any.dim", "aten::any.dims"}, [](const OpCall& c) {
-    std::optional<std::vector<int64_t>> dims;
-    if (c.num_args() > 1 && c.arg(1).isInt()) dims = std::vector<int64_t>{c.arg(1).toInt()};
-    if (c.num_args() > 1 && c.arg(1).isIntList()) dims = c.arg(1).toIntVector();
-    return reduce(c, {ReduceOp::Max, false}, dims, c.num_args() > 2 && c.bool_arg(2));
+    return reduce(c, {ReduceOp::Max, false, kAnySize}, any_all_dims(c),
+                  c.num_args() > 2 && c.bool_arg(2));
   });
   register_rule({"aten::all", "aten::all.dim", "aten::all.dims"}, [](const OpCall& c) {
-    std::optional<std::vector<int64_t>> dims;
-    if (c.num_args() > 1 && c.arg(1).isInt()) dims = std::vector<int64_t>{c.arg(1).toInt()};
-    if (c.num_args() > 1 && c.arg(1).isIntList()) dims = c.arg(1).toIntVector();
-    return reduce(c, {ReduceOp::Min, false}, dims, c.num_args() > 2 && c.bool_arg(2));
+    return reduce(c, {ReduceOp::Min, false, kAnySize}, any_all_dims(c),
+                  c.num_args() > 2 && c.bool_arg(2));
   });
+  // max.dim(self, dim, keepdim) -> (values, indices); argmax(self, dim=None, keepdim)
+  register_rule({"aten::max.dim", "aten::min.dim"}, [](const OpCall& c) {
+    return reduce_with_indices(c, c.int_arg(1), c.bool_arg(2));
+  });
+  register_rule({"aten::argmax", "aten::argmin"}, [](const OpCall& c) {
+    std::optional<int64_t> dim;
+    if (!c.arg(1).isNone()) dim = c.arg(1).toInt();
+    return reduce_with_indices(c, dim, c.bool_arg(2));
+  });
+  // sort(self, dim, descending); sort.stable(self, *, stable, dim, descending);
+  // topk(self, k, dim, largest, sorted); cumsum/cumprod(self, dim, dtype)
+  register_rule("aten::sort", [](const OpCall& c) { return along_dim(c, c.int_arg(1, -1)); });
+  register_rule("aten::sort.stable",
+                [](const OpCall& c) { return along_dim(c, c.int_arg(2, -1)); });
+  register_rule("aten::topk", [](const OpCall& c) { return along_dim(c, c.int_arg(2, -1)); });
+  register_rule({"aten::cumsum", "aten::cumprod"},
+                [](const OpCall& c) { return along_dim(c, c.int_arg(1)); });
 }
 
 }  // namespace dtensor::ops

@@ -2,6 +2,7 @@
 // (docs/ARCHITECTURE.md, "Placements and shard math"); norms of pending norms of the same p stay
 // pending.
 #include "dtensor/ops/rule_utils.h"
+#include "reduction_layout.h"
 
 namespace dtensor::ops {
 namespace {
@@ -18,9 +19,9 @@ Decision vector_norm(const OpCall& call, double ord, std::optional<std::vector<i
   Placements tgt, out;
   for (size_t i = 0; i < in.placements().size(); ++i) {
     const Placement& p = in.placements()[i];
-    const int64_t k = call.mesh().size(static_cast<int64_t>(i));
-    const bool empty_shard = p.is_shard() && chunk_range(in.shape()[p.dim()], k, k - 1).size == 0;
-    if (p.is_shard() && reduced[p.dim()] && ord != 0.0 && !(std::isinf(ord) && empty_shard)) {
+    // an inf-norm has no identity for an empty shard; sums of p-th powers do (0)
+    if (p.is_shard() && reduced[p.dim()] && ord != 0.0 &&
+        keepable_shards(in, p.dim(), {.nonempty = std::isinf(ord)})[i]) {
       tgt.push_back(p);
       out.push_back(Placement::norm_partial(ord));
     } else if (p.is_shard() && !reduced[p.dim()]) {

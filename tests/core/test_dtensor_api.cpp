@@ -8,6 +8,7 @@
 
 #include "dtensor/dtensor.h"
 #include "support/distributed.h"
+#include "support/errors.h"
 
 using namespace dtensor;
 using dtensor::testing::run_ranks;
@@ -91,6 +92,43 @@ TEST(FromLocal, RunCheckRejectsDifferentDtypeOnOneRank) {
     } catch (const c10::ValueError& e) {
       EXPECT_NE(std::string(e.what()).find("Inconsistent tensor metadata"), std::string::npos);
     }
+  });
+}
+
+// Local rows 3 then 4 under a declared shape [7, 4]: torch.chunk gives 4 then 3, so the
+// layout is inconsistent and every rank must fail, naming the rank and both shapes.
+TEST(FromLocal, RunCheckRejectsLocalSizesThatDisagreeWithTheDeclaredShape) {
+  run_ranks(2, [](int rank) {
+    auto mesh = init_device_mesh("cpu", {2});
+    auto local = at::ones({rank == 0 ? 3 : 4, 4});
+    const std::string msg = dtensor::testing::message_of([&] {
+      from_local(local, mesh, {Shard(0)},
+                 {.run_check = true,
+                  .shape = std::vector<int64_t>{7, 4},
+                  .stride = std::vector<int64_t>{4, 1}});
+    });
+    EXPECT_CONTAINS(msg, "Inconsistent tensor metadata");
+    EXPECT_CONTAINS(msg, "rank 0 has local shape [3, 4]");
+    EXPECT_CONTAINS(msg, "expected [4, 4]");
+    // The matching layout is accepted and gathers back to the rows given.
+    auto ok = at::arange(28, at::kFloat).reshape({7, 4});
+    auto mine = rank == 0 ? ok.narrow(0, 0, 4) : ok.narrow(0, 4, 3);
+    auto dt = from_local(mine.clone(), mesh, {Shard(0)},
+                         {.run_check = true,
+                          .shape = std::vector<int64_t>{7, 4},
+                          .stride = std::vector<int64_t>{4, 1}});
+    EXPECT_TENSOR_EQ(full_tensor(dt), ok);
+  });
+}
+
+TEST(FromLocal, RunCheckRejectsDifferentNdimAndNamesTheRanks) {
+  run_ranks(2, [](int rank) {
+    auto mesh = init_device_mesh("cpu", {2});
+    auto local = rank == 0 ? at::ones({2, 2}) : at::ones({4});
+    const std::string msg = dtensor::testing::message_of(
+        [&] { from_local(local, mesh, {Replicate()}, {.run_check = true}); });
+    EXPECT_CONTAINS(msg, "Inconsistent tensor metadata");
+    EXPECT_CONTAINS(msg, "rank 1");
   });
 }
 
