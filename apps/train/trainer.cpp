@@ -5,10 +5,10 @@
 #include <torch/nn/utils/clip_grad.h>
 
 #include <limits>
-#include <unordered_set>
 
 #include "dtensor/comm/collectives.h"
 #include "dtensor/core/api.h"
+#include "dtensor/core/distribute_module.h"
 #include "dtensor/core/dtensor_impl.h"
 #include "dtensor/dispatch/implicit_replication.h"
 
@@ -29,12 +29,9 @@ Trainer::Trainer(const RunConfig& config, std::optional<DeviceMesh> mesh)
   }
 
   // Decay the matrices (projections and embeddings), not the norm weights, as GPT-style
-  // recipes do. A tied weight appears under two names: optimize it once.
+  // recipes do. A tied weight is listed (and so optimized) once.
   std::vector<at::Tensor> decay, no_decay;
-  std::unordered_set<const void*> seen;
-  for (const auto& item : model_->named_parameters()) {
-    const at::Tensor& p = item.value();
-    if (!seen.insert(p.unsafeGetTensorImpl()).second) continue;
+  for (const at::Tensor& p : unique_parameters(*model_)) {
     (p.dim() >= 2 ? decay : no_decay).push_back(p);
     params_.push_back(p);
   }

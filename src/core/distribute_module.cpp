@@ -10,6 +10,7 @@
 #include <memory>
 #include <mutex>
 #include <unordered_map>
+#include <unordered_set>
 
 #include "dtensor/core/api.h"
 
@@ -136,6 +137,19 @@ void replace_buffer(torch::nn::Module& module, const std::string& name, at::Tens
   TORCH_CHECK(slot, "dtensor: module ", module.name(), " has no buffer '", name, "'");
   *slot = value;
   update_member(module, name, value);
+}
+
+torch::OrderedDict<std::string, at::Tensor> unique_named_parameters(const torch::nn::Module& module,
+                                                                    bool recurse) {
+  torch::OrderedDict<std::string, at::Tensor> out;
+  std::unordered_set<const c10::TensorImpl*> seen;
+  for (const auto& p : module.named_parameters(recurse))
+    if (seen.insert(p.value().unsafeGetTensorImpl()).second) out.insert(p.key(), p.value());
+  return out;
+}
+
+std::vector<at::Tensor> unique_parameters(const torch::nn::Module& module, bool recurse) {
+  return unique_named_parameters(module, recurse).values();
 }
 
 void distribute_module(torch::nn::Module& module, const DeviceMesh& mesh,

@@ -3,6 +3,7 @@
 #include <algorithm>
 
 #include "dtensor/tp/module_tracker.h"
+#include "style_support.h"
 
 namespace dtensor::tp {
 
@@ -15,6 +16,73 @@ c10::IValue* ModuleCall::kwarg(const std::string& name) {
 const c10::IValue* ModuleCall::kwarg(const std::string& name) const {
   return const_cast<ModuleCall*>(this)->kwarg(name);
 }
+
+namespace {
+
+// Hook-capable modules whose call_forward is under way on this thread, innermost last.
+thread_local std::vector<const HookedModule*> t_running;
+thread_local int t_direct_calls = 0;
+
+bool is_running(const HookedModule* m) {
+  return std::find(t_running.begin(), t_running.end(), m) != t_running.end();
+}
+
+struct RunningScope {
+  explicit RunningScope(const HookedModule* m) { t_running.push_back(m); }
+  ~RunningScope() { t_running.pop_back(); }
+  RunningScope(const RunningScope&) = delete;
+  RunningScope& operator=(const RunningScope&) = delete;
+};
+
+std::string describe(HookedModule& m) {
+  auto* module = dynamic_cast<torch::nn::Module*>(&m);
+  return module ? detail::describe_module(*module, m.fqn()) : "module '" + m.fqn() + "'";
+}
+
+}  // namespace
+
+HookedModule& HookedModule::operator=(const HookedModule& other) {
+  pre_hooks_ = other.pre_hooks_;
+  hooks_ = other.hooks_;
+  next_handle_ = other.next_handle_;
+  fqn_ = other.fqn_;
+  return *this;
+}
+
+HookedModule* HookedModule::hooked_parent() const {
+  if (parent_owned_ && parent_owner_.expired()) return nullptr;
+  return parent_;
+}
+
+void HookedModule::set_hooked_parent(HookedModule* parent) {
+  parent_ = parent;
+  parent_owner_.reset();
+  parent_owned_ = false;
+  if (auto* module = dynamic_cast<torch::nn::Module*>(parent)) {
+    parent_owner_ = module->weak_from_this();
+    parent_owned_ = !parent_owner_.expired();
+  }
+}
+
+void HookedModule::check_ancestors_ran() {
+  if (t_direct_calls > 0) return;
+  for (HookedModule* a = hooked_parent(); a != nullptr; a = a->hooked_parent()) {
+    if (is_running(a)) return;  // the call came through `a`, and everything below it ran
+    if (a->num_hooks() == 0) continue;
+    TORCH_CHECK(false, "dtensor: ", describe(*this), " was called while its ancestor ",
+                describe(*a), ", which has ", a->num_hooks(),
+                " forward hook(s) (a parallel style's input/output conversions), was not "
+                "running through call_forward: its forward hooks did not run, so its inputs and "
+                "outputs were not converted and the result would be silently wrong. Route that "
+                "module's forward through call_forward (dtensor/tp/module_hooks.h). To call '",
+                fqn_,
+                "' on its own on purpose, without its ancestors' hooks, hold a "
+                "dtensor::tp::DirectCallGuard.");
+  }
+}
+
+DirectCallGuard::DirectCallGuard() { ++t_direct_calls; }
+DirectCallGuard::~DirectCallGuard() { --t_direct_calls; }
 
 size_t HookedModule::register_forward_pre_hook(ForwardPreHook hook) {
   pre_hooks_.emplace_back(next_handle_, std::move(hook));
@@ -40,6 +108,8 @@ torch::nn::Module& HookedModule::as_module() {
 
 c10::IValue HookedModule::call_forward_kw(const std::function<c10::IValue(const ModuleCall&)>& body,
                                           ModuleCall call) {
+  check_ancestors_ran();
+  RunningScope running(this);
   TrackedCall tracked(*this, call);  // CommDebugMode's per-module attribution
   torch::nn::Module& self = as_module();
   for (auto& [handle, hook] : pre_hooks_) hook(self, call);
@@ -49,10 +119,25 @@ c10::IValue HookedModule::call_forward_kw(const std::function<c10::IValue(const 
   return out;
 }
 
+namespace {
+
+// Links the hook-capable modules under `module` to their nearest hook-capable ancestor.
+void link_parents(torch::nn::Module& module, HookedModule* nearest) {
+  for (const auto& child : module.children()) {
+    auto* hooked = dynamic_cast<HookedModule*>(child.get());
+    if (hooked) hooked->set_hooked_parent(nearest);
+    link_parents(*child, hooked ? hooked : nearest);
+  }
+}
+
+}  // namespace
+
 void name_modules(torch::nn::Module& root) {
-  if (auto* hooked = dynamic_cast<HookedModule*>(&root)) hooked->set_fqn("");
+  auto* hooked_root = dynamic_cast<HookedModule*>(&root);
+  if (hooked_root) hooked_root->set_fqn("");
   for (const auto& item : root.named_modules("", /*include_self=*/false))
     if (auto* hooked = dynamic_cast<HookedModule*>(item.value().get())) hooked->set_fqn(item.key());
+  link_parents(root, hooked_root);
 }
 
 }  // namespace dtensor::tp

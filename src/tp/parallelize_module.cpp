@@ -2,13 +2,19 @@
 // in order; on a failure, put the model back as it was.
 #include "dtensor/tp/parallelize_module.h"
 
+#include <ATen/ops/full.h>
+#include <ATen/ops/zeros.h>
 #include <c10/util/Exception.h>
 #include <fnmatch.h>
 
+#include <algorithm>
+#include <cstring>
 #include <map>
 #include <memory>
+#include <sstream>
 #include <string_view>
 
+#include "dtensor/comm/collectives.h"
 #include "dtensor/core/distribute_module.h"
 #include "dtensor/tp/module_hooks.h"
 #include "style_support.h"
@@ -146,6 +152,110 @@ DeviceMesh mesh_from_context() {
   return *mesh;
 }
 
+// What every rank must agree on before applying a plan, one (label, value) item per line:
+// the plan's keys and styles, the model's parameters and buffers, the mesh.
+struct SetupItem {
+  std::string label, value;
+};
+
+std::string describe_setup(const torch::nn::Module& root, const ParallelizePlan& plan,
+                           const DeviceMesh& mesh) {
+  std::ostringstream os;
+  auto item = [&](const std::string& label, const auto& value) {
+    os << label << '\t' << value << '\n';
+  };
+  for (const auto& [key, style] : plan) item("plan key '" + key + "'", style.repr());
+  auto tensors = [&](const char* kind, const torch::OrderedDict<std::string, at::Tensor>& dict) {
+    for (const auto& t : dict) {
+      const std::string label = std::string(kind) + " '" + t.key() + "'";
+      item(label + " shape", t.value().sizes());
+      item(label + " dtype", t.value().scalar_type());
+    }
+  };
+  tensors("parameter", root.named_parameters());
+  tensors("buffer", root.named_buffers());
+  item("mesh", mesh.str());
+  return os.str();
+}
+
+std::vector<SetupItem> parse_setup(const std::string& text) {
+  std::vector<SetupItem> items;
+  std::istringstream is(text);
+  for (std::string line; std::getline(is, line);) {
+    const size_t tab = line.find('\t');
+    items.push_back({line.substr(0, tab), tab == std::string::npos ? "" : line.substr(tab + 1)});
+  }
+  return items;
+}
+
+// FNV-1a: equal texts give equal hashes on every rank and build.
+int64_t setup_hash(const std::string& text) {
+  uint64_t h = 1469598103934665603ULL;
+  for (unsigned char c : text) {
+    h ^= c;
+    h *= 1099511628211ULL;
+  }
+  return static_cast<int64_t>(h);
+}
+
+// The first difference between rank 0's setup and rank `r`'s.
+std::string first_difference(const std::string& text0, const std::string& text_r, int64_t r) {
+  const auto a = parse_setup(text0), b = parse_setup(text_r);
+  const std::string ranks = "rank " + std::to_string(r) + " differs from rank 0 ";
+  for (size_t i = 0; i < std::max(a.size(), b.size()); ++i) {
+    if (i >= a.size())
+      return ranks + "by an extra " + b[i].label + " (" + b[i].value + ") on rank " +
+             std::to_string(r);
+    if (i >= b.size())
+      return ranks + "by a missing " + a[i].label + " (" + a[i].value + " on rank 0)";
+    if (a[i].label != b[i].label)
+      return ranks + "at item " + std::to_string(i) + ": rank 0 has " + a[i].label + " (" +
+             a[i].value + "), rank " + std::to_string(r) + " has " + b[i].label + " (" +
+             b[i].value + ")";
+    if (a[i].value != b[i].value)
+      return ranks + "at " + a[i].label + ": " + a[i].value + " on rank 0 vs " + b[i].value +
+             " on rank " + std::to_string(r);
+  }
+  return ranks + "in a setup that describes the same (a hash collision)";
+}
+
+// Every rank of the mesh must parallelize the same model structure with the same plan over the
+// same mesh; otherwise ranks shard differently and later collectives mismatch or hang. One
+// all_gather of a hash checks it; only on a difference are the descriptions exchanged, so that
+// every rank fails with the same message naming the first difference.
+void check_same_on_every_rank(const torch::nn::Module& root, const ParallelizePlan& plan,
+                              const DeviceMesh& mesh) {
+  if (mesh.size() == 1 || !mesh.contains_this_rank()) return;
+  comm::ProcessGroup& pg = mesh.group(0);
+  const auto options = at::TensorOptions().dtype(at::kLong).device(mesh.device());
+  const std::string text = describe_setup(root, plan, mesh);
+  const at::Tensor hashes =
+      comm::all_gather_into_tensor(at::full({1}, setup_hash(text), options), 0, pg).cpu();
+  int64_t differing = -1;
+  for (int64_t r = 1; r < hashes.numel() && differing < 0; ++r)
+    if (hashes[r].item<int64_t>() != hashes[0].item<int64_t>()) differing = r;
+  if (differing < 0) return;
+
+  // Texts of unequal length travel padded to the longest.
+  const auto n = static_cast<int64_t>(text.size());
+  const at::Tensor lengths = comm::all_gather_into_tensor(at::full({1}, n, options), 0, pg).cpu();
+  const int64_t longest = lengths.max().item<int64_t>();
+  at::Tensor mine = at::zeros({longest}, at::kByte);
+  std::memcpy(mine.data_ptr(), text.data(), text.size());
+  const at::Tensor all =
+      comm::all_gather_into_tensor(mine.to(mesh.device()), 0, pg).cpu().view({-1, longest});
+  auto text_of = [&](int64_t r) {
+    const auto* bytes = static_cast<const char*>(all[r].data_ptr());
+    return std::string(bytes, lengths[r].item<int64_t>());
+  };
+  TORCH_CHECK(false,
+              "parallelize_module: ", first_difference(text_of(0), text_of(differing), differing),
+              ". Every rank of ", mesh.str(),
+              " must call parallelize_module with the same plan, on a model with the same "
+              "parameters (names, shapes, dtypes), over the same mesh; look for code that builds "
+              "the plan or the model differently per rank. Nothing was changed.");
+}
+
 void apply_entries(torch::nn::Module& root, const DeviceMesh& mesh, std::vector<Entry>& entries,
                    std::optional<int64_t> src_data_rank) {
   name_modules(root);  // so hooked modules attribute their collectives to their FQN
@@ -179,6 +289,8 @@ void apply_entries(torch::nn::Module& root, const DeviceMesh& mesh, std::vector<
 torch::nn::Module& parallelize_module(torch::nn::Module& module, const DeviceMesh& mesh,
                                       const Style& style, std::optional<int64_t> src_data_rank) {
   check_tp_mesh(mesh);
+  TORCH_CHECK(style.ptr() != nullptr, "parallelize_module: no style given");
+  check_same_on_every_rank(module, {{"", style}}, mesh);
   std::vector<Entry> entries{{&module, "", style}};
   apply_entries(module, mesh, entries, src_data_rank);
   return module;
@@ -188,9 +300,11 @@ torch::nn::Module& parallelize_module(torch::nn::Module& module, const DeviceMes
                                       const ParallelizePlan& plan,
                                       std::optional<int64_t> src_data_rank) {
   check_tp_mesh(mesh);
+  for (const auto& [key, style] : plan)
+    TORCH_CHECK(style.ptr() != nullptr, "parallelize_module: plan key '", key, "' has no style");
+  check_same_on_every_rank(module, plan, mesh);
   std::vector<Entry> entries;
   for (const auto& [key, style] : plan) {
-    TORCH_CHECK(style.ptr() != nullptr, "parallelize_module: plan key '", key, "' has no style");
     if (key.empty()) {
       entries.push_back({&module, "", style});
     } else {

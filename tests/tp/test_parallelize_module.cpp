@@ -255,7 +255,7 @@ TEST(ParallelizeModule, RootKeyAppliesToTheModuleAndUnmatchedKeysWarn) {
 }
 
 // Where parameters come from.
-TEST(ParallelizeModule, SrcDataRankPicksTheSourceOrKeepsLocalValuesWithoutComm) {
+TEST(ParallelizeModule, SrcDataRankPicksTheSourceOrKeepsLocalValuesWithoutMovingThem) {
   run_ranks(4, [](int rank) {
     auto mesh = init_device_mesh("cpu", {4});
     const tp::ParallelizePlan plan{{"net1", tp::ColwiseParallel()},
@@ -271,9 +271,11 @@ TEST(ParallelizeModule, SrcDataRankPicksTheSourceOrKeepsLocalValuesWithoutComm) 
       tp::parallelize_module(*mine.module, mesh, plan, src);
       comm.exit();
       if (src) {
-        // Shard(0)/Shard(1) parameters are scattered (3), the rowwise bias broadcast (1).
-        EXPECT_EQ(comm.get_comm_counts(),
-                  CommCounts({{CommType::scatter, 3}, {CommType::broadcast, 1}}))
+        // The plan check's all_gather (1); Shard(0)/Shard(1) parameters are scattered (3), the
+        // rowwise bias broadcast (1).
+        EXPECT_EQ(comm.get_comm_counts(), CommCounts({{CommType::all_gather_into_tensor, 1},
+                                                      {CommType::scatter, 3},
+                                                      {CommType::broadcast, 1}}))
             << comm.table();
         Model source = make<MLP>(100 + static_cast<int>(*src));
         for (const auto& p : source.module->named_parameters()) {
@@ -282,7 +284,9 @@ TEST(ParallelizeModule, SrcDataRankPicksTheSourceOrKeepsLocalValuesWithoutComm) 
                            p.value().detach());
         }
       } else {
-        EXPECT_EQ(comm.get_total_counts(), 0) << comm.table();
+        // Only the plan check's all_gather: the parameters are not moved.
+        EXPECT_EQ(comm.get_comm_counts(), CommCounts({{CommType::all_gather_into_tensor, 1}}))
+            << comm.table();
         auto* mlp = mine.module->as<MLPImpl>();
         EXPECT_TENSOR_EQ(local_tensor(mlp->net1->weight), own["net1.weight"].chunk(4, 0)[rank]);
         EXPECT_TENSOR_EQ(local_tensor(mlp->net2->weight), own["net2.weight"].chunk(4, 1)[rank]);

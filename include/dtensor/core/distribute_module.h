@@ -8,6 +8,7 @@
 #include <functional>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "dtensor/core/dtensor_impl.h"
 
@@ -19,6 +20,26 @@ namespace dtensor {
 // old parameter's requires_grad.
 void replace_parameter(torch::nn::Module& module, const std::string& name, at::Tensor value);
 void replace_buffer(torch::nn::Module& module, const std::string& name, at::Tensor value);
+
+/// Parameters of `module` (and of its submodules when `recurse`) with each tensor listed once.
+///
+/// Tying one tensor into two modules — `replace_parameter(*head, "weight", embedding->weight)`,
+/// as language models tie their output head to the embedding — leaves it registered in both,
+/// and LibTorch's `torch::nn::Module::parameters()` then lists it twice: an optimizer built on
+/// that list steps the tensor twice per step (and Adam's moments count it twice). PyTorch's
+/// `parameters()` deduplicates; this does the same, by tensor identity (TensorImpl), keeping
+/// LibTorch's order and the first occurrence.
+///
+/// `dtensor::nn::Module` (and so every model built on it) already lists parameters this way
+/// through its own `parameters()` / `named_parameters()`; call these where a model is reached
+/// through a plain `torch::nn::Module` (a `torch::nn::Sequential` root, a `torch::nn::Module&`).
+std::vector<at::Tensor> unique_parameters(const torch::nn::Module& module, bool recurse = true);
+
+/// named_parameters() with each tensor listed once, under the first name LibTorch gives it (a
+/// tied embedding/head weight appears as "embedding.weight" only), as PyTorch's
+/// `named_parameters()` does by default. See unique_parameters().
+torch::OrderedDict<std::string, at::Tensor> unique_named_parameters(const torch::nn::Module& module,
+                                                                    bool recurse = true);
 
 // User modules that keep parameters in their own members implement this to hear about swaps.
 class ParameterSwapTarget {

@@ -14,12 +14,25 @@
 // Hooks see a call as IValues (tensors, scalars, None, tuples), so they can convert any
 // positional or keyword argument. Modules with keyword arguments take a tp::Kwargs and use
 // call_forward_kw().
+//
+// Hooks that never run are an error, not a silent skip. A module's forward that does not go
+// through call_forward cannot be intercepted (forward is not virtual), so the check is made
+// one level down: when a hook-capable module runs, every hook-capable ancestor between it and
+// the innermost ancestor that is running (or the top of the model, if none is) must itself be
+// running; one with hooks that is not was bypassed, and the call throws, naming it.
+// Ancestors are known once parallelize_module (or tp::name_modules) has seen the model. The
+// check costs a walk up a few parent links per call. It needs a hook-capable module (the
+// dtensor::nn layers, or a user's module that uses call_forward) under the bypassed one; a
+// module with hooks over plain torch::nn modules only is not checked. Calling a submodule on
+// its own while its ancestors have hooks is refused the same way; to do so on purpose, hold a
+// DirectCallGuard.
 #include <ATen/core/ivalue.h>
 #include <c10/util/Exception.h>
 #include <torch/nn/module.h>
 
 #include <cstddef>
 #include <functional>
+#include <memory>
 #include <string>
 #include <tuple>
 #include <type_traits>
@@ -49,8 +62,13 @@ using ForwardHook =
 class HookedModule {
  public:
   HookedModule() = default;
-  HookedModule(const HookedModule&) = default;  // clone() copies hooks with the module
-  HookedModule& operator=(const HookedModule&) = default;
+  // clone() copies hooks with the module; the parent link stays with the original's tree.
+  HookedModule(const HookedModule& other)
+      : pre_hooks_(other.pre_hooks_),
+        hooks_(other.hooks_),
+        next_handle_(other.next_handle_),
+        fqn_(other.fqn_) {}
+  HookedModule& operator=(const HookedModule& other);
   virtual ~HookedModule() = default;
 
   // Returns a handle for remove_hook.
@@ -66,6 +84,10 @@ class HookedModule {
   // collectives in CommDebugMode; set by parallelize_module and tp::name_modules().
   const std::string& fqn() const { return fqn_; }
   void set_fqn(std::string fqn) { fqn_ = std::move(fqn); }
+
+  // The nearest hook-capable ancestor (set by tp::name_modules), or nullptr: unknown, or gone.
+  HookedModule* hooked_parent() const;
+  void set_hooked_parent(HookedModule* parent);
 
  protected:
   // Runs pre-hooks, then body(args...) on the (possibly rewritten) arguments, then the
@@ -83,14 +105,33 @@ class HookedModule {
   template <class Body, class Tuple, size_t... I>
   static auto invoke_unpacked(Body& body, const ModuleCall& call, std::index_sequence<I...>);
 
+  // Throws if a hook-capable ancestor with hooks was bypassed on the way to this call.
+  void check_ancestors_ran();
+
   std::vector<std::pair<size_t, ForwardPreHook>> pre_hooks_;
   std::vector<std::pair<size_t, ForwardHook>> hooks_;
   size_t next_handle_ = 0;
   std::string fqn_;
+  // The parent's weak reference tells a live parent from a destroyed one (a parent not owned
+  // by a shared_ptr has none and is trusted by address, as the model owns its children).
+  HookedModule* parent_ = nullptr;
+  std::weak_ptr<torch::nn::Module> parent_owner_;
+  bool parent_owned_ = false;
 };
 
-// Names every HookedModule under `root` by its path (the root gets "").
+// Names every HookedModule under `root` by its path (the root gets "") and links each to its
+// nearest hook-capable ancestor (the root keeps the link it has).
 void name_modules(torch::nn::Module& root);
+
+// While alive, a hook-capable module may run although an ancestor with hooks is not running
+// (for calling a submodule of a parallelized model on its own, without its ancestors' hooks).
+class DirectCallGuard {
+ public:
+  DirectCallGuard();
+  ~DirectCallGuard();
+  DirectCallGuard(const DirectCallGuard&) = delete;
+  DirectCallGuard& operator=(const DirectCallGuard&) = delete;
+};
 
 // ---- implementation ----
 

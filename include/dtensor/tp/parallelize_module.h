@@ -11,6 +11,14 @@
 // leaves the model as it was. Hook-capable modules are named by their path (tp::name_modules)
 // so CommDebugMode attributes collectives to them.
 //
+// Before anything else, the ranks of the mesh check that they all have the same plan (keys
+// and style reprs, in order), the same model structure (parameter and buffer names, shapes,
+// dtypes) and the same mesh: one all_gather of a 64-bit hash over the mesh's group (counted
+// by CommDebugMode; none on a 1-rank mesh). On a difference every rank throws, before
+// changing anything, naming the first difference ("rank 1 differs from rank 0 at plan key
+// 'net1': ColwiseParallel(...) on rank 0 vs RowwiseParallel(...) on rank 1"); the
+// descriptions are exchanged only then (two more all_gathers).
+//
 // Unlike PyTorch, src_data_rank also reaches the style of the root key "" (PyTorch's recursive
 // call drops it), and parameters that a style leaves to distribute_module's replication honour
 // it too.
