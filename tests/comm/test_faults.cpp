@@ -10,6 +10,8 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <cstdio>
+#include <cstdlib>
 #include <sstream>
 #include <thread>
 
@@ -76,6 +78,12 @@ std::string describe(const std::vector<RankOutcome>& out) {
   return o.str();
 }
 
+// DTENSOR_TEST_TRACE=1 prints how every rank ended, also when the test passes.
+std::vector<RankOutcome> traced(std::vector<RankOutcome> out) {
+  if (std::getenv("DTENSOR_TEST_TRACE")) std::fprintf(stderr, "%s", describe(out).c_str());
+  return out;
+}
+
 bool exited(const RankOutcome& o, int code) {
   return !o.hung && WIFEXITED(o.status) && WEXITSTATUS(o.status) == code;
 }
@@ -95,7 +103,7 @@ void loop(int iterations, const std::function<void(int)>& fault) {
 
 TEST(RendezvousFaults, RankWithoutRankZeroFailsWithinTheTimeoutNamingRankZero) {
   const int port = free_port();
-  auto out = run_ranks_collect(
+  auto out = traced(run_ranks_collect(
       1,
       [port](int) {
         claim(1, 2, port);
@@ -105,13 +113,13 @@ TEST(RendezvousFaults, RankWithoutRankZeroFailsWithinTheTimeoutNamingRankZero) {
                         "rank 1: no rank 0 at 127.0.0.1:" + std::to_string(port) + " after 3 s");
         EXPECT_LT(seconds_since(t0), kTimeout + 1.0);
       },
-      no_init());
+      no_init()));
   EXPECT_TRUE(exited(out[0], 0)) << describe(out);
 }
 
 TEST(RendezvousFaults, WorldSizeMismatchIsNamedOnEveryRank) {
   const int port = free_port();
-  auto out = run_ranks_collect(
+  auto out = traced(run_ranks_collect(
       2,
       [port](int rank) {
         claim(rank, rank == 0 ? 2 : 3, port);
@@ -122,13 +130,13 @@ TEST(RendezvousFaults, WorldSizeMismatchIsNamedOnEveryRank) {
         EXPECT_CONTAINS(msg, "says 3");
         EXPECT_LT(seconds_since(t0), kTimeout + 1.0);
       },
-      no_init());
+      no_init()));
   EXPECT_TRUE(exited(out[0], 0) && exited(out[1], 0)) << describe(out);
 }
 
 TEST(RendezvousFaults, TwoProcessesClaimingOneRankAllFailNamingBoth) {
   // Processes 1 and 2 both say RANK=1 in a world of 2; whichever pair gets going fails too.
-  auto out = run_ranks_collect(
+  auto out = traced(run_ranks_collect(
       3,
       [](int p) {
         ::setenv("RANK", p == 0 ? "0" : "1", 1);
@@ -137,7 +145,7 @@ TEST(RendezvousFaults, TwoProcessesClaimingOneRankAllFailNamingBoth) {
         loop(40, [](int) { std::this_thread::sleep_for(std::chrono::milliseconds(50)); });
         comm::destroy_process_group();
       },
-      no_init());
+      no_init()));
   for (size_t p = 0; p < out.size(); ++p) {
     EXPECT_TRUE(exited(out[p], 2)) << describe(out);
     EXPECT_CONTAINS(out[p].message, "rank 1 joined twice (pid ");
@@ -147,50 +155,48 @@ TEST(RendezvousFaults, TwoProcessesClaimingOneRankAllFailNamingBoth) {
 
 // ---- collectives -----------------------------------------------------------------------------
 
-TEST(CollectiveFaults, ExceptionOnOneRankStopsTheOthersNamingItAndTheirCollective) {
-  auto out = run_ranks_collect(
+// Rank 1 throws `what` before collective `at`+1 while rank 0 reaches it `delay_ms` later; rank
+// 0 must end within 2 s of rank 1, naming rank 1 and its error.
+std::vector<RankOutcome> rank1_throws(int at, int delay_ms, const std::string& what) {
+  auto out = traced(run_ranks_collect(
       2,
-      [](int rank) {
-        loop(10, [rank](int i) {
-          if (rank == 1 && i == 5) throw std::runtime_error("boom on rank 1 only");
-          if (rank == 0 && i == 5) std::this_thread::sleep_for(std::chrono::milliseconds(50));
+      [=](int rank) {
+        loop(10, [=](int i) {
+          if (rank == 1 && i == at) throw std::runtime_error(what);
+          if (rank == 0 && i == at)
+            std::this_thread::sleep_for(std::chrono::milliseconds(delay_ms));
         });
       },
-      kOpts);
+      kOpts));
   EXPECT_TRUE(exited(out[1], 2)) << describe(out);
   EXPECT_TRUE(exited(out[0], 2)) << describe(out);
+  EXPECT_CONTAINS(out[0].message, "rank 1 failed: rank 1 threw: " + what);
+  EXPECT_LT(out[0].seconds - out[1].seconds, 2.0) << describe(out);
+  return out;
+}
+
+TEST(CollectiveFaults, ExceptionOnOneRankStopsTheOthersNamingItAndTheirCollective) {
+  auto out = rank1_throws(5, 50, "boom on rank 1 only");
   EXPECT_CONTAINS(out[0].message, "rank 0: all_reduce float32[4]");
   EXPECT_CONTAINS(out[0].message, "collective #6 on group world");
-  EXPECT_CONTAINS(out[0].message, "rank 1 failed: rank 1 threw: boom on rank 1 only");
-  EXPECT_LT(out[0].seconds - out[1].seconds, 2.0) << describe(out);
 }
 
 TEST(CollectiveFaults, ExceptionOutsideCollectivesStopsAPeerBusyComputing) {
   // Rank 0 is computing when rank 1 fails: its next collective must not even start.
-  auto out = run_ranks_collect(
-      2,
-      [](int rank) {
-        loop(10, [rank](int i) {
-          if (rank == 1 && i == 3) throw std::runtime_error("rank 1 ran out of data");
-          if (rank == 0 && i == 3) std::this_thread::sleep_for(std::chrono::milliseconds(800));
-        });
-      },
-      kOpts);
-  EXPECT_TRUE(exited(out[0], 2)) << describe(out);
-  EXPECT_CONTAINS(out[0].message, "all_reduce float32[4] (collective #4 on group world)");
-  EXPECT_CONTAINS(out[0].message, "rank 1 failed: rank 1 threw: rank 1 ran out of data");
-  EXPECT_LT(out[0].seconds - out[1].seconds, 2.0) << describe(out);
+  auto out = rank1_throws(3, 800, "rank 1 ran out of data");
+  EXPECT_CONTAINS(out[0].message,
+                  "all_reduce float32[4] (collective #4 on group world) not started");
 }
 
 TEST(CollectiveFaults, KilledRankIsNamedByTheOthersWithinTwoSeconds) {
-  auto out = run_ranks_collect(
+  auto out = traced(run_ranks_collect(
       2,
       [](int rank) {
         loop(50, [rank](int i) {
           if (rank == 1 && i == 10) ::raise(SIGKILL);
         });
       },
-      kOpts);
+      kOpts));
   ASSERT_TRUE(!out[1].hung && WIFSIGNALED(out[1].status)) << describe(out);
   EXPECT_TRUE(exited(out[0], 2)) << describe(out);
   EXPECT_CONTAINS(out[0].message, "rank 0: all_reduce float32[4]");
@@ -201,7 +207,7 @@ TEST(CollectiveFaults, KilledRankIsNamedByTheOthersWithinTwoSeconds) {
 
 TEST(CollectiveFaults, StoppedRankIsNamedWithinTheTimeoutAndEndsWhenContinued) {
   constexpr double kStopped = 6.0;  // seconds rank 1 stays stopped
-  auto out = run_ranks_collect(
+  auto out = traced(run_ranks_collect(
       2,
       [](int rank) {
         loop(10, [rank](int i) {
@@ -214,7 +220,7 @@ TEST(CollectiveFaults, StoppedRankIsNamedWithinTheTimeoutAndEndsWhenContinued) {
           ::raise(SIGSTOP);
         });
       },
-      kOpts);
+      kOpts));
   EXPECT_TRUE(exited(out[0], 2)) << describe(out);
   EXPECT_CONTAINS(out[0].message, "rank 0: all_reduce float32[4]");
   EXPECT_CONTAINS(out[0].message, "collective #6 on group world");
@@ -227,7 +233,7 @@ TEST(CollectiveFaults, StoppedRankIsNamedWithinTheTimeoutAndEndsWhenContinued) {
 }
 
 TEST(CollectiveFaults, SkippedCollectiveNamesTheFirstDivergentFingerprint) {
-  auto out = run_ranks_collect(
+  auto out = traced(run_ranks_collect(
       2,
       [](int rank) {
         auto& g = *comm::world_group();
@@ -238,7 +244,7 @@ TEST(CollectiveFaults, SkippedCollectiveNamesTheFirstDivergentFingerprint) {
         comm::all_gather_into_tensor(at::ones({4}), 0, g);
         comm::destroy_process_group();
       },
-      kOpts);
+      kOpts));
   bool named = false;
   for (int r = 0; r < 2; ++r) {
     EXPECT_FALSE(out[r].hung) << describe(out);
@@ -253,7 +259,7 @@ TEST(CollectiveFaults, SkippedCollectiveNamesTheFirstDivergentFingerprint) {
 
 TEST(CollectiveFaults, CheckModeNamesADifferentShapeBeforeIssuingIt) {
   ::setenv("DTENSOR_CHECK_COLLECTIVES", "1", 1);
-  auto out = run_ranks_collect(
+  auto out = traced(run_ranks_collect(
       2,
       [](int rank) {
         auto& g = *comm::world_group();
@@ -262,7 +268,7 @@ TEST(CollectiveFaults, CheckModeNamesADifferentShapeBeforeIssuingIt) {
           comm::all_reduce(at::ones({n / 4, 4}), ReduceOp::Sum, g);
         }
       },
-      kOpts);
+      kOpts));
   ::unsetenv("DTENSOR_CHECK_COLLECTIVES");
   for (int r = 0; r < 2; ++r) {
     EXPECT_TRUE(exited(out[r], 2)) << describe(out);
@@ -274,7 +280,7 @@ TEST(CollectiveFaults, CheckModeNamesADifferentShapeBeforeIssuingIt) {
 }
 
 TEST(CollectiveFaults, DifferentShapeWithoutCheckModeNeverHangs) {
-  auto out = run_ranks_collect(
+  auto out = traced(run_ranks_collect(
       2,
       [](int rank) {
         auto& g = *comm::world_group();
@@ -283,7 +289,7 @@ TEST(CollectiveFaults, DifferentShapeWithoutCheckModeNeverHangs) {
         }
         comm::destroy_process_group();
       },
-      kOpts);
+      kOpts));
   // Gloo may abort the rank that receives too many bytes (no harness message then); a rank that
   // ends with a message must name the divergence, and one of them must.
   bool named = false;
@@ -300,19 +306,19 @@ TEST(CollectiveFaults, DifferentShapeWithoutCheckModeNeverHangs) {
 }
 
 TEST(CollectiveFaults, NormalExitAtDifferentTimesDoesNotFire) {
-  auto out = run_ranks_collect(
+  auto out = traced(run_ranks_collect(
       2,
       [](int rank) {
         loop(5, [](int) {});
         if (rank == 1) std::this_thread::sleep_for(std::chrono::milliseconds(700));
         comm::destroy_process_group();
       },
-      kOpts);
+      kOpts));
   EXPECT_TRUE(exited(out[0], 0) && exited(out[1], 0)) << describe(out);
 }
 
 TEST(CollectiveFaults, ReportFailureStopsAPeerInABarrier) {
-  auto out = run_ranks_collect(
+  auto out = traced(run_ranks_collect(
       2,
       [](int rank) {
         loop(2, [](int) {});
@@ -323,7 +329,7 @@ TEST(CollectiveFaults, ReportFailureStopsAPeerInABarrier) {
         }
         comm::barrier();
       },
-      kOpts);
+      kOpts));
   EXPECT_TRUE(exited(out[1], 0)) << describe(out);
   EXPECT_TRUE(exited(out[0], 2)) << describe(out);
   EXPECT_CONTAINS(out[0].message, "barrier not started: rank 1 failed: rank 1 gave up on purpose");
