@@ -20,6 +20,7 @@
 #include <string_view>
 #include <vector>
 
+#include "dtensor/comm/failure.h"
 #include "dtensor/dtensor.h"
 
 namespace {
@@ -272,8 +273,10 @@ int main(int argc, char** argv) {
     return run(*options);
   } catch (const c10::Error& e) {
     std::cerr << "dtensor_demo: " << e.what_without_backtrace() << std::endl;
+    dtensor::comm::report_failure(e.what_without_backtrace());
   } catch (const std::exception& e) {
     std::cerr << "dtensor_demo: " << e.what() << std::endl;
+    dtensor::comm::report_failure(e.what());
   }
   return 1;
 }

@@ -7,6 +7,7 @@
 #include <iostream>
 #include <thread>
 
+#include "dtensor/comm/failure.h"
 #include "dtensor/comm/process_group.h"
 #include "options.h"
 #include "train_run.h"
@@ -33,6 +34,7 @@ int main(int argc, char** argv) {
     return finish(dtensor::train::run_training(*options, env), env);
   } catch (const std::exception& e) {
     std::cerr << "dtensor_train: error on rank " << env.rank << ": " << e.what() << std::endl;
+    dtensor::comm::report_failure(e.what());  // the other ranks stop at once, naming this one
     return 1;
   }
 }

@@ -8,6 +8,7 @@
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
 #include "dtensor/comm/comm_debug_mode.h"
+#include "health.h"
 
 namespace dtensor::comm {
 namespace {
@@ -27,10 +28,11 @@ c10d::ReduceOp to_c10d(ReduceOp op) {
   return c10d::ReduceOp(c10d::ReduceOp::SUM);
 }
 
-std::string describe(const char* what, ProcessGroup& pg, const at::Tensor& t) {
-  std::string s = std::string(what) + " of " + std::to_string(t.numel() * t.element_size()) +
-                  " bytes on group " + pg.name() + " (group rank " + std::to_string(pg.rank()) +
-                  " of " + std::to_string(pg.size());
+std::string describe(const char* what, ProcessGroup& pg, const at::Tensor& t, int64_t seq) {
+  std::string s = std::string(what) + " " + detail::signature(t) + " (" +
+                  std::to_string(t.numel() * t.element_size()) + " bytes) as collective #" +
+                  std::to_string(seq) + " on group " + pg.name() + " (group rank " +
+                  std::to_string(pg.rank()) + " of " + std::to_string(pg.size());
   if (pg.mesh_dim() >= 0) s += ", mesh dim " + std::to_string(pg.mesh_dim());
   return s + ")";
 }
@@ -50,7 +52,8 @@ template <typename F>
 PendingResult launch(const char* name, CommType type, ProcessGroup& pg, const at::Tensor& input,
                      at::Tensor buffer, std::function<at::Tensor(at::Tensor)> finish, F&& issue) {
   record(type, input, pg);
-  std::string what = describe(name, pg, input);
+  const int64_t seq = detail::begin_collective(pg, name, input);
+  std::string what = describe(name, pg, input, seq);
   c10::intrusive_ptr<c10d::Work> work;
   try {
     work = issue(backend_for(pg, input));
@@ -58,6 +61,7 @@ PendingResult launch(const char* name, CommType type, ProcessGroup& pg, const at
     TORCH_CHECK(false, "dtensor: rank ", pg.global_rank(pg.rank()), ": ", what,
                 " failed: ", e.what());
   }
+  detail::attach(work.get(), pg, seq);
   return PendingResult(std::move(work), std::move(buffer), std::move(finish),
                        "rank " + std::to_string(pg.global_rank(pg.rank())) + ": " + what);
 }
@@ -77,13 +81,8 @@ PendingResult::PendingResult(c10::intrusive_ptr<c10d::Work> work, at::Tensor buf
 
 at::Tensor PendingResult::wait() {
   if (work_) {
-    try {
-      work_->wait();
-    } catch (const std::exception& e) {
-      work_.reset();
-      TORCH_CHECK(false, "dtensor: ", what_, " failed: ", e.what());
-    }
-    work_.reset();
+    auto work = std::move(work_);  // reset even when waiting throws
+    detail::wait_collective(*work, what_);
     if (finish_) {
       buffer_ = finish_(std::move(buffer_));
       finish_ = nullptr;

@@ -1,7 +1,13 @@
 #include "dtensor/comm/process_group.h"
 
 #include <c10/util/Exception.h>
+#include <fcntl.h>
+#include <netdb.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <unistd.h>
 
+#include <cerrno>
 #include <cstdlib>
 #include <mutex>
 #include <thread>
@@ -10,6 +16,7 @@
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
 #include "backends.h"
+#include "health.h"
 
 namespace dtensor::comm {
 namespace {
@@ -44,21 +51,136 @@ struct WorldState {
   std::shared_ptr<ProcessGroup> world;
   int64_t group_counter = 0;
   int64_t generation = 0;  // how many times this process joined (keys stay unique)
+  // Stops the watchdog before exit tears down what it uses.
+  ~WorldState() {
+    if (initialized) detail::health_stop(/*clean=*/false);
+  }
 };
 
-// Every rank checks in; each waits until all have, or fails saying how many arrived.
-void join_barrier(c10d::Store& store, const LaunchEnv& e, std::chrono::milliseconds timeout,
-                  int64_t generation) {
-  const std::string key = "dtensor/joined/" + std::to_string(generation);
-  int64_t n = store.add(key, 1);
-  const auto deadline = std::chrono::steady_clock::now() + timeout;
+using Clock = std::chrono::steady_clock;
+
+double seconds(std::chrono::milliseconds t) { return t.count() / 1000.0; }
+
+std::string where(const LaunchEnv& e) {
+  return e.master_addr + ":" + std::to_string(e.master_port);
+}
+
+// True once something accepts TCP connections at addr:port. Polls until `deadline` so that a
+// missing store fails on time (the store client's own retries overshoot the timeout).
+bool wait_for_listener(const std::string& addr, int port, Clock::time_point deadline) {
+  addrinfo hints{};
+  hints.ai_socktype = SOCK_STREAM;
+  addrinfo* found = nullptr;
+  while (Clock::now() < deadline) {
+    if (getaddrinfo(addr.c_str(), std::to_string(port).c_str(), &hints, &found) == 0) {
+      for (addrinfo* a = found; a; a = a->ai_next) {
+        const int fd = ::socket(a->ai_family, a->ai_socktype | SOCK_NONBLOCK, a->ai_protocol);
+        if (fd < 0) continue;
+        bool ok = ::connect(fd, a->ai_addr, a->ai_addrlen) == 0;
+        if (!ok && errno == EINPROGRESS) {
+          pollfd p{fd, POLLOUT, 0};
+          if (::poll(&p, 1, 200) == 1) {
+            int err = 0;
+            socklen_t len = sizeof(err);
+            ok = ::getsockopt(fd, SOL_SOCKET, SO_ERROR, &err, &len) == 0 && err == 0;
+          }
+        }
+        ::close(fd);
+        if (ok) {
+          freeaddrinfo(found);
+          return true;
+        }
+      }
+      freeaddrinfo(found);
+      found = nullptr;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  return false;
+}
+
+std::string this_process() {
+  char host[256] = {0};
+  ::gethostname(host, sizeof(host) - 1);
+  return "pid " + std::to_string(::getpid()) + " on " + host;
+}
+
+// Fails the rendezvous for every rank: peers still waiting read the reason from the store.
+// The rank hosting the store stays a moment so that they can.
+[[noreturn]] void fail_rendezvous(c10d::Store& store, const std::string& prefix, const LaunchEnv& e,
+                                  bool hosts_store, const std::string& msg) {
+  try {
+    detail::post_event(store, prefix, "fail\t" + std::to_string(e.rank) + "\t" + msg);
+    const auto until = Clock::now() + std::chrono::seconds(1);
+    while (hosts_store && Clock::now() < until &&
+           store.add(prefix + "failure_seen", 0) + 1 < store.add(prefix + "registered", 0)) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+  } catch (...) {
+    // Store gone: the peers fail on their own timeout.
+  }
+  TORCH_CHECK(false, "dtensor: rank ", e.rank, ": ", msg);
+}
+
+// Every rank registers (claiming its rank number and stating the world size), then waits
+// until all have joined. Names duplicate ranks, disagreeing world sizes and missing ranks.
+void rendezvous(c10d::Store& store, const LaunchEnv& e, const std::string& prefix,
+                Clock::time_point deadline, std::chrono::milliseconds timeout, bool hosts_store) {
+  const std::string me = this_process();
+  const std::string r = std::to_string(e.rank);
+  store.add(prefix + "registered", 1);
+  const int64_t claim = store.add(prefix + "claims/" + r, 1);
+  store.set(prefix + "claim/" + r + "/" + std::to_string(claim), me);
+  if (claim > 1) {
+    std::string first = "another process";
+    try {
+      const std::string key = prefix + "claim/" + r + "/1";
+      store.wait({key}, std::chrono::seconds(1));
+      auto v = store.get(key);
+      first.assign(v.begin(), v.end());
+    } catch (...) {
+    }
+    fail_rendezvous(store, prefix, e, hosts_store,
+                    "rank " + r + " joined twice (" + first + " and " + me +
+                        "): two processes were started with the same rank; check the "
+                        "launcher's RANK assignment");
+  }
+  const std::string mine = std::to_string(e.world_size) + "\t" + r;
+  auto stated = store.compareSet(prefix + "world_size", "", mine);
+  const std::string theirs(stated.begin(), stated.end());
+  if (theirs != mine) {
+    const size_t tab = theirs.find('\t');
+    const std::string size = theirs.substr(0, tab), who = theirs.substr(tab + 1);
+    if (size != std::to_string(e.world_size)) {
+      fail_rendezvous(store, prefix, e, hosts_store,
+                      "WORLD_SIZE mismatch: rank " + who + " says " + size + ", rank " + r +
+                          " says " + std::to_string(e.world_size) +
+                          "; start every rank with the same WORLD_SIZE");
+    }
+  }
+  int64_t n = store.add(prefix + "joined", 1);
   while (n < e.world_size) {
-    TORCH_CHECK(std::chrono::steady_clock::now() < deadline, "dtensor: rank ", e.rank,
-                " could not rendezvous with ", e.world_size, " ranks at ", e.master_addr, ":",
-                e.master_port, " within ", timeout.count() / 1000.0, " s: only ", n,
-                " joined (a rank never started, or crashed before joining)");
-    std::this_thread::sleep_for(std::chrono::milliseconds(5));
-    n = store.add(key, 0);
+    const std::string failure = detail::peer_failure_in_store(store, prefix, e.rank);
+    if (!failure.empty()) {
+      store.add(prefix + "failure_seen", 1);
+      TORCH_CHECK(false, "dtensor: rank ", e.rank, ": rendezvous at ", where(e),
+                  " failed: ", failure);
+    }
+    if (Clock::now() >= deadline) {
+      std::string missing;
+      for (int q = 0; q < e.world_size; ++q) {
+        if (!store.check({prefix + "claims/" + std::to_string(q)})) {
+          missing += (missing.empty() ? "" : ", ") + std::to_string(q);
+        }
+      }
+      TORCH_CHECK(false, "dtensor: rank ", e.rank, " could not rendezvous with ", e.world_size,
+                  " ranks at ", where(e), " within ", seconds(timeout), " s: only ", n,
+                  " joined; missing rank(s): ", missing,
+                  " (never started, crashed before joining, or given another "
+                  "MASTER_ADDR/MASTER_PORT)");
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    n = store.add(prefix + "joined", 0);
   }
 }
 
@@ -106,7 +228,14 @@ ProcessGroup::ProcessGroup(std::string name, std::vector<int> global_ranks, int 
       timeout_(timeout),
       gloo_host_(std::move(gloo_host)) {}
 
-ProcessGroup::~ProcessGroup() = default;
+ProcessGroup::~ProcessGroup() {
+  if (detail::health_poisoned()) {
+    // A collective was abandoned mid-flight; the backend's destructor would wait for it until
+    // the timeout, so let the process exit without it.
+    (void)cpu_.release();
+    (void)cuda_.release();
+  }
+}
 
 c10d::Backend& ProcessGroup::backend(c10::DeviceType device_type) {
   if (device_type == c10::DeviceType::CUDA) {
@@ -140,6 +269,7 @@ void init_process_group(const InitOptions& options_in) {
   if (options.gloo_host.empty() && !env("GLOO_SOCKET_IFNAME") && is_loopback(e.master_addr)) {
     options.gloo_host = "127.0.0.1";
   }
+  const auto deadline = Clock::now() + options.timeout;
   c10d::TCPStoreOptions so;
   so.port = static_cast<uint16_t>(e.master_port);
   // torchrun (and our test harness) host the store in the launcher: then every rank is a client.
@@ -147,18 +277,35 @@ void init_process_group(const InitOptions& options_in) {
   const bool agent_store = agent && (*agent == "True" || *agent == "true" || *agent == "1");
   so.isServer = e.rank == 0 && !agent_store;
   so.numWorkers = e.world_size;
-  so.waitWorkers = false;  // join_barrier below works whoever hosts the store
+  so.waitWorkers = false;  // rendezvous() below works whoever hosts the store
   so.timeout = options.timeout;
-  c10::intrusive_ptr<c10d::Store> store;
+  if (!so.isServer && !wait_for_listener(e.master_addr, e.master_port, deadline)) {
+    TORCH_CHECK(false, "dtensor: rank ", e.rank, ": no ", agent_store ? "launcher store" : "rank 0",
+                " at ", where(e), " after ", seconds(options.timeout),
+                " s: nothing accepts connections there (it never started or crashed, or the "
+                "ranks were given different MASTER_ADDR/MASTER_PORT)");
+  }
+  c10::intrusive_ptr<c10d::TCPStore> store;
   try {
     store = c10::make_intrusive<c10d::TCPStore>(e.master_addr, so);
   } catch (const std::exception& ex) {
     TORCH_CHECK(
         false, "dtensor: rank ", e.rank, " could not rendezvous with ", e.world_size, " ranks at ",
-        e.master_addr, ":", e.master_port, " within ", options.timeout.count() / 1000.0,
+        where(e), " within ", seconds(options.timeout),
         " s (a rank never started, crashed before joining, or the port is taken): ", ex.what());
   }
-  join_barrier(*store, e, options.timeout, s.generation++);
+  const std::string prefix = "dtensor/g" + std::to_string(s.generation++) + "/";
+  try {
+    rendezvous(*store, e, prefix, deadline, options.timeout, so.isServer);
+  } catch (const c10::Error&) {
+    throw;
+  } catch (const std::exception& ex) {
+    TORCH_CHECK(false, "dtensor: rank ", e.rank, ": lost the store at ", where(e),
+                " during rendezvous (", agent_store ? "the launcher" : "rank 0",
+                " hosts it and probably exited): ", ex.what());
+  }
+  detail::health_start(store, prefix, e.rank, e.master_addr, store->getPort(), options.timeout,
+                       e.world_size);
   s.env = e;
   s.options = options;
   s.store = store;
@@ -180,6 +327,7 @@ bool is_initialized() {
 void destroy_process_group() {
   auto& s = state();
   std::lock_guard<std::mutex> lock(s.mu);
+  if (s.initialized) detail::health_stop(/*clean=*/true);
   s.world.reset();
   s.store.reset();
   s.initialized = false;
@@ -231,6 +379,7 @@ void barrier() {
   s.store->add(key, 1);
   const auto deadline = std::chrono::steady_clock::now() + s.options.timeout;
   while (s.store->add(key, 0) < s.env.world_size) {
+    detail::throw_if_peer_failed("barrier");
     TORCH_CHECK(std::chrono::steady_clock::now() < deadline, "dtensor: rank ", s.env.rank,
                 " timed out in barrier after ", s.options.timeout.count() / 1000.0,
                 " s: a peer never arrived");

@@ -15,7 +15,9 @@
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 #include <vector>
 
+#include "dtensor/comm/failure.h"
 #include "dtensor/comm/process_group.h"
+#include "support/rank_outcomes.h"
 
 namespace dtensor::testing {
 namespace {
@@ -71,21 +73,30 @@ std::string read_all(int fd) {
     code = 2;
     msg = "rank " + std::to_string(rank) + " threw: " + e.what();
   }
+  if (code == 2) dtensor::comm::report_failure(msg);  // the other ranks stop too, naming it
   if (!msg.empty()) write_all(err_fd, msg + "\n");
   std::fflush(stdout);
   std::fflush(stderr);
   ::_exit(code);
 }
 
-}  // namespace
-
-void run_ranks(int world_size, const std::function<void(int)>& body, const RunOptions& options) {
+// Forks the store agent and the ranks, waits for them (stopping the rest soon after one fails
+// when `stop_on_failure`) and returns how each ended.
+std::vector<RankOutcome> launch(int world_size, const std::function<void(int)>& body,
+                                const RunOptions& options, bool stop_on_failure) {
+  std::vector<RankOutcome> out(world_size);
   // Like torchrun's agent, a separate process hosts the store, so it listens before any rank
   // starts and the ranks inherit no listening socket.
   int port_pipe[2];
-  ASSERT_EQ(::pipe(port_pipe), 0);
+  if (::pipe(port_pipe) != 0) {
+    ADD_FAILURE() << "pipe failed";
+    return out;
+  }
   const pid_t agent = ::fork();
-  ASSERT_GE(agent, 0) << "fork failed";
+  if (agent < 0) {
+    ADD_FAILURE() << "fork failed";
+    return out;
+  }
   if (agent == 0) {
     ::close(port_pipe[0]);
     c10d::TCPStoreOptions so;
@@ -106,11 +117,12 @@ void run_ranks(int world_size, const std::function<void(int)>& body, const RunOp
   std::vector<int> err_fds;
   std::fflush(stdout);
   std::fflush(stderr);
+  const auto t0 = std::chrono::steady_clock::now();
   for (int r = 0; r < world_size; ++r) {
     int p[2];
-    ASSERT_EQ(::pipe(p), 0);
+    if (::pipe(p) != 0) ADD_FAILURE() << "pipe failed";
     pid_t pid = ::fork();
-    ASSERT_GE(pid, 0) << "fork failed";
+    if (pid < 0) ADD_FAILURE() << "fork failed";
     if (pid == 0) {
       ::close(p[0]);
       child(r, world_size, port, p[1], body, options);
@@ -119,40 +131,40 @@ void run_ranks(int world_size, const std::function<void(int)>& body, const RunOp
     pids.push_back(pid);
     err_fds.push_back(p[0]);
   }
-  const auto deadline = std::chrono::steady_clock::now() + options.timeout;
-  std::vector<int> status(world_size, -1);
+  const auto deadline = t0 + options.timeout;
   int remaining = world_size;
   bool killed = false;
+  auto kill_running = [&] {
+    for (int q = 0; q < world_size; ++q) {
+      if (out[q].status == -1) ::kill(pids[q], SIGKILL);
+    }
+    killed = true;
+  };
   while (remaining > 0) {
     int st = 0;
     pid_t pid = ::waitpid(-1, &st, WNOHANG);
     if (pid > 0) {
       for (int r = 0; r < world_size; ++r) {
         if (pids[r] != pid) continue;
-        status[r] = st;
+        out[r].status = st;
+        out[r].seconds =
+            std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
         --remaining;
         const bool failed = !WIFEXITED(st) || WEXITSTATUS(st) != 0;
-        if (failed && !killed) {
+        if (failed && stop_on_failure && !killed) {
           // One rank failed: give the others a moment to fail on their own, then stop them.
           std::this_thread::sleep_for(std::chrono::milliseconds(200));
-          for (int q = 0; q < world_size; ++q) {
-            if (status[q] == -1) ::kill(pids[q], SIGKILL);
-          }
-          killed = true;
+          kill_running();
         }
       }
       continue;
     }
     if (std::chrono::steady_clock::now() > deadline) {
+      for (int q = 0; q < world_size; ++q) out[q].hung = out[q].status == -1;
+      kill_running();
       for (int q = 0; q < world_size; ++q) {
-        if (status[q] == -1) ::kill(pids[q], SIGKILL);
-      }
-      ADD_FAILURE() << "distributed test timed out after " << options.timeout.count() << " s with "
-                    << remaining << " rank(s) still running";
-      killed = true;
-      for (int q = 0; q < world_size; ++q) {
-        if (status[q] == -1) {
-          ::waitpid(pids[q], &status[q], 0);
+        if (out[q].hung) {
+          ::waitpid(pids[q], &out[q].status, 0);
           --remaining;
         }
       }
@@ -162,20 +174,40 @@ void run_ranks(int world_size, const std::function<void(int)>& body, const RunOp
   }
   ::kill(agent, SIGKILL);
   ::waitpid(agent, nullptr, 0);
-  std::ostringstream failures;
   for (int r = 0; r < world_size; ++r) {
-    std::string msg = read_all(err_fds[r]);
+    out[r].message = read_all(err_fds[r]);
     ::close(err_fds[r]);
-    const int st = status[r];
+  }
+  return out;
+}
+
+}  // namespace
+
+std::vector<RankOutcome> run_ranks_collect(int world_size, const std::function<void(int)>& body,
+                                           const RunOptions& options) {
+  return launch(world_size, body, options, /*stop_on_failure=*/false);
+}
+
+void run_ranks(int world_size, const std::function<void(int)>& body, const RunOptions& options) {
+  const auto out = launch(world_size, body, options, /*stop_on_failure=*/true);
+  std::ostringstream failures;
+  int hung = 0;
+  for (int r = 0; r < world_size; ++r) {
+    const int st = out[r].status;
+    hung += out[r].hung ? 1 : 0;
     if (WIFEXITED(st) && WEXITSTATUS(st) == 0) continue;
-    if (!msg.empty()) {
-      failures << msg;
+    if (!out[r].message.empty()) {
+      failures << out[r].message;
     } else if (WIFSIGNALED(st)) {
       failures << "rank " << r << " was killed by signal " << WTERMSIG(st)
                << (WTERMSIG(st) == SIGKILL ? " (stopped after another rank failed)" : "") << "\n";
     } else {
       failures << "rank " << r << " exited with code " << WEXITSTATUS(st) << "\n";
     }
+  }
+  if (hung > 0) {
+    ADD_FAILURE() << "distributed test timed out after " << options.timeout.count() << " s with "
+                  << hung << " rank(s) still running";
   }
   const std::string f = failures.str();
   if (!f.empty()) ADD_FAILURE() << "distributed test failed:\n" << f;

@@ -1,0 +1,601 @@
+#include "health.h"
+
+#include <ATen/core/ivalue.h>
+#include <ATen/core/ivalue_inl.h>
+#include <c10/util/Exception.h>
+#include <pthread.h>
+
+#include <algorithm>
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <deque>
+#include <exception>
+#include <map>
+#include <mutex>
+#include <set>
+#include <sstream>
+#include <thread>
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
+
+#include "dtensor/comm/comm_debug_mode.h"
+#include "dtensor/comm/failure.h"
+
+namespace dtensor::comm {
+namespace detail {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+constexpr size_t kHistory = 64;                         // fingerprints kept per group
+constexpr auto kPoll = std::chrono::milliseconds(100);  // watchdog period
+constexpr auto kMaxAnswerWait = std::chrono::milliseconds(1000);
+
+struct Fingerprint {
+  int64_t seq = 0;
+  std::string op, sig, module;
+};
+// What every rank must agree on; the module path is context for the reader only.
+std::string key_of(const Fingerprint& f) { return f.op + " " + f.sig; }
+std::string show(const Fingerprint& f) {
+  return key_of(f) + (f.module.empty() ? "" : " (in " + f.module + ")");
+}
+
+struct History {
+  int64_t seq = 0;    // last sequence number issued
+  bool left = false;  // the rank destroyed its process group normally
+  std::deque<Fingerprint> ring;
+  const Fingerprint* at(int64_t s) const {
+    for (const auto& f : ring) {
+      if (f.seq == s) return &f;
+    }
+    return nullptr;
+  }
+};
+
+struct GroupState {
+  std::vector<int> members;  // global ranks
+  std::string label;         // "world", "group0[0,1] (mesh dim 1)"
+  History history;
+};
+
+struct WorkContext {
+  std::string group;
+  int64_t seq = 0;
+  std::chrono::milliseconds timeout{0};
+};
+
+struct Health {
+  std::mutex mu;  // guards everything below but the atomics and the watchdog's own fields
+  c10::intrusive_ptr<c10d::Store> store;
+  std::string prefix;
+  int rank = -1;
+  std::chrono::milliseconds timeout{0};
+  bool check = false;
+  std::map<std::string, GroupState> groups;
+  std::map<const c10d::Work*, WorkContext> works;
+  std::string peer_failure;
+  std::atomic<bool> peer_failed{false};
+  std::atomic<bool> reported{false};
+  std::atomic<bool> poisoned{false};
+  // Waiters sleep here; the watchdog and finished work wake them.
+  std::mutex wake_mu;
+  std::condition_variable wake_cv;
+  // The watchdog thread.
+  std::thread watchdog;
+  std::mutex wd_mu;
+  std::condition_variable wd_cv;
+  bool stop = false;
+};
+
+// Never destroyed: the terminate handler and exit paths may still use it.
+Health& health() {
+  static Health* h = new Health;
+  return *h;
+}
+
+std::string to_string(const std::vector<uint8_t>& v) { return std::string(v.begin(), v.end()); }
+
+std::vector<std::string> split(const std::string& s, char sep, size_t max_parts) {
+  std::vector<std::string> out;
+  size_t start = 0;
+  while (out.size() + 1 < max_parts) {
+    size_t p = s.find(sep, start);
+    if (p == std::string::npos) break;
+    out.push_back(s.substr(start, p - start));
+    start = p + 1;
+  }
+  out.push_back(s.substr(start));
+  return out;
+}
+
+std::string serialize(const History& h) {
+  std::ostringstream o;
+  o << (h.left ? "left" : "at") << "\t" << h.seq << "\n";
+  for (const auto& f : h.ring)
+    o << f.seq << "\t" << f.op << "\t" << f.sig << "\t" << f.module << "\n";
+  return o.str();
+}
+
+History deserialize(const std::string& text) {
+  History h;
+  std::istringstream in(text);
+  std::string line;
+  if (std::getline(in, line)) {
+    auto p = split(line, '\t', 2);
+    h.left = p[0] == "left";
+    if (p.size() == 2) h.seq = std::stoll(p[1]);
+  }
+  while (std::getline(in, line)) {
+    auto p = split(line, '\t', 4);
+    if (p.size() != 4) continue;
+    h.ring.push_back({std::stoll(p[0]), p[1], p[2], p[3]});
+  }
+  return h;
+}
+
+std::string history_key(const std::string& prefix, const std::string& group, int rank) {
+  return prefix + "hist/" + group + "/" + std::to_string(rank);
+}
+
+void wake_waiters() {
+  auto& h = health();
+  { std::lock_guard<std::mutex> g(h.wake_mu); }
+  h.wake_cv.notify_all();
+}
+
+void handle_event(c10d::Store& store, const std::string& event) {
+  auto& h = health();
+  auto p = split(event, '\t', 3);
+  if (p.size() != 3) return;
+  const int from = std::stoi(p[1]);
+  if (from == h.rank) return;
+  if (p[0] == "fail") {
+    {
+      std::lock_guard<std::mutex> g(h.mu);
+      if (h.peer_failed.load()) return;
+      h.peer_failure = "rank " + p[1] + " failed: " + p[2];
+      {
+        std::lock_guard<std::mutex> w(h.wake_mu);
+        h.peer_failed.store(true);
+      }
+    }
+    wake_waiters();
+  } else if (p[0] == "diag") {
+    // A peer's collective failed on `group`: tell it where this rank is.
+    std::string text;
+    {
+      std::lock_guard<std::mutex> g(h.mu);
+      auto it = h.groups.find(p[2]);
+      if (it == h.groups.end()) return;
+      text = serialize(it->second.history);
+    }
+    store.set(history_key(h.prefix, p[2], h.rank), text);
+  }
+}
+
+bool stopping(std::chrono::milliseconds wait) {
+  auto& h = health();
+  std::unique_lock<std::mutex> l(h.wd_mu);
+  return h.wd_cv.wait_for(l, wait, [&] { return h.stop; });
+}
+
+void watch(std::string addr, int port, std::string prefix, std::chrono::milliseconds timeout) {
+  // Its own connection: the main one may sit in a blocking wait for a long time.
+  c10::intrusive_ptr<c10d::TCPStore> store;
+  try {
+    c10d::TCPStoreOptions o;
+    o.port = static_cast<uint16_t>(port);
+    o.isServer = false;
+    o.waitWorkers = false;
+    o.timeout = timeout;
+    store = c10::make_intrusive<c10d::TCPStore>(addr, o);
+  } catch (...) {
+    return;
+  }
+  int64_t seen = 0;
+  while (!stopping(kPoll)) {
+    try {
+      const int64_t n = store->add(prefix + "events", 0);
+      for (; seen < n; ++seen) {
+        const std::string key = prefix + "event/" + std::to_string(seen + 1);
+        store->wait({key}, std::chrono::seconds(2));
+        handle_event(*store, to_string(store->get(key)));
+      }
+    } catch (...) {
+      return;  // the store went away: the job is over (rank 0 or the launcher exited)
+    }
+  }
+}
+
+std::terminate_handler previous_terminate = nullptr;
+
+[[noreturn]] void on_terminate() {
+  std::string what = "std::terminate without an active exception";
+  if (auto e = std::current_exception()) {
+    try {
+      std::rethrow_exception(e);
+    } catch (const c10::Error& err) {
+      what = "uncaught exception: " + std::string(err.what_without_backtrace());
+    } catch (const std::exception& err) {
+      what = "uncaught exception: " + std::string(err.what());
+    } catch (...) {
+      what = "uncaught exception of unknown type";
+    }
+  }
+  std::fprintf(stderr, "dtensor: rank %d failed: %s\n", health().rank, what.c_str());
+  report_failure(what);
+  if (previous_terminate) previous_terminate();
+  std::abort();
+}
+
+// A forked child does not inherit the watchdog thread: forget it instead of joining it later.
+void after_fork_in_child() {
+  auto& h = health();
+  new (&h.watchdog) std::thread();
+  new (&h.wd_mu) std::mutex();
+  new (&h.mu) std::mutex();
+  new (&h.wake_mu) std::mutex();
+}
+
+std::string dtype_name(const at::Tensor& t) {
+  return std::string(c10::getDtypeNames(t.scalar_type()).first);
+}
+
+// Lines naming what each member of `group` reported, and the first collective where the
+// members' fingerprints differ.
+std::string compare_histories(const std::string& label, int self, const History& mine,
+                              const std::map<int, History>& others, const std::vector<int>& silent,
+                              std::chrono::milliseconds waited) {
+  std::map<int, const History*> all{{self, &mine}};
+  for (const auto& [r, h] : others) all[r] = &h;
+  int64_t lo = INT64_MAX, hi = 0;
+  for (const auto& [r, h] : all) {
+    if (!h->ring.empty()) lo = std::min(lo, h->ring.front().seq);
+    hi = std::max(hi, h->seq);
+  }
+  std::ostringstream o;
+  for (int64_t s = lo; s <= hi; ++s) {
+    std::set<std::string> keys;
+    for (const auto& [r, h] : all) {
+      if (const auto* f = h->at(s)) keys.insert(key_of(*f));
+    }
+    if (keys.size() <= 1) continue;
+    o << "ranks diverge at collective #" << s << " on group " << label << ":";
+    const char* sep = " ";
+    for (const auto& [r, h] : all) {
+      const auto* f = h->at(s);
+      o << sep << "rank " << r << " " << (f ? show(*f) : "(not issued)");
+      sep = ", ";
+    }
+    o << ". ";
+    break;
+  }
+  const Fingerprint* cur = mine.ring.empty() ? nullptr : &mine.ring.back();
+  const std::string here = cur ? "#" + std::to_string(cur->seq) + " " + show(*cur) : "none";
+  for (const auto& [r, h] : others) {
+    if (h.left) {
+      o << "rank " << r << " left (destroyed its process group) after " << h.seq
+        << " collectives on group " << label << " while rank " << self << " is in " << here << ". ";
+    } else if (h.seq < mine.seq) {
+      o << "rank " << r << " has issued only " << h.seq << " collectives on group " << label
+        << " while rank " << self << " waits in " << here
+        << " (it skipped one, or is still busy before it). ";
+    } else if (h.seq > mine.seq) {
+      o << "rank " << r << " is already at collective #" << h.seq << " on group " << label
+        << " while rank " << self << " is in " << here << " (rank " << self << " skipped one?). ";
+    }
+  }
+  for (int r : silent) {
+    o << "rank " << r << " did not answer within " << waited.count() / 1000.0
+      << " s (stopped, killed, or busy outside collectives). ";
+  }
+  std::string text = o.str();
+  if (text.empty()) {
+    text = "all ranks of group " + label + " are in " + here + ". ";
+  }
+  return text;
+}
+
+// Asks the group's members where they are and names the problem. Called with a failed
+// collective, so the group is unusable anyway; bounded by kMaxAnswerWait.
+std::string diagnose(const WorkContext& c) {
+  auto& h = health();
+  c10::intrusive_ptr<c10d::Store> store;
+  GroupState group;
+  {
+    std::lock_guard<std::mutex> g(h.mu);
+    store = h.store;
+    auto it = h.groups.find(c.group);
+    if (!store || it == h.groups.end()) return "";
+    group = it->second;
+  }
+  auto waited =
+      std::min<std::chrono::milliseconds>(kMaxAnswerWait, std::max(c.timeout / 3, kPoll * 3));
+  std::map<int, History> others;
+  std::vector<int> silent;
+  std::string failed;
+  try {
+    // A rank that reported its own failure explains the rest: do not wait for answers.
+    failed = peer_failure_in_store(*store, h.prefix, h.rank);
+    if (!failed.empty()) waited = std::chrono::milliseconds(0);
+    store->set(history_key(h.prefix, c.group, h.rank), serialize(group.history));
+    post_event(*store, h.prefix, "diag\t" + std::to_string(h.rank) + "\t" + c.group);
+    const auto deadline = Clock::now() + waited;
+    for (int r : group.members) {
+      if (r == h.rank) continue;
+      const std::string key = history_key(h.prefix, c.group, r);
+      bool have = store->check({key});
+      while (!have && Clock::now() < deadline) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(20));
+        have = store->check({key});
+      }
+      if (have) {
+        others[r] = deserialize(to_string(store->get(key)));
+      } else if (waited.count() > 0) {
+        silent.push_back(r);
+      }
+    }
+  } catch (const std::exception& e) {
+    return failed + "(could not ask the other ranks through the store: " + e.what() + ") ";
+  }
+  return (failed.empty() ? "" : failed + ". ") +
+         compare_histories(group.label, h.rank, group.history, others, silent, waited);
+}
+
+std::string context_of(const c10d::Work* w, WorkContext* out) {
+  auto& h = health();
+  std::lock_guard<std::mutex> g(h.mu);
+  auto it = h.works.find(w);
+  if (it == h.works.end()) return "";
+  *out = it->second;
+  h.works.erase(it);
+  return out->group;
+}
+
+}  // namespace
+
+// Events are numbered by an atomic counter so that every watchdog reads each one once.
+void post_event(c10d::Store& store, const std::string& prefix, const std::string& text) {
+  const int64_t k = store.add(prefix + "events", 1);
+  store.set(prefix + "event/" + std::to_string(k), text);
+}
+
+std::string peer_failure_in_store(c10d::Store& store, const std::string& prefix, int rank) {
+  const int64_t n = store.add(prefix + "events", 0);
+  for (int64_t k = 1; k <= n; ++k) {
+    const std::string key = prefix + "event/" + std::to_string(k);
+    store.wait({key}, std::chrono::seconds(2));
+    auto p = split(to_string(store.get(key)), '\t', 3);
+    if (p.size() == 3 && p[0] == "fail" && p[1] != std::to_string(rank)) {
+      return "rank " + p[1] + " failed: " + p[2];
+    }
+  }
+  return "";
+}
+
+void health_start(c10::intrusive_ptr<c10d::Store> store, std::string prefix, int rank,
+                  std::string store_addr, int store_port, std::chrono::milliseconds timeout,
+                  int world_size) {
+  auto& h = health();
+  static std::once_flag once;
+  std::call_once(once, [] {
+    previous_terminate = std::set_terminate(on_terminate);
+    pthread_atfork(nullptr, nullptr, after_fork_in_child);
+  });
+  {
+    std::lock_guard<std::mutex> g(h.mu);
+    h.store = std::move(store);
+    h.prefix = std::move(prefix);
+    h.rank = rank;
+    h.timeout = timeout;
+    const char* check = std::getenv("DTENSOR_CHECK_COLLECTIVES");
+    h.check = check && std::string(check) != "0" && *check;
+    h.groups.clear();
+    h.works.clear();
+    h.peer_failure.clear();
+    h.peer_failed.store(false);
+    h.reported.store(false);
+    h.poisoned.store(false);
+  }
+  if (world_size > 1) {
+    h.stop = false;
+    h.watchdog = std::thread(watch, std::move(store_addr), store_port, h.prefix, timeout);
+  }
+}
+
+void health_stop(bool clean) {
+  auto& h = health();
+  {
+    std::lock_guard<std::mutex> l(h.wd_mu);
+    h.stop = true;
+  }
+  h.wd_cv.notify_all();
+  if (h.watchdog.joinable()) h.watchdog.join();
+  std::lock_guard<std::mutex> g(h.mu);
+  if (clean && h.store && !h.poisoned.load()) {
+    for (auto& [name, group] : h.groups) {
+      group.history.left = true;
+      try {
+        h.store->set(history_key(h.prefix, name, h.rank), serialize(group.history));
+      } catch (...) {
+        break;  // the store is gone: nobody is left to ask
+      }
+    }
+  }
+  h.store.reset();
+  h.groups.clear();
+  h.works.clear();
+}
+
+bool health_poisoned() { return health().poisoned.load(); }
+
+void throw_if_peer_failed(const std::string& where) {
+  auto& h = health();
+  if (!h.peer_failed.load()) return;
+  std::string failure;
+  {
+    std::lock_guard<std::mutex> g(h.mu);
+    failure = h.peer_failure;
+  }
+  TORCH_CHECK(false, "dtensor: rank ", h.rank, ": ", where, " not started: ", failure,
+              " (every rank stops when one fails)");
+}
+
+std::string signature(const at::Tensor& t) {
+  std::string s = dtype_name(t) + "[";
+  for (int64_t d = 0; d < t.dim(); ++d) s += (d ? "," : "") + std::to_string(t.size(d));
+  return s + "]";
+}
+
+int64_t begin_collective(ProcessGroup& pg, const char* op, const at::Tensor& t) {
+  auto& h = health();
+  Fingerprint f{0, op, signature(t), ModuleScope::current()};
+  c10::intrusive_ptr<c10d::Store> store;
+  std::vector<int> members;
+  std::string label;
+  {
+    std::lock_guard<std::mutex> g(h.mu);
+    auto [it, fresh] = h.groups.try_emplace(pg.name());
+    auto& gs = it->second;
+    if (fresh) {
+      gs.members = pg.global_ranks();
+      gs.label = pg.name();
+      if (pg.mesh_dim() >= 0) gs.label += " (mesh dim " + std::to_string(pg.mesh_dim()) + ")";
+    }
+    f.seq = ++gs.history.seq;
+    gs.history.ring.push_back(f);
+    if (gs.history.ring.size() > kHistory) gs.history.ring.pop_front();
+    if (h.check) {
+      store = h.store;
+      members = gs.members;
+      label = gs.label;
+    }
+  }
+  throw_if_peer_failed(std::string(op) + " " + f.sig + " (collective #" + std::to_string(f.seq) +
+                       " on group " + pg.name() + ")");
+  if (!store) return f.seq;
+  // DTENSOR_CHECK_COLLECTIVES: every member publishes its fingerprint and compares.
+  const std::string base = h.prefix + "check/" + pg.name() + "/" + std::to_string(f.seq) + "/";
+  store->set(base + std::to_string(h.rank), f.op + "\t" + f.sig + "\t" + f.module);
+  const auto deadline = Clock::now() + pg.timeout();
+  std::map<int, History> others;
+  std::vector<int> silent;
+  bool differ = false;
+  for (int r : members) {
+    if (r == h.rank) continue;
+    const std::string key = base + std::to_string(r);
+    while (!store->check({key}) && Clock::now() < deadline && !h.peer_failed.load()) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+    throw_if_peer_failed(std::string(op) + " " + f.sig + " (collective #" + std::to_string(f.seq) +
+                         " on group " + pg.name() + ")");
+    if (!store->check({key})) {
+      silent.push_back(r);
+      continue;
+    }
+    auto p = split(to_string(store->get(key)), '\t', 3);
+    Fingerprint theirs{f.seq, p[0], p.size() > 1 ? p[1] : "", p.size() > 2 ? p[2] : ""};
+    differ = differ || key_of(theirs) != key_of(f);
+    History one;
+    one.seq = f.seq;
+    one.ring.push_back(theirs);
+    others[r] = std::move(one);
+  }
+  if (!differ && silent.empty()) return f.seq;
+  History mine;
+  mine.seq = f.seq;
+  mine.ring.push_back(f);
+  const std::string why = compare_histories(label, h.rank, mine, others, silent, pg.timeout());
+  const std::string msg = "dtensor: rank " + std::to_string(h.rank) +
+                          ": DTENSOR_CHECK_COLLECTIVES found a mismatch before issuing " + show(f) +
+                          " as collective #" + std::to_string(f.seq) + " on group " + label + ": " +
+                          why + "Every rank must issue the same collectives in the same order.";
+  report_failure(msg);
+  TORCH_CHECK(false, msg);
+}
+
+void attach(const c10d::Work* work, ProcessGroup& pg, int64_t seq) {
+  auto& h = health();
+  std::lock_guard<std::mutex> g(h.mu);
+  h.works[work] = WorkContext{pg.name(), seq, pg.timeout()};
+}
+
+void wait_collective(c10d::Work& work, const std::string& what) {
+  auto& h = health();
+  WorkContext c;
+  context_of(&work, &c);
+  auto done = std::make_shared<std::atomic<bool>>(false);
+  bool waitable = true;
+  try {
+    work.getFuture()->addCallback([done](c10::ivalue::Future&) {
+      {
+        std::lock_guard<std::mutex> g(health().wake_mu);
+        done->store(true);
+      }
+      health().wake_cv.notify_all();
+    });
+  } catch (...) {
+    waitable = false;  // a backend without futures: plain wait() below
+  }
+  std::string failure;
+  if (waitable) {
+    std::unique_lock<std::mutex> l(h.wake_mu);
+    h.wake_cv.wait(l, [&] { return done->load() || h.peer_failed.load(); });
+    if (!done->load()) {
+      l.unlock();
+      std::lock_guard<std::mutex> g(h.mu);
+      failure = h.peer_failure;
+    }
+  }
+  if (!failure.empty()) {
+    h.poisoned.store(true);  // the backend is still blocked in this collective
+    TORCH_CHECK(false, "dtensor: ", what, " stopped waiting: ", failure,
+                " (every rank stops when one fails)");
+  }
+  try {
+    work.wait();
+  } catch (const std::exception& e) {
+    h.poisoned.store(true);
+    const std::string why = c.group.empty() ? "" : diagnose(c);
+    const std::string msg = "dtensor: " + what + " failed: " + why + "Backend error: " + e.what();
+    report_failure(msg);
+    TORCH_CHECK(false, msg);
+  }
+}
+
+}  // namespace detail
+
+void report_failure(const std::string& message) {
+  auto& h = detail::health();
+  c10::intrusive_ptr<c10d::Store> store;
+  std::string prefix;
+  int rank = -1;
+  std::vector<std::pair<std::string, std::string>> histories;
+  {
+    // try_lock: the terminate handler may run on a thread that holds the lock.
+    std::unique_lock<std::mutex> g(h.mu, std::defer_lock);
+    for (int i = 0; i < 200 && !g.try_lock(); ++i) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+    if (!g.owns_lock()) return;
+    store = h.store;
+    prefix = h.prefix;
+    rank = h.rank;
+    for (const auto& [name, group] : h.groups) {
+      histories.emplace_back(detail::history_key(prefix, name, rank),
+                             detail::serialize(group.history));
+    }
+  }
+  if (!store || h.reported.exchange(true)) return;
+  try {
+    // Where this rank stopped, for the peers' diagnosis (it will not answer their questions).
+    for (const auto& [key, text] : histories) store->set(key, text);
+    detail::post_event(*store, prefix, "fail\t" + std::to_string(rank) + "\t" + message);
+  } catch (...) {
+    // The store is gone: the peers learn from their broken connections instead.
+  }
+}
+
+}  // namespace dtensor::comm

@@ -1,0 +1,46 @@
+#pragma once
+// Comm-internal: collective fingerprints, the failure watchdog and the diagnosis a failed
+// collective runs before it throws (see include/dtensor/comm/failure.h for the behaviour).
+#include <ATen/core/Tensor.h>
+
+#include <chrono>
+#include <string>
+#include <torch/csrc/distributed/c10d/Store.hpp>
+#include <torch/csrc/distributed/c10d/Work.hpp>
+
+#include "dtensor/comm/process_group.h"
+
+namespace dtensor::comm::detail {
+
+// Starts watching the job whose keys live under `prefix` in `store`; `store_addr`/`store_port`
+// let the watchdog open its own connection (the main one may be busy in a blocking wait).
+void health_start(c10::intrusive_ptr<c10d::Store> store, std::string prefix, int rank,
+                  std::string store_addr, int store_port, std::chrono::milliseconds timeout,
+                  int world_size);
+// Stops the watchdog. `clean`: this rank leaves normally, so it records how many collectives
+// it issued on each group (a peer still waiting can then say that this rank left).
+void health_stop(bool clean);
+// True once a collective was abandoned: its backend may still be blocked and must not be
+// destroyed (its destructor would wait for the timeout).
+bool health_poisoned();
+
+// Tells every watchdog of the job under `prefix` about `text` ("fail\tRANK\tmessage").
+void post_event(c10d::Store& store, const std::string& prefix, const std::string& text);
+// "rank R failed: ..." for the first failure another rank reported, or "".
+std::string peer_failure_in_store(c10d::Store& store, const std::string& prefix, int rank);
+
+// Throws if another rank reported a failure; `where` names what this rank was about to do.
+void throw_if_peer_failed(const std::string& where);
+
+// A fingerprint for the next collective on `pg`; returns its sequence number on the group.
+// With DTENSOR_CHECK_COLLECTIVES=1 it first compares it with every member's.
+int64_t begin_collective(ProcessGroup& pg, const char* op, const at::Tensor& t);
+// "float32[8,4]".
+std::string signature(const at::Tensor& t);
+// Remembers which group and collective `work` belongs to, for wait_collective's messages.
+void attach(const c10d::Work* work, ProcessGroup& pg, int64_t seq);
+// Waits for `work`; on an error, a peer's failure or a timeout, throws with `what` and a
+// diagnosis naming the ranks involved and the first collective where they diverge.
+void wait_collective(c10d::Work& work, const std::string& what);
+
+}  // namespace dtensor::comm::detail

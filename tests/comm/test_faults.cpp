@@ -1,0 +1,337 @@
+// Faults at rendezvous and during collectives: every rank must end within the timeout (a few
+// seconds here) with a message naming the rank, the collective and, where ranks disagree, the
+// first collective whose fingerprints differ. No rank may hang, none may fail alone.
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+#include <netinet/in.h>
+#include <signal.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <sstream>
+#include <thread>
+
+#include "dtensor/comm/failure.h"
+#include "dtensor/dtensor.h"
+#include "support/errors.h"
+#include "support/rank_outcomes.h"
+
+using namespace dtensor;
+using dtensor::testing::RankOutcome;
+using dtensor::testing::run_ranks_collect;
+
+namespace {
+
+constexpr double kTimeout = 3.0;  // comm timeout of every test here, seconds
+// Before these faults were handled, ranks hung for minutes: stop them well before.
+const dtensor::testing::RunOptions kOpts{.timeout = std::chrono::seconds(15),
+                                         .comm_timeout = std::chrono::seconds(3)};
+dtensor::testing::RunOptions no_init() {
+  auto o = kOpts;
+  o.init_process_group = false;
+  return o;
+}
+
+std::chrono::steady_clock::time_point now() { return std::chrono::steady_clock::now(); }
+double seconds_since(std::chrono::steady_clock::time_point t) {
+  return std::chrono::duration<double>(now() - t).count();
+}
+
+int free_port() {
+  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  a.sin_port = 0;
+  ::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a));
+  socklen_t len = sizeof(a);
+  ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
+  ::close(fd);
+  return ntohs(a.sin_port);
+}
+
+// Rank `rank` of a job whose store rank 0 hosts at `port` (as without torchrun's agent).
+void claim(int rank, int world_size, int port) {
+  ::setenv("RANK", std::to_string(rank).c_str(), 1);
+  ::setenv("WORLD_SIZE", std::to_string(world_size).c_str(), 1);
+  ::setenv("MASTER_PORT", std::to_string(port).c_str(), 1);
+  ::unsetenv("TORCHELASTIC_USE_AGENT_STORE");
+}
+
+std::string describe(const std::vector<RankOutcome>& out) {
+  std::ostringstream o;
+  for (size_t r = 0; r < out.size(); ++r) {
+    o << "process " << r << ": ";
+    if (out[r].hung) {
+      o << "HUNG";
+    } else if (WIFSIGNALED(out[r].status)) {
+      o << "signal " << WTERMSIG(out[r].status);
+    } else {
+      o << "exit " << WEXITSTATUS(out[r].status);
+    }
+    o << " after " << out[r].seconds << " s: " << out[r].message << "\n";
+  }
+  return o.str();
+}
+
+// DTENSOR_TEST_TRACE=1 prints how every rank ended, also when the test passes.
+std::vector<RankOutcome> traced(std::vector<RankOutcome> out) {
+  if (std::getenv("DTENSOR_TEST_TRACE")) std::fprintf(stderr, "%s", describe(out).c_str());
+  return out;
+}
+
+bool exited(const RankOutcome& o, int code) {
+  return !o.hung && WIFEXITED(o.status) && WEXITSTATUS(o.status) == code;
+}
+
+// A loop of all_reduces on the world; `fault(i)` runs on every rank before collective i+1.
+void loop(int iterations, const std::function<void(int)>& fault) {
+  auto& g = *comm::world_group();
+  for (int i = 0; i < iterations; ++i) {
+    fault(i);
+    comm::all_reduce(at::ones({4}), ReduceOp::Sum, g);
+  }
+}
+
+}  // namespace
+
+// ---- rendezvous ------------------------------------------------------------------------------
+
+TEST(RendezvousFaults, RankWithoutRankZeroFailsWithinTheTimeoutNamingRankZero) {
+  const int port = free_port();
+  auto out = traced(run_ranks_collect(
+      1,
+      [port](int) {
+        claim(1, 2, port);
+        auto t0 = now();
+        const std::string msg = dtensor::testing::message_of([] { comm::init_process_group(); });
+        EXPECT_CONTAINS(msg,
+                        "rank 1: no rank 0 at 127.0.0.1:" + std::to_string(port) + " after 3 s");
+        EXPECT_LT(seconds_since(t0), kTimeout + 1.0);
+      },
+      no_init()));
+  EXPECT_TRUE(exited(out[0], 0)) << describe(out);
+}
+
+TEST(RendezvousFaults, WorldSizeMismatchIsNamedOnEveryRank) {
+  const int port = free_port();
+  auto out = traced(run_ranks_collect(
+      2,
+      [port](int rank) {
+        claim(rank, rank == 0 ? 2 : 3, port);
+        auto t0 = now();
+        const std::string msg = dtensor::testing::message_of([] { comm::init_process_group(); });
+        EXPECT_CONTAINS(msg, "WORLD_SIZE mismatch: rank ");
+        EXPECT_CONTAINS(msg, "says 2");
+        EXPECT_CONTAINS(msg, "says 3");
+        EXPECT_LT(seconds_since(t0), kTimeout + 1.0);
+      },
+      no_init()));
+  EXPECT_TRUE(exited(out[0], 0) && exited(out[1], 0)) << describe(out);
+}
+
+TEST(RendezvousFaults, TwoProcessesClaimingOneRankAllFailNamingBoth) {
+  // Processes 1 and 2 both say RANK=1 in a world of 2; whichever pair gets going fails too.
+  auto out = traced(run_ranks_collect(
+      3,
+      [](int p) {
+        ::setenv("RANK", p == 0 ? "0" : "1", 1);
+        ::setenv("WORLD_SIZE", "2", 1);
+        comm::init_process_group();
+        loop(40, [](int) { std::this_thread::sleep_for(std::chrono::milliseconds(50)); });
+        comm::destroy_process_group();
+      },
+      no_init()));
+  for (size_t p = 0; p < out.size(); ++p) {
+    EXPECT_TRUE(exited(out[p], 2)) << describe(out);
+    EXPECT_CONTAINS(out[p].message, "rank 1 joined twice (pid ");
+    EXPECT_LT(out[p].seconds, kTimeout + 1.5) << describe(out);
+  }
+}
+
+// ---- collectives -----------------------------------------------------------------------------
+
+// Rank 1 throws `what` before collective `at`+1 while rank 0 reaches it `delay_ms` later; rank
+// 0 must end within 2 s of rank 1, naming rank 1 and its error.
+std::vector<RankOutcome> rank1_throws(int at, int delay_ms, const std::string& what) {
+  auto out = traced(run_ranks_collect(
+      2,
+      [=](int rank) {
+        loop(10, [=](int i) {
+          if (rank == 1 && i == at) throw std::runtime_error(what);
+          if (rank == 0 && i == at)
+            std::this_thread::sleep_for(std::chrono::milliseconds(delay_ms));
+        });
+      },
+      kOpts));
+  EXPECT_TRUE(exited(out[1], 2)) << describe(out);
+  EXPECT_TRUE(exited(out[0], 2)) << describe(out);
+  EXPECT_CONTAINS(out[0].message, "rank 1 failed: rank 1 threw: " + what);
+  EXPECT_LT(out[0].seconds - out[1].seconds, 2.0) << describe(out);
+  return out;
+}
+
+TEST(CollectiveFaults, ExceptionOnOneRankStopsTheOthersNamingItAndTheirCollective) {
+  auto out = rank1_throws(5, 50, "boom on rank 1 only");
+  EXPECT_CONTAINS(out[0].message, "rank 0: all_reduce float32[4]");
+  EXPECT_CONTAINS(out[0].message, "collective #6 on group world");
+}
+
+TEST(CollectiveFaults, ExceptionOutsideCollectivesStopsAPeerBusyComputing) {
+  // Rank 0 is computing when rank 1 fails: its next collective must not even start.
+  auto out = rank1_throws(3, 800, "rank 1 ran out of data");
+  EXPECT_CONTAINS(out[0].message,
+                  "all_reduce float32[4] (collective #4 on group world) not started");
+}
+
+TEST(CollectiveFaults, KilledRankIsNamedByTheOthersWithinTwoSeconds) {
+  auto out = traced(run_ranks_collect(
+      2,
+      [](int rank) {
+        loop(50, [rank](int i) {
+          if (rank == 1 && i == 10) ::raise(SIGKILL);
+        });
+      },
+      kOpts));
+  ASSERT_TRUE(!out[1].hung && WIFSIGNALED(out[1].status)) << describe(out);
+  EXPECT_TRUE(exited(out[0], 2)) << describe(out);
+  EXPECT_CONTAINS(out[0].message, "rank 0: all_reduce float32[4]");
+  EXPECT_CONTAINS(out[0].message, "collective #11 on group world");
+  EXPECT_CONTAINS(out[0].message, "rank 1 did not answer");
+  EXPECT_LT(out[0].seconds - out[1].seconds, 2.0) << describe(out);
+}
+
+TEST(CollectiveFaults, StoppedRankIsNamedWithinTheTimeoutAndEndsWhenContinued) {
+  constexpr double kStopped = 6.0;  // seconds rank 1 stays stopped
+  auto out = traced(run_ranks_collect(
+      2,
+      [](int rank) {
+        loop(10, [rank](int i) {
+          if (rank != 1 || i != 5) return;
+          if (::fork() == 0) {  // wakes rank 1 up again later
+            ::usleep(static_cast<useconds_t>(kStopped * 1e6));
+            ::kill(::getppid(), SIGCONT);
+            ::_exit(0);
+          }
+          ::raise(SIGSTOP);
+        });
+      },
+      kOpts));
+  EXPECT_TRUE(exited(out[0], 2)) << describe(out);
+  EXPECT_CONTAINS(out[0].message, "rank 0: all_reduce float32[4]");
+  EXPECT_CONTAINS(out[0].message, "collective #6 on group world");
+  EXPECT_CONTAINS(out[0].message, "rank 1 did not answer");
+  EXPECT_LT(out[0].seconds, kTimeout + 2.0) << describe(out);
+  // Continued, rank 1 learns of rank 0's failure at its next collective.
+  EXPECT_TRUE(exited(out[1], 2)) << describe(out);
+  EXPECT_CONTAINS(out[1].message, "rank 0 failed");
+  EXPECT_LT(out[1].seconds, kStopped + 2.0) << describe(out);
+}
+
+TEST(CollectiveFaults, SkippedCollectiveNamesTheFirstDivergentFingerprint) {
+  auto out = traced(run_ranks_collect(
+      2,
+      [](int rank) {
+        auto& g = *comm::world_group();
+        for (int i = 0; i < 8; ++i) {
+          if (rank == 1 && i == 5) continue;  // rank 1 skips collective #6
+          comm::all_reduce(at::ones({4}), ReduceOp::Sum, g);
+        }
+        comm::all_gather_into_tensor(at::ones({4}), 0, g);
+        comm::destroy_process_group();
+      },
+      kOpts));
+  bool named = false;
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_FALSE(out[r].hung) << describe(out);
+    EXPECT_LT(out[r].seconds, kTimeout + 2.0) << describe(out);
+    named = named || out[r].message.find(
+                         "ranks diverge at collective #8 on group world: rank 0 "
+                         "all_reduce float32[4], rank 1 all_gather_into_tensor "
+                         "float32[4]") != std::string::npos;
+  }
+  EXPECT_TRUE(named) << describe(out);
+}
+
+TEST(CollectiveFaults, CheckModeNamesADifferentShapeBeforeIssuingIt) {
+  ::setenv("DTENSOR_CHECK_COLLECTIVES", "1", 1);
+  auto out = traced(run_ranks_collect(
+      2,
+      [](int rank) {
+        auto& g = *comm::world_group();
+        for (int i = 0; i < 8; ++i) {
+          const int64_t n = rank == 1 && i == 5 ? 8 : 4;  // same numel would pass unnoticed
+          comm::all_reduce(at::ones({n / 4, 4}), ReduceOp::Sum, g);
+        }
+      },
+      kOpts));
+  ::unsetenv("DTENSOR_CHECK_COLLECTIVES");
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_TRUE(exited(out[r], 2)) << describe(out);
+    EXPECT_CONTAINS(out[r].message,
+                    "ranks diverge at collective #6 on group world: rank 0 "
+                    "all_reduce float32[1,4], rank 1 all_reduce float32[2,4]");
+    EXPECT_LT(out[r].seconds, 2.0) << describe(out);
+  }
+}
+
+TEST(CollectiveFaults, DifferentShapeWithoutCheckModeNeverHangs) {
+  auto out = traced(run_ranks_collect(
+      2,
+      [](int rank) {
+        auto& g = *comm::world_group();
+        for (int i = 0; i < 8; ++i) {
+          comm::all_reduce(at::ones({rank == 1 && i == 5 ? 8 : 4}), ReduceOp::Sum, g);
+        }
+        comm::destroy_process_group();
+      },
+      kOpts));
+  // Gloo may abort the rank that receives too many bytes (no harness message then); a rank that
+  // ends with a message must name the divergence, and one of them must.
+  bool named = false;
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_FALSE(out[r].hung) << describe(out);
+    EXPECT_LT(out[r].seconds, kTimeout + 2.0) << describe(out);
+    if (out[r].message.empty()) continue;
+    EXPECT_CONTAINS(out[r].message,
+                    "ranks diverge at collective #6 on group world: rank 0 "
+                    "all_reduce float32[4], rank 1 all_reduce float32[8]");
+    named = true;
+  }
+  EXPECT_TRUE(named) << describe(out);
+}
+
+TEST(CollectiveFaults, NormalExitAtDifferentTimesDoesNotFire) {
+  auto out = traced(run_ranks_collect(
+      2,
+      [](int rank) {
+        loop(5, [](int) {});
+        if (rank == 1) std::this_thread::sleep_for(std::chrono::milliseconds(700));
+        comm::destroy_process_group();
+      },
+      kOpts));
+  EXPECT_TRUE(exited(out[0], 0) && exited(out[1], 0)) << describe(out);
+}
+
+TEST(CollectiveFaults, ReportFailureStopsAPeerInABarrier) {
+  auto out = traced(run_ranks_collect(
+      2,
+      [](int rank) {
+        loop(2, [](int) {});
+        if (rank == 1) {
+          comm::report_failure("rank 1 gave up on purpose");
+          std::this_thread::sleep_for(std::chrono::milliseconds(1500));
+          return;
+        }
+        comm::barrier();
+      },
+      kOpts));
+  EXPECT_TRUE(exited(out[1], 0)) << describe(out);
+  EXPECT_TRUE(exited(out[0], 2)) << describe(out);
+  EXPECT_CONTAINS(out[0].message, "barrier not started: rank 1 failed: rank 1 gave up on purpose");
+  EXPECT_LT(out[0].seconds, 1.5) << describe(out);
+}

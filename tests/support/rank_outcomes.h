@@ -1,0 +1,23 @@
+#pragma once
+// For fault tests: run ranks without stopping the others when one fails, and see how and when
+// each one ended.
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "support/distributed.h"
+
+namespace dtensor::testing {
+
+struct RankOutcome {
+  int status = -1;      // as from waitpid
+  std::string message;  // what the rank's harness reported ("rank R threw: ...")
+  double seconds = 0;   // from the start of the run to the rank's exit
+  bool hung = false;    // still running at RunOptions::timeout (then killed)
+};
+
+// Like run_ranks, but waits for every rank on its own (up to options.timeout) and reports.
+std::vector<RankOutcome> run_ranks_collect(int world_size, const std::function<void(int)>& body,
+                                           const RunOptions& options);
+
+}  // namespace dtensor::testing
