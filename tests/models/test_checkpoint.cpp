@@ -743,6 +743,9 @@ TEST(Checkpoint, NoSingleBitFlipLoadsSilentlyChangedValues) {
                        ": " + diff);
     }
   }
+  RecordProperty("errors", errors);
+  RecordProperty("unchanged", unchanged);
+  RecordProperty("in_header", in_header);
   EXPECT_EQ(runs, kFlips);
   EXPECT_GT(in_header, kFlips / 4);  // the header is a good part of this small file
   EXPECT_EQ(errors + unchanged, kFlips);
