@@ -77,6 +77,13 @@ std::string join_limited(const std::vector<std::string>& items) {
   return s;
 }
 
+// The first few names on one line, for errors that show what each side holds.
+std::string join_few(const std::vector<std::string>& items) {
+  constexpr size_t kFew = 5;
+  std::vector<std::string> few(items.begin(), items.begin() + std::min(items.size(), kFew));
+  return c10::Join(", ", few) + (items.size() > kFew ? ", ..." : "");
+}
+
 std::string shape_string(c10::IntArrayRef s) { return c10::str(s); }
 
 int64_t parse_int(const std::map<std::string, std::string>& m, const char* key, int64_t dflt,
@@ -92,19 +99,70 @@ int64_t parse_int(const std::map<std::string, std::string>& m, const char* key, 
   TORCH_CHECK(false, where, ": metadata \"", key, "\" is not an integer: \"", it->second, "\"");
 }
 
+// What the header checksum covers: every metadata entry but the checksum itself, and each
+// tensor's name, dtype, shape and offsets (all a load reads from the header), as canonical
+// JSON, so that the writer and a reader compute it alike from the values, not the bytes.
+std::string header_checksum(const safetensors::Metadata& metadata,
+                            const std::vector<safetensors::TensorInfo>& tensors) {
+  json entries = json::object();  // keys sorted
+  for (const auto& [k, v] : metadata) {
+    if (k != keys::kHeaderChecksum) entries[k] = v;
+  }
+  json table = json::object();
+  for (const auto& t : tensors) {
+    table[t.name] = json::array({safetensors::dtype_name(t.dtype), t.shape, t.begin, t.end});
+  }
+  const std::string text = json::array({entries, table}).dump();
+  return hex32(crc32c(text.data(), text.size()));
+}
+
+// The checkpoint format version of the file (0: a plain safetensors file), after checking the
+// header checksum of files we wrote. Refuses files whose metadata cannot be checked.
+int64_t checked_format_version(const safetensors::File& file, const std::string& where) {
+  const auto& m = file.metadata();
+  auto it = m.find(keys::kCheckpointFormat);
+  if (it == m.end()) {
+    auto format = m.find(keys::kFormat);
+    TORCH_CHECK(format == m.end() || format->second != kFormatName, where,
+                " has checkpoint format version 1, whose metadata (step, config, optimizer "
+                "settings, placements) has no checksum: damage to it could load unnoticed, so "
+                "this build refuses the file. Its tensors can still be read with "
+                "safetensors::load_file (their CRC-32C values are in its \"",
+                keys::kChecksums, "\" entry); save them again with save_checkpoint");
+    // Our files always hold all of these, so one damaged entry name cannot make a checkpoint
+    // pass for a plain file (which would load without checksums).
+    for (const char* key : {keys::kFormatVersion, keys::kHeaderChecksum, keys::kChecksums,
+                            keys::kChecksumAlgorithm, keys::kPlacements}) {
+      TORCH_CHECK(m.count(key) == 0, where, " has the checkpoint metadata entry \"", key,
+                  "\" but no \"", keys::kCheckpointFormat,
+                  "\" entry: the header is damaged (or the file was not written by "
+                  "save_checkpoint); restore it from a copy or load an older checkpoint");
+    }
+    return 0;
+  }
+  TORCH_CHECK(it->second == kFormatName, where, " has ", keys::kCheckpointFormat, " \"", it->second,
+              "\", expected \"", kFormatName, "\"");
+  const int64_t version = parse_int(m, keys::kFormatVersion, 0, where);
+  TORCH_CHECK(version == kCheckpointFormatVersion, where, " has checkpoint format version ",
+              version, "; this build reads version ", kCheckpointFormatVersion);
+  auto recorded = m.find(keys::kHeaderChecksum);
+  TORCH_CHECK(recorded != m.end(), where, " has no header checksum (\"", keys::kHeaderChecksum,
+              "\" entry): the header is damaged; restore it from a copy or load an older "
+              "checkpoint");
+  const std::string actual = header_checksum(m, file.tensors());
+  TORCH_CHECK(actual == recorded->second, where, ": the header checksum does not match (CRC-32C ",
+              actual, ", recorded ", recorded->second,
+              "): its metadata (step, config, optimizer settings, ...) or tensor table is "
+              "damaged; restore it from a copy or load an older checkpoint");
+  return version;
+}
+
 CheckpointMetadata parse_metadata(const safetensors::File& file) {
   const std::string where = "checkpoint '" + file.path() + "'";
   const auto& m = file.metadata();
   CheckpointMetadata meta;
   meta.entries = m;
-  if (auto it = m.find(keys::kFormat); it != m.end()) {
-    TORCH_CHECK(it->second == kFormatName, where, " has format \"", it->second, "\", expected \"",
-                kFormatName, "\"");
-    meta.format_version = parse_int(m, keys::kFormatVersion, 0, where);
-    TORCH_CHECK(meta.format_version >= 1 && meta.format_version <= kCheckpointFormatVersion, where,
-                " has format version ", meta.format_version, "; this build reads versions 1 to ",
-                kCheckpointFormatVersion);
-  }
+  meta.format_version = checked_format_version(file, where);
   if (auto it = m.find(keys::kConfig); it != m.end()) meta.config = it->second;
   meta.step = parse_int(m, keys::kStep, 0, where);
   meta.tp_degree = parse_int(m, keys::kTpDegree, 1, where);
@@ -225,7 +283,8 @@ void save_checkpoint(const std::string& path, const torch::nn::Module& module,
     }
   }
   safetensors::Metadata meta;
-  meta[keys::kFormat] = kFormatName;
+  meta[keys::kFormat] = "pt";
+  meta[keys::kCheckpointFormat] = kFormatName;
   meta[keys::kFormatVersion] = std::to_string(kCheckpointFormatVersion);
   meta[keys::kConfig] = options.config;
   meta[keys::kStep] = std::to_string(options.step);
@@ -236,6 +295,7 @@ void save_checkpoint(const std::string& path, const torch::nn::Module& module,
   meta[keys::kChecksumAlgorithm] = kChecksumAlgorithm;
   meta[keys::kChecksums] = json(checksums).dump();
   if (optimizer != nullptr) meta[keys::kOptimizer] = optimizer_description;
+  meta[keys::kHeaderChecksum] = hex32(0);  // placeholder, computed when everything is known
   for (const auto& [k, v] : options.metadata) {
     TORCH_CHECK(meta.find(k) == meta.end(), "save_checkpoint: metadata key \"", k,
                 "\" is reserved for the checkpoint format; choose another name");
@@ -271,6 +331,7 @@ void save_checkpoint(const std::string& path, const torch::nn::Module& module,
   if (writes && !error) {
     try {
       meta[keys::kChecksums] = json(checksums).dump();
+      meta[keys::kHeaderChecksum] = header_checksum(meta, writer->tensors());
       writer->finish(meta);
     } catch (...) {
       error = std::current_exception();
@@ -394,6 +455,16 @@ CheckpointMetadata load_checkpoint(const std::string& path, torch::nn::Module& m
       unexpected.push_back(info.name);
     }
   }
+  // A load that matches no name would leave everything as it was, which looks like success.
+  if (used.empty() && (!missing.empty() || !unexpected.empty())) {
+    std::vector<std::string> in_file;
+    for (const auto& info : file.tensors()) in_file.push_back(info.name);
+    TORCH_CHECK(false, "load_checkpoint: ", where,
+                " has no tensor name in common with the module (nothing loaded; saved from "
+                "another model, or under a prefix such as a wrapper module's?)\n  the module has ",
+                missing.size(), ": ", join_few(missing), "\n  the checkpoint has ", in_file.size(),
+                ": ", join_few(in_file));
+  }
   // Missing optimizer keys of a parameter that has state are always errors.
   const bool fatal_missing = std::any_of(missing.begin(), missing.end(), [](const std::string& n) {
     return n.rfind(kOptimPrefix, 0) == 0;
@@ -408,6 +479,9 @@ CheckpointMetadata load_checkpoint(const std::string& path, torch::nn::Module& m
     if (!mismatched.empty()) msg += "\n  shape mismatch:" + join_limited(mismatched);
     TORCH_CHECK(false, msg);
   }
+
+  meta.missing_keys = std::move(missing);
+  meta.unexpected_keys = std::move(unexpected);
 
   // 2. Verify and copy this rank's parts into temporaries.
   const bool verify = options.verify_checksums && !checksums.empty();

@@ -5,6 +5,7 @@
 // CheckpointManager keeps the last N and falls back past a damaged newest file.
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
+#include <c10/util/StringUtil.h>
 #include <gtest/gtest.h>
 #include <torch/nn/modules/activation.h>
 #include <torch/nn/modules/container/sequential.h>
@@ -18,7 +19,9 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <iterator>
 #include <map>
+#include <random>
 #include <string>
 #include <vector>
 
@@ -390,7 +393,7 @@ TEST(Checkpoint, DamagedFilesFailNamingFileAndTensorAndLeaveTheModuleUntouched) 
   EXPECT_HAS(err, header);
   EXPECT_TRUE(bitwise_equal(global_values(*model), before));
 
-  // Damage to the checksums themselves is caught too.
+  // Damage to the checksums themselves is caught too (by the header checksum).
   const std::string sums = dir.file("sums.safetensors");
   {
     auto t = models::safetensors::load_file(good);
@@ -398,7 +401,9 @@ TEST(Checkpoint, DamagedFilesFailNamingFileAndTensorAndLeaveTheModuleUntouched) 
     meta.at("checksums").replace(meta.at("checksums").find("\"0.bias\":\"") + 10, 1, "g");
     models::safetensors::save_file(t, sums, meta);
   }
-  EXPECT_HAS(error_of([&] { load_checkpoint(sums, *model); }), "\"0.bias\" is corrupt");
+  err = error_of([&] { load_checkpoint(sums, *model); });
+  EXPECT_HAS(err, sums);
+  EXPECT_HAS(err, "header checksum does not match");
   EXPECT_TRUE(bitwise_equal(global_values(*model), before));
 
   load_checkpoint(good, *model);
@@ -574,4 +579,299 @@ TEST(Checkpoint, ChecksumsAreCrc32cOfEachTensorsBytes) {
     std::snprintf(hex, sizeof(hex), "%08x", crc32c(b.data(), b.size()));
     EXPECT_HAS(sums, "\"" + info.name + "\":\"" + hex + "\"");
   }
+}
+
+namespace {
+
+std::string read_bytes(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  return {std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
+}
+void write_bytes(const std::string& path, const std::string& bytes) {
+  std::ofstream(path, std::ios::binary | std::ios::trunc) << bytes;
+}
+
+// Replaces the first `from` in the file's bytes by `to` (same length), e.g. a digit of the
+// header's metadata; fails the test when `from` is absent.
+void edit_bytes(const std::string& path, const std::string& from, const std::string& to) {
+  std::string bytes = read_bytes(path);
+  const size_t at = bytes.find(from);
+  ASSERT_NE(at, std::string::npos) << "\"" << from << "\" not in " << path;
+  ASSERT_EQ(from.size(), to.size());
+  bytes.replace(at, from.size(), to);
+  write_bytes(path, bytes);
+}
+
+// A small model after one AdamW step at lr 0.001, saved at step 1.
+void save_trained(const std::string& path) {
+  auto model = mlp(kDim, kHidden, 0);
+  torch::optim::AdamW opt(model->parameters(),
+                          torch::optim::AdamWOptions(0.001).weight_decay(0.01).amsgrad(true));
+  at::manual_seed(5);
+  model->forward(at::randn({2, kDim})).sum().backward();
+  opt.step();
+  save_checkpoint(path, *model, &opt, {.config = R"({"dim": 6})", .step = 1});
+}
+
+bool identical(const at::Tensor& a, const at::Tensor& b) {
+  return a.scalar_type() == b.scalar_type() && a.sizes() == b.sizes() && a.equal(b);
+}
+
+// Everything loading `path` into a fresh model and AdamW gives back: the parameters, the
+// optimizer's state and options, and the metadata (as tensors and strings).
+struct Loaded {
+  std::map<std::string, at::Tensor> tensors;
+  std::map<std::string, std::string> strings;
+};
+Loaded load_everything(const std::string& path) {
+  auto model = mlp(kDim, kHidden, /*seed=*/1);
+  torch::optim::AdamW opt(model->parameters(), torch::optim::AdamWOptions(0.5));
+  const CheckpointMetadata meta = load_checkpoint(path, *model, &opt);
+  Loaded out;
+  for (const auto& p : model->named_parameters()) {
+    out.tensors[p.key()] = p.value().detach().clone();
+    auto it = opt.state().find(p.value().unsafeGetTensorImpl());
+    if (it == opt.state().end()) continue;
+    const auto& s = dynamic_cast<const torch::optim::AdamWParamState&>(*it->second);
+    out.tensors[p.key() + "/exp_avg"] = s.exp_avg();
+    out.tensors[p.key() + "/exp_avg_sq"] = s.exp_avg_sq();
+    if (s.max_exp_avg_sq().defined()) out.tensors[p.key() + "/max_exp_avg_sq"] = s.max_exp_avg_sq();
+    out.tensors[p.key() + "/step"] = at::tensor(s.step());
+  }
+  const auto& o = static_cast<const torch::optim::AdamWOptions&>(opt.param_groups()[0].options());
+  out.tensors["lr"] = at::tensor(o.lr(), at::kDouble);
+  out.tensors["betas"] = at::tensor({std::get<0>(o.betas()), std::get<1>(o.betas())}, at::kDouble);
+  out.tensors["eps"] = at::tensor(o.eps(), at::kDouble);
+  out.tensors["weight_decay"] = at::tensor(o.weight_decay(), at::kDouble);
+  out.tensors["amsgrad"] = at::tensor(static_cast<int64_t>(o.amsgrad()));
+  out.strings = meta.entries;
+  out.strings["(config)"] = meta.config;
+  out.strings["(step)"] = std::to_string(meta.step);
+  out.strings["(tp_degree)"] = std::to_string(meta.tp_degree);
+  out.strings["(world_size)"] = std::to_string(meta.world_size);
+  out.strings["(format_version)"] = std::to_string(meta.format_version);
+  return out;
+}
+
+// Empty when identical, otherwise the first difference.
+std::string difference(const Loaded& a, const Loaded& b) {
+  if (a.strings != b.strings) {
+    for (const auto& [k, v] : a.strings) {
+      auto it = b.strings.find(k);
+      if (it == b.strings.end()) return "metadata \"" + k + "\" appeared";
+      if (it->second != v) return "metadata \"" + k + "\": " + v + " -> " + it->second;
+    }
+    return "metadata entries disappeared";
+  }
+  if (a.tensors.size() != b.tensors.size()) return "another number of tensors";
+  for (const auto& [k, t] : a.tensors) {
+    auto it = b.tensors.find(k);
+    if (it == b.tensors.end()) return "no tensor " + k;
+    if (!identical(t, it->second)) return "tensor " + k + " changed";
+  }
+  return "";
+}
+
+}  // namespace
+
+// The metadata is covered by a checksum: an edit of the step or of the learning rate in the
+// JSON header is caught, not loaded.
+TEST(Checkpoint, EditedStepOrLearningRateInTheHeaderFailsNamingTheFile) {
+  TempDir dir;
+  const std::string good = dir.file("good.safetensors");
+  save_trained(good);
+  ASSERT_EQ(load_everything(good).tensors.at("lr").item<double>(), 0.001);
+
+  struct Edit {
+    std::string name, from, to;
+  };
+  for (const Edit& e : {Edit{"step", R"("step":"1")", R"("step":"7")"},
+                        Edit{"lr", R"(\"lr\":0.001)", R"(\"lr\":0.009)"}}) {
+    SCOPED_TRACE(e.name);
+    const std::string path = dir.file(e.name + ".safetensors");
+    fs::copy_file(good, path);
+    edit_bytes(path, e.from, e.to);
+    auto model = mlp(kDim, kHidden, 1);
+    torch::optim::AdamW opt(model->parameters(), torch::optim::AdamWOptions(0.5));
+    const auto before = global_values(*model);
+    const std::string err = error_of([&] { load_checkpoint(path, *model, &opt); });
+    EXPECT_HAS(err, path);
+    EXPECT_HAS(err, "header checksum");
+    EXPECT_TRUE(bitwise_equal(global_values(*model), before));
+    EXPECT_EQ(opt.param_groups()[0].options().get_lr(), 0.5);
+    EXPECT_TRUE(opt.state().empty());
+    EXPECT_HAS(error_of([&] { read_checkpoint_metadata(path); }), path);
+    EXPECT_HAS(error_of([&] { verify_checkpoint(path); }), path);
+  }
+}
+
+// Any single flipped bit anywhere in the file is either an error or changes nothing that is
+// read back (e.g. a padding space): never a silently different model, optimizer or metadata.
+TEST(Checkpoint, NoSingleBitFlipLoadsSilentlyChangedValues) {
+  TempDir dir;
+  const std::string good = dir.file("good.safetensors");
+  save_trained(good);
+  const Loaded expected = load_everything(good);
+  const std::string bytes = read_bytes(good);
+  const uint64_t header_end = models::safetensors::File(good).data_offset();
+
+  std::mt19937_64 rng(20261124);
+  constexpr int kFlips = 300;
+  int runs = 0, errors = 0, unchanged = 0, in_header = 0;
+  std::vector<std::string> silent;
+  const std::string path = dir.file("flipped.safetensors");
+  for (int i = 0; i < kFlips; ++i) {
+    const uint64_t bit = rng() % (bytes.size() * 8);
+    std::string damaged = bytes;
+    damaged[bit / 8] = static_cast<char>(damaged[bit / 8] ^ (1u << (bit % 8)));
+    write_bytes(path, damaged);
+    ++runs;
+    in_header += bit / 8 < header_end;
+    Loaded got;
+    try {
+      got = load_everything(path);
+    } catch (const c10::Error& e) {
+      ++errors;
+      EXPECT_HAS(e.what_without_backtrace(), path);
+      continue;
+    }
+    const std::string diff = difference(expected, got);
+    if (diff.empty()) {
+      ++unchanged;
+    } else {
+      silent.push_back("byte " + std::to_string(bit / 8) + " bit " + std::to_string(bit % 8) +
+                       ": " + diff);
+    }
+  }
+  RecordProperty("errors", errors);
+  RecordProperty("unchanged", unchanged);
+  RecordProperty("in_header", in_header);
+  EXPECT_EQ(runs, kFlips);
+  EXPECT_GT(in_header, kFlips / 4);  // the header is a good part of this small file
+  EXPECT_EQ(errors + unchanged, kFlips);
+  EXPECT_TRUE(silent.empty()) << silent.size() << " silent changes:\n" << c10::Join("\n", silent);
+}
+
+// Hugging Face writes {"format": "pt"} into every file's metadata; our checkpoints carry it
+// too, and files with it (or with only it) load.
+TEST(Checkpoint, FilesWithFormatPtMetadataLoad) {
+  TempDir dir;
+  const std::string ours = dir.file("ours.safetensors");
+  save_checkpoint(ours, *mlp(kDim, kHidden, 0), nullptr, {.step = 4});
+  EXPECT_EQ(models::safetensors::File(ours).metadata().at("format"), "pt");
+
+  // Our metadata plus "format": "pt", written again by another writer in the same layout
+  // (the header checksum covers the offsets, so the tensors keep their order).
+  const std::string rewritten = dir.file("rewritten.safetensors");
+  {
+    models::safetensors::File f(ours);
+    auto meta = f.metadata();
+    meta["format"] = "pt";
+    std::vector<models::safetensors::Writer::Entry> entries;
+    for (const auto& info : f.tensors()) entries.push_back({info.name, info.dtype, info.shape});
+    models::safetensors::Writer w(rewritten, entries, meta);
+    for (const auto& info : f.tensors()) w.write(f.tensor(info));
+    w.finish(meta);
+  }
+  auto model = mlp(kDim, kHidden, 1);
+  EXPECT_EQ(load_checkpoint(rewritten, *model).step, 4);
+  EXPECT_TRUE(bitwise_equal(global_values(*model), reference_values()));
+
+  // A plain Hugging Face file: tensors and {"format": "pt"} alone, no checksums.
+  const std::string plain = dir.file("plain.safetensors");
+  models::safetensors::save_file(models::safetensors::load_file(ours), plain, {{"format", "pt"}});
+  const auto meta = read_checkpoint_metadata(plain);
+  EXPECT_EQ(meta.format_version, 0);
+  EXPECT_EQ(meta.entries.at("format"), "pt");
+  auto other = mlp(kDim, kHidden, 1);
+  EXPECT_EQ(load_checkpoint(plain, *other).format_version, 0);
+  EXPECT_TRUE(bitwise_equal(global_values(*other), reference_values()));
+}
+
+// Files of checkpoint format 1 have no checksum over their metadata, so damage to it cannot
+// be told from the real thing: they are refused with a message saying why and what to do.
+// So is a file with our metadata but without the entry that names the format.
+TEST(Checkpoint, FilesWithUncheckedMetadataAreRefused) {
+  TempDir dir;
+  const std::string ours = dir.file("ours.safetensors");
+  save_checkpoint(ours, *mlp(kDim, kHidden, 0), nullptr, {.step = 4});
+  const auto tensors = models::safetensors::load_file(ours);
+  auto meta = models::safetensors::File(ours).metadata();
+
+  const std::string v1 = dir.file("v1.safetensors");
+  auto v1_meta = meta;
+  v1_meta.erase("checkpoint_format");
+  v1_meta.erase("header_checksum");
+  v1_meta["format"] = "dtensor-checkpoint";
+  v1_meta["format_version"] = "1";
+  models::safetensors::save_file(tensors, v1, v1_meta);
+  auto model = mlp(kDim, kHidden, 1);
+  const auto before = global_values(*model);
+  std::string err = error_of([&] { load_checkpoint(v1, *model); });
+  EXPECT_HAS(err, v1);
+  EXPECT_HAS(err, "format version 1");
+  EXPECT_HAS(err, "safetensors::load_file");
+  EXPECT_HAS(error_of([&] { read_checkpoint_metadata(v1); }), "format version 1");
+
+  const std::string unnamed = dir.file("unnamed.safetensors");
+  auto unnamed_meta = meta;
+  unnamed_meta.erase("checkpoint_format");
+  models::safetensors::save_file(tensors, unnamed, unnamed_meta);
+  err = error_of([&] { load_checkpoint(unnamed, *model); });
+  EXPECT_HAS(err, unnamed);
+  EXPECT_HAS(err, "\"checkpoint_format\"");
+  EXPECT_TRUE(bitwise_equal(global_values(*model), before));
+}
+
+// Non-strict loading that matches no name at all loads nothing: an error listing names from
+// both sides, not a silent success.
+TEST(Checkpoint, NonStrictLoadingThatMatchesNothingFails) {
+  TempDir dir;
+  const std::string path = dir.file("mlp.safetensors");
+  save_checkpoint(path, *mlp(kDim, kHidden, 0));
+  torch::nn::Sequential other(torch::nn::ReLU(), torch::nn::ReLU(), torch::nn::ReLU(),
+                              torch::nn::Linear(kDim, 3));  // "3.weight", "3.bias"
+  auto wrapped = std::make_shared<torch::nn::Module>();     // the same layers as "0.0.weight", ...
+  wrapped->register_module("0", mlp(kDim, kHidden, 1).ptr());
+  const std::vector<std::pair<std::shared_ptr<torch::nn::Module>, std::string>> cases = {
+      {other.ptr(), "3.weight"}, {wrapped, "0.0.weight"}};
+  for (const auto& [model, module_name] : cases) {
+    const auto before = global_values(*model);
+    const std::string err =
+        error_of([&] { load_checkpoint(path, *model, nullptr, {.strict = false}); });
+    EXPECT_HAS(err, path);
+    EXPECT_HAS(err, "no tensor name in common");
+    EXPECT_HAS(err, "0.weight");   // in the checkpoint
+    EXPECT_HAS(err, module_name);  // in the module
+    EXPECT_TRUE(bitwise_equal(global_values(*model), before));
+  }
+}
+
+// Like PyTorch's load_state_dict(strict=False): what fits loads, and the names that did not
+// match come back (optimizer state in the file counts only when an optimizer is given).
+TEST(Checkpoint, NonStrictLoadingReportsMissingAndUnexpectedNames) {
+  TempDir dir;
+  const std::string path = dir.file("mlp.safetensors");
+  save_trained(path);
+  const auto saved = models::safetensors::load_file(path);
+  auto model = mlp(kDim, kHidden, 1, at::kFloat, /*bias=*/false);  // no "0.bias"
+  model->push_back(torch::nn::Linear(kDim, 3));                    // "3.weight", "3.bias"
+  const at::Tensor extra = model[3]->as<torch::nn::Linear>()->weight.clone();
+  const auto meta = load_checkpoint(path, *model, nullptr, {.strict = false});
+  EXPECT_EQ(meta.missing_keys, (std::vector<std::string>{"3.weight", "3.bias"}));
+  EXPECT_EQ(meta.unexpected_keys, std::vector<std::string>{"0.bias"});
+  EXPECT_EQ(meta.step, 1);
+  EXPECT_TRUE(model[0]->as<torch::nn::Linear>()->weight.equal(saved.at("0.weight")));
+  EXPECT_TRUE(model[2]->as<torch::nn::Linear>()->bias.equal(saved.at("2.bias")));
+  EXPECT_TRUE(model[3]->as<torch::nn::Linear>()->weight.equal(extra));
+
+  // Strict loading of the same fails, naming both sides.
+  const std::string err = error_of([&] { load_checkpoint(path, *model); });
+  EXPECT_HAS(err, "missing in the checkpoint:\n    3.weight\n    3.bias");
+  EXPECT_HAS(err, "unexpected in the checkpoint:\n    0.bias");
+
+  // Everything matches: nothing to report.
+  const auto exact = load_checkpoint(path, *mlp(kDim, kHidden, 1), nullptr, {.strict = false});
+  EXPECT_TRUE(exact.missing_keys.empty());
+  EXPECT_TRUE(exact.unexpected_keys.empty());
 }

@@ -255,6 +255,22 @@ TEST(Safetensors, ReadsAHandMadeFileWithUnsortedEntriesAndNoPadding) {
   EXPECT_NE(error_of([&] { f.at("zz"); }).find("has no tensor \"zz\""), std::string::npos);
 }
 
+// Hugging Face writes {"format": "pt"} into every file; the reader takes any string entries.
+TEST(Safetensors, ReadsAPlainFileWhoseMetadataIsFormatPt) {
+  TempDir dir;
+  const std::string path = dir.file("hf.safetensors");
+  const std::string header = R"({"__metadata__":{"format":"pt"},)"
+                             R"("w":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}})";
+  const float w[2] = {1.5f, -2.0f};
+  write_bytes(path, raw_file(header, std::string(reinterpret_cast<const char*>(w), 8)));
+  st::File f(path);
+  EXPECT_EQ(f.metadata(), (st::Metadata{{"format", "pt"}}));
+  EXPECT_TRUE(same_bytes(f.tensor("w"), at::tensor({1.5f, -2.0f})));
+  const auto all = st::load_file(path);
+  ASSERT_EQ(all.size(), 1u);
+  EXPECT_TRUE(same_bytes(all.at("w"), at::tensor({1.5f, -2.0f})));
+}
+
 TEST(Safetensors, MalformedFilesGiveErrorsNamingTheFileAndTheProblem) {
   TempDir dir;
   const std::string good = R"({"x":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}})";

@@ -9,15 +9,18 @@
 // File contents: each parameter and buffer under its name ("layers.0.attention.wq.weight");
 // the optimizer state under "optim.state.<parameter name>.<key>" (Adam/AdamW: exp_avg,
 // exp_avg_sq, max_exp_avg_sq, step; SGD: momentum_buffer); and __metadata__ entries
-// (kMetadataKeys): format and version, the caller's config string, step, the TP degree and
-// world size that saved it, each DTensor's placements ("Shard(dim=0)"), each tensor's CRC-32C,
-// the optimizer's type and param-group options, and the caller's own entries.
+// (checkpoint_keys): "format": "pt" (as Hugging Face writes), our format name and version, the
+// caller's config string, step, the TP degree and world size that saved it, each DTensor's
+// placements ("Shard(dim=0)"), each tensor's CRC-32C, the optimizer's type and param-group
+// options, the caller's own entries, and a CRC-32C of all of that and of the tensor table
+// (names, dtypes, shapes, offsets), so that no damage to the header loads silently.
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
 #include <functional>
 #include <map>
 #include <string>
+#include <vector>
 
 namespace torch::nn {
 class Module;
@@ -30,7 +33,8 @@ namespace dtensor::models {
 
 // Metadata keys this library writes; SaveOptions::metadata may not use them.
 namespace checkpoint_keys {
-inline constexpr const char* kFormat = "format";  // "dtensor-checkpoint"
+inline constexpr const char* kFormat = "format";  // "pt": the tensors are torch tensors
+inline constexpr const char* kCheckpointFormat = "checkpoint_format";  // "dtensor-checkpoint"
 inline constexpr const char* kFormatVersion = "format_version";
 inline constexpr const char* kConfig = "config";
 inline constexpr const char* kStep = "step";
@@ -41,9 +45,14 @@ inline constexpr const char* kPlacements = "placements";  // JSON {name: "Shard(
 inline constexpr const char* kChecksumAlgorithm = "checksum_algorithm";  // "crc32c"
 inline constexpr const char* kChecksums = "checksums";                   // JSON {name: "1a2b3c4d"}
 inline constexpr const char* kOptimizer = "optimizer";  // JSON {type, param_groups}
+// CRC-32C ("1a2b3c4d") of every other metadata entry and of each tensor's name, dtype, shape
+// and offsets, in a canonical form (see checkpoint.cpp).
+inline constexpr const char* kHeaderChecksum = "header_checksum";
 }  // namespace checkpoint_keys
 
-inline constexpr int64_t kCheckpointFormatVersion = 1;
+// Version 1 (format "dtensor-checkpoint", no header checksum) is refused: damage to its
+// metadata cannot be detected. Its tensors still read with safetensors::load_file.
+inline constexpr int64_t kCheckpointFormatVersion = 2;
 
 struct SaveOptions {
   std::string config;  // the model configuration, opaque to us (e.g. JSON)
@@ -70,10 +79,17 @@ struct CheckpointMetadata {
   int64_t world_size = 1;
   int64_t format_version = 0;  // 0: a safetensors file not written by save_checkpoint
   std::map<std::string, std::string> entries;  // the whole __metadata__
+  // Set by load_checkpoint: names of the module (and of the optimizer's state) absent from the
+  // file, and names in the file the module does not have (optimizer state counts only when an
+  // optimizer is given). A strict load fails instead, so both are empty after it.
+  std::vector<std::string> missing_keys;
+  std::vector<std::string> unexpected_keys;
 };
 
 struct LoadOptions {
-  // Names in the module but not the file (or the reverse) are errors; false skips them.
+  // Names in the module but not the file (or the reverse) are errors; false skips them and
+  // reports them in missing_keys / unexpected_keys, but a load that matches no name at all
+  // is still an error.
   bool strict = true;
   // Check every loaded tensor's CRC-32C against the metadata (files we wrote).
   bool verify_checksums = true;
@@ -82,19 +98,21 @@ struct LoadOptions {
 // Loads `path` into the existing parameters and buffers of `module` (and the optimizer
 // state), at any TP degree: every DTensor receives its local chunk for its current
 // placements, without communication. Each rank reads the file. Everything is read and checked
-// first — header, checksums, names and shapes (errors list every missing, unexpected and
-// mismatched tensor and name the file) — and only then copied in place, so on error the
-// module and optimizer are unchanged; parameters stay the same objects, so an optimizer built
+// first — header and its checksum, tensor checksums, names and shapes (errors list every missing,
+// unexpected and mismatched tensor and name the file) — and only then copied in place, so on error
+// the module and optimizer are unchanged; parameters stay the same objects, so an optimizer built
 // on them keeps working. The optimizer state is keyed by parameter name; its param groups must
 // hold the same parameters as when saved; their options (lr, ...) are restored.
 CheckpointMetadata load_checkpoint(const std::string& path, torch::nn::Module& module,
                                    torch::optim::Optimizer* optimizer = nullptr,
                                    const LoadOptions& options = {});
 
-// The metadata alone (e.g. the config to build the model before loading it).
+// The metadata alone (e.g. the config to build the model before loading it), after checking
+// the header checksum of files save_checkpoint wrote.
 CheckpointMetadata read_checkpoint_metadata(const std::string& path);
 
-// Reads every tensor and checks its checksum; throws naming the file and the first bad tensor.
+// Checks the header checksum, then reads every tensor and checks its checksum; throws naming
+// the file and the damaged part (the header or the first bad tensor).
 void verify_checkpoint(const std::string& path);
 
 }  // namespace dtensor::models
