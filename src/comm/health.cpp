@@ -4,6 +4,7 @@
 #include <ATen/core/ivalue_inl.h>
 #include <c10/util/Exception.h>
 #include <pthread.h>
+#include <signal.h>
 
 #include <algorithm>
 #include <atomic>
@@ -400,6 +401,12 @@ void health_start(c10::intrusive_ptr<c10d::Store> store, std::string prefix, int
     h.poisoned.store(false);
   }
   if (world_size > 1) {
+    // A write to a dead peer's socket must fail the collective with a message, not kill this
+    // rank silently with SIGPIPE (Python, and so torchrun jobs, ignore it the same way).
+    struct sigaction old {};
+    if (::sigaction(SIGPIPE, nullptr, &old) == 0 && old.sa_handler == SIG_DFL) {
+      ::signal(SIGPIPE, SIG_IGN);
+    }
     h.stop = false;
     h.watchdog = std::thread(watch, std::move(store_addr), store_port, h.prefix, timeout);
   }
