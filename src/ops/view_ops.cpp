@@ -191,7 +191,22 @@ Decision squeeze(const OpCall& call) {
     for (int64_t d = 0; d < s; ++d) shift += removed[d] ? 1 : 0;
     return s - shift;
   });
-  return all_outputs(call, {tgt}, outp);
+  Decision dec = all_outputs(call, {tgt}, outp);
+  // The local call squeezes exactly the dims of global size 1: a shard that happens to hold
+  // one row (or none) of a longer dim keeps it, as every other rank does.
+  std::vector<int64_t> dims;
+  for (int64_t d = 0; d < nd; ++d) {
+    if (removed[d]) dims.push_back(d);
+  }
+  const bool inplace = call.schema().name().back() == '_';
+  dec.local_kernel = [dims, inplace](const c10::OperatorHandle& op, torch::jit::Stack& stack,
+                                     const dispatch::LocalContext&) {
+    const size_t nargs = op.schema().arguments().size();
+    at::Tensor self = stack[stack.size() - nargs].toTensor();
+    torch::jit::drop(stack, nargs);
+    stack.emplace_back(inplace ? self.squeeze_(dims) : self.squeeze(dims));
+  };
+  return dec;
 }
 
 }  // namespace
