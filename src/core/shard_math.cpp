@@ -2,6 +2,8 @@
 
 #include <c10/util/Exception.h>
 
+#include <algorithm>
+
 namespace dtensor {
 
 LocalShard compute_local_shape_and_global_offset(c10::IntArrayRef global_shape,
@@ -46,6 +48,22 @@ std::vector<int64_t> default_strides(c10::IntArrayRef shape) {
     s[i] = s[i + 1] * std::max<int64_t>(shape[i + 1], 1);
   }
   return s;
+}
+
+std::vector<int64_t> strides_like(c10::IntArrayRef shape, c10::IntArrayRef stride_order) {
+  const size_t n = shape.size();
+  std::vector<size_t> order(n);
+  for (size_t i = 0; i < n; ++i) order[i] = i;
+  std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) {
+    return stride_order[a] < stride_order[b] || (stride_order[a] == stride_order[b] && a > b);
+  });
+  std::vector<int64_t> out(n, 1);
+  int64_t acc = 1;
+  for (size_t d : order) {
+    out[d] = acc;
+    acc *= std::max<int64_t>(shape[d], 1);
+  }
+  return out;
 }
 
 }  // namespace dtensor

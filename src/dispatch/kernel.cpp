@@ -279,25 +279,6 @@ std::vector<std::optional<TensorMeta>> meta_outputs(const c10::OperatorHandle& o
   return out;
 }
 
-// Strides for `local_shape` that keep the dimension order of `global_stride` (innermost
-// first; ties keep the later dim inner, as contiguous strides do).
-std::vector<int64_t> ops_strides_like(c10::IntArrayRef local_shape,
-                                      c10::IntArrayRef global_stride) {
-  const size_t n = local_shape.size();
-  std::vector<size_t> order(n);
-  for (size_t i = 0; i < n; ++i) order[i] = i;
-  std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) {
-    return global_stride[a] < global_stride[b] || (global_stride[a] == global_stride[b] && a > b);
-  });
-  std::vector<int64_t> out(n, 1);
-  int64_t acc = 1;
-  for (size_t d : order) {
-    out[d] = acc;
-    acc *= std::max<int64_t>(local_shape[d], 1);
-  }
-  return out;
-}
-
 // Whether `t`'s strides agree with `expected` on every dim that has more than one element.
 bool has_layout(const at::Tensor& t, const std::vector<int64_t>& expected) {
   if (t.numel() <= 1) return true;
@@ -490,7 +471,7 @@ Compiled compile(const c10::OperatorHandle& op, const OpInfo& info, c10::ArrayRe
           compute_local_shape_and_global_offset(cr.spec->shape(), mesh->shape(),
                                                 *mesh->coordinate(), cr.spec->placements())
               .shape;
-      cr.local_stride = ops_strides_like(local, cr.spec->stride());
+      cr.local_stride = strides_like(local, cr.spec->stride());
     }
     c.returns.push_back(std::move(cr));
   }

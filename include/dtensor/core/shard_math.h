@@ -44,4 +44,9 @@ std::pair<std::vector<int64_t>, std::vector<int64_t>> compute_global_shape_and_s
 // Contiguous strides for `shape`.
 std::vector<int64_t> default_strides(c10::IntArrayRef shape);
 
+// Dense strides for `shape` that keep the dim order of `stride_order` (innermost = smallest
+// stride first; ties keep the later dim inner, as contiguous strides do): the local layout of
+// a shard whose global tensor has strides `stride_order`.
+std::vector<int64_t> strides_like(c10::IntArrayRef shape, c10::IntArrayRef stride_order);
+
 }  // namespace dtensor

@@ -20,25 +20,6 @@ inline std::vector<int64_t> local_shape_of(const DeviceMesh& mesh, c10::IntArray
   return compute_local_shape_and_global_offset(global, mesh.shape(), *c, p).shape;
 }
 
-// Strides for `local_shape` that keep the dimension order of `global_stride`.
-inline std::vector<int64_t> strides_like(c10::IntArrayRef local_shape,
-                                         c10::IntArrayRef global_stride) {
-  const int64_t n = static_cast<int64_t>(local_shape.size());
-  std::vector<int64_t> order(n);
-  for (int64_t i = 0; i < n; ++i) order[i] = i;
-  // innermost (smallest stride) first; ties keep the later dim inner, like contiguous
-  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) {
-    return global_stride[a] < global_stride[b] || (global_stride[a] == global_stride[b] && a > b);
-  });
-  std::vector<int64_t> s(n, 1);
-  int64_t acc = 1;
-  for (int64_t d : order) {
-    s[d] = acc;
-    acc *= std::max<int64_t>(local_shape[d], 1);
-  }
-  return s;
-}
-
 // Placements with every Shard(d) moved to map(d) (nullopt -> Replicate).
 template <typename F>
 Placements remap_shards(c10::ArrayRef<Placement> p, F&& map) {
