@@ -299,6 +299,14 @@ std::string compare_histories(const std::string& label, int self, const History&
   return text;
 }
 
+}  // namespace
+
+std::chrono::milliseconds diagnosis_budget(std::chrono::milliseconds timeout) {
+  return std::min<std::chrono::milliseconds>(kMaxAnswerWait, std::max(timeout / 3, kPoll * 3));
+}
+
+namespace {
+
 // Asks the group's members where they are and names the problem. Called with a failed
 // collective, so the group is unusable anyway; bounded by kMaxAnswerWait.
 std::string diagnose(const WorkContext& c) {
@@ -312,8 +320,7 @@ std::string diagnose(const WorkContext& c) {
     if (!store || it == h.groups.end()) return "";
     group = it->second;
   }
-  auto waited =
-      std::min<std::chrono::milliseconds>(kMaxAnswerWait, std::max(c.timeout / 3, kPoll * 3));
+  auto waited = diagnosis_budget(c.timeout);
   std::map<int, History> others;
   std::vector<int> silent;
   std::string failed;

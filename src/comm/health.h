@@ -24,6 +24,11 @@ void health_stop(bool clean);
 // destroyed (its destructor would wait for the timeout).
 bool health_poisoned();
 
+// How long a failed collective waits for the other ranks' answers before it throws. The
+// backends get the configured timeout less this, so that a stalled peer ends every rank
+// within the configured timeout, diagnosis included.
+std::chrono::milliseconds diagnosis_budget(std::chrono::milliseconds timeout);
+
 // Tells every watchdog of the job under `prefix` about `text` ("fail\tRANK\tmessage").
 void post_event(c10d::Store& store, const std::string& prefix, const std::string& text);
 // "rank R failed: ..." for the first failure another rank reported, or "".

@@ -243,8 +243,9 @@ c10d::Backend& ProcessGroup::backend(c10::DeviceType device_type) {
       TORCH_CHECK(detail::has_nccl(),
                   "dtensor: this build has no NCCL (LibTorch without CUDA, or nccl.h not found "
                   "at configure time), so CUDA tensors cannot be communicated");
-      cuda_ = detail::make_nccl_backend(c10::make_intrusive<c10d::PrefixStore>("nccl", store_),
-                                        rank_, size(), timeout_);
+      cuda_ =
+          detail::make_nccl_backend(c10::make_intrusive<c10d::PrefixStore>("nccl", store_), rank_,
+                                    size(), timeout_ - detail::diagnosis_budget(timeout_));
     }
     return *cuda_;
   }
@@ -252,7 +253,8 @@ c10d::Backend& ProcessGroup::backend(c10::DeviceType device_type) {
               c10::DeviceTypeName(device_type), " tensors (CPU uses Gloo, CUDA uses NCCL)");
   if (!cpu_) {
     cpu_ = detail::make_gloo_backend(c10::make_intrusive<c10d::PrefixStore>("gloo", store_), rank_,
-                                     size(), timeout_, gloo_host_);
+                                     size(), timeout_ - detail::diagnosis_budget(timeout_),
+                                     gloo_host_);
   }
   return *cpu_;
 }

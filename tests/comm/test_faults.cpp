@@ -240,7 +240,8 @@ TEST(CollectiveFaults, StoppedRankIsNamedWithinTheTimeoutAndEndsWhenContinued) {
   EXPECT_CONTAINS(out[0].message, "rank 0: all_reduce float32[4]");
   EXPECT_CONTAINS(out[0].message, "collective #6 on group world");
   EXPECT_CONTAINS(out[0].message, "rank 1 did not answer");
-  EXPECT_LT(out[0].seconds, kTimeout + 2.0) << describe(out);
+  // Within the timeout: the backend waits the timeout less the time the diagnosis may take.
+  EXPECT_LT(out[0].seconds, kTimeout + 0.5) << describe(out);
   // Continued, rank 1 learns of rank 0's failure at its next collective.
   EXPECT_TRUE(exited(out[1], 2)) << describe(out);
   EXPECT_CONTAINS(out[1].message, "rank 0 failed");
