@@ -154,7 +154,8 @@ json parse_object(const std::string& text) {
 
 LlamaConfig LlamaConfig::from_json(const std::string& text) {
   LlamaConfig c;
-  for (const auto& [key, v] : parse_object(text).items()) {
+  const json object = parse_object(text);  // kept alive: items() only views it
+  for (const auto& [key, v] : object.items()) {
     if (key == "vocab_size") {
       c.vocab_size = as_int(key, v);
     } else if (key == "dim") {
