@@ -64,7 +64,8 @@ class ReplicatedKVProjection : public tp::ParallelStyle {
       call.args[0] = to_local(x, std::vector<Placement>{Partial()});
       self.weight = to_local(registered_weight(self), std::vector<Placement>{Partial()});
     });
-    const at::Tensor index = kv_heads_of_rank(mesh.get_local_rank(), mesh.size());
+    const at::Tensor index =
+        kv_heads_of_rank(n_heads_, n_kv_heads_, mesh.get_local_rank(), mesh.size());
     const int64_t n_kv = n_kv_heads_, head_dim = head_dim_;
     linear.register_forward_hook(
         [index, n_kv, head_dim](torch::nn::Module& m, const tp::ModuleCall&, c10::IValue& out) {
@@ -81,29 +82,26 @@ class ReplicatedKVProjection : public tp::ParallelStyle {
     return *m.named_parameters(/*recurse=*/false).find("weight");
   }
 
-  // The KV heads rank `rank` keeps, in the order its query heads use them: the distinct heads
-  // when each is used by the same number of consecutive local query heads (the attention then
-  // repeats them), else one per local query head.
-  at::Tensor kv_heads_of_rank(int64_t rank, int64_t tp) const {
-    const int64_t local_q = n_heads_ / tp, n_rep = n_heads_ / n_kv_heads_;
-    std::vector<int64_t> per_query, distinct;
-    for (int64_t j = 0; j < local_q; ++j) {
-      per_query.push_back((rank * local_q + j) / n_rep);
-      if (distinct.empty() || distinct.back() != per_query.back())
-        distinct.push_back(per_query.back());
-    }
-    const int64_t local_kv = static_cast<int64_t>(distinct.size());
-    bool uniform = local_q % local_kv == 0;
-    for (int64_t j = 0; uniform && j < local_q; ++j)
-      uniform = per_query[j] == distinct[j / (local_q / local_kv)];
-    return at::tensor(uniform ? distinct : per_query, at::kLong);
-  }
-
  private:
   int64_t n_heads_, n_kv_heads_, head_dim_;
 };
 
 }  // namespace
+
+at::Tensor kv_heads_of_rank(int64_t n_heads, int64_t n_kv_heads, int64_t rank, int64_t tp) {
+  const int64_t local_q = n_heads / tp, n_rep = n_heads / n_kv_heads;
+  std::vector<int64_t> per_query, distinct;
+  for (int64_t j = 0; j < local_q; ++j) {
+    per_query.push_back((rank * local_q + j) / n_rep);
+    if (distinct.empty() || distinct.back() != per_query.back())
+      distinct.push_back(per_query.back());
+  }
+  const int64_t local_kv = static_cast<int64_t>(distinct.size());
+  bool uniform = local_q % local_kv == 0;
+  for (int64_t j = 0; uniform && j < local_q; ++j)
+    uniform = per_query[j] == distinct[j / (local_q / local_kv)];
+  return at::tensor(uniform ? distinct : per_query, at::kLong);
+}
 
 std::optional<DeviceMesh> get_tp_mesh(const DeviceMesh& mesh) {
   if (mesh.ndim() == 1) return mesh;

@@ -178,6 +178,12 @@ struct TensorParallelOptions {
 void apply_tensor_parallel(TransformerImpl& model, const DeviceMesh& mesh,
                            TensorParallelOptions options = {});
 
+// The KV heads (global indices) that TP rank `rank` of `tp` keeps, in the order its query heads
+// [rank * n_heads/tp, (rank+1) * n_heads/tp) use them: the distinct heads when each is used by the
+// same number of consecutive local query heads (the attention then repeats them), else one per
+// local query head. With n_kv_heads % tp == 0 these are the rank's ColwiseParallel rows of wk/wv.
+at::Tensor kv_heads_of_rank(int64_t n_heads, int64_t n_kv_heads, int64_t rank, int64_t tp);
+
 // The mesh TP runs on: a 1-D mesh is itself, an N-D one its "tp" dim, else nullopt.
 std::optional<DeviceMesh> get_tp_mesh(const DeviceMesh& mesh);
 
