@@ -1,0 +1,283 @@
+// Cached inference for the Llama model on local shards (Decoder), sampling, and generate().
+#include "dtensor/models/generate.h"
+
+#include <ATen/ATen.h>
+#include <ATen/CPUGeneratorImpl.h>
+
+#include <algorithm>
+#include <chrono>
+#include <limits>
+#include <string>
+
+#include "dtensor/comm/collectives.h"
+#include "dtensor/core/dtensor_impl.h"
+#include "dtensor/core/shard_math.h"
+
+namespace dtensor::models {
+
+namespace {
+
+// This rank's part of a parameter, after checking that the plan placed it as the Decoder
+// expects on `tp` ranks (`shard_dim` nullopt: replicated or plain).
+at::Tensor local_part(const at::Tensor& param, std::optional<int64_t> shard_dim, int64_t tp,
+                      const std::string& name) {
+  if (!is_dtensor(param)) return param.detach();
+  if (tp == 1) return local_tensor(param).detach();  // one rank holds everything
+  const auto& ps = placements(param);
+  const bool ok = ps.size() == 1 && (shard_dim ? ps[0].is_shard(*shard_dim) : ps[0].is_replicate());
+  TORCH_CHECK(ok, "generate: parameter '", name, "' has placement ", ps[0].str(), ", expected ",
+              shard_dim ? "Shard(" + std::to_string(*shard_dim) + ")" : std::string("Replicate()"),
+              " as apply_tensor_parallel places it; parallelize the model with "
+              "apply_tensor_parallel");
+  return local_tensor(param).detach();
+}
+
+// x: (B, S, H, D), rope: (B, S, D/2, 2). Rotates consecutive pairs as the model does.
+at::Tensor rotate(const at::Tensor& x, const at::Tensor& rope) {
+  auto pairs = x.unflatten(-1, {-1, 2});
+  auto x0 = pairs.select(-1, 0), x1 = pairs.select(-1, 1);
+  auto cos = rope.select(-1, 0).unsqueeze(2), sin = rope.select(-1, 1).unsqueeze(2);
+  return at::stack({x0 * cos - x1 * sin, x0 * sin + x1 * cos}, -1).flatten(-2);
+}
+
+uint64_t mix(uint64_t a, uint64_t b) {
+  // splitmix64 of the pair: distinct (seed, step) pairs give unrelated generator seeds.
+  uint64_t z = a * 0x9E3779B97F4A7C15ULL + b + 0x632BE59BD9B4E019ULL;
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
+  return z ^ (z >> 31);
+}
+
+}  // namespace
+
+// ---- Decoder ----
+
+Decoder::Decoder(const TransformerImpl& model) : config_(model.config()) {
+  const LlamaConfig& c = config_;
+  if (model.tp_state()) {
+    mesh_ = model.tp_state()->mesh;
+    tp_ = mesh_->size();
+    rank_ = mesh_->get_local_rank();
+  }
+  const int64_t hd = c.head_dim();
+  const std::optional<int64_t> rows = 0, cols = 1;
+  embedding_ = local_part(model.tok_embeddings->weight, rows, tp_, "tok_embeddings.weight");
+  vocab_offset_ = chunk_range(c.vocab_size, tp_, rank_).offset;
+  norm_ = local_part(model.norm->weight, std::nullopt, tp_, "norm.weight");
+  output_ = local_part(model.output->weight, rows, tp_, "output.weight");
+  const bool kv_sharded = c.kv_heads() % tp_ == 0;
+  const at::Tensor kv_index = kv_heads_of_rank(c.n_heads, c.kv_heads(), rank_, tp_);
+  for (size_t i = 0; i < model.layers->size(); ++i) {
+    const auto* block = model.layers->ptr(i)->as<TransformerBlockImpl>();
+    const std::string p = "layers." + std::to_string(i) + ".";
+    const auto& a = *block->attention;
+    const auto& f = *block->feed_forward;
+    auto kv = [&](const at::Tensor& w, const std::string& name) {
+      if (kv_sharded) return local_part(w, rows, tp_, name);
+      // Replicated projection: keep the rows of the heads this rank's query heads use.
+      at::Tensor whole = local_part(w, std::nullopt, tp_, name);
+      return whole.unflatten(0, {c.kv_heads(), hd})
+          .index_select(0, kv_index.to(whole.device()))
+          .flatten(0, 1);
+    };
+    layers_.push_back({
+        local_part(block->attention_norm->weight, std::nullopt, tp_, p + "attention_norm.weight"),
+        local_part(a.wq->weight, rows, tp_, p + "attention.wq.weight"),
+        kv(a.wk->weight, p + "attention.wk.weight"),
+        kv(a.wv->weight, p + "attention.wv.weight"),
+        local_part(a.wo->weight, cols, tp_, p + "attention.wo.weight"),
+        local_part(block->ffn_norm->weight, std::nullopt, tp_, p + "ffn_norm.weight"),
+        local_part(f.w1->weight, rows, tp_, p + "feed_forward.w1.weight"),
+        local_part(f.w2->weight, cols, tp_, p + "feed_forward.w2.weight"),
+        local_part(f.w3->weight, rows, tp_, p + "feed_forward.w3.weight"),
+    });
+  }
+  rope_ = model.rope(c.max_seq_len, norm_.options());
+  // RMSNorm's default eps (none) is the dtype's epsilon; the model always sets norm_eps.
+  eps_ = c.norm_eps;
+}
+
+at::Tensor Decoder::all_reduce(const at::Tensor& t) const {
+  if (tp_ == 1) return t;
+  return comm::all_reduce(t, ReduceOp::Sum, mesh_->group(0));
+}
+
+at::Tensor Decoder::embed(const at::Tensor& tokens) const {
+  if (tp_ == 1) return at::embedding(embedding_, tokens);
+  // Vocab rows are sharded: look up the tokens this rank holds, zeros elsewhere, then sum.
+  const int64_t n = embedding_.size(0);
+  const at::Tensor outside = (tokens < vocab_offset_) | (tokens >= vocab_offset_ + n);
+  at::Tensor h;
+  if (n == 0) {
+    h = at::zeros({tokens.size(0), tokens.size(1), config_.dim}, embedding_.options());
+  } else {
+    h = at::embedding(embedding_, (tokens - vocab_offset_).masked_fill(outside, 0));
+    h.masked_fill_(outside.unsqueeze(-1), 0);
+  }
+  return all_reduce(h);
+}
+
+at::Tensor Decoder::forward(const at::Tensor& tokens_in, KVCache& cache) {
+  at::NoGradGuard no_grad;
+  TORCH_CHECK(tokens_in.dim() == 2 && tokens_in.size(0) == cache.batch() && tokens_in.size(1) > 0,
+              "Decoder::forward: tokens must be (batch=", cache.batch(), ", seqlen>0), got ",
+              tokens_in.sizes());
+  const int64_t B = tokens_in.size(0), S = tokens_in.size(1), t0 = cache.length();
+  TORCH_CHECK(t0 + S <= cache.max_len(), "Decoder::forward: ", t0, " cached + ", S,
+              " new positions exceed the cache's max_len=", cache.max_len());
+  const int64_t hd = config_.head_dim();
+  TORCH_CHECK(layers_.empty() || cache.keys(0).size(2) * hd == layers_[0].wk.size(0),
+              "Decoder::forward: the cache holds ", cache.keys(0).size(2),
+              " KV heads per layer, this rank's model ", layers_[0].wk.size(0) / hd,
+              "; build the KVCache from the same model");
+  const auto device = norm_.device();
+  const at::Tensor tokens = tokens_in.to(device, at::kLong);
+
+  // Rotary positions count from each row's first real token; padded slots get position 0.
+  const at::Tensor pad = cache.padding().to(device);
+  const at::Tensor slots = at::arange(t0, t0 + S, tokens.options());
+  const at::Tensor positions = (slots.unsqueeze(0) - pad.unsqueeze(1)).clamp_min(0);
+  const at::Tensor rope = rope_.index_select(0, positions.flatten()).view({B, S, hd / 2, 2});
+  // Query slot t sees key slots pad[b] <= s <= t, and always itself (a padding query then has
+  // one key, not none, so its softmax stays finite and its value never reaches a real row).
+  const at::Tensor keys = at::arange(t0 + S, tokens.options()).view({1, 1, -1});
+  const at::Tensor q_slots = slots.view({1, -1, 1});
+  const at::Tensor mask =
+      (((keys <= q_slots) & (keys >= pad.view({-1, 1, 1}))) | (keys == q_slots)).unsqueeze(1);
+
+  at::Tensor h = embed(tokens);
+  for (size_t l = 0; l < layers_.size(); ++l) {
+    const Layer& w = layers_[l];
+    at::Tensor x = at::rms_norm(h, {config_.dim}, w.attention_norm, eps_);
+    at::Tensor q = rotate(at::linear(x, w.wq).view({B, S, -1, hd}), rope);
+    at::Tensor k = rotate(at::linear(x, w.wk).view({B, S, -1, hd}), rope);
+    at::Tensor v = at::linear(x, w.wv).view({B, S, -1, hd});
+    at::Tensor& ck = cache.keys(static_cast<int64_t>(l));
+    at::Tensor& cv = cache.values(static_cast<int64_t>(l));
+    ck.narrow(1, t0, S).copy_(k);
+    cv.narrow(1, t0, S).copy_(v);
+    // (B, H, T, D) views of the filled slots; query head j uses local KV head j / n_rep.
+    const int64_t n_rep = q.size(2) / ck.size(2);
+    at::Tensor kk = ck.narrow(1, 0, t0 + S).transpose(1, 2);
+    at::Tensor vv = cv.narrow(1, 0, t0 + S).transpose(1, 2);
+    if (n_rep > 1) {
+      kk = kk.repeat_interleave(n_rep, 1);
+      vv = vv.repeat_interleave(n_rep, 1);
+    }
+    at::Tensor attn = at::scaled_dot_product_attention(q.transpose(1, 2), kk, vv, mask);
+    h = h + all_reduce(at::linear(attn.transpose(1, 2).reshape({B, S, -1}), w.wo));
+    x = at::rms_norm(h, {config_.dim}, w.ffn_norm, eps_);
+    h = h + all_reduce(at::linear(at::silu(at::linear(x, w.w1)) * at::linear(x, w.w3), w.w2));
+  }
+  cache.advance(S);
+
+  const at::Tensor last = at::rms_norm(h.select(1, S - 1), {config_.dim}, norm_, eps_);
+  at::Tensor logits = at::linear(last, output_);  // (B, this rank's vocab rows)
+  if (tp_ == 1) return logits;
+  // Uneven vocab shards: pad each to the full chunk, gather, cut the padding off.
+  const int64_t chunk = full_chunk_size(config_.vocab_size, tp_);
+  logits = at::constant_pad_nd(logits, {0, chunk - logits.size(1)});
+  at::Tensor gathered = comm::all_gather_into_tensor(logits.t().contiguous(), 0, mesh_->group(0));
+  return gathered.narrow(0, 0, config_.vocab_size).t().contiguous();
+}
+
+// ---- sampling ----
+
+at::Tensor sample_next_tokens(const at::Tensor& logits, const SamplingOptions& o, int64_t step) {
+  TORCH_CHECK(logits.dim() == 2, "sample_next_tokens: logits must be (batch, vocab), got ",
+              logits.sizes());
+  TORCH_CHECK(o.temperature >= 0, "sampling: temperature must be >= 0, got ", o.temperature);
+  TORCH_CHECK(o.top_k >= 0, "sampling: top_k must be >= 0 (0: off), got ", o.top_k);
+  TORCH_CHECK(o.top_p > 0 && o.top_p <= 1, "sampling: top_p must be in (0, 1], got ", o.top_p);
+  const at::Tensor x64 = logits.detach().to(at::kCPU, at::kDouble);
+  if (o.temperature == 0) return x64.argmax(-1);
+  at::Tensor x = x64 / o.temperature;
+  const int64_t V = x.size(1);
+  if (o.top_k > 0 && o.top_k < V) {
+    const at::Tensor kth = std::get<0>(x.topk(o.top_k, -1)).narrow(1, o.top_k - 1, 1);
+    x = x.masked_fill(x < kth, -std::numeric_limits<double>::infinity());
+  }
+  auto [sorted, order] = at::sort(x.softmax(-1), /*stable=*/true, -1, /*descending=*/true);
+  if (o.top_p < 1) {
+    // Keep a token while the probability before it is below top_p (the first always stays).
+    const at::Tensor before = sorted.cumsum(-1) - sorted;
+    sorted = sorted.masked_fill(before >= o.top_p, 0);
+  }
+  const at::Tensor cdf = sorted.cumsum(-1);
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(mix(o.seed, static_cast<uint64_t>(step)));
+  const at::Tensor u = at::rand({x.size(0), 1}, gen, at::kDouble) * cdf.narrow(1, V - 1, 1);
+  const at::Tensor pick = (cdf < u).sum(-1, /*keepdim=*/true).clamp_max(V - 1);
+  return order.gather(1, pick).squeeze(1);
+}
+
+// ---- generate ----
+
+GenerateResult generate(const TransformerImpl& model,
+                        const std::vector<std::vector<int64_t>>& prompts,
+                        const GenerateOptions& options) {
+  using Clock = std::chrono::steady_clock;
+  const int64_t B = static_cast<int64_t>(prompts.size());
+  TORCH_CHECK(B > 0, "generate: no prompts");
+  TORCH_CHECK(options.max_new_tokens >= 0, "generate: max_new_tokens must be >= 0, got ",
+              options.max_new_tokens);
+  const int64_t V = model.config().vocab_size;
+  int64_t longest = 0;
+  GenerateResult result;
+  for (size_t b = 0; b < prompts.size(); ++b) {
+    TORCH_CHECK(!prompts[b].empty(), "generate: prompt ", b, " is empty");
+    for (int64_t t : prompts[b])
+      TORCH_CHECK(t >= 0 && t < V, "generate: prompt ", b, " holds token ", t,
+                  " outside the vocabulary [0, ", V, ")");
+    longest = std::max<int64_t>(longest, static_cast<int64_t>(prompts[b].size()));
+    result.prompt_tokens += static_cast<int64_t>(prompts[b].size());
+  }
+  result.tokens.resize(B);
+  if (options.max_new_tokens == 0) return result;
+  // The last new token is never fed back, so the cache needs one slot fewer.
+  const int64_t max_len = longest + options.max_new_tokens - 1;
+  TORCH_CHECK(max_len <= model.config().max_seq_len, "generate: the longest prompt (", longest,
+              " tokens) plus max_new_tokens=", options.max_new_tokens,
+              " - 1 exceeds max_seq_len=", model.config().max_seq_len);
+
+  at::Tensor tokens = at::full({B, longest}, options.pad_token, at::kLong);
+  at::Tensor padding = at::empty({B}, at::kLong);
+  for (int64_t b = 0; b < B; ++b) {
+    const auto n = static_cast<int64_t>(prompts[b].size());
+    padding[b] = longest - n;
+    tokens[b].narrow(0, longest - n, n).copy_(at::tensor(prompts[b], at::kLong));
+  }
+  Decoder decoder(model);
+  KVCache cache(model, B, std::max<int64_t>(max_len, longest));
+  cache.set_padding(padding);
+
+  auto start = Clock::now();
+  at::Tensor logits = decoder.forward(tokens, cache);
+  result.prefill_seconds = std::chrono::duration<double>(Clock::now() - start).count();
+  start = Clock::now();
+  std::vector<bool> running(B, true);
+  int64_t alive = B;
+  for (int64_t step = 0;; ++step) {
+    if (options.on_logits) options.on_logits(logits);
+    const at::Tensor next = sample_next_tokens(logits, options, step);
+    const auto* ids = next.data_ptr<int64_t>();
+    for (int64_t b = 0; b < B; ++b) {
+      if (!running[b]) continue;
+      result.tokens[b].push_back(ids[b]);
+      ++result.new_tokens;
+      if (options.on_token) options.on_token(b, ids[b]);
+      const auto& stop = options.stop_tokens;
+      if (std::find(stop.begin(), stop.end(), ids[b]) != stop.end() ||
+          static_cast<int64_t>(result.tokens[b].size()) == options.max_new_tokens) {
+        running[b] = false;
+        --alive;
+      }
+    }
+    if (alive == 0) break;
+    logits = decoder.forward(next.view({B, 1}), cache);
+    ++result.decode_steps;
+  }
+  result.decode_seconds = std::chrono::duration<double>(Clock::now() - start).count();
+  return result;
+}
+
+}  // namespace dtensor::models
