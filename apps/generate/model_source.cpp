@@ -1,0 +1,94 @@
+#include "model_source.h"
+
+#include <filesystem>
+#include <nlohmann/json.hpp>
+#include <stdexcept>
+
+#include "dtensor/models/checkpoint.h"
+#include "dtensor/models/checkpoint_manager.h"
+
+namespace dtensor::generate_app {
+
+namespace fs = std::filesystem;
+
+std::string resolve_checkpoint(const std::string& what) {
+  if (fs::is_regular_file(what)) return what;
+  if (!fs::is_directory(what))
+    throw std::runtime_error("--checkpoint: no such file or directory '" + what + "'");
+  // A dtensor_train output directory keeps its checkpoints in DIR/checkpoints.
+  const fs::path dir = fs::is_directory(fs::path(what) / "checkpoints")
+                           ? fs::path(what) / "checkpoints"
+                           : fs::path(what);
+  const models::CheckpointManager manager(dir.string());
+  if (auto latest = manager.latest()) return *latest;
+  const auto all = manager.list();
+  if (!all.empty()) return all.back().second;
+  throw std::runtime_error("--checkpoint: no checkpoint in '" + dir.string() +
+                           "' (dtensor_train writes them with --ckpt-every N or --save-final)");
+}
+
+namespace {
+
+// The trainer stores its run configuration: {"model": {LlamaConfig}, "train": {"dtype", ...}}.
+// A bare LlamaConfig object is accepted too.
+void read_config(const std::string& path, const std::string& text, models::LlamaConfig& config,
+                 c10::ScalarType& dtype) {
+  nlohmann::json j;
+  try {
+    j = nlohmann::json::parse(text);
+  } catch (const nlohmann::json::exception& e) {
+    throw std::runtime_error("checkpoint '" + path + "': its config metadata is not JSON (" +
+                             e.what() + ")");
+  }
+  if (!j.is_object() || (j.contains("model") && !j["model"].is_object()))
+    throw std::runtime_error("checkpoint '" + path +
+                             "': expected a config object with a \"model\" object");
+  config = models::LlamaConfig::from_json(j.contains("model") ? j["model"].dump() : j.dump());
+  dtype = c10::kFloat;
+  if (j.contains("train") && j["train"].value("dtype", "float32") == "float64")
+    dtype = c10::kDouble;
+}
+
+c10::ScalarType parse_dtype(const std::string& s, c10::ScalarType fallback) {
+  if (s.empty()) return fallback;
+  if (s == "float32") return c10::kFloat;
+  if (s == "float64") return c10::kDouble;
+  throw std::runtime_error("--dtype: expected float32 or float64, got '" + s + "'");
+}
+
+}  // namespace
+
+LoadedModel load_model(const ModelSource& source, const DeviceMesh& mesh) {
+  // The seam for Hugging Face checkpoints: their loader builds the config, the model and the
+  // tokenizer from DIR (config.json, model.safetensors[.index.json], tokenizer.json).
+  if (!source.hf_model.empty())
+    throw std::runtime_error("--model " + source.hf_model +
+                             ": Hugging Face checkpoints are not supported by this build yet; "
+                             "use --checkpoint (dtensor_train) or --preset");
+  models::LlamaConfig config;
+  c10::ScalarType dtype = c10::kFloat;
+  std::string path, description;
+  if (!source.checkpoint.empty()) {
+    path = resolve_checkpoint(source.checkpoint);
+    read_config(path, models::read_checkpoint_metadata(path).config, config, dtype);
+    description = "checkpoint " + path;
+  } else {
+    config = models::LlamaConfig::preset(source.preset);
+    description =
+        "preset " + source.preset + ", random weights (seed " + std::to_string(source.seed) + ")";
+  }
+  dtype = parse_dtype(source.dtype, dtype);
+  config.validate_tp(mesh.size());
+  LoadedModel out{models::Transformer(config), description};
+  out.model->to(dtype);
+  models::apply_tensor_parallel(*out.model, mesh,
+                                {.sequence_parallel = false, .loss_parallel = true});
+  if (path.empty()) {
+    out.model->init_weights(source.seed);
+  } else {
+    models::load_checkpoint(path, *out.model);
+  }
+  return out;
+}
+
+}  // namespace dtensor::generate_app
