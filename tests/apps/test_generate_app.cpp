@@ -1,0 +1,100 @@
+// dtensor_generate end to end: the built binary (DTENSOR_GENERATE_PATH) under the built launcher
+// (DTRUN_PATH). Sampled text is the same at TP=1 and TP=2, from random preset weights and from a
+// checkpoint dtensor_train (DTENSOR_TRAIN_PATH) wrote; usage errors are explained.
+#include <gtest/gtest.h>
+#include <sys/wait.h>
+
+#include <cstdio>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "support/temp_dir.h"
+
+using dtensor::testing::TempDir;
+
+namespace {
+
+struct Result {
+  int exit_code = -1;
+  std::string output;  // stdout and stderr together
+};
+
+Result shell(const std::string& command) {
+  Result r;
+  FILE* pipe = ::popen(("timeout 240 " + command + " 2>&1").c_str(), "r");
+  if (pipe == nullptr) {
+    ADD_FAILURE() << "cannot run " << command;
+    return r;
+  }
+  char buf[4096];
+  size_t n = 0;
+  while ((n = std::fread(buf, 1, sizeof(buf), pipe)) > 0) r.output.append(buf, n);
+  const int status = ::pclose(pipe);
+  r.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+  return r;
+}
+
+Result generate(int ranks, const std::string& args) {
+  return shell(std::string(DTRUN_PATH) + " -n " + std::to_string(ranks) + " " +
+               DTENSOR_GENERATE_PATH + " " + args);
+}
+
+// The generated text: rank 0's output without the lines that name the TP degree or timings.
+std::string text_of(const std::string& output) {
+  std::istringstream in(output);
+  std::string line, text;
+  while (std::getline(in, line)) {
+    if (line.find("dtensor_generate:") != std::string::npos) continue;
+    if (line.find("tokens/s") != std::string::npos) continue;
+    text += line + "\n";
+  }
+  return text;
+}
+
+}  // namespace
+
+TEST(GenerateApp, PresetTextIsTheSameAtTP1AndTP2) {
+  const std::string args =
+      "--preset tiny --seed 3 --prompt Hello --max-new-tokens 24 --temperature 0.8 --top-p 0.9";
+  const Result one = generate(1, args), two = generate(2, args);
+  ASSERT_EQ(one.exit_code, 0) << one.output;
+  ASSERT_EQ(two.exit_code, 0) << two.output;
+  EXPECT_NE(one.output.find("Hello"), std::string::npos) << one.output;
+  EXPECT_NE(two.output.find("output: 24 tokens"), std::string::npos) << two.output;
+  EXPECT_NE(two.output.find("TP=2"), std::string::npos) << two.output;
+  EXPECT_EQ(text_of(one.output), text_of(two.output));
+  // Another seed, other text.
+  const Result other = generate(1, "--preset tiny --seed 4 --prompt Hello --max-new-tokens 24");
+  ASSERT_EQ(other.exit_code, 0) << other.output;
+  EXPECT_NE(text_of(one.output), text_of(other.output));
+}
+
+TEST(GenerateApp, TrainerCheckpointLoadsAtAnyTP) {
+  TempDir dir;
+  const Result trained = shell(std::string(DTRUN_PATH) + " -n 2 " + DTENSOR_TRAIN_PATH +
+                               " --preset tiny --steps 3 --save-final --out " + dir.file("run"));
+  ASSERT_EQ(trained.exit_code, 0) << trained.output;
+  const std::string args = "--checkpoint " + dir.file("run") +
+                           " --prompt 'The ' --prompt 'A longer prompt' --max-new-tokens 12";
+  const Result one = generate(1, args), two = generate(2, args);
+  ASSERT_EQ(one.exit_code, 0) << one.output;
+  ASSERT_EQ(two.exit_code, 0) << two.output;
+  EXPECT_NE(two.output.find("checkpoint " + dir.file("run")), std::string::npos) << two.output;
+  EXPECT_EQ(text_of(one.output), text_of(two.output));
+}
+
+TEST(GenerateApp, UsageErrorsAreExplained) {
+  const Result help = shell(std::string(DTENSOR_GENERATE_PATH) + " --help");
+  EXPECT_EQ(help.exit_code, 0);
+  for (const char* option : {"--checkpoint", "--model", "--preset", "--prompt", "--max-new-tokens",
+                             "--temperature", "--top-k", "--top-p", "--seed"})
+    EXPECT_NE(help.output.find(option), std::string::npos) << option << " missing from --help";
+  const Result none = shell(std::string(DTENSOR_GENERATE_PATH) + " --prompt hi");
+  EXPECT_NE(none.exit_code, 0);
+  EXPECT_NE(none.output.find("model"), std::string::npos) << none.output;
+  const Result missing =
+      shell(std::string(DTENSOR_GENERATE_PATH) + " --checkpoint /nonexistent --prompt hi");
+  EXPECT_NE(missing.exit_code, 0);
+  EXPECT_NE(missing.output.find("/nonexistent"), std::string::npos) << missing.output;
+}
