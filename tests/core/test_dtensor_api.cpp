@@ -58,13 +58,8 @@ TEST(FromLocal, UnevenShardsNeedShapeAndStrideTogether) {
                    {.shape = std::vector<int64_t>{10, 2}, .stride = std::vector<int64_t>{2, 1}});
     EXPECT_EQ(dt.sizes(), at::IntArrayRef({10, 2}));
     EXPECT_TENSOR_EQ(full_tensor(dt), at::ones({10, 2}));
-    try {
-      from_local(local, mesh, {Shard(0)}, {.shape = std::vector<int64_t>{10, 2}});
-      ADD_FAILURE() << "expected an error";
-    } catch (const c10::Error& e) {
-      EXPECT_NE(std::string(e.what()).find("Please pass both shape and stride at the same time."),
-                std::string::npos);
-    }
+    EXPECT_ERROR(from_local(local, mesh, {Shard(0)}, {.shape = std::vector<int64_t>{10, 2}}),
+                 c10::Error, "Please pass both shape and stride at the same time.");
   });
 }
 
@@ -86,12 +81,8 @@ TEST(FromLocal, RunCheckRejectsDifferentDtypeOnOneRank) {
   run_ranks(2, [](int rank) {
     auto mesh = init_device_mesh("cpu", {2});
     auto local = rank == 0 ? at::ones({2, 2}, at::kFloat) : at::ones({2, 2}, at::kDouble);
-    try {
-      from_local(local, mesh, {Replicate()}, {.run_check = true});
-      ADD_FAILURE() << "expected a ValueError";
-    } catch (const c10::ValueError& e) {
-      EXPECT_NE(std::string(e.what()).find("Inconsistent tensor metadata"), std::string::npos);
-    }
+    EXPECT_ERROR(from_local(local, mesh, {Replicate()}, {.run_check = true}), c10::ValueError,
+                 "Inconsistent tensor metadata");
   });
 }
 
@@ -101,15 +92,12 @@ TEST(FromLocal, RunCheckRejectsLocalSizesThatDisagreeWithTheDeclaredShape) {
   run_ranks(2, [](int rank) {
     auto mesh = init_device_mesh("cpu", {2});
     auto local = at::ones({rank == 0 ? 3 : 4, 4});
-    const std::string msg = dtensor::testing::message_of([&] {
-      from_local(local, mesh, {Shard(0)},
-                 {.run_check = true,
-                  .shape = std::vector<int64_t>{7, 4},
-                  .stride = std::vector<int64_t>{4, 1}});
-    });
-    EXPECT_CONTAINS(msg, "Inconsistent tensor metadata");
-    EXPECT_CONTAINS(msg, "rank 0 has local shape [3, 4]");
-    EXPECT_CONTAINS(msg, "expected [4, 4]");
+    EXPECT_ERROR(from_local(local, mesh, {Shard(0)},
+                            {.run_check = true,
+                             .shape = std::vector<int64_t>{7, 4},
+                             .stride = std::vector<int64_t>{4, 1}}),
+                 c10::ValueError, "Inconsistent tensor metadata", "rank 0 has local shape [3, 4]",
+                 "expected [4, 4]");
     // The matching layout is accepted and gathers back to the rows given.
     auto ok = at::arange(28, at::kFloat).reshape({7, 4});
     auto mine = rank == 0 ? ok.narrow(0, 0, 4) : ok.narrow(0, 4, 3);
@@ -125,10 +113,8 @@ TEST(FromLocal, RunCheckRejectsDifferentNdimAndNamesTheRanks) {
   run_ranks(2, [](int rank) {
     auto mesh = init_device_mesh("cpu", {2});
     auto local = rank == 0 ? at::ones({2, 2}) : at::ones({4});
-    const std::string msg = dtensor::testing::message_of(
-        [&] { from_local(local, mesh, {Replicate()}, {.run_check = true}); });
-    EXPECT_CONTAINS(msg, "Inconsistent tensor metadata");
-    EXPECT_CONTAINS(msg, "rank 1");
+    EXPECT_ERROR(from_local(local, mesh, {Replicate()}, {.run_check = true}), c10::ValueError,
+                 "Inconsistent tensor metadata", "rank 1");
   });
 }
 
@@ -221,16 +207,12 @@ TEST(DistributeTensor, RejectsNonLeafPartialAndWrongPlacementCount) {
     auto mesh = init_device_mesh("cpu", {2});
     auto leaf = at::ones({4}).requires_grad_(true);
     auto non_leaf = leaf * 2;
-    EXPECT_THROW(distribute_tensor(non_leaf, mesh, {Replicate()}), c10::Error);
-    try {
-      distribute_tensor(non_leaf, mesh, {Replicate()});
-    } catch (const c10::Error& e) {
-      EXPECT_NE(std::string(e.what()).find("should be used to distribute leaf tensors"),
-                std::string::npos);
-    }
-    EXPECT_THROW(distribute_tensor(at::ones({4}), mesh, {Partial()}), c10::Error);
-    EXPECT_THROW(distribute_tensor(at::ones({4}), mesh, {Replicate(), Replicate()}),
-                 c10::ValueError);
+    EXPECT_ERROR(distribute_tensor(non_leaf, mesh, {Replicate()}), c10::Error,
+                 "should be used to distribute leaf tensors");
+    EXPECT_ERROR(distribute_tensor(at::ones({4}), mesh, {Partial()}), c10::Error,
+                 "Partial cannot be distributed");
+    EXPECT_ERROR(distribute_tensor(at::ones({4}), mesh, {Replicate(), Replicate()}),
+                 c10::ValueError, "must have the same length as `device_mesh.ndim`");
   });
 }
 
@@ -239,14 +221,11 @@ TEST(Redistribute, RejectsPartialTargetAndOtherMeshes) {
     auto mesh = init_device_mesh("cpu", {2});
     auto other = init_device_mesh("cpu", {2}, {"x"});
     auto dt = distribute_tensor(at::ones({4}), mesh, {Shard(0)});
-    try {
-      redistribute(dt, {Partial()});
-      ADD_FAILURE() << "expected an error";
-    } catch (const c10::Error& e) {
-      EXPECT_NE(std::string(e.what()).find("Can not redistribute to Partial"), std::string::npos);
-    }
-    EXPECT_THROW(redistribute(dt, other, {Replicate()}), c10::NotImplementedError);
-    EXPECT_THROW(redistribute(dt, {Replicate(), Replicate()}), c10::ValueError);
+    EXPECT_ERROR(redistribute(dt, {Partial()}), c10::Error, "Can not redistribute to Partial");
+    EXPECT_ERROR(redistribute(dt, other, {Replicate()}), c10::NotImplementedError,
+                 "Cross device mesh comm not supported yet!");
+    EXPECT_ERROR(redistribute(dt, {Replicate(), Replicate()}), c10::ValueError,
+                 "must have the same length as `device_mesh.ndim`");
   });
 }
 
@@ -268,7 +247,8 @@ TEST(ImplicitReplication, PlainTensorJoinsAsReplicateOnlyInsideTheGuard) {
     auto mesh = init_device_mesh("cpu", {4});
     auto dt = from_local(at::ones({4, 3}), mesh, {Shard(0)});
     auto plain = at::ones({3});
-    EXPECT_THROW(at::add(plain, dt), c10::Error);
+    EXPECT_ERROR(at::add(plain, dt), c10::Error, "aten::add.Tensor",
+                 "got mixed torch.Tensor and DTensor", "dtensor::ImplicitReplication");
     {
       ImplicitReplication guard;
       auto out = plain + dt;

@@ -11,7 +11,6 @@
 #include "support/errors.h"
 
 using namespace dtensor;
-using dtensor::testing::message_of;
 using dtensor::testing::run_ranks;
 
 TEST(GlobalChecks, AddRefusesShapesThatDoNotBroadcast) {
@@ -19,11 +18,7 @@ TEST(GlobalChecks, AddRefusesShapesThatDoNotBroadcast) {
     auto mesh = init_device_mesh("cpu", {2});
     auto a = distribute_tensor(at::randn({8, 4}), mesh, {Shard(0)});
     auto b = distribute_tensor(at::randn({4, 4}), mesh, {Shard(0)});
-    const auto msg = message_of([&] { at::add(a, b); });
-    EXPECT_CONTAINS(msg, "aten::add.Tensor");
-    EXPECT_CONTAINS(msg, "[8, 4]");
-    EXPECT_CONTAINS(msg, "[4, 4]");
-    EXPECT_CONTAINS(msg, "S(0)");
+    EXPECT_ERROR(at::add(a, b), c10::Error, "aten::add.Tensor", "[8, 4]", "[4, 4]", "S(0)");
   });
 }
 
@@ -32,13 +27,9 @@ TEST(GlobalChecks, AddRefusesMismatchedShardedDims) {
     auto mesh = init_device_mesh("cpu", {2});
     auto a = distribute_tensor(at::randn({5, 12}), mesh, {Shard(1)});
     auto b = distribute_tensor(at::randn({5, 10}), mesh, {Shard(1)});
-    const auto msg = message_of([&] { at::add(a, b); });
-    EXPECT_CONTAINS(msg, "aten::add.Tensor");
-    EXPECT_CONTAINS(msg, "[5, 12]");
-    EXPECT_CONTAINS(msg, "[5, 10]");
+    EXPECT_ERROR(at::add(a, b), c10::Error, "aten::add.Tensor", "[5, 12]", "[5, 10]");
     // In place too: the written tensor's shape is checked against the broadcast.
-    const auto msg2 = message_of([&] { a.add_(b); });
-    EXPECT_CONTAINS(msg2, "aten::add_.Tensor");
+    EXPECT_ERROR(a.add_(b), c10::Error, "aten::add_.Tensor");
   });
 }
 
@@ -47,16 +38,13 @@ TEST(GlobalChecks, MatrixProductsRefuseMismatchedContractedDims) {
     auto mesh = init_device_mesh("cpu", {2});
     auto a = distribute_tensor(at::randn({5, 12}), mesh, {Shard(1)});
     auto b = distribute_tensor(at::randn({10, 6}), mesh, {Shard(0)});
-    const auto msg = message_of([&] { at::mm(a, b); });
-    EXPECT_CONTAINS(msg, "aten::mm");
-    EXPECT_CONTAINS(msg, "[5, 12]");
-    EXPECT_CONTAINS(msg, "[10, 6]");
+    EXPECT_ERROR(at::mm(a, b), c10::Error, "aten::mm", "[5, 12]", "[10, 6]");
     // dot and mv have no meta kernels: their rule checks the sizes itself.
     auto u = distribute_tensor(at::randn({12}), mesh, {Shard(0)});
     auto v = distribute_tensor(at::randn({10}), mesh, {Shard(0)});
-    EXPECT_CONTAINS(message_of([&] { at::dot(u, v); }), "aten::dot");
+    EXPECT_ERROR(at::dot(u, v), c10::Error, "aten::dot");
     auto m = distribute_tensor(at::randn({4, 12}), mesh, {Replicate()});
-    EXPECT_CONTAINS(message_of([&] { at::mv(m, v); }), "aten::mv");
+    EXPECT_ERROR(at::mv(m, v), c10::Error, "aten::mv");
   });
 }
 
@@ -66,7 +54,7 @@ TEST(GlobalChecks, EveryRankRefusesEvenWithAnEmptyShard) {
     auto mesh = init_device_mesh("cpu", {3});
     auto a = distribute_tensor(at::randn({2, 4}), mesh, {Shard(0)});
     auto b = distribute_tensor(at::randn({2, 3}), mesh, {Shard(0)});
-    EXPECT_CONTAINS(message_of([&] { at::mul(a, b); }), "aten::mul.Tensor");
+    EXPECT_ERROR(at::mul(a, b), c10::Error, "aten::mul.Tensor");
   });
 }
 
@@ -88,7 +76,6 @@ TEST(GlobalChecks, StridesFollowTheLayoutAfterTransposeAndPointwise) {
   for (int world : {2, 3}) {
     run_ranks(world, [world](int) {
       auto mesh = init_device_mesh("cpu", {world});
-      int64_t cases = 0;
       for (const Placements& pl : {Placements{Shard(0)}, Placements{Shard(1)}, Placements{Shard(2)},
                                    Placements{Replicate()}}) {
         SCOPED_TRACE(to_string(pl));
@@ -114,9 +101,7 @@ TEST(GlobalChecks, StridesFollowTheLayoutAfterTransposeAndPointwise) {
         (lr * lr).sum().backward();
         (ld * ld).sum().backward();
         expect_layout(xd.grad(), xr.grad(), "gradient");
-        ++cases;
       }
-      EXPECT_EQ(cases, 4);
     });
   }
 }
@@ -127,8 +112,7 @@ TEST(GlobalChecks, ErrorsDuringTheLocalCallNameTheOp) {
     // The index is out of range only on the global tensor's terms; the local gather raises.
     auto x = distribute_tensor(at::randn({4, 6}), mesh, {Replicate()});
     auto idx = distribute_tensor(at::full({4, 2}, 9, at::kLong), mesh, {Replicate()});
-    const auto msg = message_of([&] { at::gather(x, 1, idx); });
-    EXPECT_CONTAINS(msg, "aten::gather");
+    EXPECT_ERROR(at::gather(x, 1, idx), c10::Error, "aten::gather");
   });
 }
 
@@ -144,10 +128,7 @@ TEST(GlobalChecks, ExplicitRedistributionRefusesImplicitCommunication) {
       auto s = a + r;
       EXPECT_EQ(placements(s)[0], Shard(0));
       // Shard(0) x Shard(1) needs an all-gather of one operand.
-      const auto msg = message_of([&] { at::mm(a, w); });
-      EXPECT_CONTAINS(msg, "aten::mm");
-      EXPECT_CONTAINS(msg, "ExplicitRedistribution");
-      EXPECT_CONTAINS(msg, "(forward)");
+      EXPECT_ERROR(at::mm(a, w), c10::Error, "aten::mm", "ExplicitRedistribution", "(forward)");
       // Asked for explicitly: fine.
       auto full = at::mm(redistribute(a, mesh, {Replicate()}), w);
       EXPECT_EQ(placements(full)[0], Shard(1));
@@ -179,8 +160,6 @@ TEST(GlobalChecks, ExplicitRedistributionCoversBackward) {
     comm.exit();
     auto strict_loss = loss_of();
     ExplicitRedistribution strict;
-    const auto msg = message_of([&] { strict_loss.backward(); });
-    EXPECT_CONTAINS(msg, "ExplicitRedistribution");
-    EXPECT_CONTAINS(msg, "(backward)");
+    EXPECT_ERROR(strict_loss.backward(), c10::Error, "ExplicitRedistribution", "(backward)");
   });
 }

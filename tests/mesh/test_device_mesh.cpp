@@ -4,22 +4,10 @@
 
 #include "dtensor/dtensor.h"
 #include "support/distributed.h"
+#include "support/errors.h"
 
 using namespace dtensor;
 using dtensor::testing::run_ranks;
-
-namespace {
-template <typename E, typename F>
-void expect_error(F&& f, const std::string& needle) {
-  try {
-    f();
-    ADD_FAILURE() << "expected an error containing: " << needle;
-  } catch (const E& e) {
-    const std::string msg = e.what();
-    EXPECT_NE(msg.find(needle), std::string::npos) << msg;
-  }
-}
-}  // namespace
 
 TEST(DeviceMesh, TwoByTwoMeshHasRowMajorCoordinatesAndLocalRanks) {
   run_ranks(4, [](int rank) {
@@ -70,26 +58,19 @@ TEST(DeviceMesh, SlicesReuseTheParentGroups) {
 
 TEST(DeviceMesh, ConstructionAndSlicingErrorsSayWhatIsWrong) {
   run_ranks(2, [](int) {
-    expect_error<c10::Error>(
-        [] {
-          init_device_mesh("cpu", {2}, {"a", "b"});
-        },
-        "mesh_shape and mesh_dim_names should have same length!");
-    expect_error<c10::Error>(
-        [] {
-          init_device_mesh("cpu", {1, 2}, {"a", "a"});
-        },
-        "Each mesh_dim_name must be unique.");
-    expect_error<c10::Error>([] { init_device_mesh("cuda:0", {2}); },
-                             "Device type with index is not supported");
-    expect_error<c10::Error>([] { init_device_mesh("cpu", {4}); }, "needs 4 ranks");
+    EXPECT_ERROR(init_device_mesh("cpu", {2}, {"a", "b"}), c10::Error,
+                 "mesh_shape and mesh_dim_names should have same length!");
+    EXPECT_ERROR(init_device_mesh("cpu", {1, 2}, {"a", "a"}), c10::Error,
+                 "Each mesh_dim_name must be unique.");
+    EXPECT_ERROR(init_device_mesh("cuda:0", {2}), c10::Error,
+                 "Device type with index is not supported");
+    EXPECT_ERROR(init_device_mesh("cpu", {4}), c10::Error, "needs 4 ranks");
     auto plain = init_device_mesh("cpu", {2});
-    expect_error<c10::Error>([&] { plain["tp"]; },
-                             "Cannot slice a DeviceMesh without mesh_dim_names!");
+    EXPECT_ERROR(plain["tp"], c10::Error, "Cannot slice a DeviceMesh without mesh_dim_names!");
     auto mesh = init_device_mesh("cpu", {1, 2}, {"dp", "tp"});
-    expect_error<c10::IndexError>([&] { mesh["pp"]; }, "Valid mesh_dim_names: ('dp', 'tp')");
-    expect_error<c10::IndexError>([&] { mesh.slice({"tp", "dp"}); }, "ascending order");
-    expect_error<c10::Error>([&] { mesh.get_local_rank(); }, "needs to be specified");
+    EXPECT_ERROR(mesh["pp"], c10::IndexError, "Valid mesh_dim_names: ('dp', 'tp')");
+    EXPECT_ERROR(mesh.slice({"tp", "dp"}), c10::IndexError, "ascending order");
+    EXPECT_ERROR(mesh.get_local_rank(), c10::Error, "needs to be specified");
   });
 }
 
@@ -97,7 +78,7 @@ TEST(DeviceMesh, MeshGuardProvidesTheDefaultMesh) {
   run_ranks(2, [](int) {
     auto mesh = init_device_mesh("cpu", {2});
     EXPECT_FALSE(current_mesh().has_value());
-    EXPECT_THROW(from_local(at::ones({2})), c10::Error);
+    EXPECT_ERROR(from_local(at::ones({2})), c10::Error, "No device mesh is currently active!");
     {
       MeshGuard g(mesh);
       auto dt = from_local(at::ones({2}), std::vector<Placement>{Shard(0)});

@@ -38,7 +38,10 @@ std::vector<std::vector<Placements>> qkv_placements() {
           {S1, R, S1}, {R, S1, S0},  {S0, S1, R},  {S1, S2, P}};
 }
 
-int64_t sweep(const DeviceMesh& mesh, at::ScalarType dtype, double tol) {
+// 3 shapes x (2 causal x 9 layouts + 3 masks x the 8 layouts without Partial) = 126 cases.
+constexpr int64_t kSdpaCases = 3 * (2 * 9 + 3 * 8);
+
+SweepCounter sweep(const DeviceMesh& mesh, at::ScalarType dtype, double tol) {
   SweepCounter n;
   const OpCheckOptions opts{.rtol = tol, .atol = tol};
   auto rnd = [dtype](c10::IntArrayRef s) { return at::randn(s, at::TensorOptions().dtype(dtype)); };
@@ -76,7 +79,7 @@ int64_t sweep(const DeviceMesh& mesh, at::ScalarType dtype, double tol) {
       }
     }
   }
-  return n.cases;
+  return n;
 }
 
 }  // namespace
@@ -86,10 +89,8 @@ TEST(AttentionSweep, Float64MatchesOneDevice) {
     run_ranks(world, [world](int rank) {
       at::manual_seed(11);
       auto mesh = init_device_mesh("cpu", {world});
-      const int64_t n = sweep(mesh, at::kDouble, 1e-10);
-      if (rank == 0)
-        std::printf("[sweep] sdpa float64, world %d: %ld (op, case) combinations\n", world,
-                    (long)n);
+      sweep(mesh, at::kDouble, 1e-10)
+          .expect_cases(kSdpaCases, rank, c10::str("sdpa float64, world ", world));
     });
   }
 }
@@ -99,10 +100,8 @@ TEST(AttentionSweep, Float32MatchesOneDevice) {
     run_ranks(world, [world](int rank) {
       at::manual_seed(12);
       auto mesh = init_device_mesh("cpu", {world});
-      const int64_t n = sweep(mesh, at::kFloat, 1e-5);
-      if (rank == 0)
-        std::printf("[sweep] sdpa float32, world %d: %ld (op, case) combinations\n", world,
-                    (long)n);
+      sweep(mesh, at::kFloat, 1e-5)
+          .expect_cases(kSdpaCases, rank, c10::str("sdpa float32, world ", world));
     });
   }
 }
@@ -187,9 +186,7 @@ TEST(Attention, GroupedQueryAttentionMatchesOneDevice) {
         EXPECT_EQ(comm.get_total_counts(), 0) << comm.table();
         EXPECT_EQ(placements(out)[0], Shard(1));
       }
-      if (rank == 0)
-        std::printf("[sweep] grouped-query sdpa, world %d: %ld (op, case) combinations\n", world,
-                    (long)n.cases);
+      n.expect_cases(4 * 2, rank, c10::str("grouped-query sdpa, world ", world));
     });
   }
 }
@@ -227,9 +224,7 @@ TEST(Attention, RepeatedKeyValueHeadsMatchOneDevice) {
             },
             {q, k, v}, pl));
       }
-      if (rank == 0)
-        std::printf("[sweep] repeated key/value heads, world %d: %ld (op, case) combinations\n",
-                    world, (long)n.cases);
+      n.expect_cases(3 * 2, rank, c10::str("repeated key/value heads, world ", world));
     });
   }
 }
@@ -429,11 +424,9 @@ TEST(AttentionSweep, CudaKernelRulesMatchOneDevice) {
         for (const auto& out : fn(in)) EXPECT_EQ(placements(out)[0], Shard(1)) << name;
         EXPECT_EQ(comm.get_total_counts(), 0) << name << "\n" << comm.table();
       }
-      if (rank == 0)
-        std::printf(
-            "[sweep] CUDA attention rules via CPU stand-ins, world %d: %ld (op, case) "
-            "combinations\n",
-            world, (long)n.cases);
+      // 4 layouts for each of the 4 ops without a bias and each of 2 biases of the 2 with one.
+      n.expect_cases(4 * 4 + 2 * 2 * 4, rank,
+                     c10::str("CUDA attention rules via CPU stand-ins, world ", world));
     });
   }
 }

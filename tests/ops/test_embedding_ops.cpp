@@ -54,10 +54,8 @@ TEST(EmbeddingSweep, LookupAndGradientMatchOneDevice) {
           }
         }
       }
-      if (rank == 0) {
-        std::printf("[sweep] embedding, world %d: %ld (op, case) combinations\n", world,
-                    (long)n.cases);
-      }
+      // 3 weights x (2 + 3 index layouts) x 2 paddings x 2 by_freq x 4 weight layouts.
+      n.expect_cases(3 * (2 + 3) * 2 * 2 * 4, rank, c10::str("embedding, world ", world));
     });
   }
 }
@@ -81,10 +79,8 @@ TEST(EmbeddingSweep, DenseBackwardMatchesOneDevice) {
                          fn, {grad, idx}, pl, {.backward = false}));
         }
       }
-      if (rank == 0) {
-        std::printf("[sweep] embedding_dense_backward, world %d: %ld (op, case) combinations\n",
-                    world, (long)n.cases);
-      }
+      // 2 by_freq x 5 grad layouts x 3 index layouts.
+      n.expect_cases(2 * 5 * 3, rank, c10::str("embedding_dense_backward, world ", world));
     });
   }
 }
@@ -111,9 +107,7 @@ TEST(EmbeddingSweep, TwoDimensionalMeshMatchesOneDevice) {
         }
       }
     }
-    if (rank == 0) {
-      std::printf("[sweep] embedding, 2x2 mesh: %ld (op, case) combinations\n", (long)n.cases);
-    }
+    n.expect_cases(3 * 3 * 3 * 3, rank, "embedding, 2x2 mesh");
   });
 }
 

@@ -7,6 +7,7 @@
 
 #include "dtensor/dtensor.h"
 #include "support/distributed.h"
+#include "support/errors.h"
 #include "support/op_check.h"
 
 using namespace dtensor;
@@ -42,8 +43,7 @@ Case unary(std::string name, const at::Tensor& a,
               {float_choices(a)}};
 }
 
-int64_t run_cases(const DeviceMesh& mesh, const std::vector<Case>& cases) {
-  SweepCounter n;
+void run_cases(const DeviceMesh& mesh, const std::vector<Case>& cases, SweepCounter& n) {
   for (const auto& c : cases) {
     for (const auto& pl : combinations(c.choices)) {
       std::string label = c.name;
@@ -54,7 +54,6 @@ int64_t run_cases(const DeviceMesh& mesh, const std::vector<Case>& cases) {
       n.add(check_op(mesh, label, c.fn, c.inputs, pl));
     }
   }
-  return n.cases;
 }
 
 at::Tensor randn(std::vector<int64_t> shape) { return at::randn(shape, at::kDouble); }
@@ -214,14 +213,13 @@ std::vector<Case> indexing_cases(const std::vector<int64_t>& shape) {
 
 void sweep(const char* what,
            const std::function<std::vector<Case>(const std::vector<int64_t>&)>& make,
-           const std::vector<std::vector<int64_t>>& shapes) {
+           const std::vector<std::vector<int64_t>>& shapes, int64_t expected_cases) {
   for (int world : {1, 2, 3, 4}) {
     run_ranks(world, [&](int rank) {
       auto mesh = init_device_mesh("cpu", {world});
-      int64_t n = 0;
-      for (const auto& s : shapes) n += run_cases(mesh, make(s));
-      if (rank == 0)
-        std::printf("[sweep] %s, world %d: %ld (op, case) combinations\n", what, world, (long)n);
+      SweepCounter n;
+      for (const auto& s : shapes) run_cases(mesh, make(s), n);
+      n.expect_cases(expected_cases, rank, c10::str(what, ", world ", world));
     });
   }
 }
@@ -229,12 +227,22 @@ void sweep(const char* what,
 }  // namespace
 
 TEST(IndexOpsSweep, ManipulationOpsMatchOneDevice) {
+  // Per shape, with 4 layouts of a 2-D float tensor, 3 of a 1-D one: 5 two-input cases x 4 x 4,
+  // slice_scatter 4 x 4, select_scatter 4 x 3, cat_with_empty 4 x 2 x 2, 25 unary cases x 4,
+  // and view_as_complex_real on a 3-D tensor x 5.
+  constexpr int64_t per_shape = 5 * 16 + 16 + 12 + 16 + 25 * 4 + 5;
   sweep("cat/stack/split/slice/select/repeat/roll/flip/tri/pad/complex", manipulation_cases,
-        {{4, 6}, {5, 3}});
+        {{4, 6}, {5, 3}}, 2 * per_shape);
 }
 
 TEST(IndexOpsSweep, IndexingOpsMatchOneDevice) {
-  sweep("index/index_select/gather/scatter/index_put/index_add", indexing_cases, {{4, 6}, {5, 3}});
+  // Per shape (float 2-D: 4 layouts, 3-D: 5; index 1-D: 2, 2-D: 3): index_rows, index_cols,
+  // index_select0/1 and index_put_cols_bcast 4 x 2; index_2d, gather1/0, scatter_value 4 x 3;
+  // index_broadcast 4 x 3 x 2; index_apart 5 x 2 x 2; scatter_src, scatter_add 4 x 3 x 4;
+  // index_put, index_put_accumulate, index_add 4 x 2 x 4.
+  constexpr int64_t per_shape = 5 * 8 + 4 * 12 + 24 + 20 + 2 * 48 + 3 * 32;
+  sweep("index/index_select/gather/scatter/index_put/index_add", indexing_cases, {{4, 6}, {5, 3}},
+        2 * per_shape);
 }
 
 // Layouts on a 2x2 mesh for a tensor of `ndim` dims (no Partial for integer tensors).
@@ -255,7 +263,7 @@ Choices mesh2d_choices(const at::Tensor& t) {
 TEST(IndexOpsSweep, TwoDimensionalMeshMatchesOneDevice) {
   run_ranks(4, [](int rank) {
     auto mesh = init_device_mesh("cpu", {2, 2});
-    int64_t n = 0;
+    SweepCounter n;
     for (auto shape : std::vector<std::vector<int64_t>>{{4, 6}, {5, 3}}) {
       auto cases = manipulation_cases(shape);
       for (auto& c : indexing_cases(shape)) cases.push_back(c);
@@ -271,11 +279,12 @@ TEST(IndexOpsSweep, TwoDimensionalMeshMatchesOneDevice) {
           Case one_case = c;
           for (size_t j = 0; j < lists.size(); ++j)
             one_case.choices[j] = {lists[j][(k + j) % lists[j].size()]};
-          n += run_cases(mesh, {one_case});
+          run_cases(mesh, {one_case}, n);
         }
       }
     }
-    if (rank == 0) std::printf("[sweep] 2x2 mesh, all ops: %ld (op, case) combinations\n", (long)n);
+    // 2 shapes x (34 manipulation + 16 indexing cases) x the 7 layouts of their float input.
+    n.expect_cases(2 * (34 + 16) * 7, rank, "2x2 mesh, all ops");
   });
 }
 
@@ -318,9 +327,8 @@ TEST(IndexOps, RotaryEmbeddingBothWaysMatchesOneDevice) {
                          complex, {q, freqs}, pl, {.requires_grad = {true, false}}));
         }
       }
-      if (rank == 0)
-        std::printf("[sweep] rotary embeddings, world %d: %ld (op, case) combinations\n", world,
-                    (long)n.cases);
+      // 2 shapes x (4 x 2 x 2 rotate_half layouts + 4 complex ones).
+      n.expect_cases(2 * (4 * 2 * 2 + 4), rank, c10::str("rotary embeddings, world ", world));
       // Heads sharding with replicated frequencies needs no communication at all.
       const auto q = distribute_tensor(randn({2, 4, 4, 6}), mesh, {Shard(2)});
       const auto freqs = distribute_tensor(randn({4, 3, 2}), mesh, {Replicate()});
@@ -362,9 +370,8 @@ TEST(IndexOps, GqaHeadRepetitionMatchesOneDeviceAndStaysLocal) {
                          {p}));
         }
       }
-      if (rank == 0)
-        std::printf("[sweep] GQA head repetition, world %d: %ld (op, case) combinations\n", world,
-                    (long)n.cases);
+      // 2 shapes x 6 layouts x 2 ways.
+      n.expect_cases(2 * 6 * 2, rank, c10::str("GQA head repetition, world ", world));
       // (A 1-rank mesh is left out: pointwise ties between S and R follow the first operand.)
       if (world > 1 && 4 % world == 0) {
         auto k = distribute_tensor(randn({2, 3, 4, 2}).requires_grad_(true), mesh, {Shard(2)});
@@ -428,14 +435,7 @@ TEST(IndexOps, InPlaceIndexPutKeepsTheLayoutOrSaysWhy) {
     EXPECT_TENSOR_CLOSE(full_tensor(x), at::index_put(g, ix({longs({0, 2})}), full_tensor(v), true),
                         1e-12, 1e-12);
     auto y = distribute_tensor(g.clone(), mesh, {Shard(0)});
-    std::string msg;
-    try {
-      at::index_put_(y, ix({ids}), v);
-    } catch (const c10::Error& e) {
-      msg = e.what_without_backtrace();
-    }
-    EXPECT_NE(msg.find("in place"), std::string::npos) << msg;
-    EXPECT_NE(msg.find("S(0)"), std::string::npos) << msg;
+    EXPECT_ERROR(at::index_put_(y, ix({ids}), v), c10::Error, "in place", "S(0)");
   });
 }
 
@@ -444,14 +444,7 @@ TEST(IndexOps, BooleanMaskIndexingSaysWhatToDoInstead) {
     auto mesh = init_device_mesh("cpu", {2});
     auto x = distribute_tensor(randn({4, 3}), mesh, {Shard(0)});
     auto mask = distribute_tensor(at::rand({4}) > 0.5, mesh, {Replicate()});
-    std::string msg;
-    try {
-      at::index(x, ix({mask}));
-    } catch (const c10::Error& e) {
-      msg = e.what_without_backtrace();
-    }
-    EXPECT_NE(msg.find("boolean mask"), std::string::npos) << msg;
-    EXPECT_NE(msg.find("masked_fill"), std::string::npos) << msg;
+    EXPECT_ERROR(at::index(x, ix({mask})), c10::Error, "boolean mask", "masked_fill");
   });
 }
 

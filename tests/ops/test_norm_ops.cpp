@@ -69,10 +69,9 @@ TEST(NormSweep, LayerNormMatchesOneDevice) {
           }
         }
       }
-      if (rank == 0) {
-        std::printf("[sweep] layer_norm, world %d: %ld (op, case) combinations\n", world,
-                    (long)n.cases);
-      }
+      // 3 affine variants x 2 weight layouts x ndim + 2 input layouts of each case (ndim 3, 3, 2,
+      // 1).
+      n.expect_cases(3 * 2 * (5 + 5 + 4 + 3), rank, c10::str("layer_norm, world ", world));
     });
   }
 }
@@ -97,9 +96,7 @@ TEST(NormSweep, LayerNormOutputMaskMatchesOneDevice) {
                        {.requires_grad = mask}));
       }
     }
-    if (rank == 0) {
-      std::printf("[sweep] layer_norm output masks: %ld (op, case) combinations\n", (long)n.cases);
-    }
+    n.expect_cases(4 * 4, rank, "layer_norm output masks");
   });
 }
 
@@ -145,12 +142,12 @@ TEST(NormSweep, RmsNormMatchesOneDevice) {
                          fn, {x, w}, {px, {Replicate()}}));
         }
       }
-      if (rank == 0) {
-        std::printf(
-            "[sweep] rms_norm (fused op decomposed on CPU, hand-written), world %d: %ld (op, case) "
-            "combinations\n",
-            world, (long)n.cases);
-      }
+      // The 2 at::rms_norm functions on the layouts that leave the normalised dims whole
+      // ([4, 6, 8] over [8]: 4, over [6, 8]: 3, [5, 3]: 3, [7]: 2), and the hand-written one on
+      // every layout of the cases that normalise one dim (5 + 4 + 3).
+      n.expect_cases(
+          2 * (4 + 3 + 3 + 2) + (5 + 4 + 3), rank,
+          c10::str("rms_norm (fused op decomposed on CPU, hand-written), world ", world));
     });
   }
 }
@@ -179,9 +176,8 @@ TEST(NormSweep, TwoDimensionalMeshMatchesOneDevice) {
                        {x, w}, {p, {Replicate(), Replicate()}}));
       }
     }
-    if (rank == 0) {
-      std::printf("[sweep] norms, 2x2 mesh: %ld (op, case) combinations\n", (long)n.cases);
-    }
+    // layer_norm on all 5 x 5 layouts, rms_norm on the 4 x 4 without S(2).
+    n.expect_cases(5 * 5 + 4 * 4, rank, "norms, 2x2 mesh");
   });
 }
 

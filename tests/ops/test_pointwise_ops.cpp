@@ -4,6 +4,7 @@
 
 #include "dtensor/dtensor.h"
 #include "support/distributed.h"
+#include "support/errors.h"
 #include "support/op_check.h"
 
 using namespace dtensor;
@@ -93,9 +94,9 @@ TEST(PointwiseSweep, BinaryOpsWithBroadcastingMatchOneDevice) {
           }
         }
       }
-      if (rank == 0)
-        std::printf("[sweep] binary ops, world %d: %ld (op, case) combinations\n", world,
-                    (long)n.cases);
+      // 8 ops x the layout pairs of each shape pair (4 layouts of a 2-D tensor, 3 of a 1-D one).
+      n.expect_cases(8 * (4 * 4 + 4 * 3 + 4 * 4 + 4 * 4), rank,
+                     c10::str("binary ops, world ", world));
     });
   }
 }
@@ -114,9 +115,8 @@ TEST(PointwiseSweep, UnaryOpsReductionsAndViewsMatchOneDevice) {
           }
         }
       }
-      if (rank == 0)
-        std::printf("[sweep] unary/reduction/view ops, world %d: %ld (op, case) combinations\n",
-                    world, (long)n.cases);
+      // 22 ops x 4 shapes x 4 layouts.
+      n.expect_cases(22 * 4 * 4, rank, c10::str("unary/reduction/view ops, world ", world));
     });
   }
 }
@@ -150,8 +150,8 @@ TEST(PointwiseOut, MaximumAndMinimumOutWriteIntoTheOutDTensorInItsLayout) {
     }
     // A Partial out cannot hold a maximum: a clear error, not a wrong result.
     at::Tensor partial = from_local(at::zeros({5, 4}, at::kDouble), mesh, {Partial()});
-    EXPECT_THROW(at::maximum_out(partial, distribute_tensor(a, mesh, {Replicate()}),
+    EXPECT_ERROR(at::maximum_out(partial, distribute_tensor(a, mesh, {Replicate()}),
                                  distribute_tensor(b, mesh, {Replicate()})),
-                 c10::Error);
+                 c10::Error, "aten::maximum.out", "P(sum)");
   });
 }

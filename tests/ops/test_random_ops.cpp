@@ -6,6 +6,7 @@
 
 #include "dtensor/dtensor.h"
 #include "support/distributed.h"
+#include "support/errors.h"
 #include "support/op_check.h"
 
 using namespace dtensor;
@@ -105,8 +106,8 @@ at::Tensor place(const at::Tensor& x, const DeviceMesh& mesh, const Placements& 
 
 // Runs every op with every layout, checking values against the single-device stream and that
 // the stream is in step afterwards (the next draw agrees too).
-int64_t check_all_layouts(const DeviceMesh& mesh, const std::vector<Placements>& layouts,
-                          const std::vector<std::vector<int64_t>>& shapes) {
+SweepCounter check_all_layouts(const DeviceMesh& mesh, const std::vector<Placements>& layouts,
+                               const std::vector<std::vector<int64_t>>& shapes) {
   SweepCounter n;
   for (const auto& shape : shapes) {
     // Own generator: every rank builds the same inputs whatever ran before.
@@ -142,7 +143,7 @@ int64_t check_all_layouts(const DeviceMesh& mesh, const std::vector<Placements>&
       }
     }
   }
-  return n.cases;
+  return n;
 }
 
 }  // namespace
@@ -152,9 +153,9 @@ TEST(RandomOps, EveryLayoutDrawsTheSingleDeviceStream) {
     run_ranks(world, [world](int rank) {
       auto mesh = init_device_mesh("cpu", {world});
       const std::vector<Placements> layouts = {{Replicate()}, {Shard(0)}, {Shard(1)}, {Partial()}};
-      const int64_t n = check_all_layouts(mesh, layouts, {{4, 6}, {5, 3}, {2, 7}});
-      if (rank == 0)
-        std::printf("[sweep] random ops, world %d: %ld (op, case) combinations\n", world, (long)n);
+      // 3 shapes x (13 ops x 4 layouts, less the 4 in-place ops on the Partial one).
+      check_all_layouts(mesh, layouts, {{4, 6}, {5, 3}, {2, 7}})
+          .expect_cases(3 * (13 * 4 - 4), rank, c10::str("random ops, world ", world));
     });
   }
   run_ranks(4, [](int rank) {
@@ -164,10 +165,28 @@ TEST(RandomOps, EveryLayoutDrawsTheSingleDeviceStream) {
                                              {Shard(1), Replicate()},
                                              {Shard(0), Shard(0)},
                                              {Partial(), Shard(1)}};
-    const int64_t n = check_all_layouts(mesh, layouts, {{4, 6}, {5, 3}});
-    if (rank == 0)
-      std::printf("[sweep] random ops, 2x2 mesh: %ld (op, case) combinations\n", (long)n);
+    // 2 shapes x (13 ops x 5 layouts, less the 4 in-place ops on the Partial one).
+    check_all_layouts(mesh, layouts, {{4, 6}, {5, 3}})
+        .expect_cases(2 * (13 * 5 - 4), rank, "random ops, 2x2 mesh");
   });
+}
+
+// The sweeps above compare against the stream's own single-device draws (ref_uniform,
+// ref_normal); these check those draws against the distributions they stand for, so a broken
+// generator (constant, shifted, badly scaled) fails here rather than agreeing with itself.
+// 10,000 draws from a fixed seed; each bound is about 4 standard errors.
+TEST(RandomOps, SingleDeviceReferenceDrawsHaveTheirDistributions) {
+  manual_seed(kSeed);
+  const auto u = ref_uniform({100, 100});
+  EXPECT_GE(u.min().item<double>(), 0.0);
+  EXPECT_LT(u.max().item<double>(), 1.0);
+  EXPECT_NEAR(u.mean().item<double>(), 0.5, 0.012);
+  EXPECT_NEAR(u.var().item<double>(), 1.0 / 12, 0.004);
+  const auto z = ref_normal({100, 100});
+  EXPECT_NEAR(z.mean().item<double>(), 0.0, 0.04);
+  EXPECT_NEAR(z.std().item<double>(), 1.0, 0.03);
+  // Successive draws continue the stream instead of repeating it.
+  EXPECT_FALSE(ref_uniform({100}).equal(ref_uniform({100})));
 }
 
 TEST(RandomOps, ReplicasDrawEqualMasksAndShardsDisjointOnes) {
@@ -252,9 +271,8 @@ TEST(RandomOps, DropoutForwardBackwardMatchesTheSameSeedOnOneDevice) {
           n.add(!::testing::Test::HasFailure());
         }
       }
-      if (rank == 0)
-        std::printf("[sweep] dropout fwd/bwd and p=0, world %d: %ld (op, case) combinations\n",
-                    world, (long)n.cases);
+      // 2 shapes x (4 layouts x fused or not + 3 layouts with p = 0).
+      n.expect_cases(2 * (4 * 2 + 3), rank, c10::str("dropout fwd/bwd and p=0, world ", world));
     });
   }
 }
@@ -263,14 +281,6 @@ TEST(RandomOps, InPlaceDrawIntoPartialIsRefused) {
   run_ranks(2, [](int) {
     auto mesh = init_device_mesh("cpu", {2});
     auto p = from_local(at::ones({4}), mesh, {Partial()});
-    std::string msg;
-    try {
-      p.uniform_();
-    } catch (const c10::Error& e) {
-      msg = e.what_without_backtrace();
-    }
-    EXPECT_NE(msg.find("aten::uniform_"), std::string::npos) << msg;
-    EXPECT_NE(msg.find("P(sum)"), std::string::npos) << msg;
-    EXPECT_NE(msg.find("redistribute"), std::string::npos) << msg;
+    EXPECT_ERROR(p.uniform_(), c10::Error, "aten::uniform_", "P(sum)", "redistribute");
   });
 }

@@ -266,9 +266,10 @@ void sweep_views(
   }
 }
 
-// Runs `sweep` on a fresh mesh of `shape` over forked ranks; expects more than `min_cases`
-// cases and no mismatch.
-void run_sweep(const std::vector<int64_t>& shape, const std::string& label, int64_t min_cases,
+// Runs `sweep` on a fresh mesh of `shape` over forked ranks; expects, on every rank, exactly
+// `expected_cases` compared cases (worked out from the case and layout lists, so a generator
+// that yields fewer fails) and no mismatch.
+void run_sweep(const std::vector<int64_t>& shape, const std::string& label, int64_t expected_cases,
                const std::function<void(const DeviceMesh&, Tally&)>& sweep) {
   int64_t world = 1;
   for (auto s : shape) world *= s;
@@ -277,23 +278,30 @@ void run_sweep(const std::vector<int64_t>& shape, const std::string& label, int6
     Tally t;
     sweep(mesh, t);
     if (rank == 0) std::printf("%s: %lld cases\n", label.c_str(), (long long)t.cases);
-    EXPECT_GT(t.cases, min_cases);
+    EXPECT_EQ(t.cases, expected_cases) << label;
     EXPECT_EQ(t.mismatches, 0);
   });
 }
 
 }  // namespace
 
+// Case counts: reduction_cases gives 77 cases for 2 dims (10 of them on bool) and 38 for 1 dim
+// (6 on bool); the bool ones skip Partial layouts. layouts() offers R, S(d) per dim and two
+// Partials on each mesh dim: 25 layouts of a 2-D tensor on a 2x2 mesh (16 with a Partial), 16 of
+// a 1-D one (12), and on a 1-D mesh 5 (2) and 4 (2).
+// view_cases gives 18 cases for 2 dims and 10 for 1 dim, squeeze_cases ndim + 1.
 TEST(ReductionSweep, TwoByTwoMeshUnevenAndEmptyShards) {
   // 5 -> 3,2 -> 2,1,1,1; 2 -> 1,0,1,0; 6 -> 2,1,2,1; 1 -> 1,0,0,0
-  run_sweep({2, 2}, "reduction sweep 2x2", 2000, [](const DeviceMesh& m, Tally& t) {
+  constexpr int64_t k2d = 9 * 77 + 16 * 67, k1d = 4 * 38 + 12 * 32;
+  run_sweep({2, 2}, "reduction sweep 2x2", 2 * k2d + k1d, [](const DeviceMesh& m, Tally& t) {
     sweep_reductions(m, {{5, 2}, {1, 6}, {3}}, t);
   });
 }
 
 TEST(ReductionSweep, OneDimMeshesOfThreeAndFourRanks) {
   for (int64_t world : {3, 4}) {
-    run_sweep({world}, "reduction sweep 1-D x" + std::to_string(world), 400,
+    constexpr int64_t k2d = 3 * 77 + 2 * 67, k1d = 2 * 38 + 2 * 32;
+    run_sweep({world}, "reduction sweep 1-D x" + std::to_string(world), 2 * k2d + k1d,
               [](const DeviceMesh& m, Tally& t) {
                 sweep_reductions(m, {{5, 2}, {1, 3}, {6}}, t);
               });
@@ -301,10 +309,10 @@ TEST(ReductionSweep, OneDimMeshesOfThreeAndFourRanks) {
 }
 
 TEST(ViewSweep, TwoByTwoAndOneDimMeshesUnevenAndEmptyShards) {
-  run_sweep({2, 2}, "view sweep 2x2", 1000, [](const DeviceMesh& m, Tally& t) {
+  run_sweep({2, 2}, "view sweep 2x2", 2 * 25 * 18 + 16 * 10, [](const DeviceMesh& m, Tally& t) {
     sweep_views(m, {{5, 2}, {1, 6}, {3}}, t);
   });
-  run_sweep({3}, "view sweep 1-D x3", 200, [](const DeviceMesh& m, Tally& t) {
+  run_sweep({3}, "view sweep 1-D x3", 2 * 5 * 18 + 4 * 10, [](const DeviceMesh& m, Tally& t) {
     sweep_views(m, {{5, 2}, {1, 6}, {4}}, t);
   });
 }
@@ -312,7 +320,7 @@ TEST(ViewSweep, TwoByTwoAndOneDimMeshesUnevenAndEmptyShards) {
 // squeeze() / squeeze(1) of [5, 2] laid out (R, S(1)) once squeezed local shards of size 1
 // (the spec and the local tensor then disagreed); only dims of global size 1 go.
 TEST(ViewSweep, SqueezeOfShardsWithLocalSizeOneMatchesOneDevice) {
-  run_sweep({2, 2}, "squeeze sweep 2x2", 100, [](const DeviceMesh& m, Tally& t) {
+  run_sweep({2, 2}, "squeeze sweep 2x2", 2 * 25 * 3 + 16 * 2, [](const DeviceMesh& m, Tally& t) {
     sweep_views(m, {{5, 2}, {1, 6}, {3}}, t, squeeze_cases);
   });
 }

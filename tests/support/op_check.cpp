@@ -1,5 +1,6 @@
 #include "support/op_check.h"
 
+#include <cstdio>
 #include <sstream>
 
 #include "support/distributed.h"
@@ -151,6 +152,13 @@ std::vector<std::vector<Placements>> combinations(const std::vector<std::vector<
     out = std::move(next);
   }
   return out;
+}
+
+void SweepCounter::expect_cases(int64_t expected, int rank, const std::string& what) const {
+  EXPECT_EQ(cases, expected) << what << ": the sweep compared another number of cases than its "
+                             << "loops define";
+  if (rank == 0)
+    std::printf("[sweep] %s: %ld (op, case) combinations\n", what.c_str(), (long)cases);
 }
 
 }  // namespace dtensor::testing

@@ -42,7 +42,7 @@ std::vector<Placements> placements_1d(int64_t ndim, bool with_partial = false);
 std::vector<std::vector<Placements>> combinations(
     const std::vector<std::vector<Placements>>& per_input);
 
-// Counts (op, case) combinations a test ran, printed by the test at the end.
+// Counts (op, case) combinations a test ran.
 struct SweepCounter {
   int64_t cases = 0;
   int64_t failures = 0;
@@ -50,6 +50,10 @@ struct SweepCounter {
     ++cases;
     failures += ok ? 0 : 1;
   }
+  // On every rank: the sweep compared exactly `expected` cases, a number the caller works out
+  // from its loops, so a generator that yields fewer cases (or none) fails instead of passing
+  // on an empty sweep. Rank 0 prints "[sweep] <what>: <cases> (op, case) combinations".
+  void expect_cases(int64_t expected, int rank, const std::string& what) const;
 };
 
 }  // namespace dtensor::testing
