@@ -13,11 +13,25 @@
 #include <string>
 #include <vector>
 
+#include "cli/cli.h"
 #include "dtensor/dtensor.h"
 
 using namespace dtensor;
 
 namespace {
+
+constexpr const char* kUsage = R"(usage: bench_dispatch [--iters N] [--pytorch-script PATH]
+
+Times tiny add, mul, addmm, view and sum on a DTensor (1-rank mesh, sharding-cache hit) against
+the same op on a plain tensor, and runs PATH (default bench/pytorch_dtensor_dispatch.py) to time
+PyTorch's Python DTensor the same way. The last line is:
+  RESULT dispatch_overhead_us=<ours> pytorch_overhead_us=<theirs> ratio=<theirs/ours>
+
+options:
+  --iters N              calls per op and variant (default 20000)
+  --pytorch-script PATH  the PyTorch side (default bench/pytorch_dtensor_dispatch.py)
+  --help                 print this help
+)";
 
 template <typename F>
 double per_call_us(F&& f, int iters) {
@@ -64,20 +78,10 @@ std::map<std::string, std::pair<double, double>> run_pytorch(const std::string& 
 int main(int argc, char** argv) {
   int iters = 20000;
   std::string script = "bench/pytorch_dtensor_dispatch.py";
-  for (int i = 1; i < argc; ++i) {
-    if (!std::strcmp(argv[i], "--help") || !std::strcmp(argv[i], "-h")) {
-      std::printf(
-          "usage: bench_dispatch [--iters N] [--pytorch-script PATH]\n\n"
-          "Times tiny add, mul, addmm, view and sum on a DTensor (1-rank mesh, sharding-cache\n"
-          "hit) against the same op on a plain tensor, and runs PATH (default\n"
-          "bench/pytorch_dtensor_dispatch.py) to time PyTorch's Python DTensor the same way.\n"
-          "Last line: RESULT dispatch_overhead_us=<ours> pytorch_overhead_us=<theirs> "
-          "ratio=<theirs/ours>\n");
-      return 0;
-    }
-    if (!std::strcmp(argv[i], "--iters") && i + 1 < argc) iters = std::atoi(argv[++i]);
-    if (!std::strcmp(argv[i], "--pytorch-script") && i + 1 < argc) script = argv[++i];
-  }
+  CLI::App app("", "bench_dispatch");
+  app.add_option("--iters", iters)->check(dtensor::cli::integer(1, 1 << 30));
+  app.add_option("--pytorch-script", script)->check(dtensor::cli::non_empty());
+  if (auto code = dtensor::cli::parse(app, argc, argv, kUsage)) return *code;
   at::set_num_threads(1);
   ::setenv("RANK", "0", 0);
   ::setenv("WORLD_SIZE", "1", 0);

@@ -13,12 +13,8 @@
 //   MiB>
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <arpa/inet.h>
 #include <fcntl.h>
-#include <netinet/in.h>
 #include <signal.h>
-#include <sys/socket.h>
-#include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -30,10 +26,12 @@
 #include <functional>
 #include <iostream>
 #include <string>
-#include <string_view>
+#include <system_error>
 #include <vector>
 
+#include "cli/cli.h"
 #include "dtensor/dtensor.h"
+#include "launch/local_ranks.h"
 
 namespace {
 
@@ -64,112 +62,45 @@ struct Options {
 // ---------------------------------------------------------------------------------------------
 // Launcher: runs this program as ranks 0..kRanks-1 and waits for them.
 
-// A TCP port on 127.0.0.1 that nothing listens on right now.
-int free_port() {
-  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  if (fd < 0) return -1;
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  addr.sin_port = 0;
-  socklen_t len = sizeof(addr);
-  int port = -1;
-  if (::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0 &&
-      ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) == 0) {
-    port = ntohs(addr.sin_port);
-  }
-  ::close(fd);
-  return port;
-}
-
-// Exit status of a waited-for child, shell style (128 + signal when killed).
-int exit_status(int wstatus) {
-  if (WIFEXITED(wstatus)) return WEXITSTATUS(wstatus);
-  if (WIFSIGNALED(wstatus)) return 128 + WTERMSIG(wstatus);
-  return 1;
-}
-
-// The ranks being run, for the signal handler (-1: none or already reaped).
-pid_t g_ranks[kRanks] = {-1, -1};
-
-// SIGTERM/SIGINT/SIGHUP sent to the launcher (by `timeout`, say) are passed on to the ranks,
-// which would otherwise be left running.
-void forward_signal(int sig) {
-  for (pid_t p : g_ranks) {
-    if (p > 0) ::kill(p, sig);
-  }
-}
-
-int launch_ranks(char** argv) {
-  const int port = free_port();
-  if (port < 0) {
-    std::cerr << "bench_redistribute: no free port on 127.0.0.1: " << std::strerror(errno) << "\n";
+// With the same arguments; returns the exit code of the first rank that fails, or 0.
+int launch_ranks(int argc, char** argv) {
+  namespace launch = dtensor::launch;
+  launch::Children ranks;
+  try {
+    const int port = launch::free_port();
+    for (int r = 0; r < kRanks; ++r) {
+      launch::ChildSetup setup;
+      setup.env = launch::rank_env(r, kRanks, port);
+      // Only rank 0's output is shown; errors (stderr) are kept for every rank.
+      const int devnull = r == 0 ? -1 : ::open("/dev/null", O_WRONLY | O_CLOEXEC);
+      setup.stdout_fd = devnull;
+      std::vector<std::string> args = {"/proc/self/exe"};
+      args.insert(args.end(), argv + 1, argv + argc);
+      const auto spawned = launch::spawn_program(args, setup);
+      if (devnull >= 0) ::close(devnull);
+      ranks.add(spawned.pid);
+      if (spawned.exec_errno != 0) {
+        std::cerr << "bench_redistribute: rank " << r
+                  << ": exec failed: " << std::strerror(spawned.exec_errno) << "\n";
+        return 1;
+      }
+    }
+  } catch (const std::system_error& e) {
+    std::cerr << "bench_redistribute: " << e.what() << "\n";
     return 1;
   }
-  std::cout.flush();
-  std::vector<pid_t> pids;
-  for (int r = 0; r < kRanks; ++r) {
-    const pid_t pid = ::fork();
-    if (pid < 0) {
-      std::cerr << "bench_redistribute: fork failed: " << std::strerror(errno) << "\n";
-      for (pid_t p : pids) ::kill(p, SIGTERM);
-      for (pid_t p : pids) ::waitpid(p, nullptr, 0);
-      return 1;
-    }
-    if (pid == 0) {
-      ::setenv("RANK", std::to_string(r).c_str(), 1);
-      ::setenv("LOCAL_RANK", std::to_string(r).c_str(), 1);
-      ::setenv("WORLD_SIZE", std::to_string(kRanks).c_str(), 1);
-      ::setenv("LOCAL_WORLD_SIZE", std::to_string(kRanks).c_str(), 1);
-      ::setenv("MASTER_ADDR", "127.0.0.1", 1);
-      ::setenv("MASTER_PORT", std::to_string(port).c_str(), 1);
-      if (r != 0) {  // only rank 0's output is shown; errors (stderr) are kept for every rank
-        const int devnull = ::open("/dev/null", O_WRONLY);
-        if (devnull >= 0) {
-          ::dup2(devnull, STDOUT_FILENO);
-          ::close(devnull);
-        }
-      }
-      ::execv("/proc/self/exe", argv);
-      std::fprintf(stderr, "bench_redistribute: rank %d: exec failed: %s\n", r,
-                   std::strerror(errno));
-      ::_exit(127);
-    }
-    pids.push_back(pid);
-    g_ranks[r] = pid;
-  }
-  struct sigaction sa {};
-  sa.sa_handler = forward_signal;
-  sigemptyset(&sa.sa_mask);
-  sa.sa_flags = SA_RESTART;
-  for (int sig : {SIGTERM, SIGINT, SIGHUP}) ::sigaction(sig, &sa, nullptr);
-  // Wait for every rank. When one fails the others would only hang in their next collective
-  // until the timeout, so they are stopped.
+  ranks.forward_termination_signals();
+  // When one rank fails the others would only hang in their next collective until the
+  // timeout, so they are stopped.
   int status = 0;
-  size_t running = pids.size();
-  while (running > 0) {
-    int wstatus = 0;
-    const pid_t done = ::waitpid(-1, &wstatus, 0);
-    if (done < 0) {
-      if (errno == EINTR) continue;
-      break;
-    }
-    auto it = std::find(pids.begin(), pids.end(), done);
-    if (it == pids.end()) continue;
-    const int rank = static_cast<int>(it - pids.begin());
-    *it = -1;
-    g_ranks[rank] = -1;
-    --running;
-    const int code = exit_status(wstatus);
-    if (code != 0 && status == 0) {
-      status = code;
-      std::cerr << "bench_redistribute: rank " << rank << " exited with status " << code
-                << "; stopping the other ranks\n";
-      for (pid_t p : pids) {
-        if (p > 0) ::kill(p, SIGTERM);
-      }
-    }
-  }
+  launch::Children::WaitOptions wait;
+  wait.stop_signal = SIGTERM;
+  wait.on_failure = [&status](size_t rank, int wait_status) {
+    status = dtensor::launch::exit_code_of(wait_status);
+    std::cerr << "bench_redistribute: rank " << rank << " exited with status " << status
+              << "; stopping the other ranks\n";
+  };
+  ranks.wait_all(wait);
   return status;
 }
 
@@ -269,6 +200,65 @@ std::string fixed(double v, int precision) {
   return buf;
 }
 
+struct Size {
+  std::string label;
+  int64_t side;  // square side x side float32 tensor
+  int warmup, iters;
+};
+
+void print_intro(int world, const std::vector<Size>& sizes, bool quick) {
+  auto say = [](const std::string& line) { std::cout << line << std::endl; };
+  say("bench_redistribute: " + std::to_string(world) + " ranks on one machine (Gloo over " +
+      "127.0.0.1), 1 intra-op thread per rank, float32");
+  say("ours   = dtensor::redistribute(dt, placements) under at::NoGradGuard; size = global tensor");
+  say("direct = the same collective through dtensor::comm on the plain local tensor");
+  say("ours us, direct us = medians of the slowest rank's time per call; the calls alternate "
+      "A B B A ...");
+  say("         and the ranks synchronise (a Gloo all-reduce) before each call");
+  say("diff us = median of the per-pair differences ours - direct (pairs run back to back);");
+  say("overhead % = diff us / direct us");
+  std::string iters_line = "iterations:";
+  for (const auto& s : sizes) {
+    iters_line += " " + s.label + " " + std::to_string(s.iters) + " (+" + std::to_string(s.warmup) +
+                  " warm-up)";
+  }
+  say(iters_line + (quick ? "  [--quick: smoke test only]" : ""));
+  say("");
+}
+
+// Rank 0 prints the table and the RESULT line. Returns the exit code.
+int report(int rank, const std::vector<Result>& results, const std::string& small_label,
+           bool all_match) {
+  if (rank == 0) {
+    std::printf("%-11s %-7s %11s %11s %10s %11s   %s\n", "transition", "size", "ours us",
+                "direct us", "diff us", "overhead %", "direct call");
+    std::printf("%s\n",
+                std::string(11 + 1 + 7 + 1 + 11 + 1 + 11 + 1 + 10 + 1 + 11 + 3 + 23, '-').c_str());
+    for (const auto& r : results) {
+      std::printf("%-11s %-7s %11s %11s %+10.1f %+11.1f   %s\n", r.transition.c_str(),
+                  r.size.c_str(), fixed(r.t.ours_us, 1).c_str(), fixed(r.t.direct_us, 1).c_str(),
+                  r.t.diff_us, r.overhead_pct(), r.direct_name.c_str());
+    }
+    std::printf("\n");
+  }
+  if (!all_match) {
+    std::cerr << "bench_redistribute: rank " << rank
+              << ": redistribute() and the direct collective disagree; no RESULT\n";
+    return 1;
+  }
+  double worst_small = -1e300, worst_large = -1e300;
+  for (const auto& r : results) {
+    double& w = r.size == small_label ? worst_small : worst_large;
+    w = std::max(w, r.overhead_pct());
+  }
+  if (rank == 0) {
+    std::printf("RESULT redistribute_overhead_pct=%.1f redistribute_overhead_pct_64mib=%.1f\n",
+                worst_small, worst_large);
+    std::fflush(stdout);
+  }
+  return 0;
+}
+
 int run_rank(const Options& opt) {
   using dtensor::Partial;
   using dtensor::Replicate;
@@ -286,33 +276,10 @@ int run_rank(const Options& opt) {
   at::NoGradGuard no_grad;
   Bench bench;
 
-  struct Size {
-    std::string label;
-    int64_t side;  // square side x side float32 tensor
-    int warmup, iters;
-  };
   std::vector<Size> sizes = {{"1 MiB", 512, 20, 400}, {"64 MiB", 4096, 3, 30}};
   if (opt.quick) sizes = {{"1 MiB", 512, 2, 10}, {"64 MiB", 4096, 1, 3}};
 
-  auto say = [rank](const std::string& line) {
-    if (rank == 0) std::cout << line << std::endl;
-  };
-  say("bench_redistribute: " + std::to_string(world) + " ranks on one machine (Gloo over " +
-      "127.0.0.1), 1 intra-op thread per rank, float32");
-  say("ours   = dtensor::redistribute(dt, placements) under at::NoGradGuard; size = global tensor");
-  say("direct = the same collective through dtensor::comm on the plain local tensor");
-  say("ours us, direct us = medians of the slowest rank's time per call; the calls alternate "
-      "A B B A ...");
-  say("         and the ranks synchronise (a Gloo all-reduce) before each call");
-  say("diff us = median of the per-pair differences ours - direct (pairs run back to back);");
-  say("overhead % = diff us / direct us");
-  std::string iters_line = "iterations:";
-  for (const auto& s : sizes) {
-    iters_line += " " + s.label + " " + std::to_string(s.iters) + " (+" + std::to_string(s.warmup) +
-                  " warm-up)";
-  }
-  say(iters_line + (opt.quick ? "  [--quick: smoke test only]" : ""));
-  say("");
+  if (rank == 0) print_intro(world, sizes, opt.quick);
 
   std::vector<Result> results;
   bool all_match = true;
@@ -370,54 +337,17 @@ int run_rank(const Options& opt) {
     }
   }
 
-  if (rank == 0) {
-    std::printf("%-11s %-7s %11s %11s %10s %11s   %s\n", "transition", "size", "ours us",
-                "direct us", "diff us", "overhead %", "direct call");
-    std::printf("%s\n",
-                std::string(11 + 1 + 7 + 1 + 11 + 1 + 11 + 1 + 10 + 1 + 11 + 3 + 23, '-').c_str());
-    for (const auto& r : results) {
-      std::printf("%-11s %-7s %11s %11s %+10.1f %+11.1f   %s\n", r.transition.c_str(),
-                  r.size.c_str(), fixed(r.t.ours_us, 1).c_str(), fixed(r.t.direct_us, 1).c_str(),
-                  r.t.diff_us, r.overhead_pct(), r.direct_name.c_str());
-    }
-    std::printf("\n");
-  }
-  if (!all_match) {
-    std::cerr << "bench_redistribute: rank " << rank
-              << ": redistribute() and the direct collective disagree; no RESULT\n";
-    return 1;
-  }
-  double worst_small = -1e300, worst_large = -1e300;
-  for (const auto& r : results) {
-    double& w = r.size == sizes.front().label ? worst_small : worst_large;
-    w = std::max(w, r.overhead_pct());
-  }
-  if (rank == 0) {
-    std::printf("RESULT redistribute_overhead_pct=%.1f redistribute_overhead_pct_64mib=%.1f\n",
-                worst_small, worst_large);
-    std::fflush(stdout);
-  }
-  return 0;
+  return report(rank, results, sizes.front().label, all_match);
 }
 
 }  // namespace
 
 int main(int argc, char** argv) {
   Options opt;
-  for (int i = 1; i < argc; ++i) {
-    const std::string_view arg = argv[i];
-    if (arg == "--help" || arg == "-h") {
-      std::cout << kUsage;
-      return 0;
-    }
-    if (arg == "--quick") {
-      opt.quick = true;
-      continue;
-    }
-    std::cerr << "bench_redistribute: unknown option '" << arg << "'\n\n" << kUsage;
-    return 2;
-  }
-  if (std::getenv("RANK") == nullptr) return launch_ranks(argv);
+  CLI::App app("", "bench_redistribute");
+  app.add_flag("--quick", opt.quick)->disable_flag_override();
+  if (auto code = dtensor::cli::parse(app, argc, argv, kUsage)) return *code;
+  if (std::getenv("RANK") == nullptr) return launch_ranks(argc, argv);
   try {
     return run_rank(opt);
   } catch (const c10::Error& e) {

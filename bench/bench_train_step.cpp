@@ -16,12 +16,8 @@
 //   RESULT tp1_overhead_pct=<(b - a) / a * 100> speedup_vs_pytorch_tp2=<(d) / (c)>
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <arpa/inet.h>
 #include <fcntl.h>
-#include <netinet/in.h>
 #include <signal.h>
-#include <sys/socket.h>
-#include <sys/wait.h>
 #include <torch/optim/adamw.h>
 #include <unistd.h>
 
@@ -38,12 +34,13 @@
 #include <optional>
 #include <sstream>
 #include <string>
-#include <string_view>
 #include <vector>
 
+#include "cli/cli.h"
 #include "dtensor/dtensor.h"
 #include "dtensor/models/llama.h"
 #include "dtensor/models/safetensors.h"
+#include "launch/local_ranks.h"
 
 namespace {
 
@@ -72,7 +69,8 @@ options:
   --seed N               parameters and tokens (default 0)
   --pytorch-script PATH  default bench/pytorch_tp_train_step.py
   --no-pytorch           skip (d)
-  --quick                --preset tiny --seq 32 --warmup 1 --steps 1 --rounds 2: a smoke test
+  --quick                --preset tiny --seq 32 --warmup 1 --steps 1 --rounds 2 (for those
+                         not given): a smoke test
   --help                 print this help
 )";
 
@@ -250,36 +248,9 @@ int run_worker(const Options& opt) {
 // ---------------------------------------------------------------------------------------------
 // Controller.
 
-int free_port() {
-  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  if (fd < 0) return -1;
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  socklen_t len = sizeof(addr);
-  int port = -1;
-  if (::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0 &&
-      ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) == 0) {
-    port = ntohs(addr.sin_port);
-  }
-  ::close(fd);
-  return port;
-}
-
-// Worker processes started so far, stopped when the controller exits early.
-std::vector<pid_t> g_children;
-
-void stop_children() {
-  for (pid_t p : g_children) {
-    if (p > 0) ::kill(p, SIGTERM);
-  }
-}
-
-void on_signal(int sig) {
-  stop_children();
-  ::signal(sig, SIG_DFL);
-  ::raise(sig);
-}
+// Worker processes started so far. When the controller exits, also early through die() (whose
+// std::exit runs this destructor), those still running are killed and all are reaped.
+dtensor::launch::Children g_children;
 
 // A child running `argv` with `env` added; its stdin is a pipe from us, its stdout a pipe to
 // us (or /dev/null when !listen); stderr is shared.
@@ -289,42 +260,32 @@ struct Child {
   FILE* out = nullptr;  // we read replies
 };
 
-Child spawn(const std::vector<std::string>& argv, const std::map<std::string, std::string>& env,
-            bool listen) {
+Child spawn(const std::vector<std::string>& argv, const dtensor::launch::Env& env, bool listen) {
   int to_child[2], from_child[2] = {-1, -1};
-  if (::pipe(to_child) != 0 || (listen && ::pipe(from_child) != 0))
+  if (::pipe2(to_child, O_CLOEXEC) != 0 || (listen && ::pipe2(from_child, O_CLOEXEC) != 0))
     die(std::string("pipe: ") + std::strerror(errno));
+  const int devnull = listen ? -1 : ::open("/dev/null", O_WRONLY | O_CLOEXEC);
+  dtensor::launch::ChildSetup setup;
+  setup.env = env;
+  setup.stdin_fd = to_child[0];
+  setup.stdout_fd = listen ? from_child[1] : devnull;
+  setup.close_other_fds = true;  // so a worker sees EOF when the controller goes away
   std::cout.flush();
-  std::fflush(stdout);
-  const pid_t pid = ::fork();
-  if (pid < 0) die(std::string("fork: ") + std::strerror(errno));
-  if (pid == 0) {
-    ::dup2(to_child[0], STDIN_FILENO);
-    if (listen) {
-      ::dup2(from_child[1], STDOUT_FILENO);
-    } else {
-      const int devnull = ::open("/dev/null", O_WRONLY);
-      if (devnull >= 0) ::dup2(devnull, STDOUT_FILENO);
-    }
-    // Close every other descriptor, so a worker sees EOF when the controller goes away.
-    for (int fd = 3; fd < 1024; ++fd) ::close(fd);
-    for (const auto& [k, v] : env) ::setenv(k.c_str(), v.c_str(), 1);
-    std::vector<char*> args;
-    for (const auto& a : argv) args.push_back(const_cast<char*>(a.c_str()));
-    args.push_back(nullptr);
-    ::execvp(args[0], args.data());
-    std::fprintf(stderr, "bench_train_step: cannot run %s: %s\n", args[0], std::strerror(errno));
-    ::_exit(127);
+  const auto spawned = dtensor::launch::spawn_program(argv, setup);
+  g_children.add(spawned.pid);
+  if (spawned.exec_errno != 0) {
+    std::cerr << "bench_train_step: cannot run " << argv[0] << ": "
+              << std::strerror(spawned.exec_errno) << std::endl;
   }
+  if (devnull >= 0) ::close(devnull);
   ::close(to_child[0]);
   Child c;
-  c.pid = pid;
+  c.pid = spawned.pid;
   c.in = ::fdopen(to_child[1], "w");
   if (listen) {
     ::close(from_child[1]);
     c.out = ::fdopen(from_child[0], "r");
   }
-  g_children.push_back(pid);
   return c;
 }
 
@@ -405,8 +366,6 @@ struct Variant {
       p.in = nullptr;
     }
     for (auto& p : procs) {
-      int status = 0;
-      if (p.pid > 0) ::waitpid(p.pid, &status, 0);
       if (p.out) std::fclose(p.out);
       p.out = nullptr;
       p.pid = -1;
@@ -456,37 +415,18 @@ std::string find_script(const std::string& script) {
   return script;
 }
 
-int run_controller(const Options& opt, const char* self) {
-  const auto config = models::LlamaConfig::preset(opt.preset);
-  config.validate_tp(2);
-  TORCH_CHECK(opt.seq % 2 == 0 && opt.seq <= config.max_seq_len, "--seq must be even (sequence ",
-              "parallel on 2 ranks) and at most max_seq_len=", config.max_seq_len);
-  char dir_template[] = "/tmp/bench_train_step.XXXXXX";
-  if (!::mkdtemp(dir_template)) die(std::string("mkdtemp: ") + std::strerror(errno));
-  const std::string dir = dir_template, inputs = dir + "/inputs.safetensors";
-  write_inputs(opt, config, inputs);
-
-  struct sigaction sa {};
-  sa.sa_handler = on_signal;
-  sigemptyset(&sa.sa_mask);
-  for (int sig : {SIGTERM, SIGINT, SIGHUP}) ::sigaction(sig, &sa, nullptr);
-  ::signal(SIGPIPE, SIG_IGN);  // a dead worker shows up as a failed write, not a signal
-
+// The variants' worker processes, started and ready (or left out, for (d)).
+std::vector<Variant> start_variants(const Options& opt, const char* self,
+                                    const std::string& inputs) {
+  namespace launch = dtensor::launch;
   const std::string lr = std::to_string(opt.lr);
-  const std::vector<std::string> worker_args = {self, "--inputs", inputs, "--lr", lr};
   auto cpp_worker = [&](const std::string& kind) {
-    auto a = worker_args;
-    a.insert(a.begin() + 1, {"--worker", kind});
-    return a;
+    return std::vector<std::string>{self, "--worker", kind, "--inputs", inputs, "--lr", lr};
   };
-  const std::map<std::string, std::string> one_thread = {{"OMP_NUM_THREADS", "1"},
-                                                         {"MKL_NUM_THREADS", "1"}};
+  const launch::Env one_thread = {{"OMP_NUM_THREADS", "1"}, {"MKL_NUM_THREADS", "1"}};
   auto rank_env = [&](int rank, int world, int port) {
-    auto env = one_thread;
-    env["RANK"] = env["LOCAL_RANK"] = std::to_string(rank);
-    env["WORLD_SIZE"] = env["LOCAL_WORLD_SIZE"] = std::to_string(world);
-    env["MASTER_ADDR"] = "127.0.0.1";
-    env["MASTER_PORT"] = std::to_string(port);
+    auto env = launch::rank_env(rank, world, port);
+    env.insert(env.end(), one_thread.begin(), one_thread.end());
     return env;
   };
 
@@ -496,10 +436,10 @@ int run_controller(const Options& opt, const char* self) {
   variants[0].procs.push_back(spawn(cpp_worker("plain"), one_thread, true));
   variants[1].key = "tp1";
   variants[1].label = "(b) dtensor TP=1";
-  variants[1].procs.push_back(spawn(cpp_worker("tp"), rank_env(0, 1, free_port()), true));
+  variants[1].procs.push_back(spawn(cpp_worker("tp"), rank_env(0, 1, launch::free_port()), true));
   variants[2].key = "tp2";
   variants[2].label = "(c) dtensor TP=2";
-  const int port2 = free_port();
+  const int port2 = launch::free_port();
   for (int r = 0; r < 2; ++r)
     variants[2].procs.push_back(spawn(cpp_worker("tp"), rank_env(r, 2, port2), r == 0));
   variants[3].key = "py";
@@ -520,12 +460,12 @@ int run_controller(const Options& opt, const char* self) {
     }
   }
   for (int i = 0; i < 3; ++i) {
-    if (!variants[i].alive) {
-      stop_children();
-      die(variants[i].label + " could not start");
-    }
+    if (!variants[i].alive) die(variants[i].label + " could not start");
   }
+  return variants;
+}
 
+void print_intro(const Options& opt, const models::LlamaConfig& config) {
   std::printf(
       "bench_train_step: Llama preset \"%s\" (%lld parameters), batch %lld x %lld tokens,"
       " AdamW lr %g\n",
@@ -539,7 +479,10 @@ int run_controller(const Options& opt, const char* self) {
       "rounds alternate a b c d / d c b a; ms/step = median over rounds of the slowest "
       "rank's block time / steps\n\n");
   std::fflush(stdout);
+}
 
+// Warm-up, then the rounds: a b c d / d c b a, so that each variant runs first half of the time.
+void run_rounds(const Options& opt, std::vector<Variant>& variants) {
   for (auto& v : variants) {
     if (auto b = v.run(opt.warmup)) v.warmup_losses = b->losses;
   }
@@ -549,13 +492,9 @@ int run_controller(const Options& opt, const char* self) {
       if (auto b = v.run(opt.steps)) v.rounds.push_back(*b);
     }
   }
-  for (auto& v : variants) v.quit();
-  std::filesystem::remove_all(dir);
-  for (int i = 0; i < 3; ++i) {
-    if (variants[i].rounds.size() != static_cast<size_t>(opt.rounds))
-      die(variants[i].label + " failed part-way; no RESULT");
-  }
+}
 
+void print_report(const Options& opt, const std::vector<Variant>& variants) {
   const double tokens = static_cast<double>(opt.batch * opt.seq);
   auto med = [](const Variant& v, double Block::*field) {
     std::vector<double> xs;
@@ -631,70 +570,73 @@ int run_controller(const Options& opt, const char* self) {
   std::printf("RESULT tp1_overhead_pct=%.2f speedup_vs_pytorch_tp2=%s\n", overhead,
               d.rounds.empty() ? "nan" : fmt(speedup, 3).c_str());
   std::fflush(stdout);
+}
+
+int run_controller(const Options& opt, const char* self) {
+  const auto config = models::LlamaConfig::preset(opt.preset);
+  config.validate_tp(2);
+  TORCH_CHECK(opt.seq % 2 == 0 && opt.seq <= config.max_seq_len, "--seq must be even (sequence ",
+              "parallel on 2 ranks) and at most max_seq_len=", config.max_seq_len);
+  char dir_template[] = "/tmp/bench_train_step.XXXXXX";
+  if (!::mkdtemp(dir_template)) die(std::string("mkdtemp: ") + std::strerror(errno));
+  const std::string dir = dir_template, inputs = dir + "/inputs.safetensors";
+  write_inputs(opt, config, inputs);
+
+  // SIGTERM and the like reach the workers, whose end then ends the controller.
+  g_children.forward_termination_signals();
+  ::signal(SIGPIPE, SIG_IGN);  // a dead worker shows up as a failed write, not a signal
+
+  std::vector<Variant> variants = start_variants(opt, self, inputs);
+  print_intro(opt, config);
+  run_rounds(opt, variants);
+  for (auto& v : variants) v.quit();
+  g_children.wait_all({});
+  std::filesystem::remove_all(dir);
+  for (int i = 0; i < 3; ++i) {
+    if (variants[i].rounds.size() != static_cast<size_t>(opt.rounds))
+      die(variants[i].label + " failed part-way; no RESULT");
+  }
+  print_report(opt, variants);
   return 0;
 }
 
 }  // namespace
 
 int main(int argc, char** argv) {
+  namespace cli = dtensor::cli;
   Options opt;
-  for (int i = 1; i < argc; ++i) {
-    const std::string_view arg = argv[i];
-    auto value = [&]() -> std::string {
-      if (i + 1 >= argc) die("option " + std::string(arg) + " needs a value");
-      return argv[++i];
-    };
-    if (arg == "--help" || arg == "-h") {
-      std::cout << kUsage;
-      return 0;
-    } else if (arg == "--preset") {
-      opt.preset = value();
-    } else if (arg == "--batch") {
-      opt.batch = std::stoll(value());
-    } else if (arg == "--seq") {
-      opt.seq = std::stoll(value());
-    } else if (arg == "--warmup") {
-      opt.warmup = std::stoi(value());
-    } else if (arg == "--steps") {
-      opt.steps = std::stoi(value());
-    } else if (arg == "--rounds") {
-      opt.rounds = std::stoi(value());
-    } else if (arg == "--lr") {
-      opt.lr = std::stod(value());
-    } else if (arg == "--seed") {
-      opt.seed = std::stoull(value());
-    } else if (arg == "--pytorch-script") {
-      opt.script = value();
-    } else if (arg == "--no-pytorch") {
-      opt.pytorch = false;
-    } else if (arg == "--quick") {
-      opt.preset = "tiny";
-      opt.seq = 32;
-      opt.warmup = 1;
-      opt.steps = 1;
-      opt.rounds = 2;
-    } else if (arg == "--worker") {
-      opt.worker = value();
-    } else if (arg == "--inputs") {
-      opt.inputs = value();
-    } else {
-      std::cerr << "bench_train_step: unknown option '" << arg << "'\n\n" << kUsage;
-      return 2;
-    }
+  CLI::App app("", "bench_train_step");
+  auto* preset =
+      app.add_option("--preset", opt.preset)->check(cli::one_of({"tiny", "demo", "bench"}));
+  app.add_option("--batch", opt.batch)->check(cli::integer(1));
+  auto* seq = app.add_option("--seq", opt.seq)->check(cli::integer(2));
+  auto* warmup = app.add_option("--warmup", opt.warmup)->check(cli::integer(1, 1 << 30));
+  auto* steps = app.add_option("--steps", opt.steps)->check(cli::integer(1, 1 << 30));
+  auto* rounds = app.add_option("--rounds", opt.rounds)->check(cli::integer(1, 1 << 30));
+  app.add_option("--lr", opt.lr)->check(cli::number(0, 10, /*min_open=*/true));
+  app.add_option("--seed", opt.seed)->check(cli::integer(0));
+  app.add_option("--pytorch-script", opt.script)->check(cli::non_empty());
+  app.add_flag_callback("--no-pytorch", [&] { opt.pytorch = false; })->disable_flag_override();
+  bool quick = false;
+  app.add_flag("--quick", quick)->disable_flag_override();
+  // The controller starts itself as the workers with these.
+  app.add_option("--worker", opt.worker)->check(cli::one_of({"plain", "tp"}));
+  app.add_option("--inputs", opt.inputs)->check(cli::non_empty());
+  if (auto code = cli::parse(app, argc, argv, kUsage)) return *code;
+  if (quick) {  // a smoke test; options given explicitly win
+    if (preset->count() == 0) opt.preset = "tiny";
+    if (seq->count() == 0) opt.seq = 32;
+    if (warmup->count() == 0) opt.warmup = 1;
+    if (steps->count() == 0) opt.steps = 1;
+    if (rounds->count() == 0) opt.rounds = 2;
   }
-  if (opt.warmup < 1 || opt.steps < 1 || opt.rounds < 1 || opt.batch < 1)
-    die("--warmup, --steps, --rounds and --batch must be at least 1");
   try {
-    if (!opt.worker.empty()) {
-      if (opt.worker != "plain" && opt.worker != "tp") die("--worker is plain or tp");
-      return run_worker(opt);
-    }
+    if (!opt.worker.empty()) return run_worker(opt);
     return run_controller(opt, "/proc/self/exe");
   } catch (const c10::Error& e) {
     std::cerr << "bench_train_step: " << e.what_without_backtrace() << std::endl;
   } catch (const std::exception& e) {
     std::cerr << "bench_train_step: " << e.what() << std::endl;
   }
-  stop_children();
-  return 1;
+  return 1;  // g_children's destructor stops and reaps the workers
 }

@@ -9,7 +9,6 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
-#include <charconv>
 #include <chrono>
 #include <cstdint>
 #include <iomanip>
@@ -17,9 +16,9 @@
 #include <optional>
 #include <sstream>
 #include <string>
-#include <string_view>
 #include <vector>
 
+#include "cli/cli.h"
 #include "dtensor/comm/failure.h"
 #include "dtensor/dtensor.h"
 
@@ -58,32 +57,14 @@ struct Options {
 // The options to run with, or nullopt with `exit_code` set (0 after --help, 2 on a usage error).
 std::optional<Options> parse_args(int argc, char** argv, int& exit_code) {
   Options o;
-  auto fail = [&](const std::string& msg) -> std::optional<Options> {
-    std::cerr << "dtensor_demo: " << msg << "\n\n" << kUsage;
-    exit_code = 2;
+  CLI::App app("", "dtensor_demo");
+  app.add_option("--rows", o.rows)->check(dtensor::cli::integer(1));
+  app.add_option("--cols", o.cols)->check(dtensor::cli::integer(1));
+  app.add_option("--seed", o.seed)->check(dtensor::cli::integer(0));
+  if (auto code = dtensor::cli::parse(app, argc, argv, kUsage)) {
+    exit_code = *code;
     return std::nullopt;
-  };
-  for (int i = 1; i < argc; ++i) {
-    const std::string_view arg = argv[i];
-    if (arg == "--help" || arg == "-h") {
-      std::cout << kUsage;
-      exit_code = 0;
-      return std::nullopt;
-    }
-    int64_t* value = arg == "--rows"   ? &o.rows
-                     : arg == "--cols" ? &o.cols
-                     : arg == "--seed" ? &o.seed
-                                       : nullptr;
-    if (value == nullptr) return fail("unknown option '" + std::string(arg) + "'");
-    if (i + 1 >= argc) return fail(std::string(arg) + " needs a value");
-    const std::string_view text = argv[++i];
-    auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), *value);
-    if (ec != std::errc() || end != text.data() + text.size() || *value < 0) {
-      return fail(std::string(arg) + " expects a non-negative integer, got '" + std::string(text) +
-                  "'");
-    }
   }
-  if (o.rows < 1 || o.cols < 1) return fail("--rows and --cols must be at least 1");
   return o;
 }
 

@@ -1,12 +1,9 @@
 // dtrun: starts N ranks of a program on this machine with torchrun's environment variables,
 // prefixes their output with the rank, and stops every rank as soon as one fails.
 // Plain POSIX (plus two optional Linux calls); it does not use LibTorch.
-#include <arpa/inet.h>
 #include <fcntl.h>
-#include <netinet/in.h>
 #include <poll.h>
 #include <signal.h>
-#include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -22,14 +19,18 @@
 #include <cstring>
 #include <optional>
 #include <string>
+#include <system_error>
 #include <thread>
 #include <vector>
 
+#include "launch/local_ranks.h"
 #include "line_writer.h"
 #include "options.h"
 
 namespace dtrun {
 namespace {
+
+namespace launch = dtensor::launch;
 
 using Clock = std::chrono::steady_clock;
 
@@ -73,38 +74,6 @@ void install_signal_handlers() {
   ::signal(SIGPIPE, SIG_IGN);
 }
 
-// A port that is free right now: bind 127.0.0.1:0 and ask which port the kernel chose.
-int find_free_port() {
-  int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  if (fd < 0) fatal(std::string("socket failed: ") + std::strerror(errno));
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  addr.sin_port = 0;
-  socklen_t len = sizeof addr;
-  if (::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0 ||
-      ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) != 0) {
-    fatal(std::string("could not find a free port on 127.0.0.1: ") + std::strerror(errno) +
-          " (pass --master-port)");
-  }
-  ::close(fd);
-  return ntohs(addr.sin_port);
-}
-
-std::string describe_status(int status) {
-  if (WIFSIGNALED(status)) {
-    int sig = WTERMSIG(status);
-    const char* name = ::strsignal(sig);
-    return "was killed by signal " + std::to_string(sig) +
-           (name ? std::string(" (") + name + ")" : "");
-  }
-  return "exited with code " + std::to_string(WEXITSTATUS(status));
-}
-
-int exit_code_of(int status) {
-  return WIFSIGNALED(status) ? 128 + WTERMSIG(status) : WEXITSTATUS(status);
-}
-
 struct Rank {
   Rank(int index, bool prefix)
       : index(index),
@@ -130,7 +99,13 @@ class Launcher {
     // process group is really gone.
     ::prctl(PR_SET_CHILD_SUBREAPER, 1);
 #endif
-    if (o_.master_port == 0) o_.master_port = find_free_port();
+    if (o_.master_port == 0) {
+      try {
+        o_.master_port = launch::free_port();
+      } catch (const std::system_error& e) {
+        fatal(std::string(e.what()) + " (pass --master-port)");
+      }
+    }
     ::setenv("OMP_NUM_THREADS", "1", /*overwrite=*/0);
     devnull_ = ::open("/dev/null", O_RDONLY | O_CLOEXEC);
     if (devnull_ < 0) fatal(std::string("cannot open /dev/null: ") + std::strerror(errno));
@@ -151,84 +126,44 @@ class Launcher {
  private:
   // Starts rank r. On failure sets launch_error_ (the exit code) after printing why.
   void launch(int r) {
-    int out[2] = {-1, -1}, err[2] = {-1, -1}, exec_status[2] = {-1, -1};
-    auto close_all = [&] {
-      for (int fd : {out[0], out[1], err[0], err[1], exec_status[0], exec_status[1]}) {
+    int out[2] = {-1, -1}, err[2] = {-1, -1};
+    launch::ChildSetup setup;
+    setup.env = launch::rank_env(r, o_.nproc, o_.master_port, o_.master_addr);
+    setup.stdin_fd = devnull_;
+    setup.own_process_group = true;
+    // If dtrun itself is killed (SIGKILL cannot be forwarded), take the rank down with it.
+    setup.die_with_parent = true;
+    launch::Spawned child;
+    try {
+      if (!make_pipe(out) || !make_pipe(err))
+        throw std::system_error(errno, std::generic_category());
+      setup.stdout_fd = out[1];
+      setup.stderr_fd = err[1];
+      child = launch::spawn_program(o_.command, setup);
+    } catch (const std::system_error& e) {
+      message("cannot start rank " + std::to_string(r) + ": " + e.code().message());
+      for (int fd : {out[0], out[1], err[0], err[1]}) {
         if (fd >= 0) ::close(fd);
       }
-    };
-    pid_t parent = ::getpid();
-    pid_t pid = -1;
-    if (!make_pipe(out) || !make_pipe(err) || !make_pipe(exec_status) || (pid = ::fork()) < 0) {
-      message("cannot start rank " + std::to_string(r) + ": " + std::strerror(errno));
-      close_all();
       launch_error_ = 1;
       return;
     }
-    if (pid == 0) exec_child(r, parent, out[1], err[1], exec_status[1]);
-
-    // Also set here, so the group exists before we might signal it.
-    ::setpgid(pid, pid);
     Rank& rank = ranks_.emplace_back(r, o_.prefix);
-    rank.pid = pid;
+    rank.pid = child.pid;
     rank.fds[0] = out[0];
     rank.fds[1] = err[0];
     set_nonblocking(out[0]);
     set_nonblocking(err[0]);
     ::close(out[1]);
     ::close(err[1]);
-    ::close(exec_status[1]);
-
-    // The child writes errno here if execvp fails; a successful exec closes the pipe.
-    int child_errno = 0;
-    ssize_t n;
-    do n = ::read(exec_status[0], &child_errno, sizeof child_errno);
-    while (n < 0 && errno == EINTR);
-    ::close(exec_status[0]);
-    if (n == static_cast<ssize_t>(sizeof child_errno)) {
-      std::string what = "cannot run '" + o_.command[0] + "': " + std::strerror(child_errno);
-      if (child_errno == ENOENT && o_.command[0].find('/') == std::string::npos) {
+    if (child.exec_errno != 0) {
+      std::string what = "cannot run '" + o_.command[0] + "': " + std::strerror(child.exec_errno);
+      if (child.exec_errno == ENOENT && o_.command[0].find('/') == std::string::npos) {
         what += " (not found in PATH)";
       }
       message(what);
-      launch_error_ = child_errno == ENOENT ? 127 : 126;
+      launch_error_ = child.exec_errno == ENOENT ? 127 : 126;
     }
-  }
-
-  [[noreturn]] void exec_child(int r, pid_t parent, int out_fd, int err_fd, int status_fd) {
-    ::setpgid(0, 0);
-#ifdef __linux__
-    // If dtrun itself is killed (SIGKILL cannot be forwarded), take the rank down with it.
-    ::prctl(PR_SET_PDEATHSIG, SIGKILL);
-    if (::getppid() != parent) ::_exit(1);
-#else
-    (void)parent;
-#endif
-    for (int sig : kHandledSignals) ::signal(sig, SIG_DFL);
-    ::signal(SIGPIPE, SIG_DFL);
-    sigset_t none;
-    sigemptyset(&none);
-    ::sigprocmask(SIG_SETMASK, &none, nullptr);
-
-    ::dup2(devnull_, STDIN_FILENO);
-    ::dup2(out_fd, STDOUT_FILENO);
-    ::dup2(err_fd, STDERR_FILENO);
-
-    const std::string n = std::to_string(o_.nproc), rank = std::to_string(r);
-    ::setenv("RANK", rank.c_str(), 1);
-    ::setenv("LOCAL_RANK", rank.c_str(), 1);
-    ::setenv("WORLD_SIZE", n.c_str(), 1);
-    ::setenv("LOCAL_WORLD_SIZE", n.c_str(), 1);
-    ::setenv("MASTER_ADDR", o_.master_addr.c_str(), 1);
-    ::setenv("MASTER_PORT", std::to_string(o_.master_port).c_str(), 1);
-
-    std::vector<char*> argv;
-    for (auto& a : o_.command) argv.push_back(const_cast<char*>(a.c_str()));
-    argv.push_back(nullptr);
-    ::execvp(argv[0], argv.data());
-    int e = errno;
-    [[maybe_unused]] ssize_t w = ::write(status_fd, &e, sizeof e);
-    ::_exit(e == ENOENT ? 127 : 126);
   }
 
   // Signals every rank's process group that may still have processes.
@@ -280,8 +215,9 @@ class Launcher {
         r.reaped = true;
         bool failed = WIFSIGNALED(status) || (WIFEXITED(status) && WEXITSTATUS(status) != 0);
         if (failed && !stopping_) {
-          failure_ = exit_code_of(status);
-          std::string text = "rank " + std::to_string(r.index) + " " + describe_status(status);
+          failure_ = launch::exit_code_of(status);
+          std::string text =
+              "rank " + std::to_string(r.index) + " " + launch::describe_status(status);
           if (!all_reaped()) text += "; stopping the other ranks";
           message(text);
           stop(SIGTERM);

@@ -1,13 +1,11 @@
 #include "options.h"
 
-#include <cerrno>
-#include <cmath>
-#include <cstdio>
-#include <cstdlib>
-#include <cstring>
+#include "cli/cli.h"
 
 namespace dtrun {
 namespace {
+
+namespace cli = dtensor::cli;
 
 constexpr int kMaxRanks = 1024;
 
@@ -41,100 +39,29 @@ Examples:
   dtrun -n 2 --master-port 29500 -- ./my_program --steps 10
 )";
 
-bool parse_int(const std::string& text, long lo, long hi, long& out) {
-  if (text.empty()) return false;
-  errno = 0;
-  char* end = nullptr;
-  long v = std::strtol(text.c_str(), &end, 10);
-  if (errno != 0 || *end != '\0' || v < lo || v > hi) return false;
-  out = v;
-  return true;
-}
-
-bool parse_seconds(const std::string& text, double& out) {
-  if (text.empty()) return false;
-  errno = 0;
-  char* end = nullptr;
-  double v = std::strtod(text.c_str(), &end);
-  if (errno != 0 || *end != '\0' || !std::isfinite(v) || v < 0 || v > 86400) return false;
-  out = v;
-  return true;
-}
-
 }  // namespace
 
 std::optional<Options> parse_args(int argc, char** argv, int& exit_code) {
   Options o;
-  exit_code = 0;
-  auto fail = [&](const std::string& message) -> std::optional<Options> {
-    std::fprintf(stderr, "dtrun: %s\nRun 'dtrun --help' for usage.\n", message.c_str());
-    exit_code = 2;
+  CLI::App app("", "dtrun");
+  app.add_option("-n,--nproc-per-node", o.nproc)->check(cli::integer(1, kMaxRanks));
+  app.add_option("--master-addr", o.master_addr)->check(cli::non_empty());
+  app.add_option("--master-port", o.master_port)->check(cli::integer(1, 65535));
+  app.add_flag_callback("--no-prefix", [&o] { o.prefix = false; })->disable_flag_override();
+  app.add_option("--grace", o.grace_s)->check(cli::number(0, 86400));
+  if (auto code = cli::parse(app, argc, argv, kUsage, /*quiet=*/false, &o.command)) {
+    exit_code = *code;
     return std::nullopt;
-  };
-
-  int i = 1;
-  for (; i < argc; ++i) {
-    std::string arg = argv[i];
-    if (arg == "--") {
-      ++i;
-      break;
-    }
-    if (arg.size() < 2 || arg[0] != '-') break;  // the program starts here
-    if (arg == "-h" || arg == "--help") {
-      std::fputs(kUsage, stdout);
-      std::fflush(stdout);
-      return std::nullopt;
-    }
-    if (arg == "--no-prefix") {
-      o.prefix = false;
-      continue;
-    }
-    // The options below take a value: "--name VALUE", "--name=VALUE", "-n VALUE" or "-nVALUE".
-    std::string name = arg;
-    std::optional<std::string> value;
-    if (arg.starts_with("--")) {
-      if (auto eq = arg.find('='); eq != std::string::npos) {
-        name = arg.substr(0, eq);
-        value = arg.substr(eq + 1);
-      }
-    } else if (arg.size() > 2) {
-      name = arg.substr(0, 2);
-      value = arg.substr(2);
-    }
-    if (name != "-n" && name != "--nproc-per-node" && name != "--master-addr" &&
-        name != "--master-port" && name != "--grace") {
-      return fail("unknown option '" + arg + "'");
-    }
-    if (!value) {
-      if (i + 1 >= argc) return fail(name + " needs a value");
-      value = argv[++i];
-    }
-    if (name == "-n" || name == "--nproc-per-node") {
-      long n = 0;
-      if (!parse_int(*value, 1, kMaxRanks, n)) {
-        return fail("the number of ranks must be an integer from 1 to " +
-                    std::to_string(kMaxRanks) + ", got '" + *value + "'");
-      }
-      o.nproc = static_cast<int>(n);
-    } else if (name == "--master-addr") {
-      if (value->empty()) return fail("--master-addr must not be empty");
-      o.master_addr = *value;
-    } else if (name == "--master-port") {
-      long port = 0;
-      if (!parse_int(*value, 1, 65535, port)) {
-        return fail("--master-port must be a port number from 1 to 65535, got '" + *value + "'");
-      }
-      o.master_port = static_cast<int>(port);
-    } else if (!parse_seconds(*value, o.grace_s)) {
-      return fail("--grace must be a number of seconds from 0 to 86400, got '" + *value + "'");
-    }
   }
-  for (; i < argc; ++i) o.command.emplace_back(argv[i]);
-
-  if (o.nproc == 0) return fail("say how many ranks to start with -n N");
-  if (o.command.empty())
-    return fail("no program to run: dtrun -n N [options] [--] program [args...]");
-  return o;
+  if (o.nproc == 0) {
+    exit_code = cli::usage_error(app, "say how many ranks to start with -n N");
+  } else if (o.command.empty()) {
+    exit_code =
+        cli::usage_error(app, "no program to run: dtrun -n N [options] [--] program [args...]");
+  } else {
+    return o;
+  }
+  return std::nullopt;
 }
 
 }  // namespace dtrun

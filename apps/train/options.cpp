@@ -1,15 +1,12 @@
 #include "options.h"
 
-#include <charconv>
-#include <cmath>
-#include <functional>
-#include <iostream>
-#include <map>
-#include <string_view>
+#include "cli/cli.h"
 
 namespace dtensor::train {
 
-const char* const kUsage = R"(usage: dtensor_train [options]
+namespace cli = dtensor::cli;
+
+const char* const kUsage = R"help(usage: dtensor_train [options]
 
 Trains the bundled Llama-style model with tensor parallelism over all ranks of the launch
 (TP degree = number of ranks), on the built-in text or a file, with AdamW and a warmup +
@@ -69,6 +66,12 @@ evaluation and output:
 parallelism and numerics:
   --no-sequence-parallel keep activations replicated between blocks
   --no-loss-parallel     gather the logits instead of a vocab-parallel cross entropy
+  --plan FILE            the TP plan from a JSON file instead of the built-in one (then the
+                         two options above do not apply): module paths (wildcards allowed)
+                         to styles as PyTorch writes them, applied in file order, e.g.
+                           {"layers.*.attention.wq": "ColwiseParallel()",
+                            "output": "ColwiseParallel(output_layouts=Replicate())"}
+                         apps/train/plans/llama_tp.json is the built-in plan
   --dp N                 data-parallel degree; ranks form a dp x tp mesh (default 1)
   --dtype T              float32 | float64 (default float32)
   --threads N            intra-op threads per rank (default 1)
@@ -77,170 +80,98 @@ parallelism and numerics:
   --verify-rtol X        relative tolerance of that check (default 1e-4; 1e-9 in float64)
 
   -h, --help             print this help
-)";
+)help";
 
 namespace {
-
+// Options that stay unset (nullopt) unless given: their defaults depend on other settings.
 template <typename T>
-bool parse_number(std::string_view text, T& out) {
-  if constexpr (std::is_floating_point_v<T>) {
-    // from_chars rejects a leading '+', accepts "inf"/"nan": ask for finite numbers only.
-    auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), out);
-    return ec == std::errc() && end == text.data() + text.size() && std::isfinite(out);
-  } else {
-    auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), out);
-    return ec == std::errc() && end == text.data() + text.size();
-  }
+CLI::Option* add_optional(CLI::App& app, const std::string& name, std::optional<T>& field) {
+  return app.add_option_function<T>(name, [&field](const T& v) { field = v; });
+}
+
+void add_model_options(CLI::App& app, TrainOptions& o) {
+  app.add_option("--preset", o.preset)->check(cli::one_of({"tiny", "demo", "bench"}));
+  app.add_option("--config", o.config_path)->check(cli::non_empty());
+  add_optional(app, "--dim", o.dim)->check(cli::integer(1));
+  add_optional(app, "--layers", o.layers)->check(cli::integer(1));
+  add_optional(app, "--heads", o.heads)->check(cli::integer(1));
+  add_optional(app, "--kv-heads", o.kv_heads)->check(cli::integer(1));
+  add_optional(app, "--ffn-dim", o.ffn_dim)->check(cli::integer(1));
+  add_optional(app, "--vocab", o.vocab)->check(cli::integer(256));
+  add_optional(app, "--seq-len", o.seq_len)->check(cli::integer(1));
+}
+
+void add_optimization_options(CLI::App& app, TrainOptions& o) {
+  add_optional(app, "--steps", o.steps)->check(cli::integer(1));
+  add_optional(app, "--stop-at", o.stop_at)->check(cli::integer(1));
+  add_optional(app, "--batch-size", o.batch_size)->check(cli::integer(1));
+  add_optional(app, "--lr", o.lr)->check(cli::number(0, 10, /*min_open=*/true));
+  add_optional(app, "--min-lr", o.min_lr)->check(cli::number(0, 10));
+  add_optional(app, "--warmup", o.warmup)->check(cli::integer(0));
+  app.add_option("--weight-decay", o.weight_decay)->check(cli::number(0));
+  app.add_option("--beta1", o.beta1)->check(cli::number(0, 1));
+  app.add_option("--beta2", o.beta2)->check(cli::number(0, 1));
+  app.add_option("--grad-clip", o.grad_clip)->check(cli::number(0));
+  app.add_option("--seed", o.seed)->check(cli::integer(0));
+}
+
+void add_data_and_output_options(CLI::App& app, TrainOptions& o) {
+  app.add_option("--data", o.data_path)->check(cli::non_empty());
+  app.add_option("--val-fraction", o.val_fraction)->check(cli::number(0, 0.5, true));
+  add_optional(app, "--eval-every", o.eval_every)->check(cli::integer(0));
+  app.add_option("--eval-batches", o.eval_batches)->check(cli::integer(1));
+  app.add_option("--out", o.out_dir)->check(cli::non_empty());
+  app.add_option("--ckpt-every", o.ckpt_every)->check(cli::integer(0));
+  app.add_option("--keep-ckpts", o.keep_ckpts)->check(cli::integer(1));
+  app.add_flag_callback("--save-final", [&o] { o.final_ckpt = true; })->disable_flag_override();
+  // The value is optional: "--resume" alone (or before another option) means auto.
+  app.add_option_function<std::string>("--resume", [&o](const std::string& v) { o.resume = v; })
+      ->expected(0, 1)
+      ->default_str("auto");
+  app.add_option("--log-every", o.log_every)->check(cli::integer(1));
+  app.add_option("--progress", o.progress)->check(cli::one_of({"auto", "bar", "lines"}));
+  app.add_option("--sample", o.sample_chars)->check(cli::integer(0));
+}
+
+void add_parallel_options(CLI::App& app, TrainOptions& o) {
+  app.add_flag_callback("--no-sequence-parallel", [&o] { o.sequence_parallel = false; })
+      ->disable_flag_override();
+  app.add_flag_callback("--no-loss-parallel", [&o] { o.loss_parallel = false; })
+      ->disable_flag_override();
+  app.add_option("--plan", o.plan_path)->check(cli::non_empty());
+  app.add_option("--dp", o.dp)->check(cli::integer(1));
+  app.add_option("--dtype", o.dtype)->check(cli::one_of({"float32", "float64"}));
+  app.add_option("--threads", o.threads)->check(cli::integer(1));
+  app.add_flag_callback("--verify-tp1", [&o] { o.verify_tp1 = true; })->disable_flag_override();
+  add_optional(app, "--verify-rtol", o.verify_rtol)->check(cli::number(0, 1, true));
 }
 
 }  // namespace
 
 std::optional<TrainOptions> parse_args(int argc, char** argv, int& exit_code, bool quiet) {
   TrainOptions o;
-  auto fail = [&](const std::string& msg) -> std::optional<TrainOptions> {
-    if (!quiet) {
-      std::cerr << "dtensor_train: " << msg << "\n(run dtensor_train --help for the options)\n";
-    }
-    exit_code = 2;
+  CLI::App app("", "dtensor_train");
+  add_model_options(app, o);
+  add_optimization_options(app, o);
+  add_data_and_output_options(app, o);
+  add_parallel_options(app, o);
+  if (auto code = cli::parse(app, argc, argv, kUsage, quiet)) {
+    exit_code = *code;
     return std::nullopt;
-  };
-
-  // Value setters: each checks its range and returns an error text or "".
-  using Setter = std::function<std::string(std::string_view)>;
-  auto integer = [](auto& field, int64_t min) -> Setter {
-    return [&field, min](std::string_view v) -> std::string {
-      int64_t x = 0;
-      if (!parse_number(v, x)) return "expects an integer, got '" + std::string(v) + "'";
-      if (x < min) return "must be at least " + std::to_string(min) + ", got " + std::string(v);
-      field = x;
-      return "";
-    };
-  };
-  auto real = [](auto& field, double min, double max, bool min_open) -> Setter {
-    return [&field, min, max, min_open](std::string_view v) -> std::string {
-      double x = 0;
-      if (!parse_number(v, x)) return "expects a number, got '" + std::string(v) + "'";
-      if (x < min || x > max || (min_open && x == min)) {
-        return "must be in " + std::string(min_open ? "(" : "[") + std::to_string(min) + ", " +
-               std::to_string(max) + "], got " + std::string(v);
-      }
-      field = x;
-      return "";
-    };
-  };
-  auto text = [](std::string& field) -> Setter {
-    return [&field](std::string_view v) -> std::string {
-      if (v.empty()) return "expects a non-empty value";
-      field = std::string(v);
-      return "";
-    };
-  };
-  auto choice = [](std::string& field, std::vector<std::string> allowed) -> Setter {
-    return [&field, allowed](std::string_view v) -> std::string {
-      for (const auto& a : allowed) {
-        if (v == a) {
-          field = a;
-          return "";
-        }
-      }
-      std::string list;
-      for (const auto& a : allowed) list += (list.empty() ? "" : ", ") + a;
-      return "expects one of " + list + ", got '" + std::string(v) + "'";
-    };
-  };
-  constexpr double kInf = 1e300;
-  const std::map<std::string, Setter, std::less<>> with_value = {
-      {"--preset", choice(o.preset, {"tiny", "demo", "bench"})},
-      {"--config", text(o.config_path)},
-      {"--dim", integer(o.dim, 1)},
-      {"--layers", integer(o.layers, 1)},
-      {"--heads", integer(o.heads, 1)},
-      {"--kv-heads", integer(o.kv_heads, 1)},
-      {"--ffn-dim", integer(o.ffn_dim, 1)},
-      {"--vocab", integer(o.vocab, 256)},
-      {"--seq-len", integer(o.seq_len, 1)},
-      {"--steps", integer(o.steps, 1)},
-      {"--stop-at", integer(o.stop_at, 1)},
-      {"--batch-size", integer(o.batch_size, 1)},
-      {"--lr", real(o.lr, 0, 10, true)},
-      {"--min-lr", real(o.min_lr, 0, 10, false)},
-      {"--warmup", integer(o.warmup, 0)},
-      {"--weight-decay", real(o.weight_decay, 0, kInf, false)},
-      {"--beta1", real(o.beta1, 0, 1, false)},
-      {"--beta2", real(o.beta2, 0, 1, false)},
-      {"--grad-clip", real(o.grad_clip, 0, kInf, false)},
-      {"--seed", integer(o.seed, 0)},
-      {"--data", text(o.data_path)},
-      {"--val-fraction", real(o.val_fraction, 0, 0.5, true)},
-      {"--eval-every", integer(o.eval_every, 0)},
-      {"--eval-batches", integer(o.eval_batches, 1)},
-      {"--out", text(o.out_dir)},
-      {"--ckpt-every", integer(o.ckpt_every, 0)},
-      {"--keep-ckpts", integer(o.keep_ckpts, 1)},
-      {"--log-every", integer(o.log_every, 1)},
-      {"--progress", choice(o.progress, {"auto", "bar", "lines"})},
-      {"--sample", integer(o.sample_chars, 0)},
-      {"--dp", integer(o.dp, 1)},
-      {"--dtype", choice(o.dtype, {"float32", "float64"})},
-      {"--threads", integer(o.threads, 1)},
-      {"--verify-rtol", real(o.verify_rtol, 0, 1, true)},
-  };
-  const std::map<std::string, std::function<void()>, std::less<>> flags = {
-      {"--no-sequence-parallel", [&] { o.sequence_parallel = false; }},
-      {"--no-loss-parallel", [&] { o.loss_parallel = false; }},
-      {"--verify-tp1", [&] { o.verify_tp1 = true; }},
-      {"--save-final", [&] { o.final_ckpt = true; }},
-  };
-
-  for (int i = 1; i < argc; ++i) {
-    std::string_view arg = argv[i];
-    if (arg == "-h" || arg == "--help") {
-      if (!quiet) std::cout << kUsage;
-      exit_code = 0;
-      return std::nullopt;
-    }
-    // --name=value is accepted as well as --name value.
-    std::optional<std::string_view> inline_value;
-    if (auto eq = arg.find('='); arg.starts_with("--") && eq != std::string_view::npos) {
-      inline_value = arg.substr(eq + 1);
-      arg = arg.substr(0, eq);
-    }
-    if (arg == "--resume") {
-      // The value is optional: "--resume" alone means auto.
-      if (inline_value) {
-        o.resume = std::string(*inline_value);
-      } else if (i + 1 < argc && !std::string_view(argv[i + 1]).starts_with("-")) {
-        o.resume = std::string(argv[++i]);
-      } else {
-        o.resume = "auto";
-      }
-      if (o.resume->empty()) return fail("--resume expects a checkpoint path or 'auto'");
-      continue;
-    }
-    if (auto f = flags.find(arg); f != flags.end()) {
-      if (inline_value) return fail(std::string(arg) + " takes no value");
-      f->second();
-      continue;
-    }
-    auto s = with_value.find(arg);
-    if (s == with_value.end()) return fail("unknown option '" + std::string(argv[i]) + "'");
-    std::string_view value;
-    if (inline_value) {
-      value = *inline_value;
-    } else if (i + 1 < argc) {
-      value = argv[++i];
-    } else {
-      return fail(std::string(arg) + " needs a value");
-    }
-    if (auto err = s->second(value); !err.empty()) return fail(std::string(arg) + " " + err);
   }
   if (o.min_lr && o.lr && *o.min_lr > *o.lr) {
-    return fail("--min-lr (" + std::to_string(*o.min_lr) + ") is larger than --lr (" +
-                std::to_string(*o.lr) + ")");
+    exit_code = cli::usage_error(app,
+                                 "--min-lr (" + std::to_string(*o.min_lr) +
+                                     ") is larger than --lr (" + std::to_string(*o.lr) + ")",
+                                 quiet);
+    return std::nullopt;
   }
   if (o.warmup && o.steps && *o.warmup > *o.steps) {
-    return fail("--warmup (" + std::to_string(*o.warmup) + ") is longer than --steps (" +
-                std::to_string(*o.steps) + ")");
+    exit_code = cli::usage_error(app,
+                                 "--warmup (" + std::to_string(*o.warmup) +
+                                     ") is longer than --steps (" + std::to_string(*o.steps) + ")",
+                                 quiet);
+    return std::nullopt;
   }
   return o;
 }

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <iomanip>
 #include <sstream>
 #include <stdexcept>
 
@@ -83,6 +84,10 @@ RunConfig resolve_run_config(const TrainOptions& o, int64_t world_size) {
   c.verify_rtol = o.verify_rtol.value_or(c.dtype == c10::kDouble ? 1e-9 : 1e-4);
   c.sequence_parallel = o.sequence_parallel;
   c.loss_parallel = o.loss_parallel;
+  if (!o.plan_path.empty()) {
+    c.plan = read_plan_file(o.plan_path);
+    c.sequence_parallel = c.plan->sequence_parallel;
+  }
 
   c.world_size = world_size;
   c.dp = o.dp;
@@ -121,7 +126,9 @@ std::string RunConfig::to_json() const {
      << ", \"dtype\": \"" << (dtype == c10::kDouble ? "float64" : "float32") << "\""
      << ", \"world_size\": " << world_size << ", \"dp\": " << dp << ", \"tp\": " << tp
      << ", \"sequence_parallel\": " << (sequence_parallel ? "true" : "false")
-     << ", \"loss_parallel\": " << (loss_parallel ? "true" : "false") << "}\n}\n";
+     << ", \"loss_parallel\": " << (loss_parallel ? "true" : "false");
+  if (plan) js << ", \"plan\": " << std::quoted(plan->path);
+  js << "}\n}\n";
   return js.str();
 }
 

@@ -6,11 +6,13 @@
 #include <c10/core/ScalarType.h>
 
 #include <cstdint>
+#include <optional>
 #include <string>
 
 #include "dtensor/models/llama.h"
 #include "lr_schedule.h"
 #include "options.h"
+#include "plan_file.h"
 
 namespace dtensor::train {
 
@@ -33,6 +35,7 @@ struct RunConfig {
   int64_t world_size = 1, dp = 1, tp = 1;
   bool sequence_parallel = true;
   bool loss_parallel = true;
+  std::optional<PlanFile> plan;  // --plan: used instead of the built-in Llama plan
   double verify_rtol = 1e-4;
 
   int64_t tokens_per_step() const { return batch_size * seq_len; }

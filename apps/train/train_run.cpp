@@ -64,7 +64,9 @@ std::string model_line(const RunConfig& c) {
 std::string parallel_line(const RunConfig& c, int64_t threads) {
   std::ostringstream s;
   s << "TP=" << c.tp;
-  if (c.tp > 1) {
+  if (c.plan) {
+    s << " (plan " << c.plan->path << ")";
+  } else if (c.tp > 1) {
     s << " (" << (c.sequence_parallel ? "sequence parallel" : "no sequence parallel") << ", "
       << (c.loss_parallel ? "loss parallel" : "gathered logits") << ")";
   }
@@ -85,235 +87,284 @@ double median(std::vector<double> v) {
   return v[v.size() / 2];
 }
 
-}  // namespace
+// One run, step by step: set up (data, ranks, model, resume), train, finish (checkpoint, plot,
+// sample), report, and optionally verify against one device.
+class TrainingRun {
+ public:
+  TrainingRun(const TrainOptions& o, const comm::LaunchEnv& env, RunConfig cfg,
+              Clock::time_point wall_start)
+      : o_(o),
+        cfg_(std::move(cfg)),
+        rank0_(env.rank == 0),
+        wall_start_(wall_start),
+        file_text_(o.data_path.empty() ? std::string() : read_text_file(o.data_path)),
+        split_(split_tokens(tokenizer_.encode(o.data_path.empty() ? default_corpus() : file_text_),
+                            o.val_fraction, cfg_.seq_len)),
+        train_batches_(&split_.train, cfg_.batch_size, cfg_.seq_len, cfg_.seed, kTrainStream),
+        val_batches_(&split_.val, cfg_.batch_size, cfg_.seq_len, cfg_.seed, kValStream),
+        trainer_(cfg_, join_ranks(env, cfg_)),
+        out_dir_(o.out_dir),
+        checkpoints_((out_dir_ / "checkpoints").string(), static_cast<int>(o.keep_ckpts)),
+        tty_(o.progress == "bar" || (o.progress == "auto" && ProgressBar::stderr_is_tty())),
+        bar_(rank0_ ? std::cerr : null_stream_, tty_,
+             o.log_every > 0 ? o.log_every : std::max<int64_t>(1, cfg_.steps / 20)) {}
 
-int run_training(const TrainOptions& o, const comm::LaunchEnv& env) {
-  const auto wall_start = Clock::now();
-  const bool rank0 = env.rank == 0;
-  RunConfig cfg;
-  try {
-    cfg = resolve_run_config(o, env.world_size);
-  } catch (const std::exception& e) {
-    // The same on every rank, decided before any rank meets another: rank 0 explains.
-    if (rank0) std::cerr << "dtensor_train: " << e.what() << std::endl;
-    return 2;
+  int run() {
+    prepare_output_and_resume();
+    if (rank0_) print_header();
+    if (const int status = train(); status != 0) return status;
+    finish_training();
+    const std::string sample = generate_sample();
+    if (rank0_) print_summary(sample);
+    return o_.verify_tp1 && rank0_ ? verify_tp1() : 0;
   }
-  at::set_num_threads(static_cast<int>(o.threads));
 
-  // Data: identical on every rank, so no rank needs to send batches to another.
-  const ByteTokenizer tokenizer;
-  const std::string file_text = o.data_path.empty() ? std::string() : read_text_file(o.data_path);
-  const std::string& text = o.data_path.empty() ? default_corpus() : file_text;
-  const TokenSplit split = split_tokens(tokenizer.encode(text), o.val_fraction, cfg.seq_len);
-  const BatchSampler train_batches(&split.train, cfg.batch_size, cfg.seq_len, cfg.seed,
-                                   kTrainStream);
-  const BatchSampler val_batches(&split.val, cfg.batch_size, cfg.seq_len, cfg.seed, kValStream);
-
-  // Ranks. Alone (no launcher variables) any free port does for the store.
-  if (env.world_size == 1 && env.source == "default" && std::getenv("MASTER_PORT") == nullptr) {
-    ::setenv("MASTER_PORT", "0", 1);
+ private:
+  // The ranks meet here (every rank has read the same data first). Alone (no launcher
+  // variables) any free port does for the store.
+  static DeviceMesh join_ranks(const comm::LaunchEnv& env, const RunConfig& cfg) {
+    if (env.world_size == 1 && env.source == "default" && std::getenv("MASTER_PORT") == nullptr) {
+      ::setenv("MASTER_PORT", "0", 1);
+    }
+    comm::init_process_group();
+    return cfg.dp > 1 ? init_device_mesh("cpu", {cfg.dp, cfg.tp}, {"dp", "tp"})
+                      : init_device_mesh("cpu", {cfg.tp}, {"tp"});
   }
-  comm::init_process_group();
-  const DeviceMesh mesh = cfg.dp > 1 ? init_device_mesh("cpu", {cfg.dp, cfg.tp}, {"dp", "tp"})
-                                     : init_device_mesh("cpu", {cfg.tp}, {"tp"});
-  Trainer trainer(cfg, mesh);
 
-  const fs::path out_dir = o.out_dir;
-  if (rank0) {
-    fs::create_directories(out_dir);
-    std::ofstream(out_dir / "config.json") << cfg.to_json();
-  }
-  models::CheckpointManager checkpoints((out_dir / "checkpoints").string(),
-                                        static_cast<int>(o.keep_ckpts));
-
-  int64_t start_step = 0;
-  std::string resumed_from;
-  if (o.resume) {
-    const Resumed resumed = resume_training(*o.resume, checkpoints, trainer);
-    resumed_from = resumed.path;
-    start_step = resumed.step;
-    if (start_step > cfg.steps) {
-      throw std::runtime_error("checkpoint " + resumed_from + " is at step " +
-                               std::to_string(start_step) + ", beyond --steps " +
-                               std::to_string(cfg.steps));
+  void prepare_output_and_resume() {
+    if (rank0_) {
+      fs::create_directories(out_dir_);
+      std::ofstream(out_dir_ / "config.json") << cfg_.to_json();
+    }
+    if (o_.resume) {
+      const Resumed resumed = resume_training(*o_.resume, checkpoints_, trainer_);
+      resumed_from_ = resumed.path;
+      start_step_ = resumed.step;
+      if (start_step_ > cfg_.steps) {
+        throw std::runtime_error("checkpoint " + resumed_from_ + " is at step " +
+                                 std::to_string(start_step_) + ", beyond --steps " +
+                                 std::to_string(cfg_.steps));
+      }
+    }
+    // The single-device check starts where this run starts.
+    if (o_.verify_tp1 && rank0_) reference_.emplace(make_reference_trainer(cfg_, resumed_from_));
+    if (rank0_) {
+      metrics_.emplace((out_dir_ / "metrics.csv").string(), o_.resume ? start_step_ : -1);
     }
   }
 
-  // The single-device check starts where this run starts.
-  std::optional<Trainer> reference;
-  if (o.verify_tp1 && rank0) reference.emplace(make_reference_trainer(cfg, resumed_from));
-
-  std::optional<MetricsWriter> metrics;
-  if (rank0) metrics.emplace((out_dir / "metrics.csv").string(), o.resume ? start_step : -1);
-  const bool tty = o.progress == "bar" || (o.progress == "auto" && ProgressBar::stderr_is_tty());
-  const int64_t log_every = o.log_every > 0 ? o.log_every : std::max<int64_t>(1, cfg.steps / 20);
-  std::ostream null_stream(nullptr);
-  ProgressBar bar(rank0 ? std::cerr : null_stream, tty, log_every);
-
-  if (rank0) {
+  void print_header() const {
     std::printf("dtensor_train\n");
-    print_row("model", model_line(cfg));
-    print_row("parallelism", parallel_line(cfg, o.threads));
-    print_row("data", (o.data_path.empty() ? std::string("built-in corpus") : o.data_path) + ": " +
-                          grouped(static_cast<int64_t>(split.train.size())) + " train / " +
-                          grouped(static_cast<int64_t>(split.val.size())) +
+    print_row("model", model_line(cfg_));
+    print_row("parallelism", parallel_line(cfg_, o_.threads));
+    print_row("data", (o_.data_path.empty() ? std::string("built-in corpus") : o_.data_path) +
+                          ": " + grouped(static_cast<int64_t>(split_.train.size())) + " train / " +
+                          grouped(static_cast<int64_t>(split_.val.size())) +
                           " validation tokens (bytes)");
-    print_row("schedule", std::to_string(cfg.steps) + " steps of " +
-                              std::to_string(cfg.batch_size) + " x " + std::to_string(cfg.seq_len) +
-                              " tokens, AdamW lr " + fmt("%.2g", cfg.schedule.lr) + " (warmup " +
-                              std::to_string(cfg.schedule.warmup) + ", cosine to " +
-                              fmt("%.2g", cfg.schedule.min_lr) + "), weight decay " +
-                              fmt("%g", cfg.weight_decay) + ", clip " + fmt("%g", cfg.grad_clip));
-    if (!resumed_from.empty()) {
-      print_row("resumed", resumed_from + " (step " + std::to_string(start_step) + ")");
+    print_row("schedule", std::to_string(cfg_.steps) + " steps of " +
+                              std::to_string(cfg_.batch_size) + " x " +
+                              std::to_string(cfg_.seq_len) + " tokens, AdamW lr " +
+                              fmt("%.2g", cfg_.schedule.lr) + " (warmup " +
+                              std::to_string(cfg_.schedule.warmup) + ", cosine to " +
+                              fmt("%.2g", cfg_.schedule.min_lr) + "), weight decay " +
+                              fmt("%g", cfg_.weight_decay) + ", clip " + fmt("%g", cfg_.grad_clip));
+    if (!resumed_from_.empty()) {
+      print_row("resumed", resumed_from_ + " (step " + std::to_string(start_step_) + ")");
     }
     std::fflush(stdout);
   }
 
-  std::vector<double> losses, step_seconds;
-  double first_loss = std::numeric_limits<double>::quiet_NaN(), last_loss = first_loss;
-  double last_val = first_loss;
-  double train_s = 0, eval_s = 0, ckpt_s = 0;
-  int64_t last_ckpt_step = -1;
-  auto save = [&](int64_t steps_done) {
+  void save(int64_t steps_done) {
     const auto t = Clock::now();
     const std::string path =
-        save_training_checkpoint(checkpoints, trainer, steps_done, cfg.to_json());
-    ckpt_s += seconds_since(t);
-    last_ckpt_step = steps_done;
-    bar.message("checkpoint " + path);
-  };
+        save_training_checkpoint(checkpoints_, trainer_, steps_done, cfg_.to_json());
+    ckpt_s_ += seconds_since(t);
+    last_ckpt_step_ = steps_done;
+    bar_.message("checkpoint " + path);
+  }
 
-  for (int64_t step = start_step; step < cfg.stop_at; ++step) {
-    const Batch batch = train_batches.get(step);
-    const auto t0 = Clock::now();
-    const StepStats s = trainer.train_step(step, batch);
-    const double dt = seconds_since(t0);
-    train_s += dt;
-    step_seconds.push_back(dt);
-    losses.push_back(s.loss);
-    if (std::isnan(first_loss)) first_loss = s.loss;
-    last_loss = s.loss;
-    if (!std::isfinite(s.loss)) {
-      bar.finish();
-      if (rank0) {
-        std::cerr << "dtensor_train: the loss is " << s.loss << " at step " << step + 1 << " (lr "
-                  << s.lr << "): training diverged; try a smaller --lr or --grad-clip" << std::endl;
+  double evaluate() {
+    const auto t = Clock::now();
+    last_val_ = trainer_.evaluate(val_batches_, cfg_.eval_batches);
+    eval_s_ += seconds_since(t);
+    return last_val_;
+  }
+
+  // Returns 0, or 4 when the loss stops being finite.
+  int train() {
+    for (int64_t step = start_step_; step < cfg_.stop_at; ++step) {
+      const Batch batch = train_batches_.get(step);
+      const auto t0 = Clock::now();
+      const StepStats s = trainer_.train_step(step, batch);
+      const double dt = seconds_since(t0);
+      train_s_ += dt;
+      step_seconds_.push_back(dt);
+      losses_.push_back(s.loss);
+      if (!std::isfinite(s.loss)) {
+        bar_.finish();
+        if (rank0_) {
+          std::cerr << "dtensor_train: the loss is " << s.loss << " at step " << step + 1 << " (lr "
+                    << s.lr << "): training diverged; try a smaller --lr or --grad-clip"
+                    << std::endl;
+        }
+        return 4;
       }
-      return 4;
+      record_step(step, s, dt);
+      if (o_.ckpt_every > 0 && (step + 1) % o_.ckpt_every == 0) save(step + 1);
     }
+    bar_.finish();
+    return 0;
+  }
 
+  // Metrics row (with a validation loss when one is due) and the progress display.
+  void record_step(int64_t step, const StepStats& s, double dt) {
     MetricsRow row;
     row.step = step + 1;
     row.loss = s.loss;
     row.lr = s.lr;
     row.step_ms = dt * 1e3;
-    row.tokens_per_s = static_cast<double>(cfg.tokens_per_step()) / dt;
+    row.tokens_per_s = static_cast<double>(cfg_.tokens_per_step()) / dt;
     row.grad_norm = s.grad_norm;
-    const bool last = step + 1 == cfg.stop_at;
-    if (last || (cfg.eval_every > 0 && (step + 1) % cfg.eval_every == 0)) {
-      const auto t = Clock::now();
-      row.val_loss = trainer.evaluate(val_batches, cfg.eval_batches);
-      eval_s += seconds_since(t);
-      last_val = *row.val_loss;
-      bar.message("step " + std::to_string(step + 1) + ": validation loss " +
-                  fmt("%.4f", last_val));
+    const bool last = step + 1 == cfg_.stop_at;
+    if (last || (cfg_.eval_every > 0 && (step + 1) % cfg_.eval_every == 0)) {
+      row.val_loss = evaluate();
+      bar_.message("step " + std::to_string(step + 1) + ": validation loss " +
+                   fmt("%.4f", last_val_));
     }
-    if (metrics) metrics->write(row);
+    if (metrics_) metrics_->write(row);
 
     // Rate and ETA from the recent steps: the first ones are slower (allocations, caches).
-    const size_t recent = std::min<size_t>(step_seconds.size(), 10);
+    const size_t recent = std::min<size_t>(step_seconds_.size(), 10);
     double recent_s = 0;
-    for (size_t i = step_seconds.size() - recent; i < step_seconds.size(); ++i) {
-      recent_s += step_seconds[i];
+    for (size_t i = step_seconds_.size() - recent; i < step_seconds_.size(); ++i) {
+      recent_s += step_seconds_[i];
     }
     const double mean_step = recent_s / static_cast<double>(recent);
-    bar.update({step + 1, cfg.stop_at, s.loss,
-                static_cast<double>(cfg.tokens_per_step()) / mean_step, s.lr,
-                mean_step * static_cast<double>(cfg.stop_at - step - 1)});
-    if (o.ckpt_every > 0 && (step + 1) % o.ckpt_every == 0) save(step + 1);
-  }
-  bar.finish();
-  if (o.final_ckpt && !losses.empty() && last_ckpt_step != cfg.stop_at) save(cfg.stop_at);
-  if (losses.empty()) {
-    const auto t = Clock::now();
-    last_val = trainer.evaluate(val_batches, cfg.eval_batches);
-    eval_s += seconds_since(t);
+    bar_.update({step + 1, cfg_.stop_at, s.loss,
+                 static_cast<double>(cfg_.tokens_per_step()) / mean_step, s.lr,
+                 mean_step * static_cast<double>(cfg_.stop_at - step - 1)});
   }
 
-  if (rank0 && metrics) {
-    write_loss_curve_svg((out_dir / "loss.svg").string(), metrics->rows(),
-                         "dtensor_train: " + cfg.model_source + ", TP=" + std::to_string(cfg.tp) +
-                             (cfg.dp > 1 ? " x DP=" + std::to_string(cfg.dp) : std::string()));
+  void finish_training() {
+    if (o_.final_ckpt && !losses_.empty() && last_ckpt_step_ != cfg_.stop_at) save(cfg_.stop_at);
+    if (losses_.empty()) evaluate();
+    if (rank0_ && metrics_) {
+      write_loss_curve_svg((out_dir_ / "loss.svg").string(), metrics_->rows(),
+                           "dtensor_train: " + cfg_.model_source +
+                               ", TP=" + std::to_string(cfg_.tp) +
+                               (cfg_.dp > 1 ? " x DP=" + std::to_string(cfg_.dp) : std::string()));
+    }
   }
 
   // A sample of what the model writes now (every rank takes part in the forward passes).
-  std::string sample;
-  if (o.sample_chars > 0) {
-    const std::vector<int64_t> prompt(split.val.begin(),
-                                      split.val.begin() + std::min<int64_t>(16, cfg.seq_len));
-    sample = tokenizer.decode(prompt) +
-             tokenizer.decode(trainer.generate(prompt, o.sample_chars, 0.8, cfg.seed));
+  std::string generate_sample() {
+    if (o_.sample_chars <= 0) return "";
+    const std::vector<int64_t> prompt(split_.val.begin(),
+                                      split_.val.begin() + std::min<int64_t>(16, cfg_.seq_len));
+    return tokenizer_.decode(prompt) +
+           tokenizer_.decode(trainer_.generate(prompt, o_.sample_chars, 0.8, cfg_.seed));
   }
 
-  if (rank0) {
+  void print_summary(const std::string& sample) const {
     std::printf("\nsummary\n");
-    print_row("model", model_line(cfg));
-    print_row("parallelism", parallel_line(cfg, o.threads));
-    if (!losses.empty()) {
-      print_row("steps", std::to_string(start_step + 1) + " to " + std::to_string(cfg.stop_at) +
-                             " of " + std::to_string(cfg.steps) + ", " +
-                             grouped(cfg.tokens_per_step()) + " tokens each (" +
-                             grouped(cfg.tokens_per_step() * static_cast<int64_t>(losses.size())) +
-                             " tokens)");
-      print_row("loss", fmt("%.4f", first_loss) + " -> " + fmt("%.4f", last_loss) +
-                            " (validation " + fmt("%.4f", last_val) + ")");
-      const double med = median(step_seconds);
-      print_row("throughput", format_count(static_cast<double>(cfg.tokens_per_step()) / med) +
-                                  " tokens/s, " + fmt("%.1f", med * 1e3) + " ms/step (median)");
+    print_row("model", model_line(cfg_));
+    print_row("parallelism", parallel_line(cfg_, o_.threads));
+    if (!losses_.empty()) {
+      const int64_t tokens = cfg_.tokens_per_step();
+      print_row("steps", std::to_string(start_step_ + 1) + " to " + std::to_string(cfg_.stop_at) +
+                             " of " + std::to_string(cfg_.steps) + ", " + grouped(tokens) +
+                             " tokens each (" +
+                             grouped(tokens * static_cast<int64_t>(losses_.size())) + " tokens)");
+      print_row("loss", fmt("%.4f", losses_.front()) + " -> " + fmt("%.4f", losses_.back()) +
+                            " (validation " + fmt("%.4f", last_val_) + ")");
+      const double med = median(step_seconds_);
+      print_row("throughput", format_count(static_cast<double>(tokens) / med) + " tokens/s, " +
+                                  fmt("%.1f", med * 1e3) + " ms/step (median)");
     } else {
-      print_row("steps", "none: the checkpoint is at step " + std::to_string(start_step));
-      print_row("loss", "validation " + fmt("%.4f", last_val));
+      print_row("steps", "none: the checkpoint is at step " + std::to_string(start_step_));
+      print_row("loss", "validation " + fmt("%.4f", last_val_));
     }
-    print_row("time", fmt("%.1f", seconds_since(wall_start)) + " s: " + fmt("%.1f", train_s) +
-                          " s training, " + fmt("%.1f", eval_s) + " s evaluation" +
-                          (ckpt_s > 0 ? ", " + fmt("%.1f", ckpt_s) + " s checkpoints" : ""));
-    std::string files = (out_dir / "metrics.csv").string() + ", " +
-                        (out_dir / "loss.svg").string() + ", " + (out_dir / "config.json").string();
-    if (last_ckpt_step >= 0) files += ", " + checkpoints.path_for(last_ckpt_step);
+    print_row("time", fmt("%.1f", seconds_since(wall_start_)) + " s: " + fmt("%.1f", train_s_) +
+                          " s training, " + fmt("%.1f", eval_s_) + " s evaluation" +
+                          (ckpt_s_ > 0 ? ", " + fmt("%.1f", ckpt_s_) + " s checkpoints" : ""));
+    std::string files = (out_dir_ / "metrics.csv").string() + ", " +
+                        (out_dir_ / "loss.svg").string() + ", " +
+                        (out_dir_ / "config.json").string();
+    if (last_ckpt_step_ >= 0) files += ", " + checkpoints_.path_for(last_ckpt_step_);
     print_row("files", files);
     if (!sample.empty()) std::printf("\nsample (temperature 0.8):\n%s\n", sample.c_str());
     std::fflush(stdout);
   }
 
-  int status = 0;
-  if (o.verify_tp1 && rank0) {
+  // Rank 0 re-runs the steps on one device; returns 3 on a mismatch.
+  int verify_tp1() {
     // As many threads as a rank had: more would be faster on idle cores but, with OpenMP
     // spinning, much slower while anything else (a build) runs.
-    const int64_t verify_threads = o.threads;
+    const int64_t threads = o_.threads;
     std::printf(
         "\nverify-tp1: the same %zu steps on one device with plain LibTorch (%lld thread%s)\n",
-        losses.size(), static_cast<long long>(verify_threads), verify_threads > 1 ? "s" : "");
+        losses_.size(), static_cast<long long>(threads), threads > 1 ? "s" : "");
     std::fflush(stdout);
-    ProgressBar vbar(std::cerr, tty, std::max<int64_t>(1, static_cast<int64_t>(losses.size()) / 4));
+    ProgressBar vbar(std::cerr, tty_,
+                     std::max<int64_t>(1, static_cast<int64_t>(losses_.size()) / 4));
     const auto t = Clock::now();
     const auto report = verify_against_one_device(
-        *reference, train_batches, losses, start_step, cfg.verify_rtol,
+        *reference_, train_batches_, losses_, start_step_, cfg_.verify_rtol,
         [&](int64_t done, int64_t total, double loss) {
           const double per_step = seconds_since(t) / static_cast<double>(done);
-          vbar.update({done, total, loss, static_cast<double>(cfg.tokens_per_step()) / per_step,
-                       cfg.schedule.at(start_step + done - 1),
+          vbar.update({done, total, loss, static_cast<double>(cfg_.tokens_per_step()) / per_step,
+                       cfg_.schedule.at(start_step_ + done - 1),
                        per_step * static_cast<double>(total - done)});
         });
     vbar.finish();
     std::ostringstream table;
-    print_verify_report(table, report, cfg.tp);
+    print_verify_report(table, report, cfg_.tp);
     std::printf("%s", table.str().c_str());
     std::printf("verify-tp1: %.1f s\n", seconds_since(t));
     std::fflush(stdout);
-    if (!report.passed) status = 3;
+    return report.passed ? 0 : 3;
   }
-  return status;
+
+  const TrainOptions& o_;
+  const RunConfig cfg_;
+  const bool rank0_;
+  const Clock::time_point wall_start_;
+  // Data: identical on every rank, so no rank needs to send batches to another.
+  const ByteTokenizer tokenizer_{};
+  const std::string file_text_;
+  const TokenSplit split_;
+  const BatchSampler train_batches_, val_batches_;
+  Trainer trainer_;
+  const fs::path out_dir_;
+  models::CheckpointManager checkpoints_;
+  int64_t start_step_ = 0;
+  std::string resumed_from_;
+  std::optional<Trainer> reference_;
+  std::optional<MetricsWriter> metrics_;
+  const bool tty_;
+  std::ostream null_stream_{nullptr};
+  ProgressBar bar_;
+
+  std::vector<double> losses_, step_seconds_;
+  double last_val_ = std::numeric_limits<double>::quiet_NaN();
+  double train_s_ = 0, eval_s_ = 0, ckpt_s_ = 0;
+  int64_t last_ckpt_step_ = -1;
+};
+
+}  // namespace
+
+int run_training(const TrainOptions& o, const comm::LaunchEnv& env) {
+  const auto wall_start = Clock::now();
+  RunConfig cfg;
+  try {
+    cfg = resolve_run_config(o, env.world_size);
+  } catch (const std::exception& e) {
+    // The same on every rank, decided before any rank meets another: rank 0 explains.
+    if (env.rank == 0) std::cerr << "dtensor_train: " << e.what() << std::endl;
+    return 2;
+  }
+  at::set_num_threads(static_cast<int>(o.threads));
+  return TrainingRun(o, env, std::move(cfg), wall_start).run();
 }
 
 }  // namespace dtensor::train

@@ -22,10 +22,14 @@ Trainer::Trainer(const RunConfig& config, std::optional<DeviceMesh> mesh)
   model_->init_weights(config_.seed);
   if (mesh_) {
     const DeviceMesh tp_mesh = mesh_->ndim() == 1 ? *mesh_ : (*mesh_)["tp"];
-    models::TensorParallelOptions tp;
-    tp.sequence_parallel = config_.sequence_parallel;
-    tp.loss_parallel = config_.loss_parallel;
-    models::apply_tensor_parallel(*model_, tp_mesh, tp);
+    if (config_.plan) {
+      apply_plan_file(*model_, tp_mesh, *config_.plan);
+    } else {
+      models::TensorParallelOptions tp;
+      tp.sequence_parallel = config_.sequence_parallel;
+      tp.loss_parallel = config_.loss_parallel;
+      models::apply_tensor_parallel(*model_, tp_mesh, tp);
+    }
   }
 
   // Decay the matrices (projections and embeddings), not the norm weights, as GPT-style

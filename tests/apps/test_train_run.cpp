@@ -18,6 +18,7 @@
 #include <thread>
 #include <vector>
 
+#include "support/errors.h"
 #include "support/temp_dir.h"
 #include "train/metrics.h"
 
@@ -82,6 +83,12 @@ Result train(int ranks, std::vector<std::string> args) {
                                   DTENSOR_TRAIN_PATH, "--preset", "tiny"};
   cmd.insert(cmd.end(), args.begin(), args.end());
   return run(cmd);
+}
+
+size_t count(const std::string& text, const std::string& part) {
+  size_t n = 0;
+  for (size_t p = text.find(part); p != std::string::npos; p = text.find(part, p + 1)) ++n;
+  return n;
 }
 
 std::string read_file(const std::string& path) {
@@ -180,4 +187,73 @@ TEST(TrainRun, RunsAloneWithoutALauncher) {
   ASSERT_EQ(r.exit_code, 0) << r.output;
   EXPECT_EQ(read_metrics_csv(dir.file("alone/metrics.csv")).size(), 2u);
   EXPECT_NE(r.output.find("TP=1"), std::string::npos) << r.output;
+}
+
+TEST(TrainRun, PlanFileEqualToTheBuiltInPlanTrainsToTheSameLosses) {
+  TempDir dir;
+  const std::string plan = std::string(DTENSOR_TRAIN_PLANS) + "/llama_tp.json";
+  const auto builtin = train(2, {"--steps", "2", "--out", dir.file("builtin")});
+  ASSERT_EQ(builtin.exit_code, 0) << builtin.output;
+  const auto from_file = train(2, {"--steps", "2", "--plan", plan, "--out", dir.file("file")});
+  ASSERT_EQ(from_file.exit_code, 0) << from_file.output;
+  EXPECT_CONTAINS(from_file.output, "TP=2 (plan " + plan + ")");
+  EXPECT_CONTAINS(read_file(dir.file("file/config.json")), "\"plan\": \"" + plan + "\"");
+  const auto a = read_metrics_csv(dir.file("builtin/metrics.csv"));
+  const auto b = read_metrics_csv(dir.file("file/metrics.csv"));
+  ASSERT_EQ(a.size(), 2u);
+  ASSERT_EQ(b.size(), 2u);
+  for (size_t i = 0; i < 2; ++i) {
+    EXPECT_EQ(b[i].loss, a[i].loss) << "step " << i + 1;  // the same plan: the same numbers
+    EXPECT_EQ(b[i].grad_norm, a[i].grad_norm) << "step " << i + 1;
+  }
+}
+
+TEST(TrainRun, PlanFileWithAnotherPlanMatchesOneDevice) {
+  // Megatron's plan as the file gives it: activations replicated between blocks and the logits
+  // gathered (no sequence or loss parallelism).
+  TempDir dir;
+  std::ofstream(dir.file("megatron.json")) << R"json({
+    "tok_embeddings": "RowwiseParallel(input_layouts=Replicate())",
+    "output": "ColwiseParallel(output_layouts=Replicate())",
+    "layers.*.attention.wq": "ColwiseParallel()",
+    "layers.*.attention.wk": "ColwiseParallel()",
+    "layers.*.attention.wv": "ColwiseParallel()",
+    "layers.*.attention.wo": "RowwiseParallel()",
+    "layers.*.feed_forward.w1": "ColwiseParallel()",
+    "layers.*.feed_forward.w2": "RowwiseParallel()",
+    "layers.*.feed_forward.w3": "ColwiseParallel()"
+  })json";
+  const auto r = train(2, {"--steps", "3", "--plan", dir.file("megatron.json"), "--out",
+                           dir.file("run"), "--verify-tp1"});
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_CONTAINS(r.output, "verify-tp1: PASSED");
+}
+
+TEST(TrainRun, BadPlanFileFailsOnceNamingTheFileAndTheEntry) {
+  TempDir dir;
+  const std::string bad = dir.file("bad.json");
+  std::ofstream(bad) << R"json({"layers.*.attention.wq": "ColwiseParallel()",
+    "layers.*.attention.wo": "RowwiseParallel(output_layout=Shard(1))"})json";
+  auto r = train(2, {"--steps", "1", "--plan", bad, "--out", dir.file("run")});
+  EXPECT_EQ(r.exit_code, 2) << r.output;
+  const std::string named = "--plan " + bad + ": entry \"layers.*.attention.wo\"";
+  EXPECT_EQ(count(r.output, named), 1u) << r.output;  // said once, by rank 0
+  EXPECT_CONTAINS(r.output, "unknown style arguments: output_layout");
+
+  const std::string broken = dir.file("broken.json");
+  std::ofstream(broken) << R"json({"output": )json";
+  r = train(2, {"--steps", "1", "--plan", broken, "--out", dir.file("run")});
+  EXPECT_EQ(r.exit_code, 2) << r.output;
+  EXPECT_CONTAINS(r.output, "--plan " + broken + ": not valid JSON");
+
+  const std::string not_text = dir.file("not_text.json");
+  std::ofstream(not_text) << R"json({"output": 3})json";
+  r = train(2, {"--steps", "1", "--plan", not_text, "--out", dir.file("run")});
+  EXPECT_EQ(r.exit_code, 2) << r.output;
+  EXPECT_CONTAINS(r.output,
+                  "--plan " + not_text + ": entry \"output\": the style must be a string");
+
+  r = train(2, {"--steps", "1", "--plan", dir.file("missing.json"), "--out", dir.file("run")});
+  EXPECT_EQ(r.exit_code, 2) << r.output;
+  EXPECT_CONTAINS(r.output, "--plan " + dir.file("missing.json") + ": cannot open the file");
 }

@@ -13,12 +13,14 @@
 #include <string>
 #include <vector>
 
+#include "dtensor/tp/parse_style.h"
 #include "support/temp_dir.h"
 #include "train/corpus.h"
 #include "train/loss_plot.h"
 #include "train/lr_schedule.h"
 #include "train/metrics.h"
 #include "train/options.h"
+#include "train/plan_file.h"
 #include "train/progress.h"
 #include "train/run_config.h"
 #include "train/tokenizer.h"
@@ -318,6 +320,10 @@ TEST(TrainOptions, ParsesEveryKindOfOption) {
   o = parse({"--resume", "runs/x/checkpoints/step_00000003.safetensors"}, code);
   ASSERT_TRUE(o.has_value());
   EXPECT_EQ(o->resume, "runs/x/checkpoints/step_00000003.safetensors");
+  // Given twice, an option takes its last value (a script's default, then the user's).
+  o = parse({"--steps", "3", "--preset", "tiny", "--steps", "4"}, code);
+  ASSERT_TRUE(o.has_value());
+  EXPECT_EQ(o->steps, 4);
 }
 
 TEST(TrainOptions, RejectsUnknownFlagsAndBadValuesClearly) {
@@ -389,4 +395,25 @@ TEST(TrainRunConfig, PresetDefaultsOverridesAndTpChecks) {
   TempDir dir;
   std::ofstream(dir.file("bad.json")) << "{\"dimm\": 3}";
   expect_error({"--config", dir.file("bad.json")}, 1, "dimm");
+}
+
+TEST(TrainPlanFile, TheShippedPlanParsesInFileOrder) {
+  int code = -1;
+  const std::string path = std::string(DTENSOR_TRAIN_PLANS) + "/llama_tp.json";
+  auto o = parse({"--plan", path}, code);
+  ASSERT_TRUE(o.has_value());
+  EXPECT_EQ(o->plan_path, path);
+  const PlanFile file = read_plan_file(o->plan_path);
+  ASSERT_EQ(file.plan.size(), 14u);
+  EXPECT_EQ(file.plan.front().first, "tok_embeddings");
+  EXPECT_EQ(file.plan[2].first, "output");
+  EXPECT_EQ(file.plan.back().first, "layers.*.feed_forward.w3");
+  EXPECT_TRUE(file.sequence_parallel);
+  // What a style prints reads back to the same style.
+  for (const auto& [key, style] : file.plan) {
+    EXPECT_EQ(dtensor::tp::parse_style(style.repr()).repr(), style.repr()) << key;
+  }
+  const auto config = resolve_run_config(*o, 2);
+  ASSERT_TRUE(config.plan.has_value());
+  EXPECT_EQ(config.plan->plan.size(), 14u);
 }

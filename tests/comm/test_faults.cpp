@@ -3,9 +3,7 @@
 // first collective whose fingerprints differ. No rank may hang, none may fail alone.
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
-#include <netinet/in.h>
 #include <signal.h>
-#include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -17,6 +15,7 @@
 
 #include "dtensor/comm/failure.h"
 #include "dtensor/dtensor.h"
+#include "launch/local_ranks.h"
 #include "support/errors.h"
 #include "support/rank_outcomes.h"
 
@@ -39,19 +38,6 @@ dtensor::testing::RunOptions no_init() {
 std::chrono::steady_clock::time_point now() { return std::chrono::steady_clock::now(); }
 double seconds_since(std::chrono::steady_clock::time_point t) {
   return std::chrono::duration<double>(now() - t).count();
-}
-
-int free_port() {
-  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  a.sin_port = 0;
-  ::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a));
-  socklen_t len = sizeof(a);
-  ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
-  ::close(fd);
-  return ntohs(a.sin_port);
 }
 
 // Rank `rank` of a job whose store rank 0 hosts at `port` (as without torchrun's agent).
@@ -117,7 +103,7 @@ void loop(int iterations, const std::function<void(int)>& fault) {
 // ---- rendezvous ------------------------------------------------------------------------------
 
 TEST(RendezvousFaults, RankWithoutRankZeroFailsWithinTheTimeoutNamingRankZero) {
-  const int port = free_port();
+  const int port = dtensor::launch::free_port();
   auto out = traced(run_ranks_collect(
       1,
       [port](int) {
@@ -133,7 +119,7 @@ TEST(RendezvousFaults, RankWithoutRankZeroFailsWithinTheTimeoutNamingRankZero) {
 }
 
 TEST(RendezvousFaults, WorldSizeMismatchIsNamedOnEveryRank) {
-  const int port = free_port();
+  const int port = dtensor::launch::free_port();
   auto out = traced(run_ranks_collect(
       2,
       [port](int rank) {

@@ -1,26 +1,25 @@
 #include "support/distributed.h"
 
 #include <ATen/Parallel.h>
-#include <arpa/inet.h>
-#include <netinet/in.h>
 #include <signal.h>
-#include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <cstdio>
 #include <cstring>
 #include <sstream>
-#include <thread>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 #include <vector>
 
 #include "dtensor/comm/failure.h"
 #include "dtensor/comm/process_group.h"
+#include "launch/local_ranks.h"
 #include "support/rank_outcomes.h"
 
 namespace dtensor::testing {
 namespace {
+
+namespace launch = dtensor::launch;
 
 void write_all(int fd, const std::string& s) {
   size_t off = 0;
@@ -39,15 +38,8 @@ std::string read_all(int fd) {
   return out;
 }
 
-[[noreturn]] void child(int rank, int world, int port, int err_fd,
-                        const std::function<void(int)>& body, const RunOptions& o) {
-  ::setenv("RANK", std::to_string(rank).c_str(), 1);
-  ::setenv("LOCAL_RANK", std::to_string(rank).c_str(), 1);
-  ::setenv("WORLD_SIZE", std::to_string(world).c_str(), 1);
-  ::setenv("MASTER_ADDR", "127.0.0.1", 1);
-  ::setenv("MASTER_PORT", std::to_string(port).c_str(), 1);
-  ::setenv("DTENSOR_TIMEOUT_S", std::to_string(o.comm_timeout.count()).c_str(), 1);
-  ::setenv("TORCHELASTIC_USE_AGENT_STORE", "True", 1);
+// One rank, in its forked process (launch::rank_env is set): runs `body`, returns the exit code.
+int child(int rank, int err_fd, const std::function<void(int)>& body, const RunOptions& o) {
   int code = 0;
   std::string msg;
   try {
@@ -75,15 +67,13 @@ std::string read_all(int fd) {
   }
   if (code == 2) dtensor::comm::report_failure(msg);  // the other ranks stop too, naming it
   if (!msg.empty()) write_all(err_fd, msg + "\n");
-  std::fflush(stdout);
-  std::fflush(stderr);
-  ::_exit(code);
+  return code;
 }
 
 // Forks the store agent and the ranks, waits for them (stopping the rest soon after one fails
 // when `stop_on_failure`) and returns how each ended.
-std::vector<RankOutcome> launch(int world_size, const std::function<void(int)>& body,
-                                const RunOptions& options, bool stop_on_failure) {
+std::vector<RankOutcome> fork_ranks(int world_size, const std::function<void(int)>& body,
+                                    const RunOptions& options, bool stop_on_failure) {
   std::vector<RankOutcome> out(world_size);
   // Like torchrun's agent, a separate process hosts the store, so it listens before any rank
   // starts and the ranks inherit no listening socket.
@@ -92,12 +82,8 @@ std::vector<RankOutcome> launch(int world_size, const std::function<void(int)>& 
     ADD_FAILURE() << "pipe failed";
     return out;
   }
-  const pid_t agent = ::fork();
-  if (agent < 0) {
-    ADD_FAILURE() << "fork failed";
-    return out;
-  }
-  if (agent == 0) {
+  launch::Children agent;  // killed and reaped when this function returns
+  agent.add(launch::spawn_function([&]() -> int {
     ::close(port_pipe[0]);
     c10d::TCPStoreOptions so;
     so.port = 0;
@@ -109,71 +95,41 @@ std::vector<RankOutcome> launch(int world_size, const std::function<void(int)>& 
     write_all(port_pipe[1], std::to_string(p) + "\n");
     ::close(port_pipe[1]);
     for (;;) ::pause();  // killed by the parent when the ranks are done
-  }
+  }));
   ::close(port_pipe[1]);
   const int port = std::stoi(read_all(port_pipe[0]));
   ::close(port_pipe[0]);
-  std::vector<pid_t> pids;
   std::vector<int> err_fds;
-  std::fflush(stdout);
-  std::fflush(stderr);
-  const auto t0 = std::chrono::steady_clock::now();
+  launch::Children ranks;
   for (int r = 0; r < world_size; ++r) {
     int p[2];
     if (::pipe(p) != 0) ADD_FAILURE() << "pipe failed";
-    pid_t pid = ::fork();
-    if (pid < 0) ADD_FAILURE() << "fork failed";
-    if (pid == 0) {
-      ::close(p[0]);
-      child(r, world_size, port, p[1], body, options);
-    }
+    launch::ChildSetup setup;
+    setup.env = launch::rank_env(r, world_size, port);
+    setup.env.emplace_back("DTENSOR_TIMEOUT_S", std::to_string(options.comm_timeout.count()));
+    setup.env.emplace_back("TORCHELASTIC_USE_AGENT_STORE", "True");
+    ranks.add(launch::spawn_function(
+        [&, r, fd = p[1]] {
+          ::close(p[0]);
+          return child(r, fd, body, options);
+        },
+        setup));
     ::close(p[1]);
-    pids.push_back(pid);
     err_fds.push_back(p[0]);
   }
-  const auto deadline = t0 + options.timeout;
-  int remaining = world_size;
-  bool killed = false;
-  auto kill_running = [&] {
-    for (int q = 0; q < world_size; ++q) {
-      if (out[q].status == -1) ::kill(pids[q], SIGKILL);
-    }
-    killed = true;
-  };
-  while (remaining > 0) {
-    int st = 0;
-    pid_t pid = ::waitpid(-1, &st, WNOHANG);
-    if (pid > 0) {
-      for (int r = 0; r < world_size; ++r) {
-        if (pids[r] != pid) continue;
-        out[r].status = st;
-        out[r].seconds =
-            std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-        --remaining;
-        const bool failed = !WIFEXITED(st) || WEXITSTATUS(st) != 0;
-        if (failed && stop_on_failure && !killed) {
-          // One rank failed: give the others a moment to fail on their own, then stop them.
-          std::this_thread::sleep_for(std::chrono::milliseconds(200));
-          kill_running();
-        }
-      }
-      continue;
-    }
-    if (std::chrono::steady_clock::now() > deadline) {
-      for (int q = 0; q < world_size; ++q) out[q].hung = out[q].status == -1;
-      kill_running();
-      for (int q = 0; q < world_size; ++q) {
-        if (out[q].hung) {
-          ::waitpid(pids[q], &out[q].status, 0);
-          --remaining;
-        }
-      }
-      break;
-    }
-    std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  launch::Children::WaitOptions wait;
+  wait.timeout = options.timeout;
+  if (stop_on_failure) {
+    // One rank failed: give the others a moment to fail on their own, then stop them.
+    wait.stop_signal = SIGKILL;
+    wait.grace = std::chrono::milliseconds(200);
   }
-  ::kill(agent, SIGKILL);
-  ::waitpid(agent, nullptr, 0);
+  const auto ended = ranks.wait_all(wait);
+  for (int r = 0; r < world_size; ++r) {
+    out[r].status = ended[r].status;
+    out[r].seconds = ended[r].seconds;
+    out[r].hung = ended[r].hung;
+  }
   for (int r = 0; r < world_size; ++r) {
     out[r].message = read_all(err_fds[r]);
     ::close(err_fds[r]);
@@ -185,11 +141,11 @@ std::vector<RankOutcome> launch(int world_size, const std::function<void(int)>& 
 
 std::vector<RankOutcome> run_ranks_collect(int world_size, const std::function<void(int)>& body,
                                            const RunOptions& options) {
-  return launch(world_size, body, options, /*stop_on_failure=*/false);
+  return fork_ranks(world_size, body, options, /*stop_on_failure=*/false);
 }
 
 void run_ranks(int world_size, const std::function<void(int)>& body, const RunOptions& options) {
-  const auto out = launch(world_size, body, options, /*stop_on_failure=*/true);
+  const auto out = fork_ranks(world_size, body, options, /*stop_on_failure=*/true);
   std::ostringstream failures;
   int hung = 0;
   for (int r = 0; r < world_size; ++r) {
