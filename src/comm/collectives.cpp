@@ -4,9 +4,11 @@
 #include <ATen/ops/stack.h>
 #include <c10/util/Exception.h>
 
+#include <optional>
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
+#include "backends.h"
 #include "dtensor/comm/comm_debug_mode.h"
 #include "health.h"
 
@@ -56,6 +58,11 @@ PendingResult launch(const char* name, CommType type, ProcessGroup& pg, const at
   std::string what = describe(name, pg, input, seq);
   c10::intrusive_ptr<c10d::Work> work;
   try {
+    // MPI blocks here until the collective is done, with no timeout of its own.
+    std::optional<detail::BlockingSection> blocking;
+    if (input.device().is_cpu() && detail::cpu_collectives_block()) {
+      blocking.emplace(pg, seq, "rank " + std::to_string(pg.global_rank(pg.rank())) + ": " + what);
+    }
     work = issue(backend_for(pg, input));
   } catch (const std::exception& e) {
     TORCH_CHECK(false, "dtensor: rank ", pg.global_rank(pg.rank()), ": ", what,

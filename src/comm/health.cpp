@@ -5,6 +5,7 @@
 #include <c10/util/Exception.h>
 #include <pthread.h>
 #include <signal.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
@@ -12,10 +13,12 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <deque>
 #include <exception>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <set>
 #include <sstream>
 #include <thread>
@@ -67,6 +70,13 @@ struct WorkContext {
   std::chrono::milliseconds timeout{0};
 };
 
+// A thread inside a BlockingSection.
+struct Blocked {
+  std::string what;
+  WorkContext context;
+  Clock::time_point deadline;
+};
+
 struct Health {
   std::mutex mu;  // guards everything below but the atomics and the watchdog's own fields
   c10::intrusive_ptr<c10d::Store> store;
@@ -83,8 +93,12 @@ struct Health {
   // Waiters sleep here; the watchdog and finished work wake them.
   std::mutex wake_mu;
   std::condition_variable wake_cv;
-  // The watchdog thread.
+  std::map<uint64_t, Blocked> blocked;
+  uint64_t next_blocked = 0;
+  // The watchdog thread, and the guard that ends the process when a blocking call overruns
+  // (separate: the watchdog may itself wait on a stalled store).
   std::thread watchdog;
+  std::thread guard;
   std::mutex wd_mu;
   std::condition_variable wd_cv;
   bool stop = false;
@@ -235,6 +249,7 @@ std::terminate_handler previous_terminate = nullptr;
 void after_fork_in_child() {
   auto& h = health();
   new (&h.watchdog) std::thread();
+  new (&h.guard) std::thread();
   new (&h.wd_mu) std::mutex();
   new (&h.mu) std::mutex();
   new (&h.wake_mu) std::mutex();
@@ -352,6 +367,98 @@ std::string diagnose(const WorkContext& c) {
          compare_histories(group.label, h.rank, group.history, others, silent, waited);
 }
 
+// Ends the process for a thread stuck in `b`: `peer_failure` when another rank failed, else
+// the timeout passed. Diagnosing and reporting use the store, which may itself be stalled (its
+// host stopped), so they run aside and get the diagnosis budget; the message is printed anyway.
+[[noreturn]] void end_blocked(const Blocked& b, const std::string& peer_failure) {
+  const std::string tail =
+      " (an MPI call cannot be cancelled, so this process exits; every rank stops when one "
+      "fails)";
+  std::string msg;
+  if (!peer_failure.empty()) {
+    msg = "dtensor: " + b.what + " stopped waiting: " + peer_failure + tail;
+  } else {
+    const std::string head = "dtensor: " + b.what + " did not complete within " +
+                             std::to_string(b.context.timeout.count() / 1000.0) +
+                             " s (DTENSOR_TIMEOUT_S): ";
+    auto result = std::make_shared<std::pair<std::mutex, std::string>>();
+    auto done = std::make_shared<std::atomic<bool>>(false);
+    std::thread([b, head, tail, result, done] {
+      const std::string full = head + diagnose(b.context) + tail;
+      report_failure(full);
+      {
+        std::lock_guard<std::mutex> g(result->first);
+        result->second = full;
+      }
+      done->store(true);
+    }).detach();
+    const auto until = Clock::now() + diagnosis_budget(b.context.timeout) + kPoll * 2;
+    while (!done->load() && Clock::now() < until) std::this_thread::sleep_for(kPoll / 5);
+    std::lock_guard<std::mutex> g(result->first);
+    msg =
+        done->load() ? result->second : head + "(the store did not answer, so no diagnosis)" + tail;
+  }
+  std::fprintf(stderr, "%s\n", msg.c_str());
+  std::fflush(stderr);
+  // Leave the peers a few watchdog periods to read this rank's failure before the launcher
+  // (mpirun) tears the job down.
+  std::this_thread::sleep_for(kPoll * 3);
+  std::_Exit(1);
+}
+
+// Last words for a process that the launcher ends while a thread is blocked in an MPI call
+// (mpirun sends SIGTERM to every rank once one died): which rank and collective. Written by
+// BlockingSection, read by the signal handler, which may only use write(2).
+char last_words[2048];
+std::atomic<size_t> last_words_size{0};
+
+void on_launcher_signal(int sig) {
+  const size_t n = last_words_size.load();
+  if (n > 0) (void)!::write(2, last_words, n);
+  ::signal(sig, SIG_DFL);
+  ::raise(sig);
+}
+
+void set_last_words(const std::string& what) {
+  static std::once_flag once;
+  std::call_once(once, [] {
+    struct sigaction old {};
+    if (::sigaction(SIGTERM, nullptr, &old) == 0 && old.sa_handler == SIG_DFL) {
+      ::signal(SIGTERM, on_launcher_signal);
+    }
+  });
+  const std::string text = "dtensor: " + what +
+                           " was ended by the launcher (SIGTERM) inside the MPI call: another "
+                           "rank died or the job was stopped (the launcher names which)\n";
+  const size_t n = std::min(text.size(), sizeof(last_words));
+  last_words_size.store(0);
+  std::memcpy(last_words, text.data(), n);
+  last_words_size.store(n);
+}
+
+void guard_blocked_calls() {
+  auto& h = health();
+  while (!stopping(kPoll / 2)) {
+    std::optional<Blocked> stuck;
+    std::string failure;
+    {
+      std::lock_guard<std::mutex> g(h.mu);
+      const auto now = Clock::now();
+      for (const auto& [id, b] : h.blocked) {
+        if (h.peer_failed.load() || now >= b.deadline) {
+          stuck = b;
+          failure = h.peer_failed.load() ? h.peer_failure : "";
+          break;
+        }
+      }
+    }
+    if (stuck) {
+      h.poisoned.store(true);
+      end_blocked(*stuck, failure);
+    }
+  }
+}
+
 std::string context_of(const c10d::Work* w, WorkContext* out) {
   auto& h = health();
   std::lock_guard<std::mutex> g(h.mu);
@@ -416,6 +523,7 @@ void health_start(c10::intrusive_ptr<c10d::Store> store, std::string prefix, int
     }
     h.stop = false;
     h.watchdog = std::thread(watch, std::move(store_addr), store_port, h.prefix, timeout);
+    h.guard = std::thread(guard_blocked_calls);
   }
 }
 
@@ -427,6 +535,7 @@ void health_stop(bool clean) {
   }
   h.wd_cv.notify_all();
   if (h.watchdog.joinable()) h.watchdog.join();
+  if (h.guard.joinable()) h.guard.join();
   std::lock_guard<std::mutex> g(h.mu);
   if (clean && h.store && !h.poisoned.load()) {
     for (auto& [name, group] : h.groups) {
@@ -534,6 +643,26 @@ void attach(const c10d::Work* work, ProcessGroup& pg, int64_t seq) {
   auto& h = health();
   std::lock_guard<std::mutex> g(h.mu);
   h.works[work] = WorkContext{pg.name(), seq, pg.timeout()};
+}
+
+BlockingSection::BlockingSection(ProcessGroup& pg, int64_t seq, std::string what) {
+  auto& h = health();
+  // Room after the deadline for the diagnosis, the report and the peers to read it.
+  const auto reserve = diagnosis_budget(pg.timeout()) + kPoll * 6;
+  const auto now = Clock::now();
+  const auto deadline = pg.timeout() > reserve ? now + pg.timeout() - reserve : now;
+  std::lock_guard<std::mutex> g(h.mu);
+  set_last_words(what);
+  id_ = h.next_blocked++;
+  h.blocked.emplace(id_,
+                    Blocked{std::move(what), WorkContext{pg.name(), seq, pg.timeout()}, deadline});
+}
+
+BlockingSection::~BlockingSection() {
+  auto& h = health();
+  std::lock_guard<std::mutex> g(h.mu);
+  h.blocked.erase(id_);
+  if (h.blocked.empty()) last_words_size.store(0);
 }
 
 void wait_collective(c10d::Work& work, const std::string& what) {

@@ -44,6 +44,22 @@ int64_t begin_collective(ProcessGroup& pg, const char* op, const at::Tensor& t);
 std::string signature(const at::Tensor& t);
 // Remembers which group and collective `work` belongs to, for wait_collective's messages.
 void attach(const c10d::Work* work, ProcessGroup& pg, int64_t seq);
+// Marks the calling thread as blocked in a collective that can neither time out nor be
+// cancelled (an MPI call). If it outlasts the group's timeout, or another rank reports a
+// failure meanwhile, the health thread writes a message naming this rank, the collective and
+// the diagnosis to stderr and ends the process: the blocked call cannot be undone.
+class BlockingSection {
+ public:
+  // `what`: "rank R: all_reduce float32[8] ... as collective #S on group G ...".
+  BlockingSection(ProcessGroup& pg, int64_t seq, std::string what);
+  ~BlockingSection();
+  BlockingSection(const BlockingSection&) = delete;
+  BlockingSection& operator=(const BlockingSection&) = delete;
+
+ private:
+  uint64_t id_;
+};
+
 // Waits for `work`; on an error, a peer's failure or a timeout, throws with `what` and a
 // diagnosis naming the ranks involved and the first collective where they diverge.
 void wait_collective(c10d::Work& work, const std::string& what);

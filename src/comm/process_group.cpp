@@ -7,6 +7,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <cctype>
 #include <cerrno>
 #include <cstdlib>
 #include <mutex>
@@ -16,6 +17,7 @@
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
 #include "backends.h"
+#include "dtensor/comm/backend.h"
 #include "health.h"
 
 namespace dtensor::comm {
@@ -47,6 +49,7 @@ struct WorldState {
   bool initialized = false;
   LaunchEnv env;
   InitOptions options;
+  std::string backend;  // CPU engine: "gloo" or "mpi"
   c10::intrusive_ptr<c10d::Store> store;
   std::shared_ptr<ProcessGroup> world;
   int64_t group_counter = 0;
@@ -184,6 +187,24 @@ void rendezvous(c10d::Store& store, const LaunchEnv& e, const std::string& prefi
   }
 }
 
+// The CPU engine for DTENSOR_BACKEND=`requested` ("", "auto", "gloo", "mpi", "nccl", any case).
+std::string resolve_cpu_backend(std::string requested) {
+  const char* from = "DTENSOR_BACKEND";
+  for (auto& c : requested) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  if (requested.empty() || requested == "auto") {
+    // mpirun started the ranks: its shared-memory transport beats Gloo's loopback TCP.
+    return env("OMPI_COMM_WORLD_RANK") && has_mpi() ? "mpi" : "gloo";
+  }
+  if (requested == "nccl") return "gloo";  // NCCL serves CUDA tensors; CPU ones stay on Gloo
+  TORCH_CHECK(requested == "gloo" || requested == "mpi", "dtensor: unknown backend '", requested,
+              "' in ", from, "; expected gloo, mpi, nccl or auto");
+  TORCH_CHECK(requested == "gloo" || has_mpi(), "dtensor: ", from,
+              " asks for the MPI backend but this build has none (no MPI library was found when "
+              "CMake configured it): install libopenmpi-dev (scripts/setup does), re-run CMake and "
+              "rebuild, or use DTENSOR_BACKEND=gloo");
+  return requested;
+}
+
 WorldState& state() {
   static WorldState s;
   return s;
@@ -250,8 +271,10 @@ c10d::Backend& ProcessGroup::backend(c10::DeviceType device_type) {
     return *cuda_;
   }
   TORCH_CHECK(device_type == c10::DeviceType::CPU, "dtensor: no process group backend for ",
-              c10::DeviceTypeName(device_type), " tensors (CPU uses Gloo, CUDA uses NCCL)");
-  if (!cpu_) {
+              c10::DeviceTypeName(device_type), " tensors (CPU uses Gloo or MPI, CUDA uses NCCL)");
+  if (!cpu_ && state().backend == "mpi") {
+    cpu_ = detail::make_mpi_backend(global_ranks_, rank_, name_);
+  } else if (!cpu_) {
     cpu_ = detail::make_gloo_backend(c10::make_intrusive<c10d::PrefixStore>("gloo", store_), rank_,
                                      size(), timeout_ - detail::diagnosis_budget(timeout_),
                                      gloo_host_);
@@ -267,6 +290,7 @@ void init_process_group(const InitOptions& options_in) {
   if (auto t = env("DTENSOR_TIMEOUT_S")) {
     options.timeout = std::chrono::seconds(env_int("DTENSOR_TIMEOUT_S", *t));
   }
+  const std::string engine = resolve_cpu_backend(env("DTENSOR_BACKEND").value_or(""));
   LaunchEnv e = read_launch_env();
   if (options.gloo_host.empty() && !env("GLOO_SOCKET_IFNAME") && is_loopback(e.master_addr)) {
     options.gloo_host = "127.0.0.1";
@@ -310,6 +334,7 @@ void init_process_group(const InitOptions& options_in) {
                        e.world_size);
   s.env = e;
   s.options = options;
+  s.backend = engine;
   s.store = store;
   std::vector<int> all(e.world_size);
   for (int i = 0; i < e.world_size; ++i) all[i] = i;
@@ -348,6 +373,10 @@ int get_world_size() { return initialized_state().env.world_size; }
 int get_local_rank() { return initialized_state().env.local_rank; }
 std::chrono::milliseconds default_timeout() { return initialized_state().options.timeout; }
 std::shared_ptr<ProcessGroup> world_group() { return initialized_state().world; }
+
+std::string cpu_backend_name() { return initialized_state().backend; }
+
+bool detail::cpu_collectives_block() { return state().backend == "mpi"; }
 
 std::shared_ptr<ProcessGroup> new_group(const std::vector<int>& global_ranks, int mesh_dim) {
   auto& s = initialized_state();

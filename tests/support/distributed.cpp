@@ -6,14 +6,18 @@
 #include <unistd.h>
 
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
+#include <optional>
 #include <sstream>
+#include <thread>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 #include <vector>
 
 #include "dtensor/comm/failure.h"
 #include "dtensor/comm/process_group.h"
 #include "launch/local_ranks.h"
+#include "support/mpi_job.h"
 #include "support/rank_outcomes.h"
 
 namespace dtensor::testing {
@@ -137,14 +141,100 @@ std::vector<RankOutcome> fork_ranks(int world_size, const std::function<void(int
   return out;
 }
 
+std::optional<int> env_int(const char* name) {
+  const char* v = std::getenv(name);
+  if (!v || !*v) return std::nullopt;
+  return std::atoi(v);
+}
+
+// The port of the job's store: the same on every rank, different for concurrent jobs.
+int mpi_job_port() {
+  if (auto p = env_int("DTENSOR_TEST_PORT_BASE")) return *p;
+  const char* job = std::getenv("OMPI_MCA_ess_base_jobid");
+  return 20000 + static_cast<int>(std::hash<std::string>{}(job ? job : "") % 30000);
+}
+
+// Runs `body` as this process's rank of the mpirun job.
+void run_in_mpi_job(int rank, const std::function<void(int)>& body, const RunOptions& o) {
+  ::unsetenv("RANK");
+  ::unsetenv("WORLD_SIZE");
+  ::unsetenv("LOCAL_RANK");
+  // Like the forked harness's agent, one store outlives every test: were rank 0 to host a
+  // store per test, it could close it while a slower rank still polls it. Rank 0 keeps it open
+  // at exit until every rank has finished its last test.
+  struct JobStore {
+    c10::intrusive_ptr<c10d::TCPStore> store;
+    bool host = false;
+    int64_t expected = 0;  // runs finished by all ranks, as counted at the end of each run
+    ~JobStore() {
+      const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+      try {
+        while (host && store->add("harness/finished", 0) < expected &&
+               std::chrono::steady_clock::now() < deadline) {
+          std::this_thread::sleep_for(std::chrono::milliseconds(10));
+        }
+      } catch (...) {
+      }
+    }
+  };
+  static JobStore job;
+  static const int port = mpi_job_port();
+  if (!job.store) {
+    c10d::TCPStoreOptions so;
+    so.port = static_cast<uint16_t>(port);
+    so.isServer = rank == 0;
+    so.waitWorkers = false;
+    so.timeout = o.comm_timeout;
+    job.host = rank == 0;
+    job.store = c10::make_intrusive<c10d::TCPStore>("127.0.0.1", so);
+  }
+  ::setenv("TORCHELASTIC_USE_AGENT_STORE", "True", 1);
+  ::setenv("MASTER_ADDR", "127.0.0.1", 1);
+  ::setenv("MASTER_PORT", std::to_string(port).c_str(), 1);
+  ::setenv("DTENSOR_TIMEOUT_S", std::to_string(o.comm_timeout.count()).c_str(), 1);
+  at::set_num_threads(1);
+  at::manual_seed(0);
+  try {
+    if (o.init_process_group) dtensor::comm::init_process_group();
+    body(rank);
+  } catch (const c10::Error& e) {
+    const std::string msg =
+        "rank " + std::to_string(rank) + " threw: " + e.what_without_backtrace();
+    dtensor::comm::report_failure(msg);  // the other ranks stop too, naming it
+    ADD_FAILURE() << "distributed test failed:\n" << msg;
+  } catch (const std::exception& e) {
+    const std::string msg = "rank " + std::to_string(rank) + " threw: " + e.what();
+    dtensor::comm::report_failure(msg);
+    ADD_FAILURE() << "distributed test failed:\n" << msg;
+  }
+  dtensor::comm::destroy_process_group();
+  job.expected += *env_int("OMPI_COMM_WORLD_SIZE");
+  job.store->add("harness/finished", 1);
+}
+
 }  // namespace
+
+bool in_mpi_job() { return env_int("OMPI_COMM_WORLD_SIZE").has_value(); }
 
 std::vector<RankOutcome> run_ranks_collect(int world_size, const std::function<void(int)>& body,
                                            const RunOptions& options) {
+  if (in_mpi_job()) {
+    ADD_FAILURE() << "run_ranks_collect forks ranks and cannot run inside an mpirun job; start "
+                     "the test with SKIP_IN_MPI_JOB()";
+    return std::vector<RankOutcome>(world_size);
+  }
   return fork_ranks(world_size, body, options, /*stop_on_failure=*/false);
 }
 
 void run_ranks(int world_size, const std::function<void(int)>& body, const RunOptions& options) {
+  if (in_mpi_job()) {
+    const int job = *env_int("OMPI_COMM_WORLD_SIZE");
+    if (job != world_size) {
+      GTEST_SKIP() << "needs " << world_size << " ranks; this mpirun job has " << job;
+    }
+    run_in_mpi_job(*env_int("OMPI_COMM_WORLD_RANK"), body, options);
+    return;
+  }
   const auto out = fork_ranks(world_size, body, options, /*stop_on_failure=*/true);
   std::ostringstream failures;
   int hung = 0;
