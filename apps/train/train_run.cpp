@@ -123,8 +123,8 @@ int run_training(const TrainOptions& o, const comm::LaunchEnv& env) {
     fs::create_directories(out_dir);
     std::ofstream(out_dir / "config.json") << cfg.to_json();
   }
-  models::CheckpointManager checkpoints((out_dir / "checkpoints").string(),
-                                        static_cast<int>(o.keep_ckpts));
+  checkpoint::CheckpointManager checkpoints((out_dir / "checkpoints").string(),
+                                            static_cast<int>(o.keep_ckpts));
 
   int64_t start_step = 0;
   std::string resumed_from;

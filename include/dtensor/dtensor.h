@@ -1,5 +1,9 @@
 #pragma once
 // Everything a program using dtensor-cpp needs.
+#include "dtensor/checkpoint/checkpoint.h"
+#include "dtensor/checkpoint/checkpoint_manager.h"
+#include "dtensor/checkpoint/crc32c.h"
+#include "dtensor/checkpoint/safetensors.h"
 #include "dtensor/comm/collectives.h"
 #include "dtensor/comm/comm_debug_mode.h"
 #include "dtensor/comm/process_group.h"

@@ -1,4 +1,4 @@
-#include "dtensor/models/checkpoint.h"
+#include "dtensor/checkpoint/checkpoint.h"
 
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
@@ -14,15 +14,15 @@
 #include <optional>
 #include <set>
 
+#include "dtensor/checkpoint/crc32c.h"
+#include "dtensor/checkpoint/safetensors.h"
 #include "dtensor/comm/process_group.h"
 #include "dtensor/core/api.h"
 #include "dtensor/core/dtensor_impl.h"
-#include "dtensor/models/crc32c.h"
-#include "dtensor/models/safetensors.h"
 #include "optimizer_state.h"
 #include "rank0_outcome.h"
 
-namespace dtensor::models {
+namespace dtensor::checkpoint {
 namespace {
 
 namespace keys = checkpoint_keys;
@@ -529,4 +529,4 @@ CheckpointMetadata load_checkpoint(const std::string& path, torch::nn::Module& m
   return meta;
 }
 
-}  // namespace dtensor::models
+}  // namespace dtensor::checkpoint

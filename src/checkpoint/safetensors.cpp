@@ -1,4 +1,4 @@
-#include "dtensor/models/safetensors.h"
+#include "dtensor/checkpoint/safetensors.h"
 
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
@@ -17,7 +17,7 @@
 #include <tuple>
 #include <utility>
 
-namespace dtensor::models::safetensors {
+namespace dtensor::checkpoint::safetensors {
 
 // The format stores little-endian data; we copy tensor memory as is.
 static_assert(std::endian::native == std::endian::little,
@@ -371,4 +371,4 @@ std::map<std::string, at::Tensor> load_file(const std::string& path) {
   return out;
 }
 
-}  // namespace dtensor::models::safetensors
+}  // namespace dtensor::checkpoint::safetensors
