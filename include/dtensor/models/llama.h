@@ -27,7 +27,7 @@
 #include <vector>
 
 #include "dtensor/mesh/device_mesh.h"
-#include "dtensor/tp/layers.h"
+#include "dtensor/nn/layers.h"
 #include "dtensor/tp/partial_grads.h"
 
 namespace dtensor::models {
