@@ -2,7 +2,7 @@
 #include <ATen/ops/equal.h>
 #include <ATen/ops/scalar_tensor.h>
 
-#include "dtensor/comm/collectives.h"
+#include "dtensor/ops/kernel_collectives.h"
 #include "dtensor/ops/rule_utils.h"
 
 namespace dtensor::ops {
@@ -47,7 +47,7 @@ Decision equal(const OpCall& call) {
     if (!sharded.empty()) {
       const DeviceMesh& mesh = ctx.inputs[0]->mesh();
       at::Tensor flag = at::scalar_tensor(eq ? 1 : 0, x.options().dtype(at::kInt));
-      for (int64_t i : sharded) flag = comm::all_reduce(flag, ReduceOp::Min, mesh.group(i));
+      flag = kernel_all_reduce("aten::equal", flag, ReduceOp::Min, mesh, sharded);
       eq = flag.item<int>() != 0;
     }
     torch::jit::drop(st, 2);
