@@ -52,8 +52,9 @@ Decision embedding(const OpCall& call) {
     c = {choice(Replicate(), Replicate(), Replicate()),
          choice(Shard(out_last), Shard(1), Replicate())};
     if (!indices.placements()[m].is_shard()) c.push_back(choice(Partial(), Shard(0), Replicate()));
-    for (int64_t d = 0; d < indices.ndim(); ++d)
+    for (int64_t d = 0; d < indices.ndim(); ++d) {
       c.push_back(choice(Shard(d), Replicate(), Shard(d)));
+    }
   }
   Decision d = dispatch::choose(call, expand_to_mesh(call, choices, 1));
   const auto& wp = d.inputs[0];
@@ -77,8 +78,9 @@ Decision embedding_backward(const OpCall& call) {
   // scale_grad_by_freq divides by how often each id occurs in the whole batch: a shard of the
   // indices would count only its own ids.
   if (!call.bool_arg(4)) {
-    for (int64_t d = 0; d < indices.ndim(); ++d)
+    for (int64_t d = 0; d < indices.ndim(); ++d) {
       choices.push_back(choice(Partial(), Shard(d), Shard(d)));
+    }
   }
   choices.push_back(choice(Partial(), Partial(), Replicate()));
   Decision d = dispatch::choose(call, expand_to_mesh(call, choices, 1));
