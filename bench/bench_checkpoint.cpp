@@ -28,9 +28,9 @@
 #include <vector>
 
 #include "cli/cli.h"
+#include "dtensor/checkpoint/checkpoint.h"
+#include "dtensor/checkpoint/crc32c.h"
 #include "dtensor/dtensor.h"
-#include "dtensor/models/checkpoint.h"
-#include "dtensor/models/crc32c.h"
 
 namespace {
 
@@ -125,21 +125,24 @@ int main(int argc, char** argv) {
           .string();
   std::vector<double> save, load, verify, save_opt, load_opt;
   for (int r = 0; r < reps; ++r) {
-    save.push_back(timed_ms([&] { dtensor::models::save_checkpoint(path, *model); }, distributed));
-    verify.push_back(timed_ms([&] { dtensor::models::verify_checkpoint(path); }, distributed));
-    load.push_back(timed_ms([&] { dtensor::models::load_checkpoint(path, *model); }, distributed));
+    save.push_back(
+        timed_ms([&] { dtensor::checkpoint::save_checkpoint(path, *model); }, distributed));
+    verify.push_back(timed_ms([&] { dtensor::checkpoint::verify_checkpoint(path); }, distributed));
+    load.push_back(
+        timed_ms([&] { dtensor::checkpoint::load_checkpoint(path, *model); }, distributed));
     save_opt.push_back(
-        timed_ms([&] { dtensor::models::save_checkpoint(path, *model, &opt); }, distributed));
+        timed_ms([&] { dtensor::checkpoint::save_checkpoint(path, *model, &opt); }, distributed));
     load_opt.push_back(
-        timed_ms([&] { dtensor::models::load_checkpoint(path, *model, &opt); }, distributed));
+        timed_ms([&] { dtensor::checkpoint::load_checkpoint(path, *model, &opt); }, distributed));
   }
   const double file_mb_opt = static_cast<double>(std::filesystem::file_size(path)) / 1e6;
-  dtensor::models::save_checkpoint(path, *model);
+  dtensor::checkpoint::save_checkpoint(path, *model);
   const double file_mb = static_cast<double>(std::filesystem::file_size(path)) / 1e6;
 
   // CRC-32C throughput on its own (what verification adds per byte).
   std::vector<uint8_t> buf(64 << 20, 1);
-  const double crc_ms = timed_ms([&] { dtensor::models::crc32c(buf.data(), buf.size()); }, false);
+  const double crc_ms =
+      timed_ms([&] { dtensor::checkpoint::crc32c(buf.data(), buf.size()); }, false);
 
   if (rank == 0) {
     std::printf("checkpoint of a %.2fM-parameter MLP, %d rank(s), %d reps, in %s\n", params / 1e6,

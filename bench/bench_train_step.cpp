@@ -39,12 +39,13 @@
 #include "cli/cli.h"
 #include "dtensor/dtensor.h"
 #include "dtensor/models/llama.h"
-#include "dtensor/models/safetensors.h"
+#include "dtensor/checkpoint/safetensors.h"
 #include "launch/local_ranks.h"
 
 namespace {
 
 namespace models = dtensor::models;
+namespace checkpoint = dtensor::checkpoint;
 using Clock = std::chrono::steady_clock;
 
 constexpr const char* kUsage = R"(usage: bench_train_step [options]
@@ -128,7 +129,7 @@ class Worker {
  public:
   Worker(const Options& opt, bool tp) : tp_(tp) {
     at::set_num_threads(1);  // one intra-op thread per rank
-    models::safetensors::File file(opt.inputs);
+    checkpoint::safetensors::File file(opt.inputs);
     config_ = models::LlamaConfig::from_json(file.metadata().at("config"));
     batches_ = file.tensor("bench.tokens");
     model_ = models::Transformer(config_);
@@ -390,7 +391,7 @@ void write_inputs(const Options& opt, const models::LlamaConfig& config, const s
   constexpr int64_t kBatches = 4;  // step i uses batch i % 4
   tensors["bench.tokens"] =
       at::randint(config.vocab_size, {kBatches, opt.batch, opt.seq + 1}, gen, at::kLong);
-  models::safetensors::save_file(tensors, path, {{"config", config.to_json()}});
+  checkpoint::safetensors::save_file(tensors, path, {{"config", config.to_json()}});
 }
 
 std::string fmt(double v, int precision) {

@@ -4,8 +4,8 @@
 #include <nlohmann/json.hpp>
 #include <stdexcept>
 
-#include "dtensor/models/checkpoint.h"
-#include "dtensor/models/checkpoint_manager.h"
+#include "dtensor/checkpoint/checkpoint.h"
+#include "dtensor/checkpoint/checkpoint_manager.h"
 
 namespace dtensor::generate_app {
 
@@ -19,7 +19,7 @@ std::string resolve_checkpoint(const std::string& what) {
   const fs::path dir = fs::is_directory(fs::path(what) / "checkpoints")
                            ? fs::path(what) / "checkpoints"
                            : fs::path(what);
-  const models::CheckpointManager manager(dir.string());
+  const checkpoint::CheckpointManager manager(dir.string());
   if (auto latest = manager.latest()) return *latest;
   const auto all = manager.list();
   if (!all.empty()) return all.back().second;
@@ -86,7 +86,7 @@ LoadedModel load_model(const ModelSource& source, const DeviceMesh& mesh) {
   if (path.empty()) {
     out.model->init_weights(source.seed);
   } else {
-    models::load_checkpoint(path, *out.model);
+    checkpoint::load_checkpoint(path, *out.model);
   }
   return out;
 }

@@ -1,13 +1,13 @@
 #pragma once
 // Training checkpoints: model and AdamW state as global tensors (they load at any TP degree)
-// in DIR/checkpoints through models::CheckpointManager (step files, a "latest" pointer, the
+// in DIR/checkpoints through checkpoint::CheckpointManager (step files, a "latest" pointer, the
 // newest --keep-ckpts kept). The batches are a function of (seed, step) and so is the
 // learning rate, so the step count is the only other state a resumed run needs.
 #include <cstdint>
 #include <memory>
 #include <string>
 
-#include "dtensor/models/checkpoint_manager.h"
+#include "dtensor/checkpoint/checkpoint_manager.h"
 
 namespace dtensor::train {
 
@@ -20,11 +20,11 @@ struct Resumed {
 
 // --resume: "auto" loads the newest intact checkpoint of `manager`; a directory, the newest
 // there; anything else is a checkpoint file. Throws when there is none.
-Resumed resume_training(const std::string& what, const models::CheckpointManager& manager,
+Resumed resume_training(const std::string& what, const checkpoint::CheckpointManager& manager,
                         Trainer& trainer);
 
 // Collective (every rank calls it). Returns the file written.
-std::string save_training_checkpoint(models::CheckpointManager& manager, Trainer& trainer,
+std::string save_training_checkpoint(checkpoint::CheckpointManager& manager, Trainer& trainer,
                                      int64_t step, const std::string& config_json);
 
 }  // namespace dtensor::train

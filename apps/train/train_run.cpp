@@ -336,7 +336,7 @@ class TrainingRun {
   const BatchSampler train_batches_, val_batches_;
   Trainer trainer_;
   const fs::path out_dir_;
-  models::CheckpointManager checkpoints_;
+  checkpoint::CheckpointManager checkpoints_;
   int64_t start_step_ = 0;
   std::string resumed_from_;
   std::optional<Trainer> reference_;

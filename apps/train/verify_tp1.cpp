@@ -7,7 +7,7 @@
 #include <ostream>
 #include <set>
 
-#include "dtensor/models/checkpoint.h"
+#include "dtensor/checkpoint/checkpoint.h"
 #include "trainer.h"
 
 namespace dtensor::train {
@@ -17,7 +17,7 @@ Trainer make_reference_trainer(const RunConfig& config, const std::string& resum
   one.world_size = one.dp = one.tp = 1;
   Trainer reference(one, std::nullopt);
   if (!resume_from.empty()) {
-    models::load_checkpoint(resume_from, reference.model(), &reference.optimizer());
+    checkpoint::load_checkpoint(resume_from, reference.model(), &reference.optimizer());
   }
   return reference;
 }

@@ -1,5 +1,9 @@
 #pragma once
 // Everything a program using dtensor-cpp needs.
+#include "dtensor/checkpoint/checkpoint.h"
+#include "dtensor/checkpoint/checkpoint_manager.h"
+#include "dtensor/checkpoint/crc32c.h"
+#include "dtensor/checkpoint/safetensors.h"
 #include "dtensor/comm/collectives.h"
 #include "dtensor/comm/comm_debug_mode.h"
 #include "dtensor/comm/process_group.h"
@@ -14,7 +18,8 @@
 #include "dtensor/dispatch/implicit_replication.h"
 #include "dtensor/dispatch/op_call.h"
 #include "dtensor/mesh/device_mesh.h"
-#include "dtensor/tp/layers.h"
+#include "dtensor/nn/layers.h"
+#include "dtensor/nn/module.h"
 #include "dtensor/tp/loss_parallel.h"
 #include "dtensor/tp/module_hooks.h"
 #include "dtensor/tp/parallel_style.h"

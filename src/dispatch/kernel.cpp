@@ -343,9 +343,8 @@ void check_global_shapes(const c10::OperatorHandle& op, const OpInfo& info, cons
   }
 }
 
-Compiled compile(const c10::OperatorHandle& op, const OpInfo& info, c10::ArrayRef<c10::IValue> args,
-                 const c10::SmallVector<Slot, 8>& slots) {
-  // The compute mesh is the first DTensor's; all DTensors must share it.
+// The compute mesh: the first DTensor's; all DTensors must share it.
+const DeviceMesh& compute_mesh(const OpInfo& info, const c10::SmallVector<Slot, 8>& slots) {
   const DeviceMesh* mesh = nullptr;
   for (const auto& s : slots) {
     if (!s.impl) continue;
@@ -359,9 +358,13 @@ Compiled compile(const c10::OperatorHandle& op, const OpInfo& info, c10::ArrayRe
                         *mesh, " and ", m, ")");
     }
   }
+  return *mesh;
+}
+
+// Each slot's spec as it arrives; plain tensors count as replicated where that is allowed.
+std::vector<InputSpec> input_specs(const OpInfo& info, const c10::SmallVector<Slot, 8>& slots,
+                                   const DeviceMesh& mesh, Compiled& c) {
   std::vector<InputSpec> inputs;
-  Compiled c;
-  c.in_target.reserve(slots.size());
   for (const auto& s : slots) {
     SpecPtr sp;
     if (s.impl) {
@@ -369,13 +372,18 @@ Compiled compile(const c10::OperatorHandle& op, const OpInfo& info, c10::ArrayRe
     } else {
       const at::Tensor& t = s.t;
       if (t.dim() > 0 && t.numel() != 1 && !plain_tensors_replicate()) fail_mixed(info);
-      sp = make_spec(*mesh, replicate_all(mesh->ndim()),
+      sp = make_spec(mesh, replicate_all(mesh.ndim()),
                      TensorMeta{t.sizes().vec(), t.strides().vec(), t.scalar_type()});
     }
     inputs.push_back(InputSpec{sp, s.arg, s.list_index});
     c.in_spec.push_back(sp);
   }
-  OpCall call(op, args, inputs, *mesh);
+  return inputs;
+}
+
+// Runs the rule that applies (a context rule whose bit is set, else the op's) and checks the
+// size of its answer.
+Decision run_rule(const OpInfo& info, const OpCall& call, size_t num_slots) {
   const Rule* rule = info.rule;
   for (const ContextRule* cr : info.context_rules) {
     if (tl_decision_context & cr->mask) {
@@ -392,13 +400,19 @@ Compiled compile(const c10::OperatorHandle& op, const OpInfo& info, c10::ArrayRe
                                 " or call full_tensor()/to_local() first.");
   }
   Decision d = (*rule)(call);
-  TORCH_CHECK(d.inputs.size() == slots.size(), "dtensor: the rule for ", info.name, " returned ",
-              d.inputs.size(), " input placements for ", slots.size(), " inputs");
+  TORCH_CHECK(d.inputs.size() == num_slots, "dtensor: the rule for ", info.name, " returned ",
+              d.inputs.size(), " input placements for ", num_slots, " inputs");
   TORCH_CHECK(d.outputs.size() == info.num_returns, "dtensor: the rule for ", info.name,
               " returned ", d.outputs.size(), " output placements for ", info.num_returns,
               " returns");
+  return d;
+}
+
+// Fills c.in_target (the specs inputs must be moved to) and c.communicates; returns each
+// slot's spec at the local call.
+std::vector<SpecPtr> plan_inputs(const Decision& d, Compiled& c) {
   std::vector<SpecPtr> target_specs;
-  for (size_t i = 0; i < slots.size(); ++i) {
+  for (size_t i = 0; i < c.in_spec.size(); ++i) {
     const auto& cur = *c.in_spec[i];
     SpecPtr t;
     if (!d.inputs[i].empty() && !std::equal(d.inputs[i].begin(), d.inputs[i].end(),
@@ -415,68 +429,107 @@ Compiled compile(const c10::OperatorHandle& op, const OpInfo& info, c10::ArrayRe
     }
     c.in_target.push_back(std::move(t));
   }
-  // Output metadata from the rule, or from the op on meta tensors.
-  std::vector<std::vector<TensorMeta>> list_meta;
+  return target_specs;
+}
+
+// Output metadata from the rule (checked against the op's own shape checks), or from the op
+// on meta tensors; `list_meta` receives Tensor[] returns'.
+std::vector<std::optional<TensorMeta>> output_metadata(
+    const c10::OperatorHandle& op, const OpInfo& info, const OpCall& call,
+    c10::ArrayRef<c10::IValue> args, const c10::SmallVector<Slot, 8>& slots, const Decision& d,
+    const Compiled& c, std::vector<std::vector<TensorMeta>>& list_meta) {
   std::vector<std::optional<TensorMeta>> metas;
   if (!d.output_meta.empty()) {
     metas = d.output_meta;
     check_global_shapes(op, info, call, args, slots, c.in_spec, metas);
-  } else {
-    try {
-      metas = meta_outputs(op, info, args, slots, c.in_spec, list_meta);
-    } catch (const c10::NotImplementedError& e) {
-      TORCH_CHECK(false, "dtensor: ", info.name,
-                  " cannot run on meta tensors to find its output "
-                  "shapes, and its sharding rule does not supply them: ",
-                  e.what_without_backtrace());
-    } catch (const c10::Error& e) {
-      fail_global_shapes(info, call, e);
+    return metas;
+  }
+  try {
+    metas = meta_outputs(op, info, args, slots, c.in_spec, list_meta);
+  } catch (const c10::NotImplementedError& e) {
+    TORCH_CHECK(false, "dtensor: ", info.name,
+                " cannot run on meta tensors to find its output "
+                "shapes, and its sharding rule does not supply them: ",
+                e.what_without_backtrace());
+  } catch (const c10::Error& e) {
+    fail_global_shapes(info, call, e);
+  }
+  return metas;
+}
+
+// In-place / out=: the written tensor cannot be moved to another layout first; ops that
+// restride it (squeeze_, t_) give it the rule's new spec after the call.
+void check_written_input(const OpInfo& info, const c10::SmallVector<Slot, 8>& slots,
+                         const Compiled& c, const std::vector<SpecPtr>& target_specs,
+                         CompiledReturn& cr) {
+  for (size_t i = 0; i < slots.size(); ++i) {
+    if (slots[i].arg != cr.writes_arg || slots[i].list_index >= 0) continue;
+    TORCH_CHECK(!c.in_target[i], info.name, " is in-place on a DTensor with placements ",
+                to_string(c.in_spec[i]->placements()), " but its sharding needs ",
+                to_string(target_specs[i]->placements()),
+                "; use the out-of-place op or redistribute first");
+    if (cr.spec && !(*cr.spec == *c.in_spec[i])) {
+      TORCH_CHECK(cr.spec->placements() == c.in_spec[i]->placements() ||
+                      cr.spec->shape() != c.in_spec[i]->shape() ||
+                      cr.spec->stride() != c.in_spec[i]->stride(),
+                  info.name, " is in-place on a DTensor with placements ",
+                  to_string(c.in_spec[i]->placements()), " but its result would be ",
+                  to_string(cr.spec->placements()),
+                  "; use the out-of-place op or redistribute first");
+      cr.respec = true;
+    } else {
+      cr.spec = c.in_spec[i];
     }
   }
+}
+
+// Return r's spec(s) from the rule's placements and the metadata.
+CompiledReturn compile_return(size_t r, const OpInfo& info, const DeviceMesh& mesh,
+                              const Decision& d,
+                              const std::vector<std::optional<TensorMeta>>& metas,
+                              const std::vector<std::vector<TensorMeta>>& list_meta) {
+  CompiledReturn cr{info.return_kind[r], nullptr, {}, info.return_writes_arg[r]};
+  if (cr.kind == ReturnKind::Tensor && d.outputs[r]) {
+    TORCH_CHECK(metas.size() > r && metas[r], "dtensor: no metadata for output ", r, " of ",
+                info.name);
+    cr.spec = make_spec(mesh, *d.outputs[r], *metas[r]);
+  } else if (cr.kind == ReturnKind::TensorList && d.outputs[r]) {
+    for (const auto& m : list_meta[r]) cr.specs.push_back(make_spec(mesh, *d.outputs[r], m));
+  }
+  return cr;
+}
+
+// Fresh dense results: the local strides that follow the global stride order.
+void set_local_stride(size_t r, const OpInfo& info, const DeviceMesh& mesh, CompiledReturn& cr) {
+  if (cr.kind == ReturnKind::Tensor && cr.spec && cr.writes_arg < 0 && !info.return_is_view[r] &&
+      is_dense(cr.spec->meta()) && mesh.coordinate()) {
+    const auto local =
+        compute_local_shape_and_global_offset(cr.spec->shape(), mesh.shape(), *mesh.coordinate(),
+                                              cr.spec->placements())
+            .shape;
+    cr.local_stride = strides_like(local, cr.spec->stride());
+  }
+}
+
+Compiled compile(const c10::OperatorHandle& op, const OpInfo& info, c10::ArrayRef<c10::IValue> args,
+                 const c10::SmallVector<Slot, 8>& slots) {
+  const DeviceMesh& mesh = compute_mesh(info, slots);
+  Compiled c;
+  c.in_target.reserve(slots.size());
+  const std::vector<InputSpec> inputs = input_specs(info, slots, mesh, c);
+  OpCall call(op, args, inputs, mesh);
+  Decision d = run_rule(info, call, slots.size());
+  const std::vector<SpecPtr> target_specs = plan_inputs(d, c);
+  std::vector<std::vector<TensorMeta>> list_meta;
+  const auto metas = output_metadata(op, info, call, args, slots, d, c, list_meta);
   for (size_t r = 0; r < info.num_returns; ++r) {
-    CompiledReturn cr{info.return_kind[r], nullptr, {}, info.return_writes_arg[r]};
-    if (cr.kind == ReturnKind::Tensor && d.outputs[r]) {
-      TORCH_CHECK(metas.size() > r && metas[r], "dtensor: no metadata for output ", r, " of ",
-                  info.name);
-      cr.spec = make_spec(*mesh, *d.outputs[r], *metas[r]);
-    } else if (cr.kind == ReturnKind::TensorList && d.outputs[r]) {
-      for (const auto& m : list_meta[r]) cr.specs.push_back(make_spec(*mesh, *d.outputs[r], m));
-    }
-    if (cr.writes_arg >= 0) {
-      // In-place / out=: the written tensor cannot be moved to another layout first; ops that
-      // restride it (squeeze_, t_) give it the rule's new spec after the call.
-      for (size_t i = 0; i < slots.size(); ++i) {
-        if (slots[i].arg != cr.writes_arg || slots[i].list_index >= 0) continue;
-        TORCH_CHECK(!c.in_target[i], info.name, " is in-place on a DTensor with placements ",
-                    to_string(c.in_spec[i]->placements()), " but its sharding needs ",
-                    to_string(target_specs[i]->placements()),
-                    "; use the out-of-place op or redistribute first");
-        if (cr.spec && !(*cr.spec == *c.in_spec[i])) {
-          TORCH_CHECK(cr.spec->placements() == c.in_spec[i]->placements() ||
-                          cr.spec->shape() != c.in_spec[i]->shape() ||
-                          cr.spec->stride() != c.in_spec[i]->stride(),
-                      info.name, " is in-place on a DTensor with placements ",
-                      to_string(c.in_spec[i]->placements()), " but its result would be ",
-                      to_string(cr.spec->placements()),
-                      "; use the out-of-place op or redistribute first");
-          cr.respec = true;
-        } else {
-          cr.spec = c.in_spec[i];
-        }
-      }
-    }
-    if (cr.kind == ReturnKind::Tensor && cr.spec && cr.writes_arg < 0 && !info.return_is_view[r] &&
-        is_dense(cr.spec->meta()) && mesh->coordinate()) {
-      const auto local =
-          compute_local_shape_and_global_offset(cr.spec->shape(), mesh->shape(),
-                                                *mesh->coordinate(), cr.spec->placements())
-              .shape;
-      cr.local_stride = strides_like(local, cr.spec->stride());
-    }
+    CompiledReturn cr = compile_return(r, info, mesh, d, metas, list_meta);
+    if (cr.writes_arg >= 0) check_written_input(info, slots, c, target_specs, cr);
+    set_local_stride(r, info, mesh, cr);
     c.returns.push_back(std::move(cr));
   }
   c.local_args = std::move(d.local_args);
-  c.mesh_member = mesh->contains_this_rank();
+  c.mesh_member = mesh.contains_this_rank();
   if (d.local_kernel) {
     c.local_kernel = std::move(d.local_kernel);
     c.local_in_specs = target_specs;

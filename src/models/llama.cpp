@@ -2,8 +2,6 @@
 #include "dtensor/models/llama.h"
 
 #include <ATen/ATen.h>
-#include <torch/csrc/autograd/autograd.h>
-#include <torch/csrc/autograd/custom_function.h>
 
 #include <cmath>
 #include <string>
@@ -243,49 +241,13 @@ void TransformerImpl::init_weights(uint64_t seed) {
 
 // ---- loss ----
 
-namespace {
-
-// Vocab-parallel cross entropy as an autograd function whose backward re-enters LossParallel,
-// so callers may run backward anywhere. The inner graph (log_softmax + nll_loss on a detached
-// alias of the logits) is built in forward and differentiated in backward.
-struct VocabParallelCrossEntropy : torch::autograd::Function<VocabParallelCrossEntropy> {
-  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& logits,
-                            const at::Tensor& targets) {
-    at::AutoGradMode enable_grad(true);
-    tp::LossParallel loss_parallel;
-    auto x = logits.detach().requires_grad_(logits.requires_grad());
-    auto loss = at::cross_entropy_loss(x.flatten(0, -2), targets.flatten());
-    ctx->saved_data["x"] = x;
-    ctx->saved_data["loss"] = loss;
-    return local_tensor(loss).clone();
-  }
-
-  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
-                                                 torch::autograd::variable_list grads) {
-    tp::LossParallel loss_parallel;
-    auto x = ctx->saved_data["x"].toTensor();
-    auto loss = ctx->saved_data["loss"].toTensor();
-    at::Tensor grad_loss;
-    {
-      at::NoGradGuard no_grad;
-      grad_loss = from_local(grads[0].to(local_tensor(loss).options()), device_mesh(loss),
-                             placements(loss));
-    }
-    auto grad_x = torch::autograd::grad({loss}, {x}, {grad_loss})[0];
-    return {grad_x, at::Tensor()};
-  }
-};
-
-}  // namespace
-
 at::Tensor token_cross_entropy(const at::Tensor& logits, const at::Tensor& targets) {
   TORCH_CHECK(logits.dim() == 3 && targets.dim() == 2 && logits.size(0) == targets.size(0) &&
                   logits.size(1) == targets.size(1),
               "token_cross_entropy: expected logits (B, S, V) and targets (B, S), got ",
               logits.sizes(), " and ", targets.sizes());
   if (!is_dtensor(logits)) return at::cross_entropy_loss(logits.flatten(0, 1), targets.flatten());
-  const at::Tensor plain_targets = is_dtensor(targets) ? full_tensor(targets) : targets;
-  return VocabParallelCrossEntropy::apply(logits, plain_targets);
+  return tp::vocab_parallel_cross_entropy(logits, targets);
 }
 
 at::Tensor loss_and_backward(const at::Tensor& logits, const at::Tensor& targets) {

@@ -11,8 +11,6 @@
 namespace dtensor::ops {
 namespace {
 
-using dispatch::Strategy;
-
 enum class Role : uint8_t {
   Follow,     // a [B, H, ...] tensor: laid out as the option says
   Mask,       // laid out like the attention mask / bias (broadcast against [B, H, L, S])
@@ -77,13 +75,6 @@ Placement mask_placement(const DTensorSpec& mask, const Placement& follow) {
   return Shard(d);
 }
 
-bool shardable(const DeviceMesh& mesh, const DTensorSpec& s, c10::ArrayRef<Placement> p) {
-  for (int64_t d = 0; d < s.ndim(); ++d) {
-    if (shards_of_dim(mesh, p, d) > s.shape()[d]) return false;
-  }
-  return true;
-}
-
 // The CPU kernels divide work by the sizes they get and fail on an empty shard (uneven heads
 // or batch leave the last ranks without any): such a rank returns empty results instead.
 void skip_empty_shards(const c10::OperatorHandle& op, torch::jit::Stack& stack,
@@ -118,55 +109,39 @@ Decision attention(const OpCall& call, const Layout& L) {
   const std::vector<Placement> options =
       q.ndim() == 4 ? std::vector<Placement>{Replicate(), Shard(1), Shard(0)}
                     : std::vector<Placement>{Replicate()};
-  const int64_t mesh_nd = call.mesh_ndim();
-  std::vector<Strategy> candidates;
-  std::vector<size_t> pick(mesh_nd, 0);  // mixed-radix counter, mesh dim 0 slowest
-  while (true) {
-    Placements follow, mask_p;
-    for (int64_t m = 0; m < mesh_nd; ++m) {
-      follow.push_back(options[pick[m]]);
-      if (mask) mask_p.push_back(mask_placement(*mask, options[pick[m]]));
+  // One DimStrategy per option: the tensor returns, then every input, by role.
+  std::vector<DimStrategy> choices;
+  for (const Placement& follow : options) {
+    const Placement mask_p = mask ? mask_placement(*mask, follow) : Placement(Replicate());
+    DimStrategy c;
+    for (size_t r = 0; r < L.returns.size(); ++r) {
+      if (call.schema().returns()[r].type()->kind() != c10::TypeKind::TensorType) continue;
+      // Replicate is also the placeholder for None, replaced after the choice.
+      c.push_back(L.returns[r] == Role::Follow ? follow
+                  : L.returns[r] == Role::Mask ? mask_p
+                                               : Placement(Replicate()));
     }
-    Strategy s;
-    bool ok = true;
     for (const auto& in : call.inputs()) {
       const bool f =
           std::find(L.follow_args.begin(), L.follow_args.end(), in.arg) != L.follow_args.end();
       const bool is_mask = mask && in.arg == L.mask_arg;
-      Placements p = f ? follow : is_mask ? mask_p : replicate_all(mesh_nd);
-      ok = ok && (!in.spec || shardable(mesh, *in.spec, p));
-      s.inputs.push_back(std::move(p));
+      c.push_back(f ? follow : is_mask ? mask_p : Placement(Replicate()));
     }
-    // Grouped-query attention maps q head i to k head i / (Hq / Hk): a heads split keeps
-    // that mapping inside each shard only when it cuts the k heads evenly.
-    const int64_t head_shards = q.ndim() == 4 ? shards_of_dim(mesh, follow, 1) : 1;
-    if (q.ndim() == 4 && k.ndim() == 4 && q.shape()[1] != k.shape()[1] &&
-        k.shape()[1] % head_shards != 0) {
-      ok = false;
-    }
-    if (ok) {
-      for (size_t r = 0; r < L.returns.size(); ++r) {
-        if (call.schema().returns()[r].type()->kind() != c10::TypeKind::TensorType) continue;
-        switch (L.returns[r]) {
-          case Role::Follow:
-            s.outputs.push_back(follow);
-            break;
-          case Role::Mask:
-            s.outputs.push_back(mask_p);
-            break;
-          // A placeholder for None: replaced below, after the choice.
-          case Role::Replicate:
-          case Role::None:
-            s.outputs.push_back(replicate_all(mesh_nd));
-            break;
-        }
-      }
-      candidates.push_back(std::move(s));
-    }
-    int64_t m = mesh_nd - 1;
-    while (m >= 0 && ++pick[m] == options.size()) pick[m--] = 0;
-    if (m < 0) break;
+    choices.push_back(std::move(c));
   }
+  size_t num_outputs = 0;
+  for (size_t r = 0; r < L.returns.size(); ++r) {
+    num_outputs += call.schema().returns()[r].type()->kind() == c10::TypeKind::TensorType;
+  }
+  // Grouped-query attention maps q head i to k head i / (Hq / Hk): a heads split keeps that
+  // mapping inside each shard only when it cuts the k heads evenly.
+  const int query_input = input_of(call, L.query);
+  auto keeps_kv_groups = [&](const Strategy& s) {
+    if (q.ndim() != 4 || k.ndim() != 4 || q.shape()[1] == k.shape()[1]) return true;
+    return k.shape()[1] % shards_of_dim(mesh, s.inputs[query_input], 1) == 0;
+  };
+  const std::vector<Strategy> candidates =
+      expand_to_mesh(call, choices, num_outputs, keeps_kv_groups);
   Decision d = dispatch::choose(call, candidates);
   for (size_t r = 0; r < L.returns.size(); ++r) {
     if (L.returns[r] == Role::None) d.outputs[r] = std::nullopt;

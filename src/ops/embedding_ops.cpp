@@ -7,54 +7,15 @@
 // this rank's rows, and zeroes those rows when the output is reduced. Here the local lookup
 // itself shifts, clamps and zeroes (a LocalKernel), so the output is an ordinary Partial(sum)
 // and no mask has to outlive the op.
-#include <array>
-
 #include "dtensor/ops/rule_utils.h"
 
 namespace dtensor::ops {
 namespace {
 
-using dispatch::Strategy;
-
-// Placements on one mesh dim of [output, first input, second input].
-using DimChoice = std::array<Placement, 3>;
-
-// PyTorch drops candidates that shard a dim over more ranks than it has elements.
-bool shardable(const DeviceMesh& mesh, c10::IntArrayRef shape, c10::ArrayRef<Placement> p) {
-  for (int64_t d = 0; d < static_cast<int64_t>(shape.size()); ++d) {
-    const int64_t n = shards_of_dim(mesh, p, d);
-    if (n > 1 && shape[d] < n) return false;
-  }
-  return true;
-}
-
-// Every combination of per-mesh-dim choices, the first mesh dim varying slowest (PyTorch's
-// itertools.product), keeping those `allowed` on each mesh dim and shardable.
-template <typename Allowed>
-std::vector<Strategy> expand(const OpCall& call, const std::vector<DimChoice>& choices,
-                             Allowed&& allowed) {
-  const int64_t n = call.mesh_ndim();
-  std::vector<size_t> pick(n, 0);
-  std::vector<Strategy> out;
-  while (true) {
-    Placements o, a, b;
-    bool ok = true;
-    for (int64_t m = 0; m < n; ++m) {
-      const DimChoice& c = choices[pick[m]];
-      ok = ok && allowed(m, c);
-      o.push_back(c[0]);
-      a.push_back(c[1]);
-      b.push_back(c[2]);
-    }
-    if (ok && shardable(call.mesh(), call.input(0).shape(), a) &&
-        shardable(call.mesh(), call.input(1).shape(), b)) {
-      out.push_back(Strategy{{o}, {a, b}});
-    }
-    int64_t m = n - 1;
-    while (m >= 0 && ++pick[m] == choices.size()) pick[m--] = 0;
-    if (m < 0) break;
-  }
-  return out;
+// Placements on one mesh dim: [output, weight, indices] (embedding) or [grad_weight,
+// grad_output, indices] (its backward).
+DimStrategy choice(Placement out, Placement first, Placement second) {
+  return {out, first, second};
 }
 
 // Lookup in this rank's rows of a row-sharded weight: ids of other ranks' rows give zeros.
@@ -83,17 +44,19 @@ Decision embedding(const OpCall& call) {
   const DTensorSpec& weight = call.input(0);
   const DTensorSpec& indices = call.input(1);
   const int64_t out_last = indices.ndim();
-  std::vector<DimChoice> choices{{Replicate(), Replicate(), Replicate()},
-                                 {Shard(out_last), Shard(1), Replicate()},
-                                 {Partial(), Shard(0), Replicate()}};
-  for (int64_t d = 0; d < indices.ndim(); ++d) choices.push_back({Shard(d), Replicate(), Shard(d)});
   // PyTorch's rowwise indices are a mask placement that a shard cannot move to (infinite
   // cost); keep its choices by leaving rowwise out where the indices arrive sharded.
-  const Placements& idx_p = indices.placements();
-  auto allowed = [&](int64_t m, const DimChoice& c) {
-    return !(c[1].is_shard(0) && idx_p[m].is_shard());
-  };
-  Decision d = dispatch::choose(call, expand(call, choices, allowed));
+  std::vector<std::vector<DimStrategy>> choices(call.mesh_ndim());
+  for (int64_t m = 0; m < call.mesh_ndim(); ++m) {
+    auto& c = choices[m];
+    c = {choice(Replicate(), Replicate(), Replicate()),
+         choice(Shard(out_last), Shard(1), Replicate())};
+    if (!indices.placements()[m].is_shard()) c.push_back(choice(Partial(), Shard(0), Replicate()));
+    for (int64_t d = 0; d < indices.ndim(); ++d) {
+      c.push_back(choice(Shard(d), Replicate(), Shard(d)));
+    }
+  }
+  Decision d = dispatch::choose(call, expand_to_mesh(call, choices, 1));
   const auto& wp = d.inputs[0];
   if (std::any_of(wp.begin(), wp.end(), [](const Placement& p) { return p.is_shard(0); })) {
     d.local_kernel = masked_lookup;
@@ -110,16 +73,17 @@ Decision embedding(const OpCall& call) {
 Decision embedding_backward(const OpCall& call) {
   const DTensorSpec& grad = call.input(0);
   const DTensorSpec& indices = call.input(1);
-  std::vector<DimChoice> choices{{Replicate(), Replicate(), Replicate()},
-                                 {Shard(1), Shard(grad.ndim() - 1), Replicate()}};
+  std::vector<DimStrategy> choices{choice(Replicate(), Replicate(), Replicate()),
+                                   choice(Shard(1), Shard(grad.ndim() - 1), Replicate())};
   // scale_grad_by_freq divides by how often each id occurs in the whole batch: a shard of the
   // indices would count only its own ids.
   if (!call.bool_arg(4)) {
-    for (int64_t d = 0; d < indices.ndim(); ++d) choices.push_back({Partial(), Shard(d), Shard(d)});
+    for (int64_t d = 0; d < indices.ndim(); ++d) {
+      choices.push_back(choice(Partial(), Shard(d), Shard(d)));
+    }
   }
-  choices.push_back({Partial(), Partial(), Replicate()});
-  auto any = [](int64_t, const DimChoice&) { return true; };
-  Decision d = dispatch::choose(call, expand(call, choices, any));
+  choices.push_back(choice(Partial(), Partial(), Replicate()));
+  Decision d = dispatch::choose(call, expand_to_mesh(call, choices, 1));
   d.output_meta = {contiguous_meta({call.int_arg(2), grad.shape().back()}, grad.dtype())};
   return d;
 }

@@ -9,7 +9,7 @@
 // batch, and the result is an ordinary pending sum.
 #include <ATen/core/Reduction.h>
 
-#include "dtensor/comm/collectives.h"
+#include "dtensor/ops/kernel_collectives.h"
 #include "dtensor/ops/rule_utils.h"
 
 namespace dtensor::ops {
@@ -78,12 +78,12 @@ dispatch::LocalKernel mean_over_shards(Placements target_p, bool target_replicat
     st[base + 3] = static_cast<int64_t>(at::Reduction::Sum);
     op.callBoxed(st);
     if (!target_replicated) {
-      total = st.back().toTensor();
+      std::vector<int64_t> sharded;
       for (size_t m = 0; m < target_p.size(); ++m) {
-        if (target_p[m].is_shard()) {
-          total = comm::all_reduce(total, ReduceOp::Sum, mesh.group(static_cast<int64_t>(m)));
-        }
+        if (target_p[m].is_shard()) sharded.push_back(static_cast<int64_t>(m));
       }
+      total =
+          kernel_all_reduce(op.schema().name(), st.back().toTensor(), ReduceOp::Sum, mesh, sharded);
     }
     st[st.size() - 2] = st[st.size() - 2].toTensor() / total;
     st.back() = total;

@@ -1,4 +1,4 @@
-#include "dtensor/tp/layers.h"
+#include "dtensor/nn/layers.h"
 
 #include <ATen/ops/ones.h>
 #include <ATen/ops/rms_norm.h>

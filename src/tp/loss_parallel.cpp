@@ -9,7 +9,7 @@
 #include <ATen/ATen.h>
 #include <ATen/core/Reduction.h>
 
-#include "dtensor/comm/collectives.h"
+#include "dtensor/ops/kernel_collectives.h"
 #include "dtensor/ops/rule_utils.h"
 #include "loss_parallel_rules.h"
 
@@ -71,21 +71,22 @@ Decision log_softmax(const OpCall& call) {
   d.inputs = {in.placements()};
   d.outputs = {in.placements()};
   d.output_meta = {ops::contiguous_meta(in.shape(), to_float ? at::kFloat : in.dtype())};
-  d.local_kernel = [dim](const c10::OperatorHandle&, torch::jit::Stack& st,
+  d.local_kernel = [dim](const c10::OperatorHandle& op, torch::jit::Stack& st,
                          const LocalContext& ctx) {
     const size_t base = st.size() - 3;
     at::Tensor x = st[base].toTensor();
     if (st[base + 2].toBool()) x = x.to(at::kFloat);
-    comm::ProcessGroup& pg = ctx.inputs[0]->mesh().group(0);
+    const DeviceMesh& mesh = ctx.inputs[0]->mesh();
     std::vector<int64_t> row = x.sizes().vec();
     row[dim] = 1;
     // amax refuses an empty dim (more ranks than classes left this one none).
     at::Tensor max = x.size(dim) > 0
                          ? at::amax(x, dim, true)
                          : at::full(row, -std::numeric_limits<double>::infinity(), x.options());
-    max = comm::all_reduce(max, ReduceOp::Max, pg);
+    max = ops::kernel_all_reduce(op.schema().name(), max, ReduceOp::Max, mesh, 0);
     const at::Tensor shifted = x - max;
-    const at::Tensor sum = comm::all_reduce(shifted.exp().sum(dim, true), ReduceOp::Sum, pg);
+    const at::Tensor sum = ops::kernel_all_reduce(op.schema().name(), shifted.exp().sum(dim, true),
+                                                  ReduceOp::Sum, mesh, 0);
     torch::jit::drop(st, 3);
     st.emplace_back(shifted - sum.log());
   };
@@ -128,7 +129,8 @@ Decision nll_forward(const OpCall& call) {
       ops::contiguous_meta(reduction == at::Reduction::None ? target_shape : std::vector<int64_t>{},
                            in.dtype()),
       ops::contiguous_meta({}, in.dtype())};
-  d.local_kernel = [c](const c10::OperatorHandle&, torch::jit::Stack& st, const LocalContext& ctx) {
+  d.local_kernel = [c](const c10::OperatorHandle& op, torch::jit::Stack& st,
+                       const LocalContext& ctx) {
     const size_t base = st.size() - 5;
     const at::Tensor x = st[base].toTensor();
     const at::Tensor target = st[base + 1].toTensor();
@@ -141,7 +143,8 @@ Decision nll_forward(const OpCall& call) {
     at::Tensor picked =
         size > 0 ? x.gather(c, local.unsqueeze(c)).squeeze(c).masked_fill(mine.logical_not(), 0)
                  : at::zeros(target.sizes(), x.options());
-    picked = comm::all_reduce(picked, ReduceOp::Sum, ctx.inputs[0]->mesh().group(0));
+    picked =
+        ops::kernel_all_reduce(op.schema().name(), picked, ReduceOp::Sum, ctx.inputs[0]->mesh(), 0);
     const at::Tensor w = target_weight(target, keep, weight, x.options());
     const at::Tensor loss = -picked * w;
     const at::Tensor total = w.sum();

@@ -16,10 +16,10 @@
 #include <torch/autograd.h>
 #include <torch/library.h>
 
-#include "dtensor/comm/collectives.h"
 #include "dtensor/core/api.h"
 #include "dtensor/core/dtensor_impl.h"
 #include "dtensor/core/shard_math.h"
+#include "dtensor/ops/kernel_collectives.h"
 #include "dtensor/tp/loss_parallel.h"
 
 namespace dtensor::tp::detail {
@@ -64,7 +64,9 @@ struct SmoothingTerm : torch::autograd::Function<SmoothingTerm> {
       w_total = at::scalar_tensor(static_cast<double>(spec.shape()[c]), lp.options());
     }
     const at::Tensor part = (w_local.defined() ? lp * w_local : lp).sum(c).neg();
-    at::Tensor smooth = comm::all_reduce(part, ReduceOp::Sum, spec.mesh().group(0));
+    at::Tensor smooth =
+        ops::kernel_all_reduce("aten::cross_entropy_loss (label smoothing, loss parallel)", part,
+                               ReduceOp::Sum, spec.mesh(), 0);
     smooth.masked_fill_(keep.logical_not(), 0);
 
     at::Tensor denom;

@@ -268,3 +268,34 @@ TEST(LossParallel, PlainTargetIsTreatedAsReplicate) {
     EXPECT_TENSOR_CLOSE(full_tensor(dx.grad()), xr.grad(), 1e-10, 1e-10);
   });
 }
+
+// The one-call form a model uses: (B, S, V) logits sharded on the vocab, backward outside any
+// guard, equal to one device's cross entropy and gradient; three all_reduces forward, none back.
+TEST(LossParallel, VocabParallelCrossEntropyNeedsNoGuardForBackward) {
+  run_ranks(3, [](int) {
+    auto mesh = init_device_mesh("cpu", {3});
+    at::manual_seed(11);
+    const at::Tensor x = at::randn({2, 5, 13}, at::kDouble);
+    const at::Tensor target = at::randint(13, {2, 5}, at::kLong);
+    auto xr = x.clone().requires_grad_(true);
+    auto ref = at::cross_entropy_loss(xr.flatten(0, 1), target.flatten());
+    ref.backward();
+
+    auto dx = distribute_tensor(x, mesh, {Shard(2)}).requires_grad_(true);
+    for (const at::Tensor& t : {target, distribute_tensor(target, mesh, {Shard(0)})}) {
+      dx.mutable_grad() = at::Tensor();
+      CommDebugMode comm;
+      auto loss = tp::vocab_parallel_cross_entropy(dx, t);
+      EXPECT_FALSE(is_dtensor(loss));
+      EXPECT_FALSE(tp::loss_parallel_enabled());
+      EXPECT_EQ(comm.get_comm_counts()[CommType::all_reduce], 3) << comm.table();
+      loss.backward();
+      EXPECT_EQ(comm.get_comm_counts()[CommType::all_reduce], 3) << comm.table();
+      EXPECT_TENSOR_CLOSE(loss.detach(), ref.detach(), 1e-12, 1e-12);
+      EXPECT_EQ(placements(dx.grad())[0], Shard(2));
+      EXPECT_TENSOR_CLOSE(full_tensor(dx.grad()), xr.grad(), 1e-12, 1e-12);
+    }
+    const std::string msg = message_of([&] { tp::vocab_parallel_cross_entropy(x, target); });
+    EXPECT_CONTAINS(msg, "vocab_parallel_cross_entropy");
+  });
+}

@@ -3,7 +3,7 @@
 #include <gtest/gtest.h>
 #include <torch/nn/modules/container/sequential.h>
 
-#include "dtensor/tp/layers.h"
+#include "dtensor/nn/layers.h"
 
 namespace {
 

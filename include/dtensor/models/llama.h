@@ -27,7 +27,7 @@
 #include <vector>
 
 #include "dtensor/mesh/device_mesh.h"
-#include "dtensor/tp/layers.h"
+#include "dtensor/nn/layers.h"
 #include "dtensor/tp/partial_grads.h"
 
 namespace dtensor::models {
@@ -193,9 +193,9 @@ using tp::reduce_partial_grads;
 // ---- loss ----
 
 // Mean cross entropy over all tokens of logits (B, S, V) against targets (B, S) int64.
-// Plain logits: at::cross_entropy. Vocab-sharded DTensor logits: the vocab-parallel loss
-// (tp::LossParallel, 3 all_reduces of B*S values forward, none backward), wrapped so that the
-// backward re-enters LossParallel itself: loss.backward() needs no guard.
+// Plain logits: at::cross_entropy. Vocab-sharded DTensor logits:
+// tp::vocab_parallel_cross_entropy (3 all_reduces of B*S values forward, none backward; its
+// backward needs no guard).
 // Returns a plain 0-d tensor equal on every rank.
 at::Tensor token_cross_entropy(const at::Tensor& logits, const at::Tensor& targets);
 

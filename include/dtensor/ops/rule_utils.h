@@ -5,12 +5,15 @@
 #include <ATen/InferSize.h>
 #include <c10/util/Exception.h>
 
+#include <functional>
+
 #include "dtensor/dispatch/op_call.h"
 
 namespace dtensor::ops {
 
 using dispatch::Decision;
 using dispatch::OpCall;
+using dispatch::Strategy;
 
 // This rank's local shape of a global tensor laid out as `p` on `mesh`.
 inline std::vector<int64_t> local_shape_of(const DeviceMesh& mesh, c10::IntArrayRef global,
@@ -77,6 +80,24 @@ inline TensorMeta contiguous_meta(std::vector<int64_t> shape, at::ScalarType dty
   auto stride = default_strides(shape);
   return TensorMeta{std::move(shape), std::move(stride), dtype};
 }
+
+// One mesh dim's part of a strategy: a placement for each output, then one for each OpCall input.
+using DimStrategy = std::vector<Placement>;
+using StrategyFilter = std::function<bool(const Strategy&)>;
+
+// A rule's candidates on the whole mesh from what each mesh dim allows: every combination of
+// one DimStrategy per mesh dim (`choices[m]` for mesh dim m), mesh dim 0 varying slowest, the
+// order of PyTorch's itertools.product, so that equal-cost ties pick the same layout. Drops the
+// combinations `keep` rejects and, unless `drop_unshardable` is false, those that split an input
+// dim into more shards than it has elements (as PyTorch's is_tensor_shardable).
+std::vector<Strategy> expand_to_mesh(const OpCall& call,
+                                     const std::vector<std::vector<DimStrategy>>& choices,
+                                     size_t num_outputs, const StrategyFilter& keep = nullptr,
+                                     bool drop_unshardable = true);
+
+// The same choices on every mesh dim.
+std::vector<Strategy> expand_to_mesh(const OpCall& call, const std::vector<DimStrategy>& choices,
+                                     size_t num_outputs, const StrategyFilter& keep = nullptr);
 
 // Result dtype of return `ret`, found by running the op once on one-element CPU tensors of
 // the inputs' dtypes and ranks (for ops without meta kernels).

@@ -19,6 +19,8 @@
 // softmax correction): cross_entropy_loss on DTensor logits with label_smoothing > 0 is taken
 // over inside the guard, and its smoothing term costs one more all_reduce of N elements
 // forward, none backward (src/tp/loss_parallel_smoothing.cpp).
+#include <ATen/core/Tensor.h>
+
 #include <cstdint>
 
 #include "dtensor/dispatch/implicit_replication.h"
@@ -37,6 +39,13 @@ class LossParallel {
   dispatch::DecisionContextGuard guard_;
   ImplicitReplication plain_targets_;  // a plain target tensor joins as Replicate
 };
+
+// Mean cross entropy over every position of `logits` (..., V), a DTensor sharded on the class
+// (last) dim of a 1-D mesh, against int64 `targets` (...) (a plain tensor or a DTensor, used
+// whole): LossParallel's computation wrapped in an autograd function whose backward re-enters
+// LossParallel, so loss.backward() needs no guard. Returns a plain 0-d tensor, equal on every
+// rank.
+at::Tensor vocab_parallel_cross_entropy(const at::Tensor& logits, const at::Tensor& targets);
 
 // Whether a LossParallel is alive on this thread.
 inline bool loss_parallel_enabled() {

@@ -2,7 +2,7 @@
 // Forward hooks for C++ modules (docs/ARCHITECTURE.md, "From parallelize_module to a collective").
 // torch::nn::Module has neither hooks nor a virtual forward, so a module opts in by deriving from
 // HookedModule and routing its forward through call_forward(). Parallel styles register hooks to
-// convert inputs and outputs; the drop-in layers in dtensor/tp/layers.h and dtensor::nn::Module
+// convert inputs and outputs; the drop-in layers in dtensor/nn/layers.h and dtensor::nn::Module
 // (for users' own modules) do the routing already.
 //
 //   struct BlockImpl : dtensor::nn::Module {

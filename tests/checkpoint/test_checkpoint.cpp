@@ -25,16 +25,16 @@
 #include <string>
 #include <vector>
 
+#include "dtensor/checkpoint/checkpoint.h"
+#include "dtensor/checkpoint/checkpoint_manager.h"
+#include "dtensor/checkpoint/crc32c.h"
+#include "dtensor/checkpoint/safetensors.h"
 #include "dtensor/dtensor.h"
-#include "dtensor/models/checkpoint.h"
-#include "dtensor/models/checkpoint_manager.h"
-#include "dtensor/models/crc32c.h"
-#include "dtensor/models/safetensors.h"
 #include "support/distributed.h"
 #include "support/temp_dir.h"
 
 using namespace dtensor;
-using namespace dtensor::models;
+using namespace dtensor::checkpoint;
 using namespace dtensor::testing;
 namespace fs = std::filesystem;
 
@@ -122,7 +122,7 @@ void flip_byte(const std::string& path, uint64_t offset) {
   f.write(&c, 1);
 }
 uint64_t data_offset_of(const std::string& path, const std::string& tensor) {
-  models::safetensors::File f(path);
+  checkpoint::safetensors::File f(path);
   return f.data_offset() + f.at(tensor).begin;
 }
 
@@ -396,10 +396,10 @@ TEST(Checkpoint, DamagedFilesFailNamingFileAndTensorAndLeaveTheModuleUntouched) 
   // Damage to the checksums themselves is caught too (by the header checksum).
   const std::string sums = dir.file("sums.safetensors");
   {
-    auto t = models::safetensors::load_file(good);
-    auto meta = models::safetensors::File(good).metadata();
+    auto t = checkpoint::safetensors::load_file(good);
+    auto meta = checkpoint::safetensors::File(good).metadata();
     meta.at("checksums").replace(meta.at("checksums").find("\"0.bias\":\"") + 10, 1, "g");
-    models::safetensors::save_file(t, sums, meta);
+    checkpoint::safetensors::save_file(t, sums, meta);
   }
   err = error_of([&] { load_checkpoint(sums, *model); });
   EXPECT_HAS(err, sums);
@@ -570,7 +570,7 @@ TEST(Checkpoint, ChecksumsAreCrc32cOfEachTensorsBytes) {
   TempDir dir;
   const std::string path = dir.file("c.safetensors");
   save_checkpoint(path, *mlp(kDim, kHidden, 0));
-  models::safetensors::File f(path);
+  checkpoint::safetensors::File f(path);
   EXPECT_EQ(f.metadata().at("checksum_algorithm"), "crc32c");
   const std::string sums = f.metadata().at("checksums");
   for (const auto& info : f.tensors()) {
@@ -713,7 +713,7 @@ TEST(Checkpoint, NoSingleBitFlipLoadsSilentlyChangedValues) {
   save_trained(good);
   const Loaded expected = load_everything(good);
   const std::string bytes = read_bytes(good);
-  const uint64_t header_end = models::safetensors::File(good).data_offset();
+  const uint64_t header_end = checkpoint::safetensors::File(good).data_offset();
 
   std::mt19937_64 rng(20261124);
   constexpr int kFlips = 300;
@@ -758,18 +758,18 @@ TEST(Checkpoint, FilesWithFormatPtMetadataLoad) {
   TempDir dir;
   const std::string ours = dir.file("ours.safetensors");
   save_checkpoint(ours, *mlp(kDim, kHidden, 0), nullptr, {.step = 4});
-  EXPECT_EQ(models::safetensors::File(ours).metadata().at("format"), "pt");
+  EXPECT_EQ(checkpoint::safetensors::File(ours).metadata().at("format"), "pt");
 
   // Our metadata plus "format": "pt", written again by another writer in the same layout
   // (the header checksum covers the offsets, so the tensors keep their order).
   const std::string rewritten = dir.file("rewritten.safetensors");
   {
-    models::safetensors::File f(ours);
+    checkpoint::safetensors::File f(ours);
     auto meta = f.metadata();
     meta["format"] = "pt";
-    std::vector<models::safetensors::Writer::Entry> entries;
+    std::vector<checkpoint::safetensors::Writer::Entry> entries;
     for (const auto& info : f.tensors()) entries.push_back({info.name, info.dtype, info.shape});
-    models::safetensors::Writer w(rewritten, entries, meta);
+    checkpoint::safetensors::Writer w(rewritten, entries, meta);
     for (const auto& info : f.tensors()) w.write(f.tensor(info));
     w.finish(meta);
   }
@@ -779,7 +779,8 @@ TEST(Checkpoint, FilesWithFormatPtMetadataLoad) {
 
   // A plain Hugging Face file: tensors and {"format": "pt"} alone, no checksums.
   const std::string plain = dir.file("plain.safetensors");
-  models::safetensors::save_file(models::safetensors::load_file(ours), plain, {{"format", "pt"}});
+  checkpoint::safetensors::save_file(checkpoint::safetensors::load_file(ours), plain,
+                                     {{"format", "pt"}});
   const auto meta = read_checkpoint_metadata(plain);
   EXPECT_EQ(meta.format_version, 0);
   EXPECT_EQ(meta.entries.at("format"), "pt");
@@ -795,8 +796,8 @@ TEST(Checkpoint, FilesWithUncheckedMetadataAreRefused) {
   TempDir dir;
   const std::string ours = dir.file("ours.safetensors");
   save_checkpoint(ours, *mlp(kDim, kHidden, 0), nullptr, {.step = 4});
-  const auto tensors = models::safetensors::load_file(ours);
-  auto meta = models::safetensors::File(ours).metadata();
+  const auto tensors = checkpoint::safetensors::load_file(ours);
+  auto meta = checkpoint::safetensors::File(ours).metadata();
 
   const std::string v1 = dir.file("v1.safetensors");
   auto v1_meta = meta;
@@ -804,7 +805,7 @@ TEST(Checkpoint, FilesWithUncheckedMetadataAreRefused) {
   v1_meta.erase("header_checksum");
   v1_meta["format"] = "dtensor-checkpoint";
   v1_meta["format_version"] = "1";
-  models::safetensors::save_file(tensors, v1, v1_meta);
+  checkpoint::safetensors::save_file(tensors, v1, v1_meta);
   auto model = mlp(kDim, kHidden, 1);
   const auto before = global_values(*model);
   std::string err = error_of([&] { load_checkpoint(v1, *model); });
@@ -816,7 +817,7 @@ TEST(Checkpoint, FilesWithUncheckedMetadataAreRefused) {
   const std::string unnamed = dir.file("unnamed.safetensors");
   auto unnamed_meta = meta;
   unnamed_meta.erase("checkpoint_format");
-  models::safetensors::save_file(tensors, unnamed, unnamed_meta);
+  checkpoint::safetensors::save_file(tensors, unnamed, unnamed_meta);
   err = error_of([&] { load_checkpoint(unnamed, *model); });
   EXPECT_HAS(err, unnamed);
   EXPECT_HAS(err, "\"checkpoint_format\"");
@@ -853,7 +854,7 @@ TEST(Checkpoint, NonStrictLoadingReportsMissingAndUnexpectedNames) {
   TempDir dir;
   const std::string path = dir.file("mlp.safetensors");
   save_trained(path);
-  const auto saved = models::safetensors::load_file(path);
+  const auto saved = checkpoint::safetensors::load_file(path);
   auto model = mlp(kDim, kHidden, 1, at::kFloat, /*bias=*/false);  // no "0.bias"
   model->push_back(torch::nn::Linear(kDim, 3));                    // "3.weight", "3.bias"
   const at::Tensor extra = model[3]->as<torch::nn::Linear>()->weight.clone();

@@ -20,7 +20,7 @@
 #include <string_view>
 #include <vector>
 
-namespace dtensor::models::safetensors {
+namespace dtensor::checkpoint::safetensors {
 
 using Metadata = std::map<std::string, std::string>;
 
@@ -125,4 +125,4 @@ void save_file(const std::map<std::string, at::Tensor>& tensors, const std::stri
                const Metadata& metadata = {});
 std::map<std::string, at::Tensor> load_file(const std::string& path);
 
-}  // namespace dtensor::models::safetensors
+}  // namespace dtensor::checkpoint::safetensors

@@ -4,7 +4,7 @@
 #include <exception>
 #include <string>
 
-namespace dtensor::models::detail {
+namespace dtensor::checkpoint::detail {
 
 // Collective over the world (a no-op without a process group or with one rank). Rank 0
 // passes the error its work raised (or nullptr); every rank then throws when rank 0 failed:
@@ -14,4 +14,4 @@ void share_rank0_outcome(std::exception_ptr error_on_rank0, const std::string& w
 // Global rank (0 without a process group).
 int global_rank();
 
-}  // namespace dtensor::models::detail
+}  // namespace dtensor::checkpoint::detail

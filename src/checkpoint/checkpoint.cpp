@@ -1,4 +1,4 @@
-#include "dtensor/models/checkpoint.h"
+#include "dtensor/checkpoint/checkpoint.h"
 
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
@@ -14,15 +14,15 @@
 #include <optional>
 #include <set>
 
+#include "dtensor/checkpoint/crc32c.h"
+#include "dtensor/checkpoint/safetensors.h"
 #include "dtensor/comm/process_group.h"
 #include "dtensor/core/api.h"
 #include "dtensor/core/dtensor_impl.h"
-#include "dtensor/models/crc32c.h"
-#include "dtensor/models/safetensors.h"
 #include "optimizer_state.h"
 #include "rank0_outcome.h"
 
-namespace dtensor::models {
+namespace dtensor::checkpoint {
 namespace {
 
 namespace keys = checkpoint_keys;
@@ -358,105 +358,130 @@ void verify_checkpoint(const std::string& path) {
   for (const auto& info : file.tensors()) verify_tensor(file, info, checksums);
 }
 
-CheckpointMetadata load_checkpoint(const std::string& path, torch::nn::Module& module,
-                                   torch::optim::Optimizer* optimizer, const LoadOptions& options) {
-  at::NoGradGuard no_grad;
-  const std::string where = "checkpoint '" + path + "'";
-  safetensors::File file(path);
-  CheckpointMetadata meta = parse_metadata(file);
-  const auto checksums = parse_checksums(file);
+// ---------------------------------------------------------------------------------------------
+// load: the steps of load_checkpoint
 
-  // 1. Match names and shapes; nothing is read yet.
+namespace {
+
+// What a load will do, decided from the header alone.
+struct LoadPlan {
   struct Target {
     const safetensors::TensorInfo* info;
     at::Tensor dest;
   };
-  std::vector<Target> targets;
-  std::vector<std::string> missing, unexpected, mismatched;
-  std::set<std::string> used;
-  auto match = [&](const std::string& name,
-                   const at::Tensor& dest) -> const safetensors::TensorInfo* {
-    const safetensors::TensorInfo* info = file.find(name);
-    if (info == nullptr) {
-      missing.push_back(name);
-      return nullptr;
-    }
-    used.insert(name);
-    if (c10::IntArrayRef(info->shape) != dest.sizes()) {
-      mismatched.push_back(name + ": checkpoint " + shape_string(info->shape) + ", module " +
-                           shape_string(dest.sizes()));
-      return nullptr;
-    }
-    return info;
-  };
-  auto module_tensors = module.named_parameters();
-  for (const auto& b : module.named_buffers()) module_tensors.insert(b.key(), b.value());
-  for (const auto& t : module_tensors) {
-    if (!t.value().defined()) continue;
-    if (const auto* info = match(t.key(), t.value())) targets.push_back({info, t.value()});
-  }
-
-  // Optimizer state: per parameter, either no entry or every required key.
+  // Per optimizer parameter: no entry (starts afresh) or an entry per key in the file.
   struct ParamState {
     at::Tensor param;
     std::map<std::string, const safetensors::TensorInfo*> infos;
   };
+  std::vector<Target> targets;
   std::vector<ParamState> states;
-  if (optimizer != nullptr) {
-    auto it = meta.entries.find(keys::kOptimizer);
-    TORCH_CHECK(it != meta.entries.end(), where,
-                " holds no optimizer state; load it without an optimizer");
-    const auto pnames = param_names(module);
-    detail::check_description(*optimizer, pnames, it->second, where);
-    const auto state_keys = detail::state_keys(*optimizer);
-    for (const auto& group : optimizer->param_groups()) {
-      for (const auto& p : group.params()) {
-        const std::string& pname = detail::param_name(pnames, p);
-        ParamState ps{p, {}};
-        bool any = false;
-        for (const auto* list : {&state_keys.required, &state_keys.optional}) {
-          for (const auto& key : *list) any = any || file.find(optim_name(pname, key)) != nullptr;
-        }
-        if (!any) {
-          states.push_back(std::move(ps));  // no state saved: the parameter starts afresh
+  std::vector<std::string> missing, unexpected, mismatched;
+  std::set<std::string> used;  // names in the file that something matched
+};
+
+// The file's entry for `name` when its shape is `dest`'s; records a miss or mismatch otherwise.
+const safetensors::TensorInfo* match(const safetensors::File& file, const std::string& name,
+                                     const at::Tensor& dest, LoadPlan& plan) {
+  const safetensors::TensorInfo* info = file.find(name);
+  if (info == nullptr) {
+    plan.missing.push_back(name);
+    return nullptr;
+  }
+  plan.used.insert(name);
+  if (c10::IntArrayRef(info->shape) != dest.sizes()) {
+    plan.mismatched.push_back(name + ": checkpoint " + shape_string(info->shape) + ", module " +
+                              shape_string(dest.sizes()));
+    return nullptr;
+  }
+  return info;
+}
+
+void match_module_tensors(const safetensors::File& file, torch::nn::Module& module,
+                          LoadPlan& plan) {
+  auto module_tensors = module.named_parameters();
+  for (const auto& b : module.named_buffers()) module_tensors.insert(b.key(), b.value());
+  for (const auto& t : module_tensors) {
+    if (!t.value().defined()) continue;
+    if (const auto* info = match(file, t.key(), t.value(), plan)) {
+      plan.targets.push_back({info, t.value()});
+    }
+  }
+}
+
+// One parameter's optimizer state: either no entry in the file or every required key.
+LoadPlan::ParamState match_param_state(const safetensors::File& file, const at::Tensor& p,
+                                       const std::string& pname,
+                                       const detail::StateKeys& state_keys, LoadPlan& plan) {
+  LoadPlan::ParamState ps{p, {}};
+  bool any = false;
+  for (const auto* list : {&state_keys.required, &state_keys.optional}) {
+    for (const auto& key : *list) any = any || file.find(optim_name(pname, key)) != nullptr;
+  }
+  if (!any) return ps;  // no state saved: the parameter starts afresh
+  for (const auto* list : {&state_keys.required, &state_keys.optional}) {
+    const bool required = list == &state_keys.required;
+    for (const auto& key : *list) {
+      const std::string name = optim_name(pname, key);
+      const safetensors::TensorInfo* info = file.find(name);
+      if (info == nullptr) {
+        if (required) plan.missing.push_back(name);
+        continue;
+      }
+      plan.used.insert(name);
+      if (key == "step") {
+        if (!info->shape.empty() || info->dtype != at::kLong) {
+          plan.mismatched.push_back(name + ": checkpoint " + safetensors::dtype_name(info->dtype) +
+                                    shape_string(info->shape) + ", expected a 0-d I64");
           continue;
         }
-        for (const auto* list : {&state_keys.required, &state_keys.optional}) {
-          const bool required = list == &state_keys.required;
-          for (const auto& key : *list) {
-            const std::string name = optim_name(pname, key);
-            const safetensors::TensorInfo* info = file.find(name);
-            if (info == nullptr) {
-              if (required) missing.push_back(name);
-              continue;
-            }
-            used.insert(name);
-            if (key == "step") {
-              if (!info->shape.empty() || info->dtype != at::kLong) {
-                mismatched.push_back(name + ": checkpoint " + safetensors::dtype_name(info->dtype) +
-                                     shape_string(info->shape) + ", expected a 0-d I64");
-                continue;
-              }
-            } else if (c10::IntArrayRef(info->shape) != p.sizes()) {
-              mismatched.push_back(name + ": checkpoint " + shape_string(info->shape) +
-                                   ", parameter " + shape_string(p.sizes()));
-              continue;
-            }
-            ps.infos[key] = info;
-          }
-        }
-        states.push_back(std::move(ps));
+      } else if (c10::IntArrayRef(info->shape) != p.sizes()) {
+        plan.mismatched.push_back(name + ": checkpoint " + shape_string(info->shape) +
+                                  ", parameter " + shape_string(p.sizes()));
+        continue;
       }
+      ps.infos[key] = info;
     }
   }
+  return ps;
+}
+
+void match_optimizer_state(const safetensors::File& file, const CheckpointMetadata& meta,
+                           const torch::nn::Module& module,
+                           const torch::optim::Optimizer& optimizer, const std::string& where,
+                           LoadPlan& plan) {
+  auto it = meta.entries.find(keys::kOptimizer);
+  TORCH_CHECK(it != meta.entries.end(), where,
+              " holds no optimizer state; load it without an optimizer");
+  const auto pnames = param_names(module);
+  detail::check_description(optimizer, pnames, it->second, where);
+  const auto state_keys = detail::state_keys(optimizer);
+  for (const auto& group : optimizer.param_groups()) {
+    for (const auto& p : group.params()) {
+      plan.states.push_back(
+          match_param_state(file, p, detail::param_name(pnames, p), state_keys, plan));
+    }
+  }
+}
+
+// Names in the file nothing matched (optimizer state counts only when loading an optimizer).
+void collect_unexpected(const safetensors::File& file, bool with_optimizer, LoadPlan& plan) {
   for (const auto& info : file.tensors()) {
     const bool optim = info.name.rfind(kOptimPrefix, 0) == 0;
-    if (used.count(info.name) == 0 && (!optim || optimizer != nullptr)) {
-      unexpected.push_back(info.name);
+    if (plan.used.count(info.name) == 0 && (!optim || with_optimizer)) {
+      plan.unexpected.push_back(info.name);
     }
   }
+}
+
+// Throws, listing every problem, when the file does not fit the module under `options`.
+void check_fit(const safetensors::File& file, const std::string& where, const LoadOptions& options,
+               const LoadPlan& plan) {
+  const auto& missing = plan.missing;
+  const auto& unexpected = plan.unexpected;
+  const auto& mismatched = plan.mismatched;
   // A load that matches no name would leave everything as it was, which looks like success.
-  if (used.empty() && (!missing.empty() || !unexpected.empty())) {
+  if (plan.used.empty() && (!missing.empty() || !unexpected.empty())) {
     std::vector<std::string> in_file;
     for (const auto& info : file.tensors()) in_file.push_back(info.name);
     TORCH_CHECK(false, "load_checkpoint: ", where,
@@ -479,21 +504,24 @@ CheckpointMetadata load_checkpoint(const std::string& path, torch::nn::Module& m
     if (!mismatched.empty()) msg += "\n  shape mismatch:" + join_limited(mismatched);
     TORCH_CHECK(false, msg);
   }
+}
 
-  meta.missing_keys = std::move(missing);
-  meta.unexpected_keys = std::move(unexpected);
+// This rank's parts, read and checked, before anything is changed.
+struct Staged {
+  std::vector<at::Tensor> temps;  // per plan target; undefined: this rank holds no part
+  std::vector<std::pair<void*, std::unique_ptr<torch::optim::OptimizerParamState>>> states;
+};
 
-  // 2. Verify and copy this rank's parts into temporaries.
-  const bool verify = options.verify_checksums && !checksums.empty();
+Staged stage(const safetensors::File& file, const std::map<std::string, std::string>& checksums,
+             bool verify, const torch::optim::Optimizer* optimizer, const LoadPlan& plan) {
   auto read_part = [&](const safetensors::TensorInfo& info, const at::Tensor& like) {
     if (verify) verify_tensor(file, info, checksums);
     return local_part(file, info, like);
   };
-  std::vector<at::Tensor> temps;
-  temps.reserve(targets.size());
-  for (const auto& t : targets) temps.push_back(read_part(*t.info, t.dest));
-  std::vector<std::pair<void*, std::unique_ptr<torch::optim::OptimizerParamState>>> new_states;
-  for (const auto& ps : states) {
+  Staged staged;
+  staged.temps.reserve(plan.targets.size());
+  for (const auto& t : plan.targets) staged.temps.push_back(read_part(*t.info, t.dest));
+  for (const auto& ps : plan.states) {
     if (ps.infos.empty()) continue;
     std::map<std::string, at::Tensor> values;
     for (const auto& [key, info] : ps.infos) {
@@ -506,27 +534,55 @@ CheckpointMetadata load_checkpoint(const std::string& path, torch::nn::Module& m
       if (!part.defined()) part = local_tensor(ps.param).clone();  // rank outside the mesh
       values[key] = wrap_like(std::move(part), ps.param);
     }
-    new_states.emplace_back(ps.param.unsafeGetTensorImpl(),
-                            detail::make_param_state(*optimizer, values));
+    staged.states.emplace_back(ps.param.unsafeGetTensorImpl(),
+                               detail::make_param_state(*optimizer, values));
   }
+  return staged;
+}
 
-  // 3. Commit: copy in place (the parameters stay the same objects), then the optimizer.
-  for (size_t i = 0; i < targets.size(); ++i) {
-    if (!temps[i].defined()) continue;
-    const at::Tensor& dest = targets[i].dest;
+// Copies in place (the parameters stay the same objects), then replaces the optimizer state.
+void commit(const LoadPlan& plan, Staged& staged, torch::optim::Optimizer* optimizer,
+            const CheckpointMetadata& meta) {
+  for (size_t i = 0; i < plan.targets.size(); ++i) {
+    if (!staged.temps[i].defined()) continue;
+    const at::Tensor& dest = plan.targets[i].dest;
     if (is_dtensor(dest)) {
-      local_tensor(dest).copy_(temps[i]);
+      local_tensor(dest).copy_(staged.temps[i]);
       dest.unsafeGetTensorImpl()->bump_version();
     } else {
-      dest.copy_(temps[i]);
+      dest.copy_(staged.temps[i]);
     }
   }
-  if (optimizer != nullptr) {
-    for (const auto& ps : states) optimizer->state().erase(ps.param.unsafeGetTensorImpl());
-    for (auto& [key, state] : new_states) optimizer->state()[key] = std::move(state);
-    detail::apply_group_options(*optimizer, meta.entries.at(keys::kOptimizer));
-  }
+  if (optimizer == nullptr) return;
+  for (const auto& ps : plan.states) optimizer->state().erase(ps.param.unsafeGetTensorImpl());
+  for (auto& [key, state] : staged.states) optimizer->state()[key] = std::move(state);
+  detail::apply_group_options(*optimizer, meta.entries.at(keys::kOptimizer));
+}
+
+}  // namespace
+
+CheckpointMetadata load_checkpoint(const std::string& path, torch::nn::Module& module,
+                                   torch::optim::Optimizer* optimizer, const LoadOptions& options) {
+  at::NoGradGuard no_grad;
+  const std::string where = "checkpoint '" + path + "'";
+  safetensors::File file(path);
+  CheckpointMetadata meta = parse_metadata(file);
+  const auto checksums = parse_checksums(file);
+
+  // 1. Match names and shapes; nothing is read yet.
+  LoadPlan plan;
+  match_module_tensors(file, module, plan);
+  if (optimizer != nullptr) match_optimizer_state(file, meta, module, *optimizer, where, plan);
+  collect_unexpected(file, optimizer != nullptr, plan);
+  check_fit(file, where, options, plan);
+  meta.missing_keys = std::move(plan.missing);
+  meta.unexpected_keys = std::move(plan.unexpected);
+
+  // 2. Verify and copy this rank's parts into temporaries; 3. commit them.
+  const bool verify = options.verify_checksums && !checksums.empty();
+  Staged staged = stage(file, checksums, verify, optimizer, plan);
+  commit(plan, staged, optimizer, meta);
   return meta;
 }
 
-}  // namespace dtensor::models
+}  // namespace dtensor::checkpoint

@@ -1,4 +1,4 @@
-#include "dtensor/models/checkpoint_manager.h"
+#include "dtensor/checkpoint/checkpoint_manager.h"
 
 #include <c10/util/Exception.h>
 #include <fcntl.h>
@@ -15,7 +15,7 @@
 
 #include "rank0_outcome.h"
 
-namespace dtensor::models {
+namespace dtensor::checkpoint {
 namespace fs = std::filesystem;
 namespace {
 
@@ -167,4 +167,4 @@ std::optional<CheckpointMetadata> CheckpointManager::load_latest(torch::nn::Modu
   TORCH_CHECK(false, "CheckpointManager: no intact checkpoint in '", dir_, "':", reasons);
 }
 
-}  // namespace dtensor::models
+}  // namespace dtensor::checkpoint

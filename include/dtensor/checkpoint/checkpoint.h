@@ -29,7 +29,7 @@ namespace torch::optim {
 class Optimizer;
 }
 
-namespace dtensor::models {
+namespace dtensor::checkpoint {
 
 // Metadata keys this library writes; SaveOptions::metadata may not use them.
 namespace checkpoint_keys {
@@ -115,4 +115,4 @@ CheckpointMetadata read_checkpoint_metadata(const std::string& path);
 // the file and the damaged part (the header or the first bad tensor).
 void verify_checkpoint(const std::string& path);
 
-}  // namespace dtensor::models
+}  // namespace dtensor::checkpoint

@@ -1,4 +1,4 @@
-#include "dtensor/models/crc32c.h"
+#include "dtensor/checkpoint/crc32c.h"
 
 #include <array>
 #include <cstring>
@@ -8,7 +8,7 @@
 #define DTENSOR_CRC32C_SSE42 1
 #endif
 
-namespace dtensor::models {
+namespace dtensor::checkpoint {
 namespace {
 
 constexpr uint32_t kPolynomial = 0x82F63B78u;  // reflected Castagnoli polynomial
@@ -75,4 +75,4 @@ uint32_t crc32c(const void* data, size_t size, uint32_t crc) {
   return detail::crc32c_portable(data, size, crc);
 }
 
-}  // namespace dtensor::models
+}  // namespace dtensor::checkpoint

@@ -18,11 +18,11 @@
 #include <string>
 #include <vector>
 
-#include "dtensor/models/safetensors.h"
+#include "dtensor/checkpoint/safetensors.h"
 #include "support/temp_dir.h"
 
 namespace fs = std::filesystem;
-namespace st = dtensor::models::safetensors;
+namespace st = dtensor::checkpoint::safetensors;
 
 using dtensor::testing::TempDir;
 

@@ -13,9 +13,9 @@
 #include <utility>
 #include <vector>
 
-#include "dtensor/models/checkpoint.h"
+#include "dtensor/checkpoint/checkpoint.h"
 
-namespace dtensor::models {
+namespace dtensor::checkpoint {
 
 class CheckpointManager {
  public:
@@ -57,4 +57,4 @@ class CheckpointManager {
   int keep_last_;
 };
 
-}  // namespace dtensor::models
+}  // namespace dtensor::checkpoint

@@ -11,7 +11,7 @@
 #include <unordered_map>
 #include <vector>
 
-namespace dtensor::models::detail {
+namespace dtensor::checkpoint::detail {
 
 // A parameter's TensorImpl -> its name in the module.
 using ParamNames = std::unordered_map<const void*, std::string>;
@@ -53,4 +53,4 @@ std::unique_ptr<torch::optim::OptimizerParamState> make_param_state(
 // Sets each param group's options (lr, betas, ...) to those in the description.
 void apply_group_options(torch::optim::Optimizer& optimizer, const std::string& description);
 
-}  // namespace dtensor::models::detail
+}  // namespace dtensor::checkpoint::detail

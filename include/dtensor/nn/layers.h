@@ -5,7 +5,7 @@
 //
 //   torch::nn::Linear fc{16, 32};   →   dtensor::nn::Linear fc{16, 32};
 //
-// dtensor::nn::Module is the base for users' own modules (see tp/module_hooks.h).
+// dtensor::nn::Module (dtensor/nn/module.h) is the base for users' own modules.
 // clone() of the standard layers returns the torch::nn type (without hooks).
 #include <torch/nn/modules/dropout.h>
 #include <torch/nn/modules/embedding.h>
@@ -16,29 +16,10 @@
 #include <optional>
 
 #include "dtensor/core/distribute_module.h"
+#include "dtensor/nn/module.h"
 #include "dtensor/tp/module_hooks.h"
 
 namespace dtensor::nn {
-
-// Base class for users' own modules: torch::nn::Module plus forward hooks.
-class Module : public torch::nn::Module, public tp::HookedModule {
- public:
-  using torch::nn::Module::Module;
-
-  /// Every parameter once, as PyTorch's parameters(): a tensor tied into two submodules
-  /// (replace_parameter(*head, "weight", embedding->weight)) is listed once, so
-  /// `torch::optim::Adam(model->parameters(), ...)` steps it once. These hide LibTorch's
-  /// (non-virtual) versions, which list it under each name: through a `torch::nn::Module&`
-  /// use dtensor::unique_parameters(). A submodule's own listing keeps its tied parameter
-  /// (head->named_parameters(false) has "weight"), as in PyTorch.
-  std::vector<at::Tensor> parameters(bool recurse = true) const {
-    return unique_parameters(*this, recurse);
-  }
-  /// Each tensor under the first name LibTorch gives it (PyTorch's default remove_duplicate).
-  torch::OrderedDict<std::string, at::Tensor> named_parameters(bool recurse = true) const {
-    return unique_named_parameters(*this, recurse);
-  }
-};
 
 // Defines XImpl deriving from torch::nn::XImpl with a hooked single-input forward.
 #define DTENSOR_HOOKED_LAYER(Name, ArgType)                                                  \

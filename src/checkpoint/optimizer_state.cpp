@@ -8,7 +8,7 @@
 
 #include <nlohmann/json.hpp>
 
-namespace dtensor::models::detail {
+namespace dtensor::checkpoint::detail {
 namespace {
 
 using nlohmann::json;
@@ -236,4 +236,4 @@ void apply_group_options(torch::optim::Optimizer& optimizer, const std::string& 
   }
 }
 
-}  // namespace dtensor::models::detail
+}  // namespace dtensor::checkpoint::detail

@@ -7,10 +7,10 @@
 #include <string>
 #include <vector>
 
-#include "dtensor/models/crc32c.h"
+#include "dtensor/checkpoint/crc32c.h"
 
-using dtensor::models::crc32c;
-using dtensor::models::detail::crc32c_portable;
+using dtensor::checkpoint::crc32c;
+using dtensor::checkpoint::detail::crc32c_portable;
 
 TEST(Crc32c, MatchesPublishedCheckValues) {
   const std::string digits = "123456789";

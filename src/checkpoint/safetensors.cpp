@@ -1,4 +1,4 @@
-#include "dtensor/models/safetensors.h"
+#include "dtensor/checkpoint/safetensors.h"
 
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
@@ -17,7 +17,7 @@
 #include <tuple>
 #include <utility>
 
-namespace dtensor::models::safetensors {
+namespace dtensor::checkpoint::safetensors {
 
 // The format stores little-endian data; we copy tensor memory as is.
 static_assert(std::endian::native == std::endian::little,
@@ -206,8 +206,15 @@ void Writer::finish(const Metadata& metadata) {
 // ---------------------------------------------------------------------------------------------
 // File
 
-File::File(const std::string& path) : path_(path) {
-  const std::string where = "safetensors file '" + path + "'";
+namespace {
+
+struct Mapping {
+  const std::byte* data = nullptr;
+  uint64_t size = 0;
+};
+
+// The whole file mapped read-only; at least the 8 bytes of the header length.
+Mapping map_read_only(const std::string& path, const std::string& where) {
   const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
   TORCH_CHECK(fd >= 0, "cannot open ", where, ": ", errno_text());
   struct stat st {};
@@ -216,98 +223,127 @@ File::File(const std::string& path) : path_(path) {
     ::close(fd);
     TORCH_CHECK(false, "cannot stat ", where, ": ", err);
   }
-  size_ = static_cast<uint64_t>(st.st_size);
-  if (size_ < 8) {
+  const auto size = static_cast<uint64_t>(st.st_size);
+  if (size < 8) {
     ::close(fd);
-    TORCH_CHECK(false, where, " is ", size_,
+    TORCH_CHECK(false, where, " is ", size,
                 " bytes long, too short to hold the 8-byte header length (truncated or not a "
                 "safetensors file)");
   }
-  void* m = ::mmap(nullptr, size_, PROT_READ, MAP_PRIVATE, fd, 0);
+  void* m = ::mmap(nullptr, size, PROT_READ, MAP_PRIVATE, fd, 0);
   const std::string err = errno_text();
   ::close(fd);
   TORCH_CHECK(m != MAP_FAILED, "cannot map ", where, ": ", err);
-  map_ = static_cast<const std::byte*>(m);
+  return {static_cast<const std::byte*>(m), size};
+}
 
+// The header's JSON object; sets `data_offset` (8 + the header length).
+nlohmann::json parse_header(const Mapping& map, const std::string& where, uint64_t& data_offset) {
+  uint64_t n = 0;
+  for (int i = 0; i < 8; ++i) n |= static_cast<uint64_t>(map.data[i]) << (8 * i);
+  TORCH_CHECK(n <= kMaxHeaderSize && n <= map.size - 8, where, " declares a header of ", n,
+              " bytes but the file is ", map.size,
+              " bytes long (truncated or not a safetensors file)");
+  data_offset = 8 + n;
+  const char* hb = reinterpret_cast<const char*>(map.data + 8);
+  TORCH_CHECK(n > 0 && hb[0] == '{', where,
+              ": the header does not start with '{' (not a safetensors file?)");
+  nlohmann::json h;
   try {
-    uint64_t n = 0;
-    for (int i = 0; i < 8; ++i) n |= static_cast<uint64_t>(map_[i]) << (8 * i);
-    TORCH_CHECK(n <= kMaxHeaderSize && n <= size_ - 8, where, " declares a header of ", n,
-                " bytes but the file is ", size_,
-                " bytes long (truncated or not a safetensors file)");
-    data_offset_ = 8 + n;
-    const char* hb = reinterpret_cast<const char*>(map_ + 8);
-    TORCH_CHECK(n > 0 && hb[0] == '{', where,
-                ": the header does not start with '{' (not a "
-                "safetensors file?)");
-    nlohmann::json h;
-    try {
-      h = nlohmann::json::parse(hb, hb + n);
-    } catch (const nlohmann::json::parse_error& e) {
-      TORCH_CHECK(false, where, ": the header is not valid JSON (", e.what(), ")");
-    }
-    TORCH_CHECK(h.is_object(), where, ": the header is not a JSON object");
+    h = nlohmann::json::parse(hb, hb + n);
+  } catch (const nlohmann::json::parse_error& e) {
+    TORCH_CHECK(false, where, ": the header is not valid JSON (", e.what(), ")");
+  }
+  TORCH_CHECK(h.is_object(), where, ": the header is not a JSON object");
+  return h;
+}
 
-    for (const auto& [key, value] : h.items()) {
+void read_metadata(const nlohmann::json& value, const std::string& where, Metadata& out) {
+  if (value.is_null()) return;
+  TORCH_CHECK(value.is_object(), where, ": __metadata__ is not an object");
+  for (const auto& [k, v] : value.items()) {
+    TORCH_CHECK(v.is_string(), where, ": __metadata__ value of \"", k, "\" is not a string");
+    out[k] = v.get<std::string>();
+  }
+}
+
+// One tensor's header entry, checked: known dtype, non-negative shape, offsets that hold it.
+TensorInfo parse_tensor_entry(const std::string& key, const nlohmann::json& value,
+                              const std::string& where) {
+  const std::string what = where + ", tensor \"" + key + "\"";
+  TORCH_CHECK(value.is_object(), what, ": entry is not an object");
+  const auto dt = value.find("dtype");
+  const auto sh = value.find("shape");
+  const auto off = value.find("data_offsets");
+  TORCH_CHECK(dt != value.end() && dt->is_string(), what, ": missing or non-string \"dtype\"");
+  TORCH_CHECK(sh != value.end() && sh->is_array(), what, ": missing or non-array \"shape\"");
+  TORCH_CHECK(off != value.end() && off->is_array() && off->size() == 2, what,
+              ": \"data_offsets\" must be [begin, end]");
+  TensorInfo info;
+  info.name = key;
+  try {
+    info.dtype = dtype_from_name(dt->get<std::string>());
+  } catch (const c10::Error& e) {
+    TORCH_CHECK(false, what, ": ", e.msg());
+  }
+  for (const auto& d : *sh) {
+    TORCH_CHECK(d.is_number_unsigned(), what, ": shape entries must be non-negative integers");
+    TORCH_CHECK(d.get<uint64_t>() <= static_cast<uint64_t>(INT64_MAX), what,
+                ": dimension too large");
+    info.shape.push_back(static_cast<int64_t>(d.get<uint64_t>()));
+  }
+  TORCH_CHECK((*off)[0].is_number_unsigned() && (*off)[1].is_number_unsigned(), what,
+              ": data_offsets must be non-negative integers");
+  info.begin = (*off)[0].get<uint64_t>();
+  info.end = (*off)[1].get<uint64_t>();
+  TORCH_CHECK(info.begin <= info.end, what, ": data_offsets [", info.begin, ", ", info.end,
+              "] end before they begin");
+  const uint64_t nbytes = checked_nbytes(info.shape, info.dtype, what);
+  TORCH_CHECK(info.nbytes() == nbytes, what, ": data_offsets [", info.begin, ", ", info.end,
+              "] hold ", info.nbytes(), " bytes but ", dtype_name(info.dtype),
+              c10::IntArrayRef(info.shape), " needs ", nbytes);
+  return info;
+}
+
+// Sorts `tensors` into file order and checks that they cover the data exactly: no gap, no
+// overlap, no truncation, no trailing bytes.
+void check_data_layout(std::vector<TensorInfo>& tensors, uint64_t file_size, uint64_t data_offset,
+                       const std::string& where) {
+  std::sort(tensors.begin(), tensors.end(), [](const TensorInfo& a, const TensorInfo& b) {
+    return std::tie(a.begin, a.end) < std::tie(b.begin, b.end);
+  });
+  uint64_t expected = 0;
+  for (const auto& t : tensors) {
+    TORCH_CHECK(t.begin == expected, where, ": tensor \"", t.name, "\" starts at data offset ",
+                t.begin, " but the previous tensor ends at ", expected,
+                t.begin > expected ? " (a gap)" : " (they overlap)");
+    expected = t.end;
+  }
+  const uint64_t data_size = file_size - data_offset;
+  TORCH_CHECK(expected <= data_size, where, " is truncated: its header describes ", expected,
+              " bytes of tensor data but the file holds ", data_size, " (", file_size,
+              " bytes in all; expected ", data_offset + expected, ")");
+  TORCH_CHECK(expected == data_size, where, " has ", data_size - expected,
+              " bytes after the last tensor's data (corrupt or not a safetensors file)");
+}
+
+}  // namespace
+
+File::File(const std::string& path) : path_(path) {
+  const std::string where = "safetensors file '" + path + "'";
+  const Mapping mapping = map_read_only(path, where);
+  map_ = mapping.data;
+  size_ = mapping.size;
+  try {
+    const nlohmann::json header = parse_header(mapping, where, data_offset_);
+    for (const auto& [key, value] : header.items()) {
       if (key == "__metadata__") {
-        if (value.is_null()) continue;
-        TORCH_CHECK(value.is_object(), where, ": __metadata__ is not an object");
-        for (const auto& [k, v] : value.items()) {
-          TORCH_CHECK(v.is_string(), where, ": __metadata__ value of \"", k, "\" is not a string");
-          metadata_[k] = v.get<std::string>();
-        }
-        continue;
+        read_metadata(value, where, metadata_);
+      } else {
+        tensors_.push_back(parse_tensor_entry(key, value, where));
       }
-      const std::string what = where + ", tensor \"" + key + "\"";
-      TORCH_CHECK(value.is_object(), what, ": entry is not an object");
-      const auto dt = value.find("dtype");
-      const auto sh = value.find("shape");
-      const auto off = value.find("data_offsets");
-      TORCH_CHECK(dt != value.end() && dt->is_string(), what, ": missing or non-string \"dtype\"");
-      TORCH_CHECK(sh != value.end() && sh->is_array(), what, ": missing or non-array \"shape\"");
-      TORCH_CHECK(off != value.end() && off->is_array() && off->size() == 2, what,
-                  ": \"data_offsets\" must be [begin, end]");
-      TensorInfo info;
-      info.name = key;
-      try {
-        info.dtype = dtype_from_name(dt->get<std::string>());
-      } catch (const c10::Error& e) {
-        TORCH_CHECK(false, what, ": ", e.msg());
-      }
-      for (const auto& d : *sh) {
-        TORCH_CHECK(d.is_number_unsigned(), what, ": shape entries must be non-negative integers");
-        TORCH_CHECK(d.get<uint64_t>() <= static_cast<uint64_t>(INT64_MAX), what,
-                    ": dimension too large");
-        info.shape.push_back(static_cast<int64_t>(d.get<uint64_t>()));
-      }
-      TORCH_CHECK((*off)[0].is_number_unsigned() && (*off)[1].is_number_unsigned(), what,
-                  ": data_offsets must be non-negative integers");
-      info.begin = (*off)[0].get<uint64_t>();
-      info.end = (*off)[1].get<uint64_t>();
-      TORCH_CHECK(info.begin <= info.end, what, ": data_offsets [", info.begin, ", ", info.end,
-                  "] end before they begin");
-      const uint64_t nbytes = checked_nbytes(info.shape, info.dtype, what);
-      TORCH_CHECK(info.nbytes() == nbytes, what, ": data_offsets [", info.begin, ", ", info.end,
-                  "] hold ", info.nbytes(), " bytes but ", dtype_name(info.dtype),
-                  c10::IntArrayRef(info.shape), " needs ", nbytes);
-      tensors_.push_back(std::move(info));
     }
-    std::sort(tensors_.begin(), tensors_.end(), [](const TensorInfo& a, const TensorInfo& b) {
-      return std::tie(a.begin, a.end) < std::tie(b.begin, b.end);
-    });
-    uint64_t expected = 0;
-    for (const auto& t : tensors_) {
-      TORCH_CHECK(t.begin == expected, where, ": tensor \"", t.name, "\" starts at data offset ",
-                  t.begin, " but the previous tensor ends at ", expected,
-                  t.begin > expected ? " (a gap)" : " (they overlap)");
-      expected = t.end;
-    }
-    const uint64_t data_size = size_ - data_offset_;
-    TORCH_CHECK(expected <= data_size, where, " is truncated: its header describes ", expected,
-                " bytes of tensor data but the file holds ", data_size, " (", size_,
-                " bytes in all; expected ", data_offset_ + expected, ")");
-    TORCH_CHECK(expected == data_size, where, " has ", data_size - expected,
-                " bytes after the last tensor's data (corrupt or not a safetensors file)");
+    check_data_layout(tensors_, size_, data_offset_, where);
     for (size_t i = 0; i < tensors_.size(); ++i) index_[tensors_[i].name] = i;
   } catch (...) {
     ::munmap(const_cast<std::byte*>(map_), size_);
@@ -371,4 +407,4 @@ std::map<std::string, at::Tensor> load_file(const std::string& path) {
   return out;
 }
 
-}  // namespace dtensor::models::safetensors
+}  // namespace dtensor::checkpoint::safetensors

@@ -4,7 +4,7 @@
 #include <cstddef>
 #include <cstdint>
 
-namespace dtensor::models {
+namespace dtensor::checkpoint {
 
 // Checksum of `size` bytes, continuing from `crc` (the checksum of the bytes before; 0 to
 // start). crc32c(b, n) == crc32c(b + k, n - k, crc32c(b, k)). Uses the SSE4.2 instruction
@@ -16,4 +16,4 @@ namespace detail {
 uint32_t crc32c_portable(const void* data, size_t size, uint32_t crc = 0);
 }  // namespace detail
 
-}  // namespace dtensor::models
+}  // namespace dtensor::checkpoint

@@ -9,7 +9,7 @@
 #include "dtensor/comm/collectives.h"
 #include "dtensor/comm/process_group.h"
 
-namespace dtensor::models::detail {
+namespace dtensor::checkpoint::detail {
 namespace {
 
 constexpr int64_t kMessageBytes = 1024;  // enough for an error's first lines
@@ -55,4 +55,4 @@ void share_rank0_outcome(std::exception_ptr error_on_rank0, const std::string& w
   TORCH_CHECK(p[0] == 1, what, " failed on rank 0: ", reinterpret_cast<const char*>(p + 1));
 }
 
-}  // namespace dtensor::models::detail
+}  // namespace dtensor::checkpoint::detail
