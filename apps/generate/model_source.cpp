@@ -70,7 +70,7 @@ LoadedModel load_model(const ModelSource& source, const DeviceMesh& mesh) {
   std::string path, description;
   if (!source.checkpoint.empty()) {
     path = resolve_checkpoint(source.checkpoint);
-    read_config(path, models::read_checkpoint_metadata(path).config, config, dtype);
+    read_config(path, checkpoint::read_checkpoint_metadata(path).config, config, dtype);
     description = "checkpoint " + path;
   } else {
     config = models::LlamaConfig::preset(source.preset);
