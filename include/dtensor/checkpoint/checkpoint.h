@@ -45,13 +45,13 @@ inline constexpr const char* kPlacements = "placements";  // JSON {name: "Shard(
 inline constexpr const char* kChecksumAlgorithm = "checksum_algorithm";  // "crc32c"
 inline constexpr const char* kChecksums = "checksums";                   // JSON {name: "1a2b3c4d"}
 inline constexpr const char* kOptimizer = "optimizer";  // JSON {type, param_groups}
-// CRC-32C ("1a2b3c4d") of every other metadata entry and of each tensor's name, dtype, shape
-// and offsets, in a canonical form (see checkpoint.cpp).
+/// CRC-32C ("1a2b3c4d") of every other metadata entry and of each tensor's name, dtype, shape
+/// and offsets, in a canonical form (see checkpoint.cpp).
 inline constexpr const char* kHeaderChecksum = "header_checksum";
 }  // namespace checkpoint_keys
 
-// Version 1 (format "dtensor-checkpoint", no header checksum) is refused: damage to its
-// metadata cannot be detected. Its tensors still read with safetensors::load_file.
+/// Version 1 (format "dtensor-checkpoint", no header checksum) is refused: damage to its
+/// metadata cannot be detected. Its tensors still read with safetensors::load_file.
 inline constexpr int64_t kCheckpointFormatVersion = 2;
 
 struct SaveOptions {
@@ -59,16 +59,16 @@ struct SaveOptions {
   int64_t step = 0;
   std::map<std::string, std::string> metadata;  // more entries of the caller's
   bool include_buffers = true;
-  // Called on rank 0 after each tensor reaches the file: name, 0-based index, count.
-  // An exception thrown here aborts the save (the previous file at `path` stays).
+  /// Called on rank 0 after each tensor reaches the file: name, 0-based index, count.
+  /// An exception thrown here aborts the save (the previous file at `path` stays).
   std::function<void(const std::string& name, size_t index, size_t count)> on_tensor_written;
 };
 
-// Saves `module` (and the optimizer's state when given) to `path`. Collective: every rank
-// calls it; DTensors are gathered with full_tensor (all ranks take part), global rank 0 writes
-// the file atomically (a temporary, fsync, rename), and all ranks return once the file is
-// complete, or all throw if rank 0 failed, leaving any previous file at `path` intact.
-// Global rank 0 must be in the mesh of every DTensor.
+/// Saves `module` (and the optimizer's state when given) to `path`. Collective: every rank
+/// calls it; DTensors are gathered with full_tensor (all ranks take part), global rank 0 writes
+/// the file atomically (a temporary, fsync, rename), and all ranks return once the file is
+/// complete, or all throw if rank 0 failed, leaving any previous file at `path` intact.
+/// Global rank 0 must be in the mesh of every DTensor.
 void save_checkpoint(const std::string& path, const torch::nn::Module& module,
                      torch::optim::Optimizer* optimizer = nullptr, const SaveOptions& options = {});
 
@@ -79,40 +79,40 @@ struct CheckpointMetadata {
   int64_t world_size = 1;
   int64_t format_version = 0;  // 0: a safetensors file not written by save_checkpoint
   std::map<std::string, std::string> entries;  // the whole __metadata__
-  // Set by load_checkpoint: names of the module (and of the optimizer's state) absent from the
-  // file, and names in the file the module does not have (optimizer state counts only when an
-  // optimizer is given). A strict load fails instead, so both are empty after it.
+  /// Set by load_checkpoint: names of the module (and of the optimizer's state) absent from the
+  /// file, and names in the file the module does not have (optimizer state counts only when an
+  /// optimizer is given). A strict load fails instead, so both are empty after it.
   std::vector<std::string> missing_keys;
   std::vector<std::string> unexpected_keys;
 };
 
 struct LoadOptions {
-  // Names in the module but not the file (or the reverse) are errors; false skips them and
-  // reports them in missing_keys / unexpected_keys, but a load that matches no name at all
-  // is still an error.
+  /// Names in the module but not the file (or the reverse) are errors; false skips them and
+  /// reports them in missing_keys / unexpected_keys, but a load that matches no name at all
+  /// is still an error.
   bool strict = true;
-  // Check every loaded tensor's CRC-32C against the metadata (files we wrote).
+  /// Check every loaded tensor's CRC-32C against the metadata (files we wrote).
   bool verify_checksums = true;
 };
 
-// Loads `path` into the existing parameters and buffers of `module` (and the optimizer
-// state), at any TP degree: every DTensor receives its local chunk for its current
-// placements, without communication. Each rank reads the file. Everything is read and checked
-// first — header and its checksum, tensor checksums, names and shapes (errors list every missing,
-// unexpected and mismatched tensor and name the file) — and only then copied in place, so on error
-// the module and optimizer are unchanged; parameters stay the same objects, so an optimizer built
-// on them keeps working. The optimizer state is keyed by parameter name; its param groups must
-// hold the same parameters as when saved; their options (lr, ...) are restored.
+/// Loads `path` into the existing parameters and buffers of `module` (and the optimizer
+/// state), at any TP degree: every DTensor receives its local chunk for its current
+/// placements, without communication. Each rank reads the file. Everything is read and checked
+/// first — header and its checksum, tensor checksums, names and shapes (errors list every missing,
+/// unexpected and mismatched tensor and name the file) — and only then copied in place, so on error
+/// the module and optimizer are unchanged; parameters stay the same objects, so an optimizer built
+/// on them keeps working. The optimizer state is keyed by parameter name; its param groups must
+/// hold the same parameters as when saved; their options (lr, ...) are restored.
 CheckpointMetadata load_checkpoint(const std::string& path, torch::nn::Module& module,
                                    torch::optim::Optimizer* optimizer = nullptr,
                                    const LoadOptions& options = {});
 
-// The metadata alone (e.g. the config to build the model before loading it), after checking
-// the header checksum of files save_checkpoint wrote.
+/// The metadata alone (e.g. the config to build the model before loading it), after checking
+/// the header checksum of files save_checkpoint wrote.
 CheckpointMetadata read_checkpoint_metadata(const std::string& path);
 
-// Checks the header checksum, then reads every tensor and checks its checksum; throws naming
-// the file and the damaged part (the header or the first bad tensor).
+/// Checks the header checksum, then reads every tensor and checks its checksum; throws naming
+/// the file and the damaged part (the header or the first bad tensor).
 void verify_checkpoint(const std::string& path);
 
 }  // namespace dtensor::checkpoint

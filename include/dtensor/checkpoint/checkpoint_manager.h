@@ -19,30 +19,30 @@ namespace dtensor::checkpoint {
 
 class CheckpointManager {
  public:
-  // Creates `dir` when needed. keep_last >= 1.
+  /// Creates `dir` when needed. keep_last >= 1.
   explicit CheckpointManager(std::string dir, int keep_last = 3);
 
   const std::string& dir() const { return dir_; }
   int keep_last() const { return keep_last_; }
   std::string path_for(int64_t step) const;  // <dir>/step_000100.safetensors
 
-  // Collective, like save_checkpoint (options.step is set to `step`). Then rank 0 reads the
-  // new file back and checks every checksum, points "latest" at it (atomically) and deletes
-  // the oldest checkpoints with smaller steps beyond keep_last. If the save or the check
-  // fails, every rank throws, and "latest" and the older checkpoints are as they were.
-  // Returns the new file's path.
+  /// Collective, like save_checkpoint (options.step is set to `step`). Then rank 0 reads the
+  /// new file back and checks every checksum, points "latest" at it (atomically) and deletes
+  /// the oldest checkpoints with smaller steps beyond keep_last. If the save or the check
+  /// fails, every rank throws, and "latest" and the older checkpoints are as they were.
+  /// Returns the new file's path.
   std::string save(int64_t step, const torch::nn::Module& module,
                    torch::optim::Optimizer* optimizer = nullptr, SaveOptions options = {});
 
-  // Checkpoint files in the directory by increasing step.
+  /// Checkpoint files in the directory by increasing step.
   std::vector<std::pair<int64_t, std::string>> list() const;
-  // The file "latest" names, when both exist.
+  /// The file "latest" names, when both exist.
   std::optional<std::string> latest() const;
 
-  // Loads the checkpoint "latest" names or, when it is missing or fails its checksums, the
-  // newest older one that passes (on_skip hears each file skipped and why; by default a
-  // warning). nullopt when the directory holds no checkpoint; throws when none is intact.
-  // Errors that are not the file's fault (a module that does not fit) are thrown at once.
+  /// Loads the checkpoint "latest" names or, when it is missing or fails its checksums, the
+  /// newest older one that passes (on_skip hears each file skipped and why; by default a
+  /// warning). nullopt when the directory holds no checkpoint; throws when none is intact.
+  /// Errors that are not the file's fault (a module that does not fit) are thrown at once.
   using SkipFn = std::function<void(const std::string& path, const std::string& reason)>;
   std::optional<CheckpointMetadata> load_latest(torch::nn::Module& module,
                                                 torch::optim::Optimizer* optimizer = nullptr,

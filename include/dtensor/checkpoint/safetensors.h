@@ -24,12 +24,12 @@ namespace dtensor::checkpoint::safetensors {
 
 using Metadata = std::map<std::string, std::string>;
 
-// "F32", "F64", "F16", "BF16", "I64", "I32", "I16", "I8", "U8", "BOOL". Throws for other
-// dtypes (complex, quantized, ...), naming the dtype and the ones supported.
+/// "F32", "F64", "F16", "BF16", "I64", "I32", "I16", "I8", "U8", "BOOL". Throws for other
+/// dtypes (complex, quantized, ...), naming the dtype and the ones supported.
 std::string dtype_name(c10::ScalarType dtype);
 c10::ScalarType dtype_from_name(std::string_view name);  // throws for unknown names
 
-// One tensor as the header describes it.
+/// One tensor as the header describes it.
 struct TensorInfo {
   std::string name;
   c10::ScalarType dtype = c10::ScalarType::Float;
@@ -39,14 +39,14 @@ struct TensorInfo {
   uint64_t nbytes() const { return end - begin; }
 };
 
-// Writes a file one tensor at a time, so the caller needs only one tensor in memory.
-//
-// The constructor declares every tensor and reserves the header for `metadata`; finish()
-// writes the final metadata into that space, so the final values must not serialize longer
-// (give fixed-width placeholders, e.g. checksums of zeros, for values known only at the end).
-// The data goes to "<path>.tmp-<pid>"; finish() flushes it to disk and renames it over
-// `path`, so readers see either the previous file or the complete new one. A writer
-// destroyed before finish() (an exception) deletes its temporary and leaves `path` alone.
+/// Writes a file one tensor at a time, so the caller needs only one tensor in memory.
+///
+/// The constructor declares every tensor and reserves the header for `metadata`; finish()
+/// writes the final metadata into that space, so the final values must not serialize longer
+/// (give fixed-width placeholders, e.g. checksums of zeros, for values known only at the end).
+/// The data goes to "<path>.tmp-<pid>"; finish() flushes it to disk and renames it over
+/// `path`, so readers see either the previous file or the complete new one. A writer
+/// destroyed before finish() (an exception) deletes its temporary and leaves `path` alone.
 class Writer {
  public:
   struct Entry {
@@ -59,10 +59,10 @@ class Writer {
   Writer(const Writer&) = delete;
   Writer& operator=(const Writer&) = delete;
 
-  // Appends the next declared tensor (its dtype and shape must match the declaration). Any
-  // device and layout: it is copied to contiguous CPU memory first when needed.
+  /// Appends the next declared tensor (its dtype and shape must match the declaration). Any
+  /// device and layout: it is copied to contiguous CPU memory first when needed.
   void write(const at::Tensor& tensor);
-  // Writes the header with `metadata`, syncs and renames. Every tensor must have been written.
+  /// Writes the header with `metadata`, syncs and renames. Every tensor must have been written.
   void finish(const Metadata& metadata);
 
   const std::vector<TensorInfo>& tensors() const { return tensors_; }
@@ -81,9 +81,9 @@ class Writer {
   bool finished_ = false;
 };
 
-// A safetensors file mapped read-only. Opening checks the header: its length against the
-// file size, JSON syntax, known dtypes, offsets that match each shape and cover the data
-// exactly (a truncated file or trailing bytes are errors). Every error names the file.
+/// A safetensors file mapped read-only. Opening checks the header: its length against the
+/// file size, JSON syntax, known dtypes, offsets that match each shape and cover the data
+/// exactly (a truncated file or trailing bytes are errors). Every error names the file.
 class File {
  public:
   explicit File(const std::string& path);
@@ -93,18 +93,18 @@ class File {
 
   const std::string& path() const { return path_; }
   const Metadata& metadata() const { return metadata_; }
-  // In file order (increasing offsets).
+  /// In file order (increasing offsets).
   const std::vector<TensorInfo>& tensors() const { return tensors_; }
   const TensorInfo* find(const std::string& name) const;  // nullptr when absent
   const TensorInfo& at(const std::string& name) const;    // throws naming the file when absent
 
-  // The tensor's raw bytes in the mapping (valid while this File lives).
+  /// The tensor's raw bytes in the mapping (valid while this File lives).
   std::span<const std::byte> bytes(const TensorInfo& info) const;
-  // A CPU tensor owning a copy of the data.
+  /// A CPU tensor owning a copy of the data.
   at::Tensor tensor(const TensorInfo& info) const;
   at::Tensor tensor(const std::string& name) const { return tensor(at(name)); }
-  // A CPU tensor over the mapping without a copy when the data is suitably aligned (it is
-  // in files we write), otherwise a copy. Valid while this File lives.
+  /// A CPU tensor over the mapping without a copy when the data is suitably aligned (it is
+  /// in files we write), otherwise a copy. Valid while this File lives.
   at::Tensor view(const TensorInfo& info) const;
 
   uint64_t data_offset() const { return data_offset_; }  // in the file: 8 + header length
@@ -120,7 +120,7 @@ class File {
   uint64_t data_offset_ = 0;
 };
 
-// Like Python's safetensors.torch.save_file / load_file.
+/// Like Python's safetensors.torch.save_file / load_file.
 void save_file(const std::map<std::string, at::Tensor>& tensors, const std::string& path,
                const Metadata& metadata = {});
 std::map<std::string, at::Tensor> load_file(const std::string& path);

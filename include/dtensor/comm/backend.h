@@ -7,10 +7,10 @@
 
 namespace dtensor::comm {
 
-// True when this build has the MPI backend (an MPI library was found at configure time).
+/// True when this build has the MPI backend (an MPI library was found at configure time).
 bool has_mpi();
 
-// The CPU engine init_process_group chose: "gloo" or "mpi".
+/// The CPU engine init_process_group chose: "gloo" or "mpi".
 std::string cpu_backend_name();
 
 }  // namespace dtensor::comm

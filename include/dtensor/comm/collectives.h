@@ -12,8 +12,8 @@
 
 namespace dtensor::comm {
 
-// A collective in flight. wait() returns the finished result (applying any post-processing
-// such as unpadding) and is idempotent.
+/// A collective in flight. wait() returns the finished result (applying any post-processing
+/// such as unpadding) and is idempotent.
 class PendingResult {
  public:
   PendingResult() = default;
@@ -21,7 +21,7 @@ class PendingResult {
                 std::function<at::Tensor(at::Tensor)> finish, std::string what);
   bool ready() const { return !work_; }
   at::Tensor wait();
-  // Chains one more local step to run after the collective completes.
+  /// Chains one more local step to run after the collective completes.
   void then(std::function<at::Tensor(at::Tensor)> f);
 
  private:
@@ -31,29 +31,29 @@ class PendingResult {
   std::string what_;
 };
 
-// Sum/avg/max/min/product over the group.
+/// Sum/avg/max/min/product over the group.
 at::Tensor all_reduce(const at::Tensor& t, ReduceOp op, ProcessGroup& pg);
 PendingResult all_reduce_async(const at::Tensor& t, ReduceOp op, ProcessGroup& pg);
 
-// Concatenates every rank's `t` along `dim` (all inputs must have the same shape).
+/// Concatenates every rank's `t` along `dim` (all inputs must have the same shape).
 at::Tensor all_gather_into_tensor(const at::Tensor& t, int64_t dim, ProcessGroup& pg);
 PendingResult all_gather_into_tensor_async(const at::Tensor& t, int64_t dim, ProcessGroup& pg);
 
-// Reduces `t` over the group and returns this rank's chunk along `dim`
-// (t.size(dim) must be divisible by the group size).
+/// Reduces `t` over the group and returns this rank's chunk along `dim`
+/// (t.size(dim) must be divisible by the group size).
 at::Tensor reduce_scatter_tensor(const at::Tensor& t, int64_t dim, ReduceOp op, ProcessGroup& pg);
 PendingResult reduce_scatter_tensor_async(const at::Tensor& t, int64_t dim, ReduceOp op,
                                           ProcessGroup& pg);
 
-// Splits `t` evenly along `split_dim`, sends chunk i to rank i, concatenates what it receives
-// along `concat_dim`.
+/// Splits `t` evenly along `split_dim`, sends chunk i to rank i, concatenates what it receives
+/// along `concat_dim`.
 at::Tensor all_to_all_single(const at::Tensor& t, int64_t split_dim, int64_t concat_dim,
                              ProcessGroup& pg);
 
-// Returns group rank `src`'s tensor on every rank (others pass a tensor of the same shape).
+/// Returns group rank `src`'s tensor on every rank (others pass a tensor of the same shape).
 at::Tensor broadcast(const at::Tensor& t, int src, ProcessGroup& pg);
 
-// Group rank `src` passes one tensor per rank (all the same shape); every rank receives its own.
+/// Group rank `src` passes one tensor per rank (all the same shape); every rank receives its own.
 at::Tensor scatter(const std::vector<at::Tensor>& chunks_on_src, const at::Tensor& like, int src,
                    ProcessGroup& pg);
 

@@ -20,7 +20,7 @@ enum class CommType : uint8_t {
   broadcast,
   scatter,
 };
-// The key PyTorch's tests use, e.g. "c10d_functional.all_reduce".
+/// The key PyTorch's tests use, e.g. "c10d_functional.all_reduce".
 const char* comm_type_name(CommType t);
 std::ostream& operator<<(std::ostream& os, CommType t);
 
@@ -31,25 +31,25 @@ struct CommRecord {
   int group_size;
   std::string module;  // innermost module FQN being run ("" outside any tracked module)
   bool backward;       // issued while the autograd engine runs a backward pass
-  // The tracked modules around the collective, outermost first, ending with `module`
-  // (filled in by CommDebugMode::record).
+  /// The tracked modules around the collective, outermost first, ending with `module`
+  /// (filled in by CommDebugMode::record).
   std::vector<std::string> module_path = {};
 };
 
 using CommCounts = std::map<CommType, int64_t>;
-// fqn -> "forward" | "backward" -> counts.
+/// fqn -> "forward" | "backward" -> counts.
 using CommModuleCounts = std::map<std::string, std::map<std::string, CommCounts>>;
 
-// Active from construction until destruction (or exit()); enter() clears and re-activates,
-// so one object can give per-block counts. Several may be active at once; all count.
-//
-// Per-module counts: while a CommDebugMode is active, modules deriving from
-// tp::HookedModule (dtensor::nn layers and dtensor::nn::Module) are tracked as PyTorch's
-// ModTracker does. The outermost module called names its submodules by path ("layers.0.wq",
-// the names of named_parameters() and parallelize plans), so unlike PyTorch the keys are not
-// prefixed with the root's class name; "Global" holds everything. A collective issued in
-// backward counts for the module whose forward built that part of the graph, provided the
-// forward ran while a CommDebugMode was active (the backward brackets are installed then).
+/// Active from construction until destruction (or exit()); enter() clears and re-activates,
+/// so one object can give per-block counts. Several may be active at once; all count.
+///
+/// Per-module counts: while a CommDebugMode is active, modules deriving from
+/// tp::HookedModule (dtensor::nn layers and dtensor::nn::Module) are tracked as PyTorch's
+/// ModTracker does. The outermost module called names its submodules by path ("layers.0.wq",
+/// the names of named_parameters() and parallelize plans), so unlike PyTorch the keys are not
+/// prefixed with the root's class name; "Global" holds everything. A collective issued in
+/// backward counts for the module whose forward built that part of the graph, provided the
+/// forward ran while a CommDebugMode was active (the backward brackets are installed then).
 class CommDebugMode {
  public:
   CommDebugMode();
@@ -63,23 +63,23 @@ class CommDebugMode {
   CommCounts get_comm_counts() const;
   int64_t get_total_counts() const;
   std::vector<CommRecord> records() const;
-  // Per-module forward/backward counts: each collective counts for "Global" and for every
-  // tracked module around it (parents include their children). Only modules that saw a
-  // collective appear.
+  /// Per-module forward/backward counts: each collective counts for "Global" and for every
+  /// tracked module around it (parents include their children). Only modules that saw a
+  /// collective appear.
   CommModuleCounts comm_module_counts() const;
-  // A readable table of counts (and bytes) by collective type.
+  /// A readable table of counts (and bytes) by collective type.
   std::string table() const;
-  // One row per module (Global first, submodules indented under their parents, in the order
-  // they ran), forward and backward counts per collective type.
+  /// One row per module (Global first, submodules indented under their parents, in the order
+  /// they ran), forward and backward counts per collective type.
   std::string module_table() const;
-  // Tracked modules whose forward ran while active, in order of first call.
+  /// Tracked modules whose forward ran while active, in order of first call.
   std::vector<std::string> modules() const;
 
-  // Called by the comm layer for every collective.
+  /// Called by the comm layer for every collective.
   static void record(const CommRecord& r);
-  // Whether any CommDebugMode is active (module tracking costs nothing otherwise).
+  /// Whether any CommDebugMode is active (module tracking costs nothing otherwise).
   static bool any_active() { return active_count_.load(std::memory_order_relaxed) > 0; }
-  // Called by the module tracker when a tracked module's forward starts.
+  /// Called by the module tracker when a tracked module's forward starts.
   static void note_module(const std::string& fqn);
 
  private:
@@ -93,10 +93,10 @@ class CommDebugMode {
 
 std::string format_comm_counts(const CommCounts& counts);  // "{all_reduce: 1, ...}"
 
-// The module being run, for per-module counts (maintained by the TP layer's module tracker).
-// Forward: a thread-local stack of scopes. Backward: per autograd graph task, a stack kept by
-// gradient hooks: enter_backward(fqn) when the gradient of the module's output arrives,
-// exit_backward(fqn) when the gradients of its inputs are complete (PyTorch's ModTracker).
+/// The module being run, for per-module counts (maintained by the TP layer's module tracker).
+/// Forward: a thread-local stack of scopes. Backward: per autograd graph task, a stack kept by
+/// gradient hooks: enter_backward(fqn) when the gradient of the module's output arrives,
+/// exit_backward(fqn) when the gradients of its inputs are complete (PyTorch's ModTracker).
 class ModuleScope {
  public:
   explicit ModuleScope(const std::string& fqn);
@@ -105,19 +105,19 @@ class ModuleScope {
   ModuleScope& operator=(const ModuleScope&) = delete;
 
   static std::string current();  // innermost named module ("" if none)
-  // The named modules around the running code, outermost first.
+  /// The named modules around the running code, outermost first.
   static std::vector<std::string> current_path();
   static bool empty();  // no forward scope on this thread
 
-  // Entering a module's backward pops the modules that are not its ancestors (by path), so a
-  // module whose inputs need no gradient, and hence never exits, is left when a sibling or
-  // the parent's remainder starts. No-ops outside a backward pass.
+  /// Entering a module's backward pops the modules that are not its ancestors (by path), so a
+  /// module whose inputs need no gradient, and hence never exits, is left when a sibling or
+  /// the parent's remainder starts. No-ops outside a backward pass.
   static void enter_backward(const std::string& fqn);
   static void exit_backward(const std::string& fqn);
 };
 
-// Set while our backward code paths run; backward() also reports any code the autograd
-// engine runs (a collective inside a backward pass counts as backward).
+/// Set while our backward code paths run; backward() also reports any code the autograd
+/// engine runs (a collective inside a backward pass counts as backward).
 class BackwardScope {
  public:
   BackwardScope();

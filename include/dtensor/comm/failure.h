@@ -15,8 +15,8 @@
 
 namespace dtensor::comm {
 
-// Tells every other rank that this one failed (a no-op without a process group, and after the
-// first call). Never throws.
+/// Tells every other rank that this one failed (a no-op without a process group, and after the
+/// first call). Never throws.
 void report_failure(const std::string& message);
 
 }  // namespace dtensor::comm

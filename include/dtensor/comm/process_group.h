@@ -19,15 +19,15 @@
 namespace dtensor::comm {
 
 struct InitOptions {
-  // Every collective and the rendezvous fail after this long instead of hanging.
-  // DTENSOR_TIMEOUT_S in the environment overrides the default.
+  /// Every collective and the rendezvous fail after this long instead of hanging.
+  /// DTENSOR_TIMEOUT_S in the environment overrides the default.
   std::chrono::milliseconds timeout{std::chrono::seconds(300)};
-  // Address the Gloo transport binds to; empty = derived from the environment
-  // (GLOO_SOCKET_IFNAME, a loopback MASTER_ADDR, or the host name).
+  /// Address the Gloo transport binds to; empty = derived from the environment
+  /// (GLOO_SOCKET_IFNAME, a loopback MASTER_ADDR, or the host name).
   std::string gloo_host;
 };
 
-// Where this process sits in the job, as read from the environment.
+/// Where this process sits in the job, as read from the environment.
 struct LaunchEnv {
   int rank = 0;
   int world_size = 1;
@@ -39,7 +39,7 @@ struct LaunchEnv {
 };
 LaunchEnv read_launch_env();
 
-// A group of ranks with one c10d backend per device type. Mesh dimensions each own one.
+/// A group of ranks with one c10d backend per device type. Mesh dimensions each own one.
 class ProcessGroup {
  public:
   ProcessGroup(std::string name, std::vector<int> global_ranks, int rank,
@@ -54,13 +54,13 @@ class ProcessGroup {
   int size() const { return static_cast<int>(global_ranks_.size()); }
   const std::vector<int>& global_ranks() const { return global_ranks_; }
   int global_rank(int group_rank) const { return global_ranks_.at(group_rank); }
-  // Mesh dimension this group serves (-1 for the world group); reported by CommDebugMode.
+  /// Mesh dimension this group serves (-1 for the world group); reported by CommDebugMode.
   int mesh_dim() const { return mesh_dim_; }
   void set_mesh_dim(int d) { mesh_dim_ = d; }
   std::chrono::milliseconds timeout() const { return timeout_; }
 
-  // The c10d backend for tensors on `device_type`, created on first use (all members of the
-  // group reach it together because collectives are SPMD).
+  /// The c10d backend for tensors on `device_type`, created on first use (all members of the
+  /// group reach it together because collectives are SPMD).
   c10d::Backend& backend(c10::DeviceType device_type);
 
  private:
@@ -75,11 +75,11 @@ class ProcessGroup {
   c10::intrusive_ptr<c10d::Backend> cuda_;
 };
 
-// Joins the job. Throws with the rank and the address if the other ranks do not all arrive
-// within the timeout. Calling it again after success is a no-op.
+/// Joins the job. Throws with the rank and the address if the other ranks do not all arrive
+/// within the timeout. Calling it again after success is a no-op.
 void init_process_group(const InitOptions& options = {});
 bool is_initialized();
-// Drops the world and every group (a later init_process_group starts afresh).
+/// Drops the world and every group (a later init_process_group starts afresh).
 void destroy_process_group();
 
 int get_rank();
@@ -88,12 +88,12 @@ int get_local_rank();
 std::chrono::milliseconds default_timeout();
 std::shared_ptr<ProcessGroup> world_group();
 
-// Group over `global_ranks` (sorted, unique). Only members get a group; others get nullptr.
-// Every rank must create groups in the same order: names are derived from a per-process
-// counter so that members of one group meet under the same store prefix.
+/// Group over `global_ranks` (sorted, unique). Only members get a group; others get nullptr.
+/// Every rank must create groups in the same order: names are derived from a per-process
+/// counter so that members of one group meet under the same store prefix.
 std::shared_ptr<ProcessGroup> new_group(const std::vector<int>& global_ranks, int mesh_dim = -1);
 
-// Blocks until every rank in the world reaches it (a store-based barrier: no device needed).
+/// Blocks until every rank in the world reaches it (a store-based barrier: no device needed).
 void barrier();
 
 }  // namespace dtensor::comm

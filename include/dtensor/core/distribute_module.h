@@ -14,10 +14,10 @@
 
 namespace dtensor {
 
-// Replaces parameter `name` (a direct parameter of `module`) by `value`, in the registry and in
-// the public member of the standard layers (Linear, Embedding, LayerNorm, Conv1d/2d/3d,
-// BatchNorm, GroupNorm) and of modules that implement ParameterSwapTarget. `value` keeps the
-// old parameter's requires_grad.
+/// Replaces parameter `name` (a direct parameter of `module`) by `value`, in the registry and in
+/// the public member of the standard layers (Linear, Embedding, LayerNorm, Conv1d/2d/3d,
+/// BatchNorm, GroupNorm) and of modules that implement ParameterSwapTarget. `value` keeps the
+/// old parameter's requires_grad.
 void replace_parameter(torch::nn::Module& module, const std::string& name, at::Tensor value);
 void replace_buffer(torch::nn::Module& module, const std::string& name, at::Tensor value);
 
@@ -41,7 +41,7 @@ std::vector<at::Tensor> unique_parameters(const torch::nn::Module& module, bool 
 torch::OrderedDict<std::string, at::Tensor> unique_named_parameters(const torch::nn::Module& module,
                                                                     bool recurse = true);
 
-// User modules that keep parameters in their own members implement this to hear about swaps.
+/// User modules that keep parameters in their own members implement this to hear about swaps.
 class ParameterSwapTarget {
  public:
   virtual ~ParameterSwapTarget() = default;
@@ -51,18 +51,18 @@ class ParameterSwapTarget {
 using PartitionFn =
     std::function<void(const std::string& name, torch::nn::Module& module, const DeviceMesh& mesh)>;
 
-// Calls partition_fn(name, submodule, mesh) for every submodule (root "" first), then
-// replicates every parameter and buffer that is not yet a DTensor (broadcast from group rank
-// `src_data_rank`; nullopt keeps each rank's values, without communication).
-// A module can be distributed only once.
+/// Calls partition_fn(name, submodule, mesh) for every submodule (root "" first), then
+/// replicates every parameter and buffer that is not yet a DTensor (broadcast from group rank
+/// `src_data_rank`; nullopt keeps each rank's values, without communication).
+/// A module can be distributed only once.
 void distribute_module(torch::nn::Module& module, const DeviceMesh& mesh,
                        const PartitionFn& partition_fn = nullptr,
                        std::optional<int64_t> src_data_rank = 0);
 
-// Whether distribute_module has been applied to `module` itself.
+/// Whether distribute_module has been applied to `module` itself.
 bool is_distributed_module(const torch::nn::Module& module);
-// Forgets that distribute_module was applied to `module`; for callers that restore the module's
-// original parameters after a failure (parallelize_module's rollback).
+/// Forgets that distribute_module was applied to `module`; for callers that restore the module's
+/// original parameters after a failure (parallelize_module's rollback).
 void forget_distributed_module(const torch::nn::Module& module);
 
 }  // namespace dtensor

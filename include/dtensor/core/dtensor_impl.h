@@ -13,14 +13,14 @@
 
 namespace dtensor {
 
-// The backend key DTensors carry (configured at build time: DTENSOR_DISPATCH_KEY).
+/// The backend key DTensors carry (configured at build time: DTENSOR_DISPATCH_KEY).
 c10::DispatchKey dtensor_dispatch_key();
 
 class DTensorImpl final : public c10::TensorImpl {
  public:
   DTensorImpl(at::Tensor local, SpecPtr spec);
 
-  // The local shard. Waits for a pending async collective first.
+  /// The local shard. Waits for a pending async collective first.
   const at::Tensor& local() const {
     if (C10_UNLIKELY(pending_.has_value())) wait_pending();
     return local_;
@@ -29,7 +29,7 @@ class DTensorImpl final : public c10::TensorImpl {
   bool has_pending() const { return pending_.has_value(); }
   void set_pending(comm::PendingResult p) { pending_ = std::move(p); }
 
-  // Replaces local shard and spec in place (in-place ops whose metadata changes).
+  /// Replaces local shard and spec in place (in-place ops whose metadata changes).
   void replace(at::Tensor local, SpecPtr spec);
 
   c10::intrusive_ptr<c10::TensorImpl> shallow_copy_and_detach(
@@ -51,7 +51,7 @@ class DTensorImpl final : public c10::TensorImpl {
   mutable std::optional<comm::PendingResult> pending_;
 };
 
-// Fast test used on the hot path: the tensor carries our key and is a DTensorImpl.
+/// Fast test used on the hot path: the tensor carries our key and is a DTensorImpl.
 inline bool is_dtensor(const at::Tensor& t) {
   return t.defined() && t.unsafeGetTensorImpl()->key_set().has(dtensor_dispatch_key());
 }
@@ -59,16 +59,16 @@ inline DTensorImpl* dtensor_impl(const at::Tensor& t) {
   return static_cast<DTensorImpl*>(t.unsafeGetTensorImpl());
 }
 
-// Wraps a local shard (no autograd recorded) with a spec.
+/// Wraps a local shard (no autograd recorded) with a spec.
 at::Tensor make_dtensor(at::Tensor local, SpecPtr spec);
 
-// Accessors that mirror PyTorch's DTensor attributes. They throw for plain tensors.
+/// Accessors that mirror PyTorch's DTensor attributes. They throw for plain tensors.
 const DTensorSpec& spec_of(const at::Tensor& t);
 const DeviceMesh& device_mesh(const at::Tensor& t);
 const Placements& placements(const at::Tensor& t);
-// The raw local shard (no autograd connection; to_local() is the differentiable one).
+/// The raw local shard (no autograd connection; to_local() is the differentiable one).
 at::Tensor local_tensor(const at::Tensor& t);
-// True while an async redistribute's collective has not been waited on.
+/// True while an async redistribute's collective has not been waited on.
 bool is_pending(const at::Tensor& t);
 
 }  // namespace dtensor

@@ -24,7 +24,7 @@ struct TensorMeta {
 
 class DTensorSpec {
  public:
-  // Checks one placement per mesh dim and shard dims in range; normalises negative dims.
+  /// Checks one placement per mesh dim and shard dims in range; normalises negative dims.
   DTensorSpec(DeviceMesh mesh, c10::ArrayRef<Placement> placements, TensorMeta meta);
 
   const DeviceMesh& mesh() const { return mesh_; }
@@ -39,14 +39,14 @@ class DTensorSpec {
   bool has_partial() const;
   bool has_shard() const;
   int64_t num_shards() const;  // product of mesh sizes over Shard mesh dims
-  // dim_map[t] = mesh dim sharding tensor dim t, or -1 (error if two mesh dims shard it).
+  /// dim_map[t] = mesh dim sharding tensor dim t, or -1 (error if two mesh dims shard it).
   std::vector<int64_t> dim_map() const;
 
-  // This rank's local shard (empty shape when the rank is not in the mesh).
+  /// This rank's local shard (empty shape when the rank is not in the mesh).
   LocalShard local_shard() const;
   std::vector<int64_t> local_shape() const { return local_shard().shape; }
 
-  // Same mesh and meta, other placements.
+  /// Same mesh and meta, other placements.
   std::shared_ptr<const DTensorSpec> with_placements(c10::ArrayRef<Placement> p) const;
 
   size_t hash() const { return hash_; }
@@ -67,8 +67,8 @@ inline SpecPtr make_spec(DeviceMesh mesh, c10::ArrayRef<Placement> placements, T
   return std::make_shared<const DTensorSpec>(std::move(mesh), placements, std::move(meta));
 }
 
-// Normalises negative Shard dims and checks one placement per mesh dim, with the message
-// PyTorch gives.
+/// Normalises negative Shard dims and checks one placement per mesh dim, with the message
+/// PyTorch gives.
 Placements normalize_placements(c10::ArrayRef<Placement> placements, int64_t tensor_ndim,
                                 const DeviceMesh& mesh, const char* api);
 

@@ -17,16 +17,16 @@ at::Tensor ones(at::IntArrayRef size, const DeviceMesh& mesh, c10::ArrayRef<Plac
 at::Tensor full(at::IntArrayRef size, const at::Scalar& value, const DeviceMesh& mesh,
                 c10::ArrayRef<Placement> placements, at::TensorOptions options = {});
 
-// Random DTensors. Every element's value depends only on (seed, draw offset, global index):
-// replicas draw equal numbers, shards disjoint ones, and the whole tensor equals what one
-// device gets from the same seed, whatever the mesh or placements.
+/// Random DTensors. Every element's value depends only on (seed, draw offset, global index):
+/// replicas draw equal numbers, shards disjoint ones, and the whole tensor equals what one
+/// device gets from the same seed, whatever the mesh or placements.
 at::Tensor rand(at::IntArrayRef size, const DeviceMesh& mesh, c10::ArrayRef<Placement> placements,
                 at::TensorOptions options = {});
 at::Tensor randn(at::IntArrayRef size, const DeviceMesh& mesh, c10::ArrayRef<Placement> placements,
                  at::TensorOptions options = {});
 
-// The same streams on one device (for single-device references and for initialising plain
-// tensors identically): values of elements [0, numel) of a draw at the current offset.
+/// The same streams on one device (for single-device references and for initialising plain
+/// tensors identically): values of elements [0, numel) of a draw at the current offset.
 at::Tensor rand_global(at::IntArrayRef size, at::TensorOptions options = {});
 at::Tensor randn_global(at::IntArrayRef size, at::TensorOptions options = {});
 

@@ -24,8 +24,8 @@ class Placement {
   static constexpr Placement partial(ReduceOp op = ReduceOp::Sum) {
     return Placement(Type::Partial, 0, op);
   }
-  // Pending p-norm: ranks hold norms of their parts; the value is (sum |x_r|^p)^(1/p)
-  // (max for p = inf, min for p = -inf). Produced by norm reductions (gradient clipping).
+  /// Pending p-norm: ranks hold norms of their parts; the value is (sum |x_r|^p)^(1/p)
+  /// (max for p = inf, min for p = -inf). Produced by norm reductions (gradient clipping).
   static Placement norm_partial(double p);
 
   Type type() const { return type_; }
@@ -33,14 +33,14 @@ class Placement {
   bool is_shard() const { return type_ == Type::Shard; }
   bool is_shard(int64_t dim) const { return type_ == Type::Shard && dim_ == dim; }
   bool is_partial() const { return type_ == Type::Partial; }
-  // Shard dimension; only meaningful for is_shard().
+  /// Shard dimension; only meaningful for is_shard().
   int64_t dim() const { return dim_; }
   ReduceOp reduce_op() const { return op_; }
-  // The p of a norm partial; 0 for an ordinary Partial.
+  /// The p of a norm partial; 0 for an ordinary Partial.
   double norm_p() const { return norm_p_; }
   bool is_norm_partial() const { return type_ == Type::Partial && norm_p_ != 0.0; }
 
-  // Shard(d) with d < 0 becomes Shard(d + ndim); others are returned unchanged.
+  /// Shard(d) with d < 0 becomes Shard(d + ndim); others are returned unchanged.
   Placement normalized(int64_t ndim) const;
 
   bool operator==(const Placement& o) const {
@@ -54,9 +54,9 @@ class Placement {
            (is_partial() ? (static_cast<size_t>(op_) << 20) ^ std::hash<double>{}(norm_p_) : 0);
   }
 
-  // Short form as PyTorch prints it: S(0), R, P(sum).
+  /// Short form as PyTorch prints it: S(0), R, P(sum).
   std::string str() const;
-  // Long form: Shard(dim=0), Replicate(), Partial(sum).
+  /// Long form: Shard(dim=0), Replicate(), Partial(sum).
   std::string repr() const;
 
  private:
@@ -67,7 +67,7 @@ class Placement {
   double norm_p_ = 0.0;
 };
 
-// PyTorch-style spellings: {Shard(0), Replicate()}, Partial(), Partial(ReduceOp::Max).
+/// PyTorch-style spellings: {Shard(0), Replicate()}, Partial(), Partial(ReduceOp::Max).
 inline constexpr Placement Shard(int64_t dim) { return Placement::shard(dim); }
 inline constexpr Placement Replicate() { return Placement::replicate(); }
 inline constexpr Placement Partial(ReduceOp op = ReduceOp::Sum) { return Placement::partial(op); }
@@ -76,11 +76,11 @@ using Placements = c10::SmallVector<Placement, 4>;
 
 std::string to_string(c10::ArrayRef<Placement> placements);  // "(S(0), R)"
 
-// n Replicate placements.
+/// n Replicate placements.
 inline Placements replicate_all(int64_t n) {
   return Placements(static_cast<size_t>(n), Placement());
 }
-// `p` with every Partial replaced by Replicate.
+/// `p` with every Partial replaced by Replicate.
 inline Placements clear_partial(c10::ArrayRef<Placement> p) {
   Placements out;
   for (const auto& x : p) out.push_back(x.is_partial() ? Placement() : x);

@@ -10,8 +10,8 @@
 
 namespace dtensor {
 
-// Seeds the stream (use the same seed on every rank). Until called, the seed is the CPU
-// default generator's initial seed.
+/// Seeds the stream (use the same seed on every rank). Until called, the seed is the CPU
+/// default generator's initial seed.
 void manual_seed(uint64_t seed);
 
 namespace random {
@@ -20,11 +20,11 @@ struct Draw {
   uint64_t seed;
   uint64_t first;  // first counter of this draw
 };
-// Reserves the counters of one draw over a tensor of `numel` elements (every rank calls it).
+/// Reserves the counters of one draw over a tensor of `numel` elements (every rank calls it).
 Draw reserve(int64_t numel);
 
-// Uniform [0, 1) / standard normal values of the block `shape` at `offset` of a tensor of
-// `global_shape`, for draw `d`. Computed on the CPU in double, returned with `options`.
+/// Uniform [0, 1) / standard normal values of the block `shape` at `offset` of a tensor of
+/// `global_shape`, for draw `d`. Computed on the CPU in double, returned with `options`.
 at::Tensor uniform_block(const Draw& d, c10::IntArrayRef global_shape, c10::IntArrayRef shape,
                          c10::IntArrayRef offset, at::TensorOptions options);
 at::Tensor normal_block(const Draw& d, c10::IntArrayRef global_shape, c10::IntArrayRef shape,

@@ -19,7 +19,7 @@ struct RedistributeStep {
   }
 };
 
-// The ordered per-mesh-dim transitions from `src` to `dst` placements (cached).
+/// The ordered per-mesh-dim transitions from `src` to `dst` placements (cached).
 std::vector<RedistributeStep> plan_redistribute(c10::ArrayRef<Placement> src,
                                                 c10::ArrayRef<Placement> dst);
 
@@ -28,16 +28,16 @@ struct RedistributeLocalOptions {
   bool async_op = false;     // leave the last collective in flight
 };
 
-// Moves `local` (laid out as `src`) to `dst`'s placements. Both specs share mesh and meta.
-// Ranks outside the mesh get their input back untouched.
+/// Moves `local` (laid out as `src`) to `dst`'s placements. Both specs share mesh and meta.
+/// Ranks outside the mesh get their input back untouched.
 comm::PendingResult redistribute_local(const at::Tensor& local, const DTensorSpec& src,
                                        const DTensorSpec& dst,
                                        const RedistributeLocalOptions& options = {});
 
-// Placements a gradient is reduced to in backward: each Partial becomes Replicate.
+/// Placements a gradient is reduced to in backward: each Partial becomes Replicate.
 Placements backward_target(c10::ArrayRef<Placement> p);
 
-// Local chunk `r` of `k` along `dim` (torch.chunk rule), cloned so it owns its memory.
+/// Local chunk `r` of `k` along `dim` (torch.chunk rule), cloned so it owns its memory.
 at::Tensor local_chunk(const at::Tensor& t, int64_t dim, int64_t k, int64_t r);
 
 }  // namespace dtensor

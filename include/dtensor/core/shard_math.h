@@ -24,8 +24,8 @@ inline ShardRange chunk_range(int64_t n, int64_t k, int64_t r) {
   return {std::min(n, off + c) - off, off};
 }
 
-// Local shape and global offset of the shard at `coordinate` (mesh dims applied left to
-// right, each on the size left by the previous level).
+/// Local shape and global offset of the shard at `coordinate` (mesh dims applied left to
+/// right, each on the size left by the previous level).
 struct LocalShard {
   std::vector<int64_t> shape;
   std::vector<int64_t> offset;
@@ -35,18 +35,18 @@ LocalShard compute_local_shape_and_global_offset(c10::IntArrayRef global_shape,
                                                  c10::IntArrayRef coordinate,
                                                  c10::ArrayRef<Placement> placements);
 
-// Global shape and stride from a local shard assuming even sharding (from_local's default):
-// each Shard(d) multiplies shape[d] by the mesh-dim size and every stride >= stride[d].
+/// Global shape and stride from a local shard assuming even sharding (from_local's default):
+/// each Shard(d) multiplies shape[d] by the mesh-dim size and every stride >= stride[d].
 std::pair<std::vector<int64_t>, std::vector<int64_t>> compute_global_shape_and_stride(
     c10::IntArrayRef local_shape, c10::IntArrayRef local_stride, c10::IntArrayRef mesh_shape,
     c10::ArrayRef<Placement> placements);
 
-// Contiguous strides for `shape`.
+/// Contiguous strides for `shape`.
 std::vector<int64_t> default_strides(c10::IntArrayRef shape);
 
-// Dense strides for `shape` that keep the dim order of `stride_order` (innermost = smallest
-// stride first; ties keep the later dim inner, as contiguous strides do): the local layout of
-// a shard whose global tensor has strides `stride_order`.
+/// Dense strides for `shape` that keep the dim order of `stride_order` (innermost = smallest
+/// stride first; ties keep the later dim inner, as contiguous strides do): the local layout of
+/// a shard whose global tensor has strides `stride_order`.
 std::vector<int64_t> strides_like(c10::IntArrayRef shape, c10::IntArrayRef stride_order);
 
 }  // namespace dtensor

@@ -7,8 +7,8 @@ struct CacheStats {
   int64_t hits = 0;
   int64_t misses = 0;
   int64_t entries = 0;
-  // Results whose local tensor came back in another dim order than the DTensor's global
-  // strides and was copied into that order (a sign of a rule giving the wrong strides).
+  /// Results whose local tensor came back in another dim order than the DTensor's global
+  /// strides and was copied into that order (a sign of a rule giving the wrong strides).
   int64_t layout_copies = 0;
 };
 CacheStats cache_stats();

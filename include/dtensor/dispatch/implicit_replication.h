@@ -2,8 +2,8 @@
 
 namespace dtensor {
 
-// While alive, plain non-scalar tensors mixed with DTensors are treated as Replicate
-// (PyTorch's implicit_replication()). Thread-local; not re-entrant, like PyTorch's.
+/// While alive, plain non-scalar tensors mixed with DTensors are treated as Replicate
+/// (PyTorch's implicit_replication()). Thread-local; not re-entrant, like PyTorch's.
 class ImplicitReplication {
  public:
   ImplicitReplication();

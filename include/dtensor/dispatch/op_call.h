@@ -16,7 +16,7 @@
 
 namespace dtensor::dispatch {
 
-// One tensor input: a DTensor, or a plain tensor treated as Replicate.
+/// One tensor input: a DTensor, or a plain tensor treated as Replicate.
 struct InputSpec {
   SpecPtr spec;         // null for an undefined optional tensor
   int arg = 0;          // index in the schema's arguments
@@ -41,7 +41,7 @@ class OpCall {
   const DeviceMesh& mesh() const { return mesh_; }
   int64_t mesh_ndim() const { return mesh_.ndim(); }
 
-  // Typed argument access (by schema position), with defaults for None.
+  /// Typed argument access (by schema position), with defaults for None.
   int64_t int_arg(size_t i, int64_t dflt = 0) const;
   bool bool_arg(size_t i, bool dflt = false) const;
   std::vector<int64_t> int_list_arg(size_t i) const;  // empty for None
@@ -56,34 +56,34 @@ class OpCall {
   const DeviceMesh& mesh_;
 };
 
-// What a local kernel knows besides the stack: the specs of the inputs as they arrive at the
-// local call (after redistribution) and of the outputs (null for non-tensor returns).
+/// What a local kernel knows besides the stack: the specs of the inputs as they arrive at the
+/// local call (after redistribution) and of the outputs (null for non-tensor returns).
 struct LocalContext {
   c10::ArrayRef<SpecPtr> inputs;
   c10::ArrayRef<SpecPtr> outputs;
 };
-// Replaces `op.callBoxed` when an op's local computation differs from the plain op (a masked
-// embedding lookup, a random op drawing from DTensor's stream). It gets the stack exactly as
-// the op would (local tensors, rewritten arguments) and must leave the returns on it.
+/// Replaces `op.callBoxed` when an op's local computation differs from the plain op (a masked
+/// embedding lookup, a random op drawing from DTensor's stream). It gets the stack exactly as
+/// the op would (local tensors, rewritten arguments) and must leave the returns on it.
 using LocalKernel = std::function<void(const c10::OperatorHandle& op, torch::jit::Stack& stack,
                                        const LocalContext&)>;
 
 struct Decision {
-  // Placements each input must have for the local call (one entry per OpCall input; an
-  // empty Placements means "as it is").
+  /// Placements each input must have for the local call (one entry per OpCall input; an
+  /// empty Placements means "as it is").
   std::vector<Placements> inputs;
-  // Placements of each return; nullopt for non-tensor returns. A Tensor[] return uses the
-  // same placements for every element.
+  /// Placements of each return; nullopt for non-tensor returns. A Tensor[] return uses the
+  /// same placements for every element.
   std::vector<std::optional<Placements>> outputs;
-  // Arguments rewritten for the local call (global sizes -> local sizes and the like).
+  /// Arguments rewritten for the local call (global sizes -> local sizes and the like).
   std::vector<std::pair<int, c10::IValue>> local_args;
-  // Global metadata of each return when the op cannot run on meta tensors.
+  /// Global metadata of each return when the op cannot run on meta tensors.
   std::vector<std::optional<TensorMeta>> output_meta;
-  // Custom local computation (rarely needed).
+  /// Custom local computation (rarely needed).
   LocalKernel local_kernel;
 };
 
-// One candidate for strategy selection.
+/// One candidate for strategy selection.
 struct Strategy {
   std::vector<Placements> outputs;  // per return (tensor returns only; nullopt handled by rule)
   std::vector<Placements> inputs;   // per OpCall input
@@ -91,32 +91,32 @@ struct Strategy {
 
 using Rule = std::function<Decision(const OpCall&)>;
 
-// Registers `rule` for a qualified op name with overload ("aten::add.Tensor", or "aten::mm"
-// for the default overload). Later registrations replace earlier ones. Scalar/float
-// arguments are left out of the decision cache's key (their values change from step to step);
-// list in `static_args` the positions of those whose value does change the decision (a
-// norm's order).
+/// Registers `rule` for a qualified op name with overload ("aten::add.Tensor", or "aten::mm"
+/// for the default overload). Later registrations replace earlier ones. Scalar/float
+/// arguments are left out of the decision cache's key (their values change from step to step);
+/// list in `static_args` the positions of those whose value does change the decision (a
+/// norm's order).
 void register_rule(const std::string& qualified_name, Rule rule, std::vector<int> static_args = {});
 void register_rule(std::initializer_list<const char*> names, const Rule& rule,
                    std::vector<int> static_args = {});
-// Registers `rule` to decide `qualified_name` instead of its ordinary rule while
-// decision_context() has any bit of `context_mask` set. A guard that changes how a family of
-// ops is sharded (tp::LossParallel: vocab-parallel log_softmax and nll_loss) registers its
-// rules this way from its own layer, and the ordinary rules never need to know about it. The
-// first registered rule whose mask matches wins.
+/// Registers `rule` to decide `qualified_name` instead of its ordinary rule while
+/// decision_context() has any bit of `context_mask` set. A guard that changes how a family of
+/// ops is sharded (tp::LossParallel: vocab-parallel log_softmax and nll_loss) registers its
+/// rules this way from its own layer, and the ordinary rules never need to know about it. The
+/// first registered rule whose mask matches wins.
 void register_context_rule(const std::string& qualified_name, int64_t context_mask, Rule rule);
 void register_context_rule(std::initializer_list<const char*> names, int64_t context_mask,
                            const Rule& rule);
 bool has_rule(const std::string& qualified_name);
-// Every name a rule was registered for, sorted (a misspelt name registers a rule that no
-// operator ever reaches: tests check each against the dispatcher).
+/// Every name a rule was registered for, sorted (a misspelt name registers a rule that no
+/// operator ever reaches: tests check each against the dispatcher).
 std::vector<std::string> registered_rule_names();
 
-// Thread-local state that changes sharding decisions (a guard such as loss_parallel sets bits
-// here while active). It is part of every decision-cache key, so decisions made inside and
-// outside the guard never mix. Rules read it through decision_context().
+/// Thread-local state that changes sharding decisions (a guard such as loss_parallel sets bits
+/// here while active). It is part of every decision-cache key, so decisions made inside and
+/// outside the guard never mix. Rules read it through decision_context().
 int64_t decision_context();
-// Sets bits `mask` for the life of the guard (restores the previous value on destruction).
+/// Sets bits `mask` for the life of the guard (restores the previous value on destruction).
 class DecisionContextGuard {
  public:
   explicit DecisionContextGuard(int64_t mask);
@@ -128,12 +128,12 @@ class DecisionContextGuard {
   int64_t prev_;
 };
 
-// Picks the cheapest candidate by the redistribution cost model, with PyTorch's tie-break order,
-// and turns it into a Decision (docs/ARCHITECTURE.md, "Strategy choice").
+/// Picks the cheapest candidate by the redistribution cost model, with PyTorch's tie-break order,
+/// and turns it into a Decision (docs/ARCHITECTURE.md, "Strategy choice").
 Decision choose(const OpCall& call, const std::vector<Strategy>& candidates);
 
-// Estimated cost (µs) of moving `src` to `dst` placements
-// (docs/ARCHITECTURE.md, "Strategy choice").
+/// Estimated cost (µs) of moving `src` to `dst` placements
+/// (docs/ARCHITECTURE.md, "Strategy choice").
 double redistribute_cost(const DTensorSpec& src, c10::ArrayRef<Placement> dst);
 
 // Registers rules from a static initializer: DTENSOR_RULES(pointwise) { register_rule(...); }

@@ -15,14 +15,14 @@ namespace dtensor {
 
 class DeviceMesh {
  public:
-  // `ranks` lists the global ranks row-major over `shape`. Creates one process group per mesh
-  // dimension (every rank must construct the same meshes in the same order).
+  /// `ranks` lists the global ranks row-major over `shape`. Creates one process group per mesh
+  /// dimension (every rank must construct the same meshes in the same order).
   DeviceMesh(c10::DeviceType device_type, std::vector<int64_t> shape, std::vector<int64_t> ranks,
              std::vector<std::string> dim_names = {});
 
   c10::DeviceType device_type() const;
   std::string device_type_str() const;
-  // The device local shards live on: cpu, or cuda:<local rank mod device count>.
+  /// The device local shards live on: cpu, or cuda:<local rank mod device count>.
   c10::Device device() const;
   const std::vector<int64_t>& shape() const;
   int64_t ndim() const;
@@ -33,10 +33,10 @@ class DeviceMesh {
   int64_t dim_index(const std::string& name) const;  // error listing the valid names
   const std::vector<int64_t>& ranks() const;         // global ranks, row-major
 
-  // This rank's index along every mesh dim; nullopt when this rank is not in the mesh.
+  /// This rank's index along every mesh dim; nullopt when this rank is not in the mesh.
   const std::optional<std::vector<int64_t>>& coordinate() const;
   bool contains_this_rank() const { return coordinate().has_value(); }
-  // Rank within the group of `mesh_dim` (= coordinate[mesh_dim]). A 1-D mesh allows no argument.
+  /// Rank within the group of `mesh_dim` (= coordinate[mesh_dim]). A 1-D mesh allows no argument.
   int64_t get_local_rank(std::optional<int64_t> mesh_dim = std::nullopt) const;
   int64_t get_local_rank(const std::string& name) const;
 
@@ -44,14 +44,14 @@ class DeviceMesh {
   std::shared_ptr<comm::ProcessGroup> get_group(int64_t mesh_dim) const;
   std::shared_ptr<comm::ProcessGroup> get_group(const std::string& name) const;
 
-  // mesh["tp"] and mesh.slice({"dp", "tp"}): sub-meshes that re-use this mesh's groups.
+  /// mesh["tp"] and mesh.slice({"dp", "tp"}): sub-meshes that re-use this mesh's groups.
   DeviceMesh operator[](const std::string& name) const;
   DeviceMesh slice(const std::vector<std::string>& names) const;
 
-  // Meshes are equal when they have the same device type, shape, ranks and names.
+  /// Meshes are equal when they have the same device type, shape, ranks and names.
   bool operator==(const DeviceMesh& o) const;
   bool operator!=(const DeviceMesh& o) const { return !(*this == o); }
-  // Unique per distinct mesh object (copies share it); used in cache keys.
+  /// Unique per distinct mesh object (copies share it); used in cache keys.
   uint64_t id() const;
   size_t hash() const;
   std::string str() const;  // DeviceMesh('cpu', [[0, 1], [2, 3]], mesh_dim_names=('dp', 'tp'))
@@ -63,12 +63,12 @@ class DeviceMesh {
   std::shared_ptr<const Impl> impl_;
 };
 
-// init_device_mesh("cpu", {2, 2}, {"dp", "tp"}): ranks 0..n-1 row-major. Joins the process
-// group from the environment first if that has not happened yet.
+/// init_device_mesh("cpu", {2, 2}, {"dp", "tp"}): ranks 0..n-1 row-major. Joins the process
+/// group from the environment first if that has not happened yet.
 DeviceMesh init_device_mesh(const std::string& device_type, std::vector<int64_t> mesh_shape,
                             std::vector<std::string> mesh_dim_names = {});
 
-// The mesh DTensor APIs use when none is passed (set with MeshGuard, like `with mesh:`).
+/// The mesh DTensor APIs use when none is passed (set with MeshGuard, like `with mesh:`).
 std::optional<DeviceMesh> current_mesh();
 class MeshGuard {
  public:

@@ -29,14 +29,14 @@
 
 namespace dtensor::models {
 
-// Keys and values of this rank's KV heads for every layer, preallocated for max_len positions:
-// per layer two tensors (B, max_len, local_kv_heads, head_dim) in the model's dtype, so the
-// bytes per rank are 2 * n_layers * B * max_len * local_kv_heads * head_dim * element size.
-// local_kv_heads is n_kv_heads / tp when the plan shards the KV heads, else the heads the rank's
-// query heads use (kv_heads_of_rank), and n_kv_heads without TP.
-//
-// Rows are left-padded: row b's prompt starts at slot pad[b]; slots before it are never
-// attended to and the rotary position of slot t is t - pad[b], as if the row were alone.
+/// Keys and values of this rank's KV heads for every layer, preallocated for max_len positions:
+/// per layer two tensors (B, max_len, local_kv_heads, head_dim) in the model's dtype, so the
+/// bytes per rank are 2 * n_layers * B * max_len * local_kv_heads * head_dim * element size.
+/// local_kv_heads is n_kv_heads / tp when the plan shards the KV heads, else the heads the rank's
+/// query heads use (kv_heads_of_rank), and n_kv_heads without TP.
+///
+/// Rows are left-padded: row b's prompt starts at slot pad[b]; slots before it are never
+/// attended to and the rotary position of slot t is t - pad[b], as if the row were alone.
 class KVCache {
  public:
   KVCache(const TransformerImpl& model, int64_t batch, int64_t max_len);
@@ -48,7 +48,7 @@ class KVCache {
   int64_t bytes() const;
   at::Tensor& keys(int64_t layer) { return keys_.at(layer); }
   at::Tensor& values(int64_t layer) { return values_.at(layer); }
-  // (B,) int64: the padding slots in front of each row (set before the first forward).
+  /// (B,) int64: the padding slots in front of each row (set before the first forward).
   const at::Tensor& padding() const { return padding_; }
   void set_padding(at::Tensor padding);
   void advance(int64_t n) { length_ += n; }
@@ -60,16 +60,16 @@ class KVCache {
   at::Tensor padding_;
 };
 
-// The model's forward on local shards, writing into and reading from a KVCache. Built once per
-// model (it takes the local weights, selecting the replicated KV heads a rank keeps); the model
-// must not be re-parallelized or have its parameters replaced while a Decoder uses it.
+/// The model's forward on local shards, writing into and reading from a KVCache. Built once per
+/// model (it takes the local weights, selecting the replicated KV heads a rank keeps); the model
+/// must not be re-parallelized or have its parameters replaced while a Decoder uses it.
 class Decoder {
  public:
   explicit Decoder(const TransformerImpl& model);
 
-  // tokens (B, S) int64, the same on every rank, at slots [cache.length(), +S). Returns the
-  // whole-vocabulary logits of the last position (B, vocab) in the model's dtype, identical on
-  // every rank, and advances the cache by S.
+  /// tokens (B, S) int64, the same on every rank, at slots [cache.length(), +S). Returns the
+  /// whole-vocabulary logits of the last position (B, vocab) in the model's dtype, identical on
+  /// every rank, and advances the cache by S.
   at::Tensor forward(const at::Tensor& tokens, KVCache& cache);
 
   const LlamaConfig& config() const { return config_; }
@@ -99,10 +99,10 @@ struct SamplingOptions {
   uint64_t seed = 0;
 };
 
-// The next token of each row of logits (B, V) (whole vocabulary). Sampling draws one uniform
-// number per row from a generator seeded by (seed, step) and inverts the cumulative
-// distribution over the tokens sorted by probability, in float64: every rank, and every TP
-// degree, picks the same token from the same logits.
+/// The next token of each row of logits (B, V) (whole vocabulary). Sampling draws one uniform
+/// number per row from a generator seeded by (seed, step) and inverts the cumulative
+/// distribution over the tokens sorted by probability, in float64: every rank, and every TP
+/// degree, picks the same token from the same logits.
 at::Tensor sample_next_tokens(const at::Tensor& logits, const SamplingOptions& options,
                               int64_t step);
 
@@ -110,9 +110,9 @@ struct GenerateOptions : SamplingOptions {
   int64_t max_new_tokens = 32;
   std::vector<int64_t> stop_tokens;  // a row stops after emitting one (it is included)
   int64_t pad_token = 0;             // fills the left padding (never attended to)
-  // Called on every rank, in order, for each new token of a row still running.
+  /// Called on every rank, in order, for each new token of a row still running.
   std::function<void(int64_t row, int64_t token)> on_token;
-  // Called with the logits each forward returns (prefill first, then each decode step).
+  /// Called with the logits each forward returns (prefill first, then each decode step).
   std::function<void(const at::Tensor& logits)> on_logits;
 };
 
@@ -124,8 +124,8 @@ struct GenerateResult {
   double prefill_seconds = 0, decode_seconds = 0;
 };
 
-// Generates for every prompt (non-empty token lists, identical on every rank) at once; a row
-// stops at a stop token or after max_new_tokens. Collective: every TP rank calls it.
+/// Generates for every prompt (non-empty token lists, identical on every rank) at once; a row
+/// stops at a stop token or after max_new_tokens. Collective: every TP rank calls it.
 GenerateResult generate(const TransformerImpl& model,
                         const std::vector<std::vector<int64_t>>& prompts,
                         const GenerateOptions& options = {});

@@ -46,12 +46,12 @@ struct LlamaConfig {
   double rope_theta = 10000;
   bool tie_embeddings = false;  // output.weight is tok_embeddings.weight
 
-  // "tiny" (tests: dim 32, 2 layers, 4 heads, 2 KV heads), "demo" (~3M parameters, trains
-  // visibly in a minute at TP=2 on 2 CPU cores), "bench" (~30M parameters).
+  /// "tiny" (tests: dim 32, 2 layers, 4 heads, 2 KV heads), "demo" (~3M parameters, trains
+  /// visibly in a minute at TP=2 on 2 CPU cores), "bench" (~30M parameters).
   static LlamaConfig preset(const std::string& name);
   static std::vector<std::string> preset_names();
-  // A JSON object with any of the fields above (others keep their defaults); unknown keys
-  // are an error. to_json() writes every field, resolved values included.
+  /// A JSON object with any of the fields above (others keep their defaults); unknown keys
+  /// are an error. to_json() writes every field, resolved values included.
   static LlamaConfig from_json(const std::string& json);
   std::string to_json() const;
 
@@ -59,18 +59,18 @@ struct LlamaConfig {
   int64_t head_dim() const;    // dim / n_heads
   int64_t hidden_dim() const;  // ffn_hidden_dim resolved
   int64_t num_parameters() const;
-  // Throws naming the field when the configuration is inconsistent.
+  /// Throws naming the field when the configuration is inconsistent.
   void validate() const;
 
-  // TP degrees the plan supports: n_heads and the FFN hidden size must split evenly (heads
-  // are never cut; the FFN halves meet in a row-sharded matmul that needs even shards). KV heads
-  // need not divide (see apply_tensor_parallel), nor the vocabulary.
+  /// TP degrees the plan supports: n_heads and the FFN hidden size must split evenly (heads
+  /// are never cut; the FFN halves meet in a row-sharded matmul that needs even shards). KV heads
+  /// need not divide (see apply_tensor_parallel), nor the vocabulary.
   std::vector<int64_t> valid_tp_degrees() const;
-  // Throws "n_heads=6 is not divisible by tp=4; valid tp degrees: 1, 2, 3, 6" and the like.
+  /// Throws "n_heads=6 is not divisible by tp=4; valid tp degrees: 1, 2, 3, 6" and the like.
   void validate_tp(int64_t tp) const;
 };
 
-// SwiGLU: w2(silu(w1(x)) * w3(x)).
+/// SwiGLU: w2(silu(w1(x)) * w3(x)).
 class FeedForwardImpl : public dtensor::nn::Module {
  public:
   FeedForwardImpl(int64_t dim, int64_t hidden_dim);
@@ -80,14 +80,14 @@ class FeedForwardImpl : public dtensor::nn::Module {
 };
 TORCH_MODULE(FeedForward);
 
-// Causal multi-head attention with grouped KV heads and rotary embeddings. Heads are inferred
-// from the projections' (local) widths: view(bs, seqlen, -1, head_dim), and each query head uses
-// KV head (local index) * n_kv / n_q, so the same code runs whole or with heads sharded.
+/// Causal multi-head attention with grouped KV heads and rotary embeddings. Heads are inferred
+/// from the projections' (local) widths: view(bs, seqlen, -1, head_dim), and each query head uses
+/// KV head (local index) * n_kv / n_q, so the same code runs whole or with heads sharded.
 class AttentionImpl : public dtensor::nn::Module {
  public:
   explicit AttentionImpl(const LlamaConfig& config);
-  // x: (B, S, dim). rope: (S, head_dim / 2, 2), cos and sin of the rotation angles (real, so
-  // Gloo can communicate it); the role of torchtitan's freqs_cis.
+  /// x: (B, S, dim). rope: (S, head_dim / 2, 2), cos and sin of the rotation angles (real, so
+  /// Gloo can communicate it); the role of torchtitan's freqs_cis.
   at::Tensor forward(const at::Tensor& x, const at::Tensor& rope);
 
   int64_t n_heads, n_kv_heads, head_dim;
@@ -112,18 +112,18 @@ class TransformerImpl : public dtensor::nn::Module {
  public:
   explicit TransformerImpl(LlamaConfig config);
 
-  // tokens: (B, S) int64 with S <= max_seq_len, identical on every rank. Returns logits
-  // (B, S, vocab): a plain tensor, or under loss-parallel TP a DTensor sharded on the vocab
-  // (Shard(-1)); token_cross_entropy takes either.
+  /// tokens: (B, S) int64 with S <= max_seq_len, identical on every rank. Returns logits
+  /// (B, S, vocab): a plain tensor, or under loss-parallel TP a DTensor sharded on the vocab
+  /// (Shard(-1)); token_cross_entropy takes either.
   at::Tensor forward(const at::Tensor& tokens);
 
-  // torchtitan's initialisation drawn from `seed` alone: every parameter gets its own generator
-  // seeded from (seed, its name), values are drawn whole in float64 on the CPU and then cast.
-  // So any TP degree gets the same model. Call before or after apply_tensor_parallel (after,
-  // each rank keeps its chunk of the whole value; no communication either way).
+  /// torchtitan's initialisation drawn from `seed` alone: every parameter gets its own generator
+  /// seeded from (seed, its name), values are drawn whole in float64 on the CPU and then cast.
+  /// So any TP degree gets the same model. Call before or after apply_tensor_parallel (after,
+  /// each rank keeps its chunk of the whole value; no communication either way).
   void init_weights(uint64_t seed);
 
-  // The rotary table for positions [0, seqlen) as (seqlen, head_dim / 2, 2) in `options`.
+  /// The rotary table for positions [0, seqlen) as (seqlen, head_dim / 2, 2) in `options`.
   at::Tensor rope(int64_t seqlen, const at::TensorOptions& options) const;
 
   const LlamaConfig& config() const { return config_; }
@@ -131,11 +131,11 @@ class TransformerImpl : public dtensor::nn::Module {
   dtensor::nn::Embedding tok_embeddings{nullptr};
   torch::nn::ModuleList layers{nullptr};  // TransformerBlock children "0", "1", ...
   dtensor::nn::RMSNorm norm{nullptr};
-  // No bias. With tie_embeddings its weight member is tok_embeddings.weight and it registers no
-  // parameter of its own, so parameters() lists the shared weight once.
+  /// No bias. With tie_embeddings its weight member is tok_embeddings.weight and it registers no
+  /// parameter of its own, so parameters() lists the shared weight once.
   dtensor::nn::Linear output{nullptr};
 
-  // Set by apply_tensor_parallel.
+  /// Set by apply_tensor_parallel.
   struct TensorParallelState {
     DeviceMesh mesh;
     bool sequence_parallel;
@@ -143,7 +143,7 @@ class TransformerImpl : public dtensor::nn::Module {
   };
   const std::optional<TensorParallelState>& tp_state() const { return tp_state_; }
   void set_tp_state(TensorParallelState state) { tp_state_ = std::move(state); }
-  // Points output.weight at tok_embeddings.weight (again, after the embedding was replaced).
+  /// Points output.weight at tok_embeddings.weight (again, after the embedding was replaced).
   void tie_output_to_embedding();
 
  private:
@@ -156,50 +156,50 @@ TORCH_MODULE(Transformer);
 // ---- tensor parallelism ----
 
 struct TensorParallelOptions {
-  // torchtitan's plan: residual stream sharded on the sequence (norms run sequence-parallel).
-  // Off: the Megatron plan (activations replicated between blocks, norms plain).
+  /// torchtitan's plan: residual stream sharded on the sequence (norms run sequence-parallel).
+  /// Off: the Megatron plan (activations replicated between blocks, norms plain).
   bool sequence_parallel = true;
-  // Logits stay vocab-sharded and the loss is computed without gathering them.
+  /// Logits stay vocab-sharded and the loss is computed without gathering them.
   bool loss_parallel = true;
-  // Where parameter values come from: nullopt (default) keeps each rank's own values (every
-  // rank initialised the whole model from the same seed), with no communication; a group rank
-  // scatters/broadcasts its values instead.
+  /// Where parameter values come from: nullopt (default) keeps each rank's own values (every
+  /// rank initialised the whole model from the same seed), with no communication; a group rank
+  /// scatters/broadcasts its values instead.
   std::optional<int64_t> src_data_rank;
 };
 
-// Parallelizes `model` over `mesh` (1-D, or the dimension named "tp" of an N-D mesh) with the
-// torchtitan plan, in place: tok_embeddings Rowwise (vocab rows), attention wq/wk/wv and
-// feed_forward w1/w3 Colwise, wo/w2 Rowwise, output Colwise (vocab), norms SequenceParallel. Needs
-// n_heads and the FFN hidden size divisible by tp (else throws listing valid degrees); with
-// sequence parallelism the sequence length must be too (checked in forward). KV heads: when
-// n_kv_heads % tp == 0, wk/wv are Colwise like wq; otherwise wk/wv stay replicated, every rank
-// projects all KV heads and keeps those its query heads use (their gradients are Partial and summed
-// by reduce_partial_grads). A tied embedding stays tied (both uses are Shard(0) on the vocab).
+/// Parallelizes `model` over `mesh` (1-D, or the dimension named "tp" of an N-D mesh) with the
+/// torchtitan plan, in place: tok_embeddings Rowwise (vocab rows), attention wq/wk/wv and
+/// feed_forward w1/w3 Colwise, wo/w2 Rowwise, output Colwise (vocab), norms SequenceParallel. Needs
+/// n_heads and the FFN hidden size divisible by tp (else throws listing valid degrees); with
+/// sequence parallelism the sequence length must be too (checked in forward). KV heads: when
+/// n_kv_heads % tp == 0, wk/wv are Colwise like wq; otherwise wk/wv stay replicated, every rank
+/// projects all KV heads and keeps those its query heads use (their gradients are Partial and summed
+/// by reduce_partial_grads). A tied embedding stays tied (both uses are Shard(0) on the vocab).
 void apply_tensor_parallel(TransformerImpl& model, const DeviceMesh& mesh,
                            TensorParallelOptions options = {});
 
-// The KV heads (global indices) that TP rank `rank` of `tp` keeps, in the order its query heads
-// [rank * n_heads/tp, (rank+1) * n_heads/tp) use them: the distinct heads when each is used by the
-// same number of consecutive local query heads (the attention then repeats them), else one per
-// local query head. With n_kv_heads % tp == 0 these are the rank's ColwiseParallel rows of wk/wv.
+/// The KV heads (global indices) that TP rank `rank` of `tp` keeps, in the order its query heads
+/// [rank * n_heads/tp, (rank+1) * n_heads/tp) use them: the distinct heads when each is used by the
+/// same number of consecutive local query heads (the attention then repeats them), else one per
+/// local query head. With n_kv_heads % tp == 0 these are the rank's ColwiseParallel rows of wk/wv.
 at::Tensor kv_heads_of_rank(int64_t n_heads, int64_t n_kv_heads, int64_t rank, int64_t tp);
 
-// The mesh TP runs on: a 1-D mesh is itself, an N-D one its "tp" dim, else nullopt.
+/// The mesh TP runs on: a 1-D mesh is itself, an N-D one its "tp" dim, else nullopt.
 std::optional<DeviceMesh> get_tp_mesh(const DeviceMesh& mesh);
 
-// Sums the pending (Partial) gradients before the optimizer step (tp/partial_grads.h).
+/// Sums the pending (Partial) gradients before the optimizer step (tp/partial_grads.h).
 using tp::reduce_partial_grads;
 
 // ---- loss ----
 
-// Mean cross entropy over all tokens of logits (B, S, V) against targets (B, S) int64.
-// Plain logits: at::cross_entropy. Vocab-sharded DTensor logits:
-// tp::vocab_parallel_cross_entropy (3 all_reduces of B*S values forward, none backward; its
-// backward needs no guard).
-// Returns a plain 0-d tensor equal on every rank.
+/// Mean cross entropy over all tokens of logits (B, S, V) against targets (B, S) int64.
+/// Plain logits: at::cross_entropy. Vocab-sharded DTensor logits:
+/// tp::vocab_parallel_cross_entropy (3 all_reduces of B*S values forward, none backward; its
+/// backward needs no guard).
+/// Returns a plain 0-d tensor equal on every rank.
 at::Tensor token_cross_entropy(const at::Tensor& logits, const at::Tensor& targets);
 
-// token_cross_entropy + backward; returns the detached loss.
+/// token_cross_entropy + backward; returns the detached loss.
 at::Tensor loss_and_backward(const at::Tensor& logits, const at::Tensor& targets);
 
 }  // namespace dtensor::models

@@ -47,8 +47,8 @@ struct RMSNormOptions {
   bool elementwise_affine = true;
 };
 
-// Root-mean-square norm over the last dimension (torch.nn.RMSNorm, which LibTorch's C++ API
-// lacks), computed with at::rms_norm.
+/// Root-mean-square norm over the last dimension (torch.nn.RMSNorm, which LibTorch's C++ API
+/// lacks), computed with at::rms_norm.
 class RMSNormImpl : public Module, public ParameterSwapTarget {
  public:
   explicit RMSNormImpl(RMSNormOptions options);

@@ -12,7 +12,7 @@
 
 namespace dtensor::nn {
 
-// Base class for users' own modules: torch::nn::Module plus forward hooks.
+/// Base class for users' own modules: torch::nn::Module plus forward hooks.
 class Module : public torch::nn::Module, public tp::HookedModule {
  public:
   using torch::nn::Module::Module;

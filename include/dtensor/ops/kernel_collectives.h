@@ -15,8 +15,8 @@
 
 namespace dtensor::ops {
 
-// all_reduce of `t` for the kernel of `op` ("aten::equal") over the ranks of each of
-// `mesh_dims` in turn; `t` itself when the list is empty.
+/// all_reduce of `t` for the kernel of `op` ("aten::equal") over the ranks of each of
+/// `mesh_dims` in turn; `t` itself when the list is empty.
 at::Tensor kernel_all_reduce(std::string_view op, const at::Tensor& t, ReduceOp reduce,
                              const DeviceMesh& mesh, c10::ArrayRef<int64_t> mesh_dims);
 

@@ -15,7 +15,7 @@ using dispatch::Decision;
 using dispatch::OpCall;
 using dispatch::Strategy;
 
-// This rank's local shape of a global tensor laid out as `p` on `mesh`.
+/// This rank's local shape of a global tensor laid out as `p` on `mesh`.
 inline std::vector<int64_t> local_shape_of(const DeviceMesh& mesh, c10::IntArrayRef global,
                                            c10::ArrayRef<Placement> p) {
   const auto& c = mesh.coordinate();
@@ -23,7 +23,7 @@ inline std::vector<int64_t> local_shape_of(const DeviceMesh& mesh, c10::IntArray
   return compute_local_shape_and_global_offset(global, mesh.shape(), *c, p).shape;
 }
 
-// Placements with every Shard(d) moved to map(d) (nullopt -> Replicate).
+/// Placements with every Shard(d) moved to map(d) (nullopt -> Replicate).
 template <typename F>
 Placements remap_shards(c10::ArrayRef<Placement> p, F&& map) {
   Placements out;
@@ -38,7 +38,7 @@ Placements remap_shards(c10::ArrayRef<Placement> p, F&& map) {
   return out;
 }
 
-// Number of shards of tensor dim d.
+/// Number of shards of tensor dim d.
 inline int64_t shards_of_dim(const DeviceMesh& mesh, c10::ArrayRef<Placement> p, int64_t d) {
   int64_t n = 1;
   for (size_t i = 0; i < p.size(); ++i) {
@@ -51,7 +51,7 @@ inline int64_t wrap_dim(int64_t d, int64_t ndim) {
   return c10::maybe_wrap_dim(d, std::max<int64_t>(ndim, 1));
 }
 
-// A Decision with every output given `out` (tensor returns only).
+/// A Decision with every output given `out` (tensor returns only).
 inline Decision all_outputs(const OpCall& call, std::vector<Placements> inputs,
                             const Placements& out) {
   Decision d;
@@ -67,8 +67,8 @@ inline Decision all_outputs(const OpCall& call, std::vector<Placements> inputs,
   return d;
 }
 
-// Index in call.inputs() of schema argument `arg`; -1 for an undefined optional tensor
-// (undefined optionals are not among the inputs, so positions must be looked up).
+/// Index in call.inputs() of schema argument `arg`; -1 for an undefined optional tensor
+/// (undefined optionals are not among the inputs, so positions must be looked up).
 inline int input_of(const OpCall& call, int arg) {
   for (size_t i = 0; i < call.num_inputs(); ++i) {
     if (call.inputs()[i].arg == arg) return static_cast<int>(i);
@@ -81,26 +81,26 @@ inline TensorMeta contiguous_meta(std::vector<int64_t> shape, at::ScalarType dty
   return TensorMeta{std::move(shape), std::move(stride), dtype};
 }
 
-// One mesh dim's part of a strategy: a placement for each output, then one for each OpCall input.
+/// One mesh dim's part of a strategy: a placement for each output, then one for each OpCall input.
 using DimStrategy = std::vector<Placement>;
 using StrategyFilter = std::function<bool(const Strategy&)>;
 
-// A rule's candidates on the whole mesh from what each mesh dim allows: every combination of
-// one DimStrategy per mesh dim (`choices[m]` for mesh dim m), mesh dim 0 varying slowest, the
-// order of PyTorch's itertools.product, so that equal-cost ties pick the same layout. Drops the
-// combinations `keep` rejects and, unless `drop_unshardable` is false, those that split an input
-// dim into more shards than it has elements (as PyTorch's is_tensor_shardable).
+/// A rule's candidates on the whole mesh from what each mesh dim allows: every combination of
+/// one DimStrategy per mesh dim (`choices[m]` for mesh dim m), mesh dim 0 varying slowest, the
+/// order of PyTorch's itertools.product, so that equal-cost ties pick the same layout. Drops the
+/// combinations `keep` rejects and, unless `drop_unshardable` is false, those that split an input
+/// dim into more shards than it has elements (as PyTorch's is_tensor_shardable).
 std::vector<Strategy> expand_to_mesh(const OpCall& call,
                                      const std::vector<std::vector<DimStrategy>>& choices,
                                      size_t num_outputs, const StrategyFilter& keep = nullptr,
                                      bool drop_unshardable = true);
 
-// The same choices on every mesh dim.
+/// The same choices on every mesh dim.
 std::vector<Strategy> expand_to_mesh(const OpCall& call, const std::vector<DimStrategy>& choices,
                                      size_t num_outputs, const StrategyFilter& keep = nullptr);
 
-// Result dtype of return `ret`, found by running the op once on one-element CPU tensors of
-// the inputs' dtypes and ranks (for ops without meta kernels).
+/// Result dtype of return `ret`, found by running the op once on one-element CPU tensors of
+/// the inputs' dtypes and ranks (for ops without meta kernels).
 at::ScalarType proxy_result_dtype(const OpCall& call, size_t ret = 0);
 
 }  // namespace dtensor::ops

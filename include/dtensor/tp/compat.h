@@ -18,46 +18,46 @@
 
 namespace dtensor::tp {
 
-// Inputs: a plain tensor is taken as this rank's part with the given layout (from_local); a
-// DTensor is redistributed to it.
+/// Inputs: a plain tensor is taken as this rank's part with the given layout (from_local); a
+/// DTensor is redistributed to it.
 at::Tensor make_input_replicate_1d(const at::Tensor& input,
                                    const std::optional<DeviceMesh>& mesh = std::nullopt);
 at::Tensor make_input_shard_1d(const at::Tensor& input,
                                const std::optional<DeviceMesh>& mesh = std::nullopt,
                                int64_t dim = 0);
-// make_input_shard_1d on the input's last dim.
+/// make_input_shard_1d on the input's last dim.
 at::Tensor make_input_shard_1d_last_dim(const at::Tensor& input,
                                         const std::optional<DeviceMesh>& mesh = std::nullopt);
-// A plain tensor taken as a Shard(0) part, then replicated (all-gathered).
+/// A plain tensor taken as a Shard(0) part, then replicated (all-gathered).
 at::Tensor make_input_reshard_replicate(const at::Tensor& input, const DeviceMesh& mesh);
 
-// Outputs (DTensors): redistributed to the layout; the *_tensor forms return the local tensor.
+/// Outputs (DTensors): redistributed to the layout; the *_tensor forms return the local tensor.
 at::Tensor make_output_shard_1d(const at::Tensor& output,
                                 const std::optional<DeviceMesh>& mesh = std::nullopt,
                                 int64_t dim = 0);
 at::Tensor make_output_replicate_1d(const at::Tensor& output,
                                     const std::optional<DeviceMesh>& mesh = std::nullopt);
-// Replicated, as a plain tensor.
+/// Replicated, as a plain tensor.
 at::Tensor make_output_tensor(const at::Tensor& output,
                               const std::optional<DeviceMesh>& mesh = std::nullopt);
-// The local shard as it is (no communication).
+/// The local shard as it is (no communication).
 at::Tensor make_sharded_output_tensor(const at::Tensor& output,
                                       const std::optional<DeviceMesh>& mesh = std::nullopt);
-// Sharded on dim 0, as a plain tensor.
+/// Sharded on dim 0, as a plain tensor.
 at::Tensor make_output_reshard_tensor(const at::Tensor& output,
                                       const std::optional<DeviceMesh>& mesh = std::nullopt);
 
-// Megatron's column/row pairing applied to a whole MLP (PyTorch 2.0's PairwiseParallel).
-// The rule, as PyTorch 2.0 applied it:
-//   - A module with two or more direct torch::nn::LinearImpl children (in registration order;
-//     e.g. Linear, activation, Linear) is an MLP. Its Linears are paired (1st, 2nd), (3rd, 4th),
-//     ...: the first of each pair ColwiseParallel-sharded (weight and bias Shard(0)), the second
-//     RowwiseParallel-sharded (weight Shard(1), bias Replicate); an odd last Linear is left as
-//     it is. The first Linear's input goes through make_input_replicate_1d and the last paired
-//     Linear's output through make_output_tensor, so the MLP takes and returns replicated plain
-//     tensors; in between DTensors flow (one all_reduce per pair, when the Partial sum is used).
-//   - Any other module: the rule is applied to each child in turn (a lone Linear is untouched).
-// The first and last paired Linears need hooks (dtensor::nn::Linear); validate() says so.
+/// Megatron's column/row pairing applied to a whole MLP (PyTorch 2.0's PairwiseParallel).
+/// The rule, as PyTorch 2.0 applied it:
+///   - A module with two or more direct torch::nn::LinearImpl children (in registration order;
+///     e.g. Linear, activation, Linear) is an MLP. Its Linears are paired (1st, 2nd), (3rd, 4th),
+///     ...: the first of each pair ColwiseParallel-sharded (weight and bias Shard(0)), the second
+///     RowwiseParallel-sharded (weight Shard(1), bias Replicate); an odd last Linear is left as
+///     it is. The first Linear's input goes through make_input_replicate_1d and the last paired
+///     Linear's output through make_output_tensor, so the MLP takes and returns replicated plain
+///     tensors; in between DTensors flow (one all_reduce per pair, when the Partial sum is used).
+///   - Any other module: the rule is applied to each child in turn (a lone Linear is untouched).
+/// The first and last paired Linears need hooks (dtensor::nn::Linear); validate() says so.
 class PairwiseParallel : public ParallelStyle {
  public:
   PairwiseParallel() = default;

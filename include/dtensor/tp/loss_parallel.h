@@ -28,7 +28,7 @@
 
 namespace dtensor::tp {
 
-// The decision-context bit LossParallel sets (see dispatch::decision_context()).
+/// The decision-context bit LossParallel sets (see dispatch::decision_context()).
 inline constexpr int64_t kLossParallelBit = int64_t{1} << 0;
 
 class LossParallel {
@@ -40,14 +40,14 @@ class LossParallel {
   ImplicitReplication plain_targets_;  // a plain target tensor joins as Replicate
 };
 
-// Mean cross entropy over every position of `logits` (..., V), a DTensor sharded on the class
-// (last) dim of a 1-D mesh, against int64 `targets` (...) (a plain tensor or a DTensor, used
-// whole): LossParallel's computation wrapped in an autograd function whose backward re-enters
-// LossParallel, so loss.backward() needs no guard. Returns a plain 0-d tensor, equal on every
-// rank.
+/// Mean cross entropy over every position of `logits` (..., V), a DTensor sharded on the class
+/// (last) dim of a 1-D mesh, against int64 `targets` (...) (a plain tensor or a DTensor, used
+/// whole): LossParallel's computation wrapped in an autograd function whose backward re-enters
+/// LossParallel, so loss.backward() needs no guard. Returns a plain 0-d tensor, equal on every
+/// rank.
 at::Tensor vocab_parallel_cross_entropy(const at::Tensor& logits, const at::Tensor& targets);
 
-// Whether a LossParallel is alive on this thread.
+/// Whether a LossParallel is alive on this thread.
 inline bool loss_parallel_enabled() {
   return (dispatch::decision_context() & kLossParallelBit) != 0;
 }

@@ -43,26 +43,26 @@ namespace dtensor::tp {
 
 using Kwargs = std::vector<std::pair<std::string, c10::IValue>>;
 
-// One forward call as hooks see it.
+/// One forward call as hooks see it.
 struct ModuleCall {
   std::vector<c10::IValue> args;
   Kwargs kwargs;  // in call order
 
-  // The keyword argument `name`, or nullptr when the call does not pass it.
+  /// The keyword argument `name`, or nullptr when the call does not pass it.
   c10::IValue* kwarg(const std::string& name);
   const c10::IValue* kwarg(const std::string& name) const;
 };
 
-// May rewrite the call's arguments in place.
+/// May rewrite the call's arguments in place.
 using ForwardPreHook = std::function<void(torch::nn::Module& module, ModuleCall& call)>;
-// May replace the output (a tuple IValue when the module returns several values).
+/// May replace the output (a tuple IValue when the module returns several values).
 using ForwardHook =
     std::function<void(torch::nn::Module& module, const ModuleCall& call, c10::IValue& output)>;
 
 class HookedModule {
  public:
   HookedModule() = default;
-  // clone() copies hooks with the module; the parent link stays with the original's tree.
+  /// clone() copies hooks with the module; the parent link stays with the original's tree.
   HookedModule(const HookedModule& other)
       : pre_hooks_(other.pre_hooks_),
         hooks_(other.hooks_),
@@ -71,32 +71,32 @@ class HookedModule {
   HookedModule& operator=(const HookedModule& other);
   virtual ~HookedModule() = default;
 
-  // Returns a handle for remove_hook.
+  /// Returns a handle for remove_hook.
   size_t register_forward_pre_hook(ForwardPreHook hook);
   size_t register_forward_hook(ForwardHook hook);
   void remove_hook(size_t handle);
   size_t num_hooks() const { return pre_hooks_.size() + hooks_.size(); }
-  // The handle the next hook will get: handles only grow, so hooks registered after this call
-  // are exactly those with a handle at or above it.
+  /// The handle the next hook will get: handles only grow, so hooks registered after this call
+  /// are exactly those with a handle at or above it.
   size_t next_hook_handle() const { return next_handle_; }
 
-  // The module's path from the root of its model ("layers.0.attention"), used to attribute
-  // collectives in CommDebugMode; set by parallelize_module and tp::name_modules().
+  /// The module's path from the root of its model ("layers.0.attention"), used to attribute
+  /// collectives in CommDebugMode; set by parallelize_module and tp::name_modules().
   const std::string& fqn() const { return fqn_; }
   void set_fqn(std::string fqn) { fqn_ = std::move(fqn); }
 
-  // The nearest hook-capable ancestor (set by tp::name_modules), or nullptr: unknown, or gone.
+  /// The nearest hook-capable ancestor (set by tp::name_modules), or nullptr: unknown, or gone.
   HookedModule* hooked_parent() const;
   void set_hooked_parent(HookedModule* parent);
 
  protected:
-  // Runs pre-hooks, then body(args...) on the (possibly rewritten) arguments, then the
-  // forward hooks on its result. Arguments and result must convert to and from c10::IValue
-  // (at::Tensor, scalars, std::optional, std::tuple of those, std::vector<at::Tensor>).
+  /// Runs pre-hooks, then body(args...) on the (possibly rewritten) arguments, then the
+  /// forward hooks on its result. Arguments and result must convert to and from c10::IValue
+  /// (at::Tensor, scalars, std::optional, std::tuple of those, std::vector<at::Tensor>).
   template <class Body, class... Args>
   auto call_forward(Body&& body, const Args&... args);
 
-  // The general form: body reads positional and keyword arguments from the call.
+  /// The general form: body reads positional and keyword arguments from the call.
   c10::IValue call_forward_kw(const std::function<c10::IValue(const ModuleCall&)>& body,
                               ModuleCall call);
 
@@ -105,26 +105,26 @@ class HookedModule {
   template <class Body, class Tuple, size_t... I>
   static auto invoke_unpacked(Body& body, const ModuleCall& call, std::index_sequence<I...>);
 
-  // Throws if a hook-capable ancestor with hooks was bypassed on the way to this call.
+  /// Throws if a hook-capable ancestor with hooks was bypassed on the way to this call.
   void check_ancestors_ran();
 
   std::vector<std::pair<size_t, ForwardPreHook>> pre_hooks_;
   std::vector<std::pair<size_t, ForwardHook>> hooks_;
   size_t next_handle_ = 0;
   std::string fqn_;
-  // The parent's weak reference tells a live parent from a destroyed one (a parent not owned
-  // by a shared_ptr has none and is trusted by address, as the model owns its children).
+  /// The parent's weak reference tells a live parent from a destroyed one (a parent not owned
+  /// by a shared_ptr has none and is trusted by address, as the model owns its children).
   HookedModule* parent_ = nullptr;
   std::weak_ptr<torch::nn::Module> parent_owner_;
   bool parent_owned_ = false;
 };
 
-// Names every HookedModule under `root` by its path (the root gets "") and links each to its
-// nearest hook-capable ancestor (the root keeps the link it has).
+/// Names every HookedModule under `root` by its path (the root gets "") and links each to its
+/// nearest hook-capable ancestor (the root keeps the link it has).
 void name_modules(torch::nn::Module& root);
 
-// While alive, a hook-capable module may run although an ancestor with hooks is not running
-// (for calling a submodule of a parallelized model on its own, without its ancestors' hooks).
+/// While alive, a hook-capable module may run although an ancestor with hooks is not running
+/// (for calling a submodule of a parallelized model on its own, without its ancestors' hooks).
 class DirectCallGuard {
  public:
   DirectCallGuard();

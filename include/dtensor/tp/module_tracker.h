@@ -24,19 +24,19 @@ struct ModuleCall;
 
 class TrackedCall {
  public:
-  // Before the forward pre-hooks: `call` holds the arguments as the caller passed them.
+  /// Before the forward pre-hooks: `call` holds the arguments as the caller passed them.
   TrackedCall(HookedModule& module, const ModuleCall& call);
   TrackedCall(const TrackedCall&) = delete;
   TrackedCall& operator=(const TrackedCall&) = delete;
 
-  // After the forward hooks, with the output the caller receives.
+  /// After the forward hooks, with the output the caller receives.
   void track_output(const c10::IValue& output) const;
 
  private:
   std::optional<ModuleScope> scope_;
   std::string fqn_;  // empty: untracked
-  // Inputs handed back unchanged as outputs (an identity Dropout) get no backward-entry hook:
-  // the module computed nothing there, and entering it would pop the module that did.
+  /// Inputs handed back unchanged as outputs (an identity Dropout) get no backward-entry hook:
+  /// the module computed nothing there, and entering it would pop the module that did.
   std::unordered_set<const c10::TensorImpl*> inputs_;
 };
 

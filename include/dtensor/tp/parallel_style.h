@@ -17,32 +17,32 @@ class ParallelStyle {
  public:
   virtual ~ParallelStyle() = default;
 
-  // The style's name and arguments as PyTorch prints them, e.g.
-  // "ColwiseParallel(input_layouts=(Replicate(),), output_layouts=(Shard(dim=-1),),
-  // use_local_output=True)". tp::parse_style() reads this form back.
+  /// The style's name and arguments as PyTorch prints them, e.g.
+  /// "ColwiseParallel(input_layouts=(Replicate(),), output_layouts=(Shard(dim=-1),),
+  /// use_local_output=True)". tp::parse_style() reads this form back.
   virtual std::string repr() const = 0;
 
-  // Throws (naming `fqn`, the module's type, the style and the fix) when the style cannot be
-  // applied to `module`. parallelize_module() calls it for every entry of a plan before it
-  // changes anything; apply() calls it too.
+  /// Throws (naming `fqn`, the module's type, the style and the fix) when the style cannot be
+  /// applied to `module`. parallelize_module() calls it for every entry of a plan before it
+  /// changes anything; apply() calls it too.
   virtual void validate(torch::nn::Module& /*module*/, const std::string& /*fqn*/,
                         const DeviceMesh& /*mesh*/) const {}
 
-  // Shards the module's parameters and installs its hooks. `mesh` is 1-D.
+  /// Shards the module's parameters and installs its hooks. `mesh` is 1-D.
   virtual void apply(torch::nn::Module& module, const std::string& fqn,
                      const DeviceMesh& mesh) const = 0;
 
-  // True for styles that shard parameters through distribute_module (which may run only once
-  // per module), so parallelize_module() can refuse two of them on one module up front.
+  /// True for styles that shard parameters through distribute_module (which may run only once
+  /// per module), so parallelize_module() can refuse two of them on one module up front.
   virtual bool uses_distribute_module() const { return false; }
 
-  // Where parameters come from: a group rank to scatter/broadcast from, or none (every rank
-  // keeps its own data, no communication). parallelize_module() sets it, as PyTorch does.
+  /// Where parameters come from: a group rank to scatter/broadcast from, or none (every rank
+  /// keeps its own data, no communication). parallelize_module() sets it, as PyTorch does.
   std::optional<int64_t> src_data_rank = 0;
 };
 
-// A shared, type-erased style, so plans can be written with value syntax:
-//   {{"net1", ColwiseParallel()}, {"net2", RowwiseParallel({.output_layouts = Shard(0)})}}
+/// A shared, type-erased style, so plans can be written with value syntax:
+///   {{"net1", ColwiseParallel()}, {"net2", RowwiseParallel({.output_layouts = Shard(0)})}}
 class Style {
  public:
   template <class S>

@@ -38,24 +38,24 @@ namespace dtensor::tp {
 
 using ParallelizePlan = std::vector<std::pair<std::string, Style>>;
 
-// src_data_rank: group rank parameters are scattered/broadcast from, or nullopt for none
-// (each rank keeps its own values; no communication). Returns `module`.
+/// src_data_rank: group rank parameters are scattered/broadcast from, or nullopt for none
+/// (each rank keeps its own values; no communication). Returns `module`.
 torch::nn::Module& parallelize_module(torch::nn::Module& module, const DeviceMesh& mesh,
                                       const Style& style, std::optional<int64_t> src_data_rank = 0);
 torch::nn::Module& parallelize_module(torch::nn::Module& module, const DeviceMesh& mesh,
                                       const ParallelizePlan& plan,
                                       std::optional<int64_t> src_data_rank = 0);
-// With the mesh from the innermost MeshGuard.
+/// With the mesh from the innermost MeshGuard.
 torch::nn::Module& parallelize_module(torch::nn::Module& module, const Style& style,
                                       std::optional<int64_t> src_data_rank = 0);
 torch::nn::Module& parallelize_module(torch::nn::Module& module, const ParallelizePlan& plan,
                                       std::optional<int64_t> src_data_rank = 0);
-// No plan: warns that auto-parallel is not supported and returns the module unchanged.
+/// No plan: warns that auto-parallel is not supported and returns the module unchanged.
 torch::nn::Module& parallelize_module(torch::nn::Module& module, const DeviceMesh& mesh);
 torch::nn::Module& parallelize_module(torch::nn::Module& module);
 
-// Python's fnmatch.fnmatchcase: '*' any run, '?' one character, "[a-c]" / "[!x]" classes; a
-// '[' without a closing ']' is literal.
+/// Python's fnmatch.fnmatchcase: '*' any run, '?' one character, "[a-c]" / "[!x]" classes; a
+/// '[' without a closing ']' is literal.
 bool fnmatch(std::string_view pattern, std::string_view name);
 
 }  // namespace dtensor::tp

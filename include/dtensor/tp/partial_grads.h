@@ -18,8 +18,8 @@
 
 namespace dtensor::tp {
 
-// Returns the number of gradients reduced. Plain and non-Partial gradients are left alone;
-// a parameter listed twice (tied weights) is reduced once.
+/// Returns the number of gradients reduced. Plain and non-Partial gradients are left alone;
+/// a parameter listed twice (tied weights) is reduced once.
 int64_t reduce_partial_grads(const std::vector<at::Tensor>& params);
 int64_t reduce_partial_grads(torch::nn::Module& module);
 

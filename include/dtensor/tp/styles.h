@@ -35,7 +35,7 @@
 
 namespace dtensor::tp {
 
-// Per-input layouts of Prepare* styles; an empty entry (PyTorch's None) leaves that input alone.
+/// Per-input layouts of Prepare* styles; an empty entry (PyTorch's None) leaves that input alone.
 using Layouts = std::vector<std::optional<Placement>>;
 using KwargLayouts = std::map<std::string, std::optional<Placement>>;
 
@@ -45,8 +45,8 @@ struct ColwiseParallelOptions {
   bool use_local_output = true;
 };
 
-// Linear: weight and bias Shard(0); Embedding: weight Shard(1). Output sharded on the last dim.
-// Other module types: "ColwiseParallel currently only support nn.Linear and nn.Embedding!".
+/// Linear: weight and bias Shard(0); Embedding: weight Shard(1). Output sharded on the last dim.
+/// Other module types: "ColwiseParallel currently only support nn.Linear and nn.Embedding!".
 class ColwiseParallel : public ParallelStyle {
  public:
   explicit ColwiseParallel(ColwiseParallelOptions options = {});
@@ -70,8 +70,8 @@ struct RowwiseParallelOptions {
   bool use_local_output = true;
 };
 
-// Linear: weight Shard(1), bias Replicate; Embedding: weight Shard(0) (vocab rows). The desired
-// input is Shard(-1) for Linear and Replicate (the indices) for Embedding.
+/// Linear: weight Shard(1), bias Replicate; Embedding: weight Shard(0) (vocab rows). The desired
+/// input is Shard(-1) for Linear and Replicate (the indices) for Embedding.
 class RowwiseParallel : public ParallelStyle {
  public:
   explicit RowwiseParallel(RowwiseParallelOptions options = {});
@@ -94,10 +94,10 @@ struct SequenceParallelOptions {
   bool use_local_output = false;
 };
 
-// Norms and dropout on sequence-sharded activations. Parameters become Replicate DTensors over
-// each rank's own values, without a broadcast (they must be initialised identically, as the
-// ones/zeros of LayerNorm and RMSNorm are). A plain input is taken as this rank's sequence
-// shard; a DTensor input in another layout is redistributed to Shard(sequence_dim).
+/// Norms and dropout on sequence-sharded activations. Parameters become Replicate DTensors over
+/// each rank's own values, without a broadcast (they must be initialised identically, as the
+/// ones/zeros of LayerNorm and RMSNorm are). A plain input is taken as this rank's sequence
+/// shard; a DTensor input in another layout is redistributed to Shard(sequence_dim).
 class SequenceParallel : public ParallelStyle {
  public:
   explicit SequenceParallel(SequenceParallelOptions options = {});
@@ -121,12 +121,12 @@ struct PrepareModuleInputOptions {
   bool use_local_output = false;
 };
 
-// Converts the module's positional (and keyword) inputs: a plain tensor becomes a DTensor with
-// its input layout, then it is redistributed (synchronously) to the desired layout. Checks at
-// construction: "desired module inputs should not be None!", "input_layouts and
-// desired_input_layouts should have same length!", "input_kwarg_layouts and
-// desired_input_kwarg_layouts should have same length!"; at call time: "module inputs and
-// input_layouts should have same length!", "expecting input to be a torch.Tensor!".
+/// Converts the module's positional (and keyword) inputs: a plain tensor becomes a DTensor with
+/// its input layout, then it is redistributed (synchronously) to the desired layout. Checks at
+/// construction: "desired module inputs should not be None!", "input_layouts and
+/// desired_input_layouts should have same length!", "input_kwarg_layouts and
+/// desired_input_kwarg_layouts should have same length!"; at call time: "module inputs and
+/// input_layouts should have same length!", "expecting input to be a torch.Tensor!".
 class PrepareModuleInput : public ParallelStyle {
  public:
   explicit PrepareModuleInput(PrepareModuleInputOptions options = {});
@@ -147,9 +147,9 @@ struct PrepareModuleOutputOptions {
   bool use_local_output = true;
 };
 
-// Converts the module's outputs (one, or the elements of a returned tuple). Checks: "output_layouts
-// and desired_output_layouts should have same length!" (construction), "module outputs and
-// output_layouts should have same length!" (call).
+/// Converts the module's outputs (one, or the elements of a returned tuple). Checks: "output_layouts
+/// and desired_output_layouts should have same length!" (construction), "module outputs and
+/// output_layouts should have same length!" (call).
 class PrepareModuleOutput : public ParallelStyle {
  public:
   explicit PrepareModuleOutput(PrepareModuleOutputOptions options);
@@ -175,7 +175,7 @@ struct PrepareModuleInputOutputOptions {
   bool use_local_output = true;
 };
 
-// PrepareModuleInput(use_local_output = use_local_input) and PrepareModuleOutput on one module.
+/// PrepareModuleInput(use_local_output = use_local_input) and PrepareModuleOutput on one module.
 class PrepareModuleInputOutput : public ParallelStyle {
  public:
   explicit PrepareModuleInputOutput(PrepareModuleInputOutputOptions options);
