@@ -362,11 +362,36 @@ class Launcher {
 };
 
 }  // namespace
+// MPI ranks must be started by the MPI launcher: hand the job to mpirun, with the same
+// rendezvous variables the forked ranks get.
+int exec_mpirun(Options& o) {
+  if (o.master_port == 0) o.master_port = launch::free_port();
+  std::vector<std::string> args = {"mpirun", "-np", std::to_string(o.nproc), "--oversubscribe"};
+  if (::geteuid() == 0) args.push_back("--allow-run-as-root");
+  const char* threads = std::getenv("OMP_NUM_THREADS");
+  for (const std::string& var : {"DTENSOR_BACKEND=mpi", "MASTER_ADDR=" + o.master_addr,
+                                 "MASTER_PORT=" + std::to_string(o.master_port),
+                                 std::string("OMP_NUM_THREADS=") + (threads ? threads : "1")}) {
+    args.insert(args.end(), {"-x", var});
+  }
+  if (o.prefix) args.push_back("--tag-output");
+  args.insert(args.end(), o.command.begin(), o.command.end());
+  std::vector<char*> argv;
+  for (auto& a : args) argv.push_back(a.data());
+  argv.push_back(nullptr);
+  ::execvp("mpirun", argv.data());
+  std::fprintf(stderr, "dtrun: cannot run mpirun (%s); install Open MPI (scripts/setup does)\n",
+               std::strerror(errno));
+  return errno == ENOENT ? 127 : 126;
+}
+
 }  // namespace dtrun
 
 int main(int argc, char** argv) {
   int exit_code = 0;
   auto options = dtrun::parse_args(argc, argv, exit_code);
   if (!options) return exit_code;
+  if (options->backend == "mpi") return dtrun::exec_mpirun(*options);
+  if (!options->backend.empty()) ::setenv("DTENSOR_BACKEND", options->backend.c_str(), 1);
   return dtrun::Launcher(std::move(*options)).run();
 }

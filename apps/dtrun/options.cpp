@@ -21,6 +21,9 @@ Options:
       --master-port PORT  rendezvous port (default: a free port on 127.0.0.1)
       --no-prefix         print the ranks' output as is, without "[rank R] "
       --grace S           seconds from SIGTERM to SIGKILL when stopping ranks (default 5)
+      --backend B         collective engine for CPU tensors: gloo, or mpi to start the ranks
+                          with Open MPI's mpirun (one process per rank, shared-memory
+                          collectives; see docs/BACKENDS.md); default: the ranks choose
   -h, --help              print this help and exit
 
 Each rank gets RANK and LOCAL_RANK (0..N-1), WORLD_SIZE and LOCAL_WORLD_SIZE (N),
@@ -34,8 +37,13 @@ signal). SIGINT and SIGTERM sent to dtrun are passed on to every rank; a second 
 kills them at once. Exit status: 0 when every rank succeeds, 2 for a usage error, 127
 (or 126) when the program cannot be found (or executed).
 
+With --backend mpi, dtrun replaces itself with `mpirun -np N` (it must be on PATH), which
+starts and stops the ranks; the rendezvous variables and DTENSOR_BACKEND=mpi are passed on
+with -x, and output lines are tagged by mpirun instead of "[rank R] ".
+
 Examples:
   dtrun -n 4 build/apps/demo/dtensor_demo
+  dtrun -n 2 --backend mpi build/apps/train/dtensor_train --preset demo
   dtrun -n 2 --master-port 29500 -- ./my_program --steps 10
 )";
 
@@ -49,6 +57,7 @@ std::optional<Options> parse_args(int argc, char** argv, int& exit_code) {
   app.add_option("--master-port", o.master_port)->check(cli::integer(1, 65535));
   app.add_flag_callback("--no-prefix", [&o] { o.prefix = false; })->disable_flag_override();
   app.add_option("--grace", o.grace_s)->check(cli::number(0, 86400));
+  app.add_option("--backend", o.backend)->check(cli::one_of({"gloo", "mpi"}));
   if (auto code = cli::parse(app, argc, argv, kUsage, /*quiet=*/false, &o.command)) {
     exit_code = *code;
     return std::nullopt;

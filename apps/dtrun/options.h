@@ -12,6 +12,9 @@ struct Options {
   int master_port = 0;  // 0: pick a free port on 127.0.0.1
   bool prefix = true;
   double grace_s = 5.0;
+  // Collective engine of the ranks' CPU tensors (DTENSOR_BACKEND): "" leaves the ranks' own
+  // choice, "gloo" forces Gloo, "mpi" starts the ranks with mpirun instead (Open MPI).
+  std::string backend;
   std::vector<std::string> command;  // program and its arguments
 };
 

@@ -12,7 +12,7 @@ int main() {
       dtensor::from_local(at::full({1}, static_cast<float>(rank)), mesh, {dtensor::Partial()}));
   const float expected = world * (world - 1) / 2.0f;
   const bool ok = sum.item<float>() == expected;
-  std::printf("rank %d of %d: sum of ranks %g (%s)\n", rank, world, sum.item<float>(),
-              ok ? "ok" : "WRONG");
+  std::printf("rank %d of %d: sum of ranks %g (%s), backend %s\n", rank, world, sum.item<float>(),
+              ok ? "ok" : "WRONG", dtensor::comm::cpu_backend_name().c_str());
   return ok ? 0 : 1;
 }
