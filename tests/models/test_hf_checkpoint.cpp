@@ -7,6 +7,7 @@
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <iostream>
@@ -233,6 +234,39 @@ TEST(HfCheckpoint, NothingIsHalfLoaded) {
   EXPECT_EQ(stats.files, 3);
   for (const auto& p : model->named_parameters()) {
     EXPECT_FALSE(at::equal(p.value(), before.at(p.key()))) << p.key() << " not loaded";
+  }
+}
+
+// Saved from TP=2 (through our float32 model), each fixture comes back bit for bit in its own
+// dtype, under HF's names and row order, with a config.json that reads back to the same config.
+// (tests/fixtures/hf/check_saved.py loads such a directory in transformers.)
+TEST(HfCheckpoint, SavesWhatItLoadedFromAnyTPDegree) {
+  for (const auto& [name, dtype] : std::vector<std::pair<std::string, at::ScalarType>>{
+           {"single", at::kHalf}, {"tied_kv1", at::kFloat}, {"llama3_rope", at::kBFloat16}}) {
+    SCOPED_TRACE(name);
+    TempDir tmp;
+    const std::string out = tmp.file("saved");
+    run_ranks(2, [&](int rank) {
+      auto mesh = init_device_mesh("cpu", {2});
+      HfLlama hf = load_hf_llama(kModels + name, mesh, {.dtype = at::kFloat});
+      save_hf_llama(out, *hf.model, {.dtype = dtype});
+    });
+    const auto original = safetensors::load_file(kModels + name + "/model.safetensors");
+    safetensors::File saved(out + "/model.safetensors");
+    EXPECT_EQ(saved.metadata().at("format"), "pt");
+    ASSERT_EQ(saved.tensors().size(), original.size());
+    for (const auto& [tensor, value] : original) {
+      EXPECT_TRUE(at::equal(saved.tensor(tensor), value)) << tensor;
+    }
+    const auto back = read_hf_llama_config(out), orig = read_hf_llama_config(kModels + name);
+    EXPECT_EQ(back.config.to_json(), orig.config.to_json());
+    EXPECT_EQ(back.dtype, dtype);
+    // For tests/fixtures/hf/check_saved.py: keep the directories to load them in transformers.
+    if (const char* keep = std::getenv("DTENSOR_KEEP_HF_SAVED")) {
+      fs::create_directories(keep);
+      fs::copy(out, std::string(keep) + "/" + name,
+               fs::copy_options::recursive | fs::copy_options::overwrite_existing);
+    }
   }
 }
 

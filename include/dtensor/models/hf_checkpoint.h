@@ -70,6 +70,18 @@ HfLlama load_hf_llama(const std::string& dir, const std::optional<DeviceMesh>& m
 // changes: on error (naming the file and tensor) the model is left as it was.
 HfLoadStats load_hf_weights(const std::string& dir, TransformerImpl& model);
 
+struct HfSaveOptions {
+  std::optional<c10::ScalarType> dtype;  // of the stored weights; default: the model's
+};
+
+// Writes `dir`/config.json and `dir`/model.safetensors (metadata {"format": "pt"}) that
+// transformers' LlamaForCausalLM.from_pretrained loads unchanged: HF names, q/k rows back in
+// rotate-half order, no lm_head when the embedding is tied. Collective, from any TP degree:
+// every rank calls it, parameters are gathered with full_tensor, global rank 0 writes (the
+// safetensors file atomically) and every rank throws if rank 0 failed.
+void save_hf_llama(const std::string& dir, const TransformerImpl& model,
+                   const HfSaveOptions& options = {});
+
 // The Hugging Face name of one of our parameter names ("tok_embeddings.weight" ->
 // "model.embed_tokens.weight"); throws for names that have none.
 std::string hf_parameter_name(const std::string& name);
