@@ -17,6 +17,7 @@
 #include "dtensor/dtensor.h"
 #include "dtensor/models/hf_checkpoint.h"
 #include "dtensor/models/safetensors.h"
+#include "dtensor/text/bpe_tokenizer.h"
 #include "support/distributed.h"
 #include "support/errors.h"
 #include "support/temp_dir.h"
@@ -136,6 +137,18 @@ TEST(HfCheckpoint, ReadsTheConfig) {
   EXPECT_FALSE(v5.config.rope_scaling.has_value());
   EXPECT_EQ(hf_parameter_name("layers.1.feed_forward.w2.weight"),
             "model.layers.1.mlp.down_proj.weight");
+}
+
+// The fixtures' prompt is the tokenizer's: our tokenizer gives the same ids (with the BOS).
+TEST(HfCheckpoint, TokenizerGivesTheReferencePrompt) {
+  const auto tok =
+      text::BpeTokenizer::from_file(std::string(DTENSOR_HF_FIXTURES) + "/tokenizer.json");
+  const auto ids = tok.encode("The quick brown fox jumps over the lazy dog. It's 2024!", true);
+  ASSERT_GE(ids.size(), 12u);
+  const at::Tensor tokens = reference("single").tokens;
+  EXPECT_TRUE(
+      at::equal(tokens[0], at::tensor(std::vector<int64_t>(ids.begin(), ids.begin() + 12))));
+  EXPECT_EQ(tok.vocab_size(), read_hf_llama_config(kModels + "single").config.vocab_size);
 }
 
 // A copy of a fixture to damage.
