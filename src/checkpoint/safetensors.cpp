@@ -387,6 +387,46 @@ at::Tensor File::view(const TensorInfo& info) const {
                        at::TensorOptions().dtype(info.dtype));
 }
 
+at::Tensor File::slice(const TensorInfo& info, c10::IntArrayRef offset,
+                       c10::IntArrayRef size) const {
+  const int64_t ndim = static_cast<int64_t>(info.shape.size());
+  TORCH_CHECK(
+      static_cast<int64_t>(offset.size()) == ndim && static_cast<int64_t>(size.size()) == ndim,
+      "safetensors file '", path_, "', tensor \"", info.name, "\": a slice of a ", ndim,
+      "-d tensor needs ", ndim, " offsets and sizes, got ", offset, " and ", size);
+  for (int64_t d = 0; d < ndim; ++d) {
+    TORCH_CHECK(offset[d] >= 0 && size[d] >= 0 && offset[d] + size[d] <= info.shape[d],
+                "safetensors file '", path_, "', tensor \"", info.name, "\": slice offset ", offset,
+                " size ", size, " is outside its shape ", c10::IntArrayRef(info.shape));
+  }
+  at::Tensor out = at::empty(size, at::TensorOptions().dtype(info.dtype));
+  if (out.numel() == 0) return out;
+  // The innermost dims the block spans whole form contiguous runs; `k` is the last cut dim.
+  const size_t elem = c10::elementSize(info.dtype);
+  int64_t k = ndim - 1;
+  size_t run = elem;
+  while (k >= 0 && size[k] == info.shape[k]) run *= static_cast<size_t>(info.shape[k--]);
+  if (k >= 0) run *= static_cast<size_t>(size[k]);
+  // Byte strides of the whole tensor.
+  std::vector<size_t> stride(static_cast<size_t>(ndim), elem);
+  for (int64_t d = ndim - 2; d >= 0; --d) stride[d] = stride[d + 1] * info.shape[d + 1];
+  const std::byte* base = map_ + data_offset_ + info.begin;
+  auto* dst = static_cast<std::byte*>(out.mutable_data_ptr());
+  // Walk the block's index over dims [0, k) (odometer order), one run per step.
+  std::vector<int64_t> index(static_cast<size_t>(std::max<int64_t>(k, 0)), 0);
+  while (true) {
+    size_t src = 0;
+    for (int64_t d = 0; d < k; ++d) src += (offset[d] + index[d]) * stride[d];
+    if (k >= 0) src += offset[k] * stride[k];
+    std::memcpy(dst, base + src, run);
+    dst += run;
+    int64_t d = k - 1;
+    while (d >= 0 && ++index[d] == size[d]) index[d--] = 0;
+    if (d < 0) break;
+  }
+  return out;
+}
+
 // ---------------------------------------------------------------------------------------------
 
 void save_file(const std::map<std::string, at::Tensor>& tensors, const std::string& path,

@@ -60,6 +60,21 @@ at::Tensor trunc_normal(at::IntArrayRef shape, double std, double a, double b, a
   return t.clamp_(a, b);
 }
 
+// Llama 3.1's frequency scaling: long wavelengths slowed by `factor`, short ones kept, the
+// band between blended linearly in (original context / wavelength).
+at::Tensor llama3_scaled_frequencies(const at::Tensor& freqs, const Llama3RopeScaling& s) {
+  const double old_len = static_cast<double>(s.original_max_position_embeddings);
+  const double low_wavelen = old_len / s.low_freq_factor;
+  const double high_wavelen = old_len / s.high_freq_factor;
+  const auto wavelen = (2 * M_PI) / freqs;
+  const auto scaled = at::where(wavelen > low_wavelen, freqs / s.factor, freqs);
+  const auto smooth =
+      (old_len / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor);
+  const auto blended = (1 - smooth) * scaled / s.factor + smooth * scaled;
+  const auto medium = (wavelen >= high_wavelen).logical_and(wavelen <= low_wavelen);
+  return at::where(medium, blended, scaled);
+}
+
 }  // namespace
 
 // ---- modules ----
@@ -148,6 +163,7 @@ TransformerImpl::TransformerImpl(LlamaConfig config) : config_(std::move(config)
   const int64_t hd = config_.head_dim();
   auto freqs =
       at::pow(config_.rope_theta, -at::arange(0, hd, 2, at::kDouble).div(static_cast<double>(hd)));
+  if (config_.rope_scaling) freqs = llama3_scaled_frequencies(freqs, *config_.rope_scaling);
   auto angles = at::outer(at::arange(config_.max_seq_len, at::kDouble), freqs);
   rope_table_ = at::stack({angles.cos(), angles.sin()}, -1);
   init_weights(0);

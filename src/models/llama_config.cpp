@@ -90,6 +90,15 @@ void LlamaConfig::validate() const {
   TORCH_CHECK(max_seq_len > 0, "LlamaConfig: max_seq_len must be positive, got ", max_seq_len);
   TORCH_CHECK(norm_eps > 0, "LlamaConfig: norm_eps must be positive, got ", norm_eps);
   TORCH_CHECK(rope_theta > 0, "LlamaConfig: rope_theta must be positive, got ", rope_theta);
+  if (rope_scaling) {
+    const auto& r = *rope_scaling;
+    TORCH_CHECK(r.factor > 0 && r.low_freq_factor > 0 && r.original_max_position_embeddings > 0,
+                "LlamaConfig: rope_scaling needs positive factor, low_freq_factor and "
+                "original_max_position_embeddings");
+    TORCH_CHECK(r.high_freq_factor > r.low_freq_factor,
+                "LlamaConfig: rope_scaling.high_freq_factor (", r.high_freq_factor,
+                ") must exceed low_freq_factor (", r.low_freq_factor, ")");
+  }
 }
 
 std::vector<int64_t> LlamaConfig::valid_tp_degrees() const {
@@ -182,6 +191,28 @@ LlamaConfig LlamaConfig::from_json(const std::string& text) {
       c.norm_eps = as_double(key, v);
     } else if (key == "rope_theta") {
       c.rope_theta = as_double(key, v);
+    } else if (key == "rope_scaling") {
+      if (v.is_null()) {
+        c.rope_scaling.reset();
+        continue;
+      }
+      TORCH_CHECK(v.is_object(), "LlamaConfig JSON: 'rope_scaling' must be null or an object");
+      Llama3RopeScaling r;
+      for (const auto& [k, x] : v.items()) {
+        const std::string name = "rope_scaling." + k;
+        if (k == "factor") {
+          r.factor = as_double(name, x);
+        } else if (k == "low_freq_factor") {
+          r.low_freq_factor = as_double(name, x);
+        } else if (k == "high_freq_factor") {
+          r.high_freq_factor = as_double(name, x);
+        } else if (k == "original_max_position_embeddings") {
+          r.original_max_position_embeddings = as_int(name, x);
+        } else {
+          TORCH_CHECK(false, "LlamaConfig JSON: unknown key '", name, "'");
+        }
+      }
+      c.rope_scaling = r;
     } else if (key == "tie_embeddings") {
       TORCH_CHECK(v.is_boolean(), "LlamaConfig JSON: 'tie_embeddings' must be true or false");
       c.tie_embeddings = v.get<bool>();
@@ -206,6 +237,15 @@ std::string LlamaConfig::to_json() const {
   j["max_seq_len"] = max_seq_len;
   j["norm_eps"] = norm_eps;
   j["rope_theta"] = rope_theta;
+  if (rope_scaling) {
+    j["rope_scaling"] = {
+        {"factor", rope_scaling->factor},
+        {"low_freq_factor", rope_scaling->low_freq_factor},
+        {"high_freq_factor", rope_scaling->high_freq_factor},
+        {"original_max_position_embeddings", rope_scaling->original_max_position_embeddings}};
+  } else {
+    j["rope_scaling"] = nullptr;
+  }
   j["tie_embeddings"] = tie_embeddings;
   return j.dump();
 }

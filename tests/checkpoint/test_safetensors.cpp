@@ -207,6 +207,41 @@ TEST(Safetensors, RoundTripsEveryDtypeBitForBit) {
   for (const auto& info : f.tensors()) EXPECT_TRUE(same_bytes(f.view(info), tensors[info.name]));
 }
 
+TEST(Safetensors, SliceReadsOnlyTheBlockOfEveryShape) {
+  TempDir dir;
+  const at::Tensor t = at::arange(2 * 3 * 4 * 5, at::kDouble).reshape({2, 3, 4, 5}).to(at::kHalf);
+  const std::string path = dir.file("t.safetensors");
+  st::save_file({{"t", t}, {"scalar", at::scalar_tensor(2.5, at::kDouble)}}, path);
+  st::File f(path);
+  const auto& info = f.at("t");
+  struct Block {
+    std::vector<int64_t> offset, size;
+  };
+  for (const Block& b : std::vector<Block>{{{0, 0, 0, 0}, {2, 3, 4, 5}},   // whole: one run
+                                           {{1, 0, 0, 0}, {1, 3, 4, 5}},   // rows: one run
+                                           {{0, 1, 0, 0}, {2, 2, 4, 5}},   // one run per row
+                                           {{0, 0, 0, 2}, {2, 3, 4, 3}},   // columns
+                                           {{1, 2, 1, 1}, {1, 1, 2, 3}},   // a corner
+                                           {{0, 3, 0, 0}, {2, 0, 4, 5}}})  // empty
+  {
+    at::Tensor expected = t;
+    for (int64_t d = 0; d < 4; ++d) expected = expected.narrow(d, b.offset[d], b.size[d]);
+    const at::Tensor got = f.slice(info, b.offset, b.size);
+    EXPECT_TRUE(same_bytes(got, expected))
+        << c10::IntArrayRef(b.offset) << c10::IntArrayRef(b.size);
+  }
+  EXPECT_EQ(f.slice(f.at("scalar"), {}, {}).item<double>(), 2.5);
+  try {
+    f.slice(info, {0, 0, 0, 3}, {2, 3, 4, 3});
+    ADD_FAILURE() << "no error";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("tensor \"t\": slice offset [0, 0, 0, 3] size "
+                                         "[2, 3, 4, 3] is outside its shape [2, 3, 4, 5]"),
+              std::string::npos)
+        << e.what();
+  }
+}
+
 TEST(Safetensors, LayoutFollowsTheFormatAndLoadsInPython) {
   if (!python_imports("torch")) GTEST_SKIP() << python() << " cannot import torch";
   TempDir dir;

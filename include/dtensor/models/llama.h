@@ -32,6 +32,17 @@
 
 namespace dtensor::models {
 
+// Llama 3.1's rotary frequency scaling (Hugging Face rope_type "llama3"): wavelengths longer
+// than original_max_position_embeddings / low_freq_factor are stretched by `factor`, those
+// shorter than original_max_position_embeddings / high_freq_factor kept, and the ones between
+// interpolated smoothly.
+struct Llama3RopeScaling {
+  double factor = 8;
+  double low_freq_factor = 1;
+  double high_freq_factor = 4;
+  int64_t original_max_position_embeddings = 8192;
+};
+
 struct LlamaConfig {
   int64_t vocab_size = 256;
   int64_t dim = 32;
@@ -44,7 +55,8 @@ struct LlamaConfig {
   int64_t max_seq_len = 128;
   double norm_eps = 1e-5;
   double rope_theta = 10000;
-  bool tie_embeddings = false;  // output.weight is tok_embeddings.weight
+  std::optional<Llama3RopeScaling> rope_scaling;  // JSON: null or an object of its fields
+  bool tie_embeddings = false;                    // output.weight is tok_embeddings.weight
 
   /// "tiny" (tests: dim 32, 2 layers, 4 heads, 2 KV heads), "demo" (~3M parameters, trains
   /// visibly in a minute at TP=2 on 2 CPU cores), "bench" (~30M parameters).
@@ -124,6 +136,8 @@ class TransformerImpl : public dtensor::nn::Module {
   void init_weights(uint64_t seed);
 
   /// The rotary table for positions [0, seqlen) as (seqlen, head_dim / 2, 2) in `options`.
+  /// Angle of position p for pair i: p * f_i with f_i = theta^(-2i / head_dim), rescaled by
+  /// config().rope_scaling when set.
   at::Tensor rope(int64_t seqlen, const at::TensorOptions& options) const;
 
   const LlamaConfig& config() const { return config_; }

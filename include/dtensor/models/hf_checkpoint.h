@@ -1,0 +1,89 @@
+#pragma once
+// Hugging Face Llama checkpoints (a `save_pretrained` directory of LlamaForCausalLM: config.json
+// and model.safetensors, or shards listed in model.safetensors.index.json) loaded into our
+// Llama, whole or tensor-parallel:
+//
+//   auto mesh = init_device_mesh("cpu", {comm::get_world_size()});
+//   auto hf = load_hf_llama("Llama-3.2-1B", mesh, {.dtype = at::kFloat});
+//   at::Tensor logits = hf.model->forward(tokens);  // vocab-sharded DTensor under loss parallel
+//   // hf.config: the LlamaConfig; hf.stats.bytes_read: what this rank read
+//
+// Shard-on-read: each rank copies out of the (memory-mapped) files only the bytes of the slices
+// its parameters keep under the TP plan (apply_tensor_parallel), so it reads about
+// (sharded bytes) / tp + (replicated bytes): norms, and wk/wv where KV heads are replicated.
+// Parameter names map from HF's ("model.layers.0.self_attn.q_proj.weight") to ours
+// ("layers.0.attention.wq.weight"); q/k rows are permuted from HF's rotate-half order to the
+// interleaved pairs our rotary embedding uses; any floating source dtype is cast to the model's.
+#include <c10/core/ScalarType.h>
+
+#include <cstdint>
+#include <optional>
+#include <string>
+
+#include "dtensor/mesh/device_mesh.h"
+#include "dtensor/models/llama.h"
+
+namespace dtensor::models {
+
+// What config.json says beyond LlamaConfig.
+struct HfLlamaConfig {
+  LlamaConfig config;
+  // torch_dtype (transformers 4) or dtype (5): the dtype of the stored weights as saved.
+  c10::ScalarType dtype = c10::ScalarType::Float;
+};
+
+// Reads `dir`/config.json: hidden_size, num_hidden_layers, num_attention_heads,
+// num_key_value_heads, intermediate_size, head_dim (must be hidden_size / num_attention_heads),
+// rope_theta and rope_scaling (transformers 4) or rope_parameters (5) of type "default" or
+// "llama3", rms_norm_eps, vocab_size, tie_word_embeddings, max_position_embeddings (our
+// max_seq_len) and torch_dtype. Throws naming the file and key for an unsupported architecture,
+// rope type, activation or bias.
+HfLlamaConfig read_hf_llama_config(const std::string& dir);
+
+struct HfLoadOptions {
+  std::optional<c10::ScalarType> dtype;  // the model's dtype; default: config.json's
+  std::optional<int64_t> max_seq_len;    // rotary table length; default: max_position_embeddings
+  TensorParallelOptions tp;              // the plan's options when a mesh is given
+};
+
+struct HfLoadStats {
+  uint64_t bytes_read = 0;        // bytes this rank copied out of the checkpoint files
+  uint64_t checkpoint_bytes = 0;  // bytes of all the tensors this model uses, in the files
+  int64_t tensors = 0;            // checkpoint tensors this rank read from
+  int64_t files = 0;              // safetensors files opened
+};
+
+struct HfLlama {
+  LlamaConfig config;
+  Transformer model{nullptr};
+  HfLoadStats stats;
+};
+
+// Builds the model from config.json in options.dtype (or the checkpoint's), parallelizes it
+// over `mesh` when given (apply_tensor_parallel, no communication), and loads the weights.
+// Every rank calls it; no collective is issued, and every rank fails alike on bad input.
+HfLlama load_hf_llama(const std::string& dir, const std::optional<DeviceMesh>& mesh = std::nullopt,
+                      const HfLoadOptions& options = {});
+
+// Loads the checkpoint in `dir` into an existing model (plain or parallelized, any dtype). All
+// files, names, shapes and dtypes are checked and this rank's slices read before any parameter
+// changes: on error (naming the file and tensor) the model is left as it was.
+HfLoadStats load_hf_weights(const std::string& dir, TransformerImpl& model);
+
+struct HfSaveOptions {
+  std::optional<c10::ScalarType> dtype;  // of the stored weights; default: the model's
+};
+
+// Writes `dir`/config.json and `dir`/model.safetensors (metadata {"format": "pt"}) that
+// transformers' LlamaForCausalLM.from_pretrained loads unchanged: HF names, q/k rows back in
+// rotate-half order, no lm_head when the embedding is tied. Collective, from any TP degree:
+// every rank calls it, parameters are gathered with full_tensor, global rank 0 writes (the
+// safetensors file atomically) and every rank throws if rank 0 failed.
+void save_hf_llama(const std::string& dir, const TransformerImpl& model,
+                   const HfSaveOptions& options = {});
+
+// The Hugging Face name of one of our parameter names ("tok_embeddings.weight" ->
+// "model.embed_tokens.weight"); throws for names that have none.
+std::string hf_parameter_name(const std::string& name);
+
+}  // namespace dtensor::models

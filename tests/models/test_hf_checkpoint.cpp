@@ -1,0 +1,287 @@
+// Hugging Face Llama checkpoints in: tiny random LlamaForCausalLM models saved by
+// save_pretrained (tests/fixtures/hf/make_fixtures.py: one file and a sharded index; tied and
+// untied; 4, 2, 1 and 6 KV heads, so KV heads are replicated at some TP degrees; Llama 3.1 rope
+// scaling in transformers 4's config form; float16, bfloat16 and float32 files) give HF's float32
+// logits at TP=1..4, each rank reading only its slices; bad input fails naming the file and the
+// tensor, and leaves a model untouched.
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <iostream>
+#include <nlohmann/json.hpp>
+#include <string>
+
+#include "dtensor/dtensor.h"
+#include "dtensor/models/hf_checkpoint.h"
+#include "dtensor/checkpoint/safetensors.h"
+#include "dtensor/text/bpe_tokenizer.h"
+#include "support/distributed.h"
+#include "support/errors.h"
+#include "support/temp_dir.h"
+
+using namespace dtensor;
+using namespace dtensor::models;
+using namespace dtensor::testing;
+namespace safetensors = dtensor::checkpoint::safetensors;
+namespace fs = std::filesystem;
+
+namespace {
+
+const std::string kModels = std::string(DTENSOR_HF_FIXTURES) + "/models/";
+
+struct Reference {
+  at::Tensor tokens, logits;
+};
+
+Reference reference(const std::string& name) {
+  auto t = safetensors::load_file(kModels + name + "/reference.safetensors");
+  return {t.at("tokens"), t.at("logits")};
+}
+
+// Bytes a rank is expected to read: each tensor's local part under the plan, computed here from
+// the plan's rules (not from the loader): vocab and head/FFN rows or columns split by
+// torch.chunk, norms whole, and wk/wv whole when the KV heads do not split over tp.
+uint64_t expected_bytes(const LlamaConfig& c, int64_t tp, int64_t rank, size_t elem,
+                        uint64_t* replicated) {
+  auto rows = [&](int64_t n) { return chunk_range(n, tp, rank).size; };
+  const int64_t hd = c.head_dim(), kv = c.kv_heads() * hd;
+  const bool kv_split = c.kv_heads() % tp == 0;
+  uint64_t n = rows(c.vocab_size) * c.dim * (c.tie_embeddings ? 1 : 2);  // embedding, lm_head
+  uint64_t rep = c.dim;                                                  // final norm
+  for (int64_t l = 0; l < c.n_layers; ++l) {
+    n += 2 * rows(c.n_heads * hd) * c.dim;     // wq rows, wo columns
+    n += 3 * rows(c.hidden_dim()) * c.dim;     // w1, w3 rows, w2 columns
+    n += kv_split ? 2 * rows(kv) * c.dim : 0;  // wk, wv rows
+    rep += 2 * c.dim + (kv_split ? 0 : 2 * kv * c.dim);
+  }
+  *replicated = rep * elem;
+  return (n + rep) * elem;
+}
+
+struct Fixture {
+  std::string name;
+  size_t elem;  // bytes per stored element
+};
+
+void PrintTo(const Fixture& f, std::ostream* os) { *os << f.name; }
+
+class LogitsMatchHF : public ::testing::TestWithParam<std::tuple<Fixture, int>> {};
+
+TEST_P(LogitsMatchHF, AtEveryTPDegree) {
+  const auto [fixture, tp] = GetParam();
+  const std::string dir = kModels + fixture.name;
+  const Reference ref = reference(fixture.name);
+  run_ranks(tp, [&, fixture = fixture, tp = tp](int rank) {
+    auto mesh = init_device_mesh("cpu", {tp});
+    HfLlama hf = load_hf_llama(dir, mesh, {.dtype = at::kFloat});
+    at::Tensor logits;
+    {
+      at::NoGradGuard no_grad;
+      logits = hf.model->forward(ref.tokens);
+      if (is_dtensor(logits)) logits = full_tensor(logits);
+    }
+    EXPECT_EQ(logits.scalar_type(), at::kFloat);
+    const double scale = ref.logits.abs().max().item<double>();
+    EXPECT_GT(scale, 0.5);  // the reference is not trivially small
+    EXPECT_TRUE(tensors_close(logits, ref.logits, 1e-5, 1e-5 * scale));
+
+    uint64_t replicated = 0;
+    const uint64_t expected = expected_bytes(hf.config, tp, rank, fixture.elem, &replicated);
+    EXPECT_EQ(hf.stats.bytes_read, expected);
+    // The target: about sharded / tp + replicated (uneven vocab chunks add at most a row).
+    const uint64_t total = hf.stats.checkpoint_bytes;
+    const uint64_t bound =
+        (total - replicated) / tp + replicated + 2 * hf.config.dim * fixture.elem * (tp - 1);
+    EXPECT_LE(hf.stats.bytes_read, bound);
+    if (tp == 1) {
+      EXPECT_EQ(hf.stats.bytes_read, total);
+    }
+    std::cout << fixture.name << " tp=" << tp << " rank " << rank << ": read "
+              << hf.stats.bytes_read << " of " << total << " bytes (replicated " << replicated
+              << ", bound " << bound << ")\n";
+  });
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Fixtures, LogitsMatchHF,
+    ::testing::Combine(::testing::Values(Fixture{"single", 2}, Fixture{"sharded", 2},
+                                         Fixture{"tied_kv1", 4}, Fixture{"llama3_rope", 2}),
+                       ::testing::Values(1, 2, 3, 4)),
+    [](const auto& info) {
+      return std::get<0>(info.param).name + "_tp" + std::to_string(std::get<1>(info.param));
+    });
+
+TEST(HfCheckpoint, ReadsTheConfig) {
+  const auto hf = read_hf_llama_config(kModels + "llama3_rope");
+  const LlamaConfig& c = hf.config;
+  EXPECT_EQ(hf.dtype, at::kBFloat16);
+  EXPECT_EQ(c.dim, 48);
+  EXPECT_EQ(c.n_layers, 2);
+  EXPECT_EQ(c.n_heads, 12);
+  EXPECT_EQ(c.kv_heads(), 6);
+  EXPECT_EQ(c.hidden_dim(), 24);
+  EXPECT_EQ(c.vocab_size, 300);
+  EXPECT_EQ(c.max_seq_len, 64);
+  EXPECT_DOUBLE_EQ(c.rope_theta, 500.0);
+  EXPECT_TRUE(c.tie_embeddings);
+  ASSERT_TRUE(c.rope_scaling.has_value());
+  EXPECT_EQ(c.rope_scaling->original_max_position_embeddings, 16);
+  EXPECT_DOUBLE_EQ(c.rope_scaling->factor, 8.0);
+  // Round trip through our JSON form.
+  EXPECT_EQ(LlamaConfig::from_json(c.to_json()).to_json(), c.to_json());
+  // transformers 5's form (rope_parameters, dtype).
+  const auto v5 = read_hf_llama_config(kModels + "single");
+  EXPECT_EQ(v5.dtype, at::kHalf);
+  EXPECT_FALSE(v5.config.rope_scaling.has_value());
+  EXPECT_EQ(hf_parameter_name("layers.1.feed_forward.w2.weight"),
+            "model.layers.1.mlp.down_proj.weight");
+}
+
+// The fixtures' prompt is the tokenizer's: our tokenizer gives the same ids (with the BOS).
+TEST(HfCheckpoint, TokenizerGivesTheReferencePrompt) {
+  const auto tok =
+      text::BpeTokenizer::from_file(std::string(DTENSOR_HF_FIXTURES) + "/tokenizer.json");
+  const auto ids = tok.encode("The quick brown fox jumps over the lazy dog. It's 2024!", true);
+  ASSERT_GE(ids.size(), 12u);
+  const at::Tensor tokens = reference("single").tokens;
+  EXPECT_TRUE(
+      at::equal(tokens[0], at::tensor(std::vector<int64_t>(ids.begin(), ids.begin() + 12))));
+  EXPECT_EQ(tok.vocab_size(), read_hf_llama_config(kModels + "single").config.vocab_size);
+}
+
+// A copy of a fixture to damage.
+struct Copy {
+  TempDir tmp;
+  std::string dir;
+  explicit Copy(const std::string& name) : dir(tmp.file(name)) {
+    fs::copy(kModels + name, dir, fs::copy_options::recursive);
+  }
+  nlohmann::json config() const {
+    std::ifstream in(dir + "/config.json");
+    return nlohmann::json::parse(in);
+  }
+  void set_config(const nlohmann::json& j) const {
+    std::ofstream(dir + "/config.json") << j.dump();
+  }
+};
+
+TEST(HfCheckpoint, BadInputNamesTheFileAndTensor) {
+  {
+    Copy c("sharded");
+    fs::remove(c.dir + "/model-00002-of-00003.safetensors");
+    const auto msg = message_of([&] { load_hf_llama(c.dir); });
+    EXPECT_CONTAINS(msg, "shard '" + c.dir + "/model-00002-of-00003.safetensors' is missing");
+    EXPECT_CONTAINS(msg, "holds tensor \"model.layers.0.input_layernorm.weight\"");
+  }
+  {
+    Copy c("single");
+    auto j = c.config();
+    j["intermediate_size"] = 36;
+    c.set_config(j);
+    const auto msg = message_of([&] { load_hf_llama(c.dir); });
+    EXPECT_CONTAINS(msg, "safetensors file '" + c.dir +
+                             "/model.safetensors', tensor "
+                             "\"model.layers.0.mlp.gate_proj.weight\"");
+    EXPECT_CONTAINS(msg, "shape [24, 48] disagrees with config.json, which gives [36, 48]");
+  }
+  {
+    Copy c("single");
+    auto j = c.config();
+    j["rope_parameters"]["rope_type"] = "yarn";
+    c.set_config(j);
+    const auto msg = message_of([&] { load_hf_llama(c.dir); });
+    EXPECT_CONTAINS(msg, c.dir + "/config.json");
+    EXPECT_CONTAINS(msg, "rope type \"yarn\" is not supported; supported: default, llama3");
+  }
+  {
+    Copy c("llama3_rope");  // transformers 4's rope_scaling form
+    auto j = c.config();
+    j["rope_scaling"]["rope_type"] = "dynamic";
+    c.set_config(j);
+    EXPECT_CONTAINS(message_of([&] { read_hf_llama_config(c.dir); }),
+                    "rope type \"dynamic\" is not supported");
+  }
+  {
+    Copy c("single");
+    auto j = c.config();
+    j["architectures"] = {"MistralForCausalLM"};
+    c.set_config(j);
+    EXPECT_CONTAINS(message_of([&] { load_hf_llama(c.dir); }),
+                    "config.json': architecture MistralForCausalLM is not supported; only "
+                    "LlamaForCausalLM loads");
+  }
+  {
+    Copy c("sharded");
+    const std::string shard = c.dir + "/model-00003-of-00003.safetensors";
+    fs::resize_file(shard, fs::file_size(shard) - 100);
+    const auto msg = message_of([&] { load_hf_llama(c.dir); });
+    EXPECT_CONTAINS(msg, "safetensors file '" + shard + "' is truncated");
+    EXPECT_CONTAINS(msg, "holds tensor \"lm_head.weight\"");
+  }
+  {
+    Copy c("single");
+    fs::remove(c.dir + "/model.safetensors");
+    EXPECT_CONTAINS(message_of([&] { load_hf_llama(c.dir); }),
+                    "has neither model.safetensors nor model.safetensors.index.json");
+  }
+}
+
+// A failure on the last tensor read (lm_head, in the third shard) leaves every parameter as it
+// was: all reads and checks come before the first copy.
+TEST(HfCheckpoint, NothingIsHalfLoaded) {
+  Copy c("sharded");
+  const std::string shard = c.dir + "/model-00003-of-00003.safetensors";
+  fs::resize_file(shard, fs::file_size(shard) - 2);
+  Transformer model(read_hf_llama_config(c.dir).config);
+  model->init_weights(5);
+  std::map<std::string, at::Tensor> before;
+  for (const auto& p : model->named_parameters()) before[p.key()] = p.value().clone();
+  EXPECT_CONTAINS(message_of([&] { load_hf_weights(c.dir, *model); }), "truncated");
+  for (const auto& p : model->named_parameters()) {
+    EXPECT_TRUE(at::equal(p.value(), before.at(p.key()))) << p.key() << " changed";
+  }
+  // The undamaged checkpoint does change them.
+  const HfLoadStats stats = load_hf_weights(kModels + "sharded", *model);
+  EXPECT_EQ(stats.files, 3);
+  for (const auto& p : model->named_parameters()) {
+    EXPECT_FALSE(at::equal(p.value(), before.at(p.key()))) << p.key() << " not loaded";
+  }
+}
+
+// Saved from TP=2 (through our float32 model), each fixture comes back bit for bit in its own
+// dtype, under HF's names and row order, with a config.json that reads back to the same config.
+// (tests/fixtures/hf/check_saved.py loads such a directory in transformers.)
+TEST(HfCheckpoint, SavesWhatItLoadedFromAnyTPDegree) {
+  for (const auto& [name, dtype] : std::vector<std::pair<std::string, at::ScalarType>>{
+           {"single", at::kHalf}, {"tied_kv1", at::kFloat}, {"llama3_rope", at::kBFloat16}}) {
+    SCOPED_TRACE(name);
+    TempDir tmp;
+    const std::string out = tmp.file("saved");
+    run_ranks(2, [&](int rank) {
+      auto mesh = init_device_mesh("cpu", {2});
+      HfLlama hf = load_hf_llama(kModels + name, mesh, {.dtype = at::kFloat});
+      save_hf_llama(out, *hf.model, {.dtype = dtype});
+    });
+    const auto original = safetensors::load_file(kModels + name + "/model.safetensors");
+    safetensors::File saved(out + "/model.safetensors");
+    EXPECT_EQ(saved.metadata().at("format"), "pt");
+    ASSERT_EQ(saved.tensors().size(), original.size());
+    for (const auto& [tensor, value] : original) {
+      EXPECT_TRUE(at::equal(saved.tensor(tensor), value)) << tensor;
+    }
+    const auto back = read_hf_llama_config(out), orig = read_hf_llama_config(kModels + name);
+    EXPECT_EQ(back.config.to_json(), orig.config.to_json());
+    EXPECT_EQ(back.dtype, dtype);
+    // For tests/fixtures/hf/check_saved.py: keep the directories to load them in transformers.
+    if (const char* keep = std::getenv("DTENSOR_KEEP_HF_SAVED")) {
+      fs::create_directories(keep);
+      fs::copy(out, std::string(keep) + "/" + name,
+               fs::copy_options::recursive | fs::copy_options::overwrite_existing);
+    }
+  }
+}
+
+}  // namespace
