@@ -54,25 +54,20 @@ class ProcessGroup {
   ProcessGroup(const ProcessGroup&) = delete;
   ProcessGroup& operator=(const ProcessGroup&) = delete;
 
-  const std::string& name() const {
-    return name_;
-  }                                   ///< Unique name; prefixes the group's keys in the store.
+  /// Unique name; prefixes the group's keys in the store.
+  const std::string& name() const { return name_; }
   int rank() const { return rank_; }  // rank inside this group
-  int size() const {
-    return static_cast<int>(global_ranks_.size());
-  }  ///< Number of ranks in the group.
-  const std::vector<int>& global_ranks() const {
-    return global_ranks_;
-  }  ///< Global rank of each group rank.
-  int global_rank(int group_rank) const {
-    return global_ranks_.at(group_rank);
-  }  ///< Global rank of group rank `group_rank` (throws when out of range).
+  /// Number of ranks in the group.
+  int size() const { return static_cast<int>(global_ranks_.size()); }
+  /// Global rank of each group rank.
+  const std::vector<int>& global_ranks() const { return global_ranks_; }
+  /// Global rank of group rank `group_rank` (throws when out of range).
+  int global_rank(int group_rank) const { return global_ranks_.at(group_rank); }
   /// Mesh dimension this group serves (-1 for the world group); reported by CommDebugMode.
   int mesh_dim() const { return mesh_dim_; }
   void set_mesh_dim(int d) { mesh_dim_ = d; }  ///< Sets mesh_dim().
-  std::chrono::milliseconds timeout() const {
-    return timeout_;
-  }  ///< Collective timeout of this group.
+  /// Collective timeout of this group.
+  std::chrono::milliseconds timeout() const { return timeout_; }
 
   /// The c10d backend for tensors on `device_type`, created on first use (all members of the
   /// group reach it together because collectives are SPMD).

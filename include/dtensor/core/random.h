@@ -16,8 +16,9 @@ void manual_seed(uint64_t seed);
 
 namespace random {
 
+/// One reserved draw: the seed and its first counter.
 struct Draw {
-  uint64_t seed;
+  uint64_t seed;   ///< Seed of the stream when the draw was reserved.
   uint64_t first;  // first counter of this draw
 };
 /// Reserves the counters of one draw over a tensor of `numel` elements (every rank calls it).
