@@ -14,12 +14,12 @@ namespace dtensor {
 
 /// The collectives CommDebugMode counts (PyTorch's c10d_functional ops of the same names).
 enum class CommType : uint8_t {
-  all_reduce,
-  all_gather_into_tensor,
-  reduce_scatter_tensor,
-  all_to_all_single,
-  broadcast,
-  scatter,
+  all_reduce,              ///< comm::all_reduce / all_reduce_async.
+  all_gather_into_tensor,  ///< comm::all_gather_into_tensor / its async form.
+  reduce_scatter_tensor,   ///< comm::reduce_scatter_tensor / its async form.
+  all_to_all_single,       ///< comm::all_to_all_single.
+  broadcast,               ///< comm::broadcast.
+  scatter,                 ///< comm::scatter.
 };
 /// The key PyTorch's tests use, e.g. "c10d_functional.all_reduce".
 const char* comm_type_name(CommType t);

@@ -17,7 +17,7 @@ struct FromLocalOptions {
   bool run_check = false;
   /// Global shape and stride; give both for uneven shards (the default assumes even ones).
   std::optional<std::vector<int64_t>> shape;
-  std::optional<std::vector<int64_t>> stride;
+  std::optional<std::vector<int64_t>> stride;  ///< Global stride (see shape).
 };
 
 /// Wraps this rank's `local` shard. Differentiable: the gradient of `local` is the DTensor

@@ -28,6 +28,7 @@ Draw reserve(int64_t numel);
 /// `global_shape`, for draw `d`. Computed on the CPU in double, returned with `options`.
 at::Tensor uniform_block(const Draw& d, c10::IntArrayRef global_shape, c10::IntArrayRef shape,
                          c10::IntArrayRef offset, at::TensorOptions options);
+/// Standard normal values of the block, as uniform_block describes.
 at::Tensor normal_block(const Draw& d, c10::IntArrayRef global_shape, c10::IntArrayRef shape,
                         c10::IntArrayRef offset, at::TensorOptions options);
 

@@ -33,6 +33,8 @@ struct LocalShard {
   std::vector<int64_t> shape;   ///< Local sizes.
   std::vector<int64_t> offset;  ///< Global index of the shard's first element, per dim.
 };
+/// The LocalShard of `coordinate` (PyTorch's compute_local_shape_and_global_offset); throws for a
+/// Shard dim out of range.
 LocalShard compute_local_shape_and_global_offset(c10::IntArrayRef global_shape,
                                                  c10::IntArrayRef mesh_shape,
                                                  c10::IntArrayRef coordinate,

@@ -40,7 +40,7 @@ struct LlamaConfig {
   int64_t n_heads = 4;         ///< Query heads.
   int64_t n_kv_heads = 0;      // 0: n_heads (no GQA)
   int64_t ffn_hidden_dim = 0;  // 0: Llama's rule from dim, multiple_of and ffn_dim_multiplier
-  int64_t multiple_of = 32;    ///< FFN hidden size is rounded up to a multiple of this.
+  int64_t multiple_of = 32;    ///< The derived FFN hidden size is rounded up to a multiple of this.
   std::optional<double> ffn_dim_multiplier;  ///< Scales the FFN hidden size (Llama's rule).
   int64_t max_seq_len = 128;                 ///< Longest sequence (size of the rotary table).
   double norm_eps = 1e-5;                    ///< RMSNorm epsilon.
@@ -84,6 +84,7 @@ class FeedForwardImpl : public dtensor::nn::Module {
 
   dtensor::nn::Linear w1{nullptr}, w2{nullptr}, w3{nullptr};  ///< The three projections.
 };
+/// Module holder of FeedForwardImpl.
 TORCH_MODULE(FeedForward);
 
 /// Causal multi-head attention with grouped KV heads and rotary embeddings. Heads are inferred
@@ -101,6 +102,7 @@ class AttentionImpl : public dtensor::nn::Module {
   /// Query, key, value and output projections.
   dtensor::nn::Linear wq{nullptr}, wk{nullptr}, wv{nullptr}, wo{nullptr};
 };
+/// Module holder of AttentionImpl.
 TORCH_MODULE(Attention);
 
 /// One pre-norm block: x + attention(norm(x)), then + feed_forward(norm(.)).
@@ -117,6 +119,7 @@ class TransformerBlockImpl : public dtensor::nn::Module {
   dtensor::nn::RMSNorm ffn_norm{nullptr};        ///< Norm before the feed-forward.
   FeedForward feed_forward{nullptr};             ///< SwiGLU feed-forward.
 };
+/// Module holder of TransformerBlockImpl.
 TORCH_MODULE(TransformerBlock);
 
 /// The whole model: embedding, blocks, final norm and output projection (vocab logits).
@@ -166,6 +169,7 @@ class TransformerImpl : public dtensor::nn::Module {
   at::Tensor rope_table_;  // (max_seq_len, head_dim/2, 2) float64; not a buffer, never sharded
   std::optional<TensorParallelState> tp_state_;
 };
+/// Module holder of TransformerImpl.
 TORCH_MODULE(Transformer);
 
 // ---- tensor parallelism ----
