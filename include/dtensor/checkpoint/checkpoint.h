@@ -35,10 +35,15 @@ namespace dtensor::checkpoint {
 namespace checkpoint_keys {
 inline constexpr const char* kFormat = "format";  // "pt": the tensors are torch tensors
 inline constexpr const char* kCheckpointFormat = "checkpoint_format";  // "dtensor-checkpoint"
+/// Key: kCheckpointFormatVersion, in decimal.
 inline constexpr const char* kFormatVersion = "format_version";
+/// Key: SaveOptions::config.
 inline constexpr const char* kConfig = "config";
+/// Key: the training step, in decimal.
 inline constexpr const char* kStep = "step";
+/// Key: tensor-parallel degree of the run that saved the file.
 inline constexpr const char* kTpDegree = "tp_degree";
+/// Key: number of ranks of the run that saved the file.
 inline constexpr const char* kWorldSize = "world_size";
 inline constexpr const char* kMesh = "mesh";              // the first DTensor's mesh, printed
 inline constexpr const char* kPlacements = "placements";  // JSON {name: "Shard(dim=0)"}
@@ -54,11 +59,12 @@ inline constexpr const char* kHeaderChecksum = "header_checksum";
 /// metadata cannot be detected. Its tensors still read with safetensors::load_file.
 inline constexpr int64_t kCheckpointFormatVersion = 2;
 
+/// Options of save_checkpoint (designated initializers: `{.config = ..., .step = ...}`).
 struct SaveOptions {
-  std::string config;  // the model configuration, opaque to us (e.g. JSON)
-  int64_t step = 0;
+  std::string config;                           // the model configuration, opaque to us (e.g. JSON)
+  int64_t step = 0;                             ///< Training step recorded in the metadata.
   std::map<std::string, std::string> metadata;  // more entries of the caller's
-  bool include_buffers = true;
+  bool include_buffers = true;  ///< Also save the module's buffers, not only its parameters.
   /// Called on rank 0 after each tensor reaches the file: name, 0-based index, count.
   /// An exception thrown here aborts the save (the previous file at `path` stays).
   std::function<void(const std::string& name, size_t index, size_t count)> on_tensor_written;
@@ -72,20 +78,22 @@ struct SaveOptions {
 void save_checkpoint(const std::string& path, const torch::nn::Module& module,
                      torch::optim::Optimizer* optimizer = nullptr, const SaveOptions& options = {});
 
+/// What a checkpoint's metadata says about it; returned by load_checkpoint.
 struct CheckpointMetadata {
-  std::string config;
-  int64_t step = 0;
-  int64_t tp_degree = 1;
-  int64_t world_size = 1;
+  std::string config;          ///< SaveOptions::config as saved.
+  int64_t step = 0;            ///< Training step as saved.
+  int64_t tp_degree = 1;       ///< Tensor-parallel degree of the run that saved it.
+  int64_t world_size = 1;      ///< World size of the run that saved it.
   int64_t format_version = 0;  // 0: a safetensors file not written by save_checkpoint
   std::map<std::string, std::string> entries;  // the whole __metadata__
   /// Set by load_checkpoint: names of the module (and of the optimizer's state) absent from the
   /// file, and names in the file the module does not have (optimizer state counts only when an
   /// optimizer is given). A strict load fails instead, so both are empty after it.
   std::vector<std::string> missing_keys;
-  std::vector<std::string> unexpected_keys;
+  std::vector<std::string> unexpected_keys;  ///< See missing_keys.
 };
 
+/// Options of load_checkpoint.
 struct LoadOptions {
   /// Names in the module but not the file (or the reverse) are errors; false skips them and
   /// reports them in missing_keys / unexpected_keys, but a load that matches no name at all

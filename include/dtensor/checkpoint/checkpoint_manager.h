@@ -17,14 +17,15 @@
 
 namespace dtensor::checkpoint {
 
+/// Keeps periodic checkpoints of one run in a directory, with a "latest" pointer and pruning.
 class CheckpointManager {
  public:
   /// Creates `dir` when needed. keep_last >= 1.
   explicit CheckpointManager(std::string dir, int keep_last = 3);
 
-  const std::string& dir() const { return dir_; }
-  int keep_last() const { return keep_last_; }
-  std::string path_for(int64_t step) const;  // <dir>/step_000100.safetensors
+  const std::string& dir() const { return dir_; }  ///< The checkpoint directory.
+  int keep_last() const { return keep_last_; }     ///< How many checkpoints are kept.
+  std::string path_for(int64_t step) const;        // <dir>/step_000100.safetensors
 
   /// Collective, like save_checkpoint (options.step is set to `step`). Then rank 0 reads the
   /// new file back and checks every checksum, points "latest" at it (atomically) and deletes

@@ -22,6 +22,7 @@
 
 namespace dtensor::checkpoint::safetensors {
 
+/// The header's "__metadata__" object: string keys to string values.
 using Metadata = std::map<std::string, std::string>;
 
 /// "F32", "F64", "F16", "BF16", "I64", "I32", "I16", "I8", "U8", "BOOL". Throws for other
@@ -31,12 +32,12 @@ c10::ScalarType dtype_from_name(std::string_view name);  // throws for unknown n
 
 /// One tensor as the header describes it.
 struct TensorInfo {
-  std::string name;
-  c10::ScalarType dtype = c10::ScalarType::Float;
-  std::vector<int64_t> shape;
-  uint64_t begin = 0;  // byte offsets relative to the start of the data
-  uint64_t end = 0;
-  uint64_t nbytes() const { return end - begin; }
+  std::string name;                                ///< Tensor name (key in the header).
+  c10::ScalarType dtype = c10::ScalarType::Float;  ///< Element type.
+  std::vector<int64_t> shape;                      ///< Sizes, outermost first.
+  uint64_t begin = 0;                              // byte offsets relative to the start of the data
+  uint64_t end = 0;  ///< One past the last byte, relative to the start of the data.
+  uint64_t nbytes() const { return end - begin; }  ///< Size of the data in bytes.
 };
 
 /// Writes a file one tensor at a time, so the caller needs only one tensor in memory.
@@ -49,12 +50,15 @@ struct TensorInfo {
 /// destroyed before finish() (an exception) deletes its temporary and leaves `path` alone.
 class Writer {
  public:
+  /// A tensor to be written: name, dtype and shape.
   struct Entry {
-    std::string name;
-    c10::ScalarType dtype;
-    std::vector<int64_t> shape;
+    std::string name;            ///< Tensor name.
+    c10::ScalarType dtype;       ///< Element type.
+    std::vector<int64_t> shape;  ///< Sizes.
   };
+  /// Creates the temporary file and declares every tensor, in write order; throws on I/O errors.
   Writer(std::string path, const std::vector<Entry>& entries, const Metadata& metadata);
+  /// Deletes the temporary file unless finish() succeeded.
   ~Writer();
   Writer(const Writer&) = delete;
   Writer& operator=(const Writer&) = delete;
@@ -65,7 +69,9 @@ class Writer {
   /// Writes the header with `metadata`, syncs and renames. Every tensor must have been written.
   void finish(const Metadata& metadata);
 
+  /// The declared tensors with their offsets.
   const std::vector<TensorInfo>& tensors() const { return tensors_; }
+  /// Where the data goes until finish() renames it ("<path>.tmp-<pid>").
   const std::string& temporary_path() const { return tmp_path_; }
 
  private:
@@ -86,13 +92,15 @@ class Writer {
 /// exactly (a truncated file or trailing bytes are errors). Every error names the file.
 class File {
  public:
+  /// Maps `path` and checks its header; throws naming the file on any error.
   explicit File(const std::string& path);
+  /// Unmaps the file; tensors from view() and spans from bytes() become invalid.
   ~File();
   File(const File&) = delete;
   File& operator=(const File&) = delete;
 
-  const std::string& path() const { return path_; }
-  const Metadata& metadata() const { return metadata_; }
+  const std::string& path() const { return path_; }       ///< The file's path as given.
+  const Metadata& metadata() const { return metadata_; }  ///< The header's "__metadata__".
   /// In file order (increasing offsets).
   const std::vector<TensorInfo>& tensors() const { return tensors_; }
   const TensorInfo* find(const std::string& name) const;  // nullptr when absent
@@ -102,6 +110,7 @@ class File {
   std::span<const std::byte> bytes(const TensorInfo& info) const;
   /// A CPU tensor owning a copy of the data.
   at::Tensor tensor(const TensorInfo& info) const;
+  /// tensor(at(name)): throws when absent.
   at::Tensor tensor(const std::string& name) const { return tensor(at(name)); }
   /// A CPU tensor over the mapping without a copy when the data is suitably aligned (it is
   /// in files we write), otherwise a copy. Valid while this File lives.
@@ -112,7 +121,7 @@ class File {
   at::Tensor slice(const TensorInfo& info, c10::IntArrayRef offset, c10::IntArrayRef size) const;
 
   uint64_t data_offset() const { return data_offset_; }  // in the file: 8 + header length
-  uint64_t file_size() const { return size_; }
+  uint64_t file_size() const { return size_; }           ///< Size of the whole file in bytes.
 
  private:
   std::string path_;
@@ -127,6 +136,7 @@ class File {
 /// Like Python's safetensors.torch.save_file / load_file.
 void save_file(const std::map<std::string, at::Tensor>& tensors, const std::string& path,
                const Metadata& metadata = {});
+/// Every tensor of `path` as CPU tensors owning their data (copies), keyed by name.
 std::map<std::string, at::Tensor> load_file(const std::string& path);
 
 }  // namespace dtensor::checkpoint::safetensors

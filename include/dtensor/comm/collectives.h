@@ -16,10 +16,16 @@ namespace dtensor::comm {
 /// such as unpadding) and is idempotent.
 class PendingResult {
  public:
+  /// An empty result: ready(), and wait() returns an undefined tensor.
   PendingResult() = default;
+  /// Wraps `work` writing into `buffer`; `finish` (may be empty) post-processes it; `what` names it
+  /// in errors. Built by the *_async collectives.
   PendingResult(c10::intrusive_ptr<c10d::Work> work, at::Tensor buffer,
                 std::function<at::Tensor(at::Tensor)> finish, std::string what);
+  /// True once wait() has run (or when default-constructed); does not poll the collective.
   bool ready() const { return !work_; }
+  /// Blocks until the collective completes, then returns the result; throws naming the collective
+  /// on failure or timeout. Later calls return the same tensor.
   at::Tensor wait();
   /// Chains one more local step to run after the collective completes.
   void then(std::function<at::Tensor(at::Tensor)> f);
@@ -33,15 +39,18 @@ class PendingResult {
 
 /// Sum/avg/max/min/product over the group.
 at::Tensor all_reduce(const at::Tensor& t, ReduceOp op, ProcessGroup& pg);
+/// Asynchronous all_reduce; call wait() on the result.
 PendingResult all_reduce_async(const at::Tensor& t, ReduceOp op, ProcessGroup& pg);
 
 /// Concatenates every rank's `t` along `dim` (all inputs must have the same shape).
 at::Tensor all_gather_into_tensor(const at::Tensor& t, int64_t dim, ProcessGroup& pg);
+/// Asynchronous all_gather_into_tensor; call wait() on the result.
 PendingResult all_gather_into_tensor_async(const at::Tensor& t, int64_t dim, ProcessGroup& pg);
 
 /// Reduces `t` over the group and returns this rank's chunk along `dim`
 /// (t.size(dim) must be divisible by the group size).
 at::Tensor reduce_scatter_tensor(const at::Tensor& t, int64_t dim, ReduceOp op, ProcessGroup& pg);
+/// Asynchronous reduce_scatter_tensor; call wait() on the result.
 PendingResult reduce_scatter_tensor_async(const at::Tensor& t, int64_t dim, ReduceOp op,
                                           ProcessGroup& pg);
 

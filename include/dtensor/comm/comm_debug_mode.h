@@ -12,23 +12,26 @@
 
 namespace dtensor {
 
+/// The collectives CommDebugMode counts (PyTorch's c10d_functional ops of the same names).
 enum class CommType : uint8_t {
-  all_reduce,
-  all_gather_into_tensor,
-  reduce_scatter_tensor,
-  all_to_all_single,
-  broadcast,
-  scatter,
+  all_reduce,              ///< comm::all_reduce / all_reduce_async.
+  all_gather_into_tensor,  ///< comm::all_gather_into_tensor / its async form.
+  reduce_scatter_tensor,   ///< comm::reduce_scatter_tensor / its async form.
+  all_to_all_single,       ///< comm::all_to_all_single.
+  broadcast,               ///< comm::broadcast.
+  scatter,                 ///< comm::scatter.
 };
 /// The key PyTorch's tests use, e.g. "c10d_functional.all_reduce".
 const char* comm_type_name(CommType t);
+/// Prints comm_type_name(t).
 std::ostream& operator<<(std::ostream& os, CommType t);
 
+/// One collective as CommDebugMode saw it.
 struct CommRecord {
-  CommType type;
-  int64_t bytes;  // payload this rank contributed
-  int mesh_dim;   // -1 when the group is not a mesh dimension
-  int group_size;
+  CommType type;       ///< Which collective.
+  int64_t bytes;       // payload this rank contributed
+  int mesh_dim;        // -1 when the group is not a mesh dimension
+  int group_size;      ///< Number of ranks in the group.
   std::string module;  // innermost module FQN being run ("" outside any tracked module)
   bool backward;       // issued while the autograd engine runs a backward pass
   /// The tracked modules around the collective, outermost first, ending with `module`
@@ -36,6 +39,7 @@ struct CommRecord {
   std::vector<std::string> module_path = {};
 };
 
+/// Number of collectives per type.
 using CommCounts = std::map<CommType, int64_t>;
 /// fqn -> "forward" | "backward" -> counts.
 using CommModuleCounts = std::map<std::string, std::map<std::string, CommCounts>>;
@@ -52,7 +56,9 @@ using CommModuleCounts = std::map<std::string, std::map<std::string, CommCounts>
 /// forward ran while a CommDebugMode was active (the backward brackets are installed then).
 class CommDebugMode {
  public:
+  /// Starts counting (calls enter()).
   CommDebugMode();
+  /// Stops counting (calls exit()).
   ~CommDebugMode();
   CommDebugMode(const CommDebugMode&) = delete;
   CommDebugMode& operator=(const CommDebugMode&) = delete;
@@ -60,8 +66,11 @@ class CommDebugMode {
   void enter();  // clear and start counting
   void exit();   // stop counting (counts stay readable)
 
+  /// Total number of collectives of each type recorded since enter().
   CommCounts get_comm_counts() const;
+  /// Total number of collectives recorded since enter(), all types.
   int64_t get_total_counts() const;
+  /// Every collective recorded since enter(), in issue order.
   std::vector<CommRecord> records() const;
   /// Per-module forward/backward counts: each collective counts for "Global" and for every
   /// tracked module around it (parents include their children). Only modules that saw a
@@ -99,7 +108,9 @@ std::string format_comm_counts(const CommCounts& counts);  // "{all_reduce: 1, .
 /// exit_backward(fqn) when the gradients of its inputs are complete (PyTorch's ModTracker).
 class ModuleScope {
  public:
+  /// Pushes `fqn` onto this thread's forward module stack; the destructor pops it.
   explicit ModuleScope(const std::string& fqn);
+  /// Pops the scope pushed by the constructor.
   ~ModuleScope();
   ModuleScope(const ModuleScope&) = delete;
   ModuleScope& operator=(const ModuleScope&) = delete;
@@ -113,6 +124,7 @@ class ModuleScope {
   /// module whose inputs need no gradient, and hence never exits, is left when a sibling or
   /// the parent's remainder starts. No-ops outside a backward pass.
   static void enter_backward(const std::string& fqn);
+  /// Leaves `fqn`'s backward scope (and what was entered after it); no-op outside backward.
   static void exit_backward(const std::string& fqn);
 };
 
@@ -120,10 +132,13 @@ class ModuleScope {
 /// engine runs (a collective inside a backward pass counts as backward).
 class BackwardScope {
  public:
+  /// Marks this thread as running backward code until destruction (nests).
   BackwardScope();
+  /// Restores the previous state.
   ~BackwardScope();
   BackwardScope(const BackwardScope&) = delete;
   BackwardScope& operator=(const BackwardScope&) = delete;
+  /// Whether in a BackwardScope on this thread or inside an autograd backward pass.
   static bool active();
 
  private:

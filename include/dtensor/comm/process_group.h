@@ -18,6 +18,7 @@
 
 namespace dtensor::comm {
 
+/// Options of init_process_group.
 struct InitOptions {
   /// Every collective and the rendezvous fail after this long instead of hanging.
   /// DTENSOR_TIMEOUT_S in the environment overrides the default.
@@ -29,34 +30,43 @@ struct InitOptions {
 
 /// Where this process sits in the job, as read from the environment.
 struct LaunchEnv {
-  int rank = 0;
-  int world_size = 1;
-  int local_rank = 0;
-  std::string master_addr = "127.0.0.1";
-  int master_port = 29500;
+  int rank = 0;                           ///< Global rank of this process.
+  int world_size = 1;                     ///< Number of processes in the job.
+  int local_rank = 0;                     ///< Rank of this process on its node.
+  std::string master_addr = "127.0.0.1";  ///< Host of the rendezvous store (MASTER_ADDR).
+  int master_port = 29500;                ///< Port of the rendezvous store (MASTER_PORT).
   std::string
       source;  // which launcher's variables were used: "torchrun", "ompi", "slurm", "default"
 };
+/// Reads RANK/WORLD_SIZE/... (or Open MPI/Slurm variables); defaults when none is set.
 LaunchEnv read_launch_env();
 
 /// A group of ranks with one c10d backend per device type. Mesh dimensions each own one.
 class ProcessGroup {
  public:
+  /// Builds a group of `global_ranks` where this process has group rank `rank`; backends are
+  /// created lazily by backend(). Use new_group() rather than this constructor.
   ProcessGroup(std::string name, std::vector<int> global_ranks, int rank,
                c10::intrusive_ptr<c10d::Store> store, std::chrono::milliseconds timeout,
                std::string gloo_host, int mesh_dim = -1);
+  /// Releases the backends (abandoned without waiting when a collective failed mid-flight).
   ~ProcessGroup();
   ProcessGroup(const ProcessGroup&) = delete;
   ProcessGroup& operator=(const ProcessGroup&) = delete;
 
+  /// Unique name; prefixes the group's keys in the store.
   const std::string& name() const { return name_; }
   int rank() const { return rank_; }  // rank inside this group
+  /// Number of ranks in the group.
   int size() const { return static_cast<int>(global_ranks_.size()); }
+  /// Global rank of each group rank.
   const std::vector<int>& global_ranks() const { return global_ranks_; }
+  /// Global rank of group rank `group_rank` (throws when out of range).
   int global_rank(int group_rank) const { return global_ranks_.at(group_rank); }
   /// Mesh dimension this group serves (-1 for the world group); reported by CommDebugMode.
   int mesh_dim() const { return mesh_dim_; }
-  void set_mesh_dim(int d) { mesh_dim_ = d; }
+  void set_mesh_dim(int d) { mesh_dim_ = d; }  ///< Sets mesh_dim().
+  /// Collective timeout of this group.
   std::chrono::milliseconds timeout() const { return timeout_; }
 
   /// The c10d backend for tensors on `device_type`, created on first use (all members of the
@@ -78,14 +88,20 @@ class ProcessGroup {
 /// Joins the job. Throws with the rank and the address if the other ranks do not all arrive
 /// within the timeout. Calling it again after success is a no-op.
 void init_process_group(const InitOptions& options = {});
+/// True after init_process_group succeeded (and before destroy_process_group).
 bool is_initialized();
 /// Drops the world and every group (a later init_process_group starts afresh).
 void destroy_process_group();
 
+/// This process's global rank. Like the getters below, throws before init_process_group.
 int get_rank();
+/// Number of ranks in the world.
 int get_world_size();
+/// This process's rank on its node (LOCAL_RANK).
 int get_local_rank();
+/// The collective timeout InitOptions (or DTENSOR_TIMEOUT_S) set.
 std::chrono::milliseconds default_timeout();
+/// The group of all ranks.
 std::shared_ptr<ProcessGroup> world_group();
 
 /// Group over `global_ranks` (sorted, unique). Only members get a group; others get nullptr.

@@ -10,13 +10,14 @@
 
 namespace dtensor {
 
+/// Options of from_local (PyTorch's `DTensor.from_local` keyword arguments).
 struct FromLocalOptions {
   /// Check dtype/requires_grad/shape/stride agree on every rank and broadcast replicas from the
   /// first rank of each Replicate mesh dim (communicates).
   bool run_check = false;
   /// Global shape and stride; give both for uneven shards (the default assumes even ones).
   std::optional<std::vector<int64_t>> shape;
-  std::optional<std::vector<int64_t>> stride;
+  std::optional<std::vector<int64_t>> stride;  ///< Global stride (see shape).
 };
 
 /// Wraps this rank's `local` shard. Differentiable: the gradient of `local` is the DTensor
@@ -34,6 +35,7 @@ at::Tensor from_local(const at::Tensor& local,
 at::Tensor to_local(const at::Tensor& dtensor,
                     std::optional<std::vector<Placement>> grad_placements = {});
 
+/// Options of redistribute (PyTorch's `DTensor.redistribute` keyword arguments).
 struct RedistributeOptions {
   bool async_op = false;                          // leave the collective in flight
   std::optional<c10::ScalarType> forward_dtype;   // cast before communicating
@@ -44,6 +46,7 @@ struct RedistributeOptions {
 at::Tensor redistribute(const at::Tensor& dtensor, const DeviceMesh& mesh,
                         c10::ArrayRef<Placement> placements,
                         const RedistributeOptions& options = {});
+/// On the DTensor's own mesh.
 at::Tensor redistribute(const at::Tensor& dtensor, c10::ArrayRef<Placement> placements,
                         const RedistributeOptions& options = {});
 
@@ -56,6 +59,7 @@ at::Tensor full_tensor(const at::Tensor& dtensor,
 at::Tensor distribute_tensor(const at::Tensor& tensor, const DeviceMesh& mesh,
                              c10::ArrayRef<Placement> placements,
                              std::optional<int64_t> src_data_rank = 0);
+/// With the current mesh (MeshGuard) and all-Replicate placements by default.
 at::Tensor distribute_tensor(const at::Tensor& tensor,
                              std::optional<std::vector<Placement>> placements = {},
                              std::optional<int64_t> src_data_rank = 0);

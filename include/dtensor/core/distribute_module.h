@@ -19,6 +19,7 @@ namespace dtensor {
 /// BatchNorm, GroupNorm) and of modules that implement ParameterSwapTarget. `value` keeps the
 /// old parameter's requires_grad.
 void replace_parameter(torch::nn::Module& module, const std::string& name, at::Tensor value);
+/// Like replace_parameter, for buffer `name`; throws when `module` has no such buffer.
 void replace_buffer(torch::nn::Module& module, const std::string& name, at::Tensor value);
 
 /// Parameters of `module` (and of its submodules when `recurse`) with each tensor listed once.
@@ -44,10 +45,13 @@ torch::OrderedDict<std::string, at::Tensor> unique_named_parameters(const torch:
 /// User modules that keep parameters in their own members implement this to hear about swaps.
 class ParameterSwapTarget {
  public:
+  /// Virtual, so that implementers can be destroyed through this interface.
   virtual ~ParameterSwapTarget() = default;
+  /// Called after replace_parameter swapped parameter `name` for `value`.
   virtual void on_parameter_replaced(const std::string& name, const at::Tensor& value) = 0;
 };
 
+/// partition_fn of distribute_module: (submodule name, submodule, mesh); may shard parameters.
 using PartitionFn =
     std::function<void(const std::string& name, torch::nn::Module& module, const DeviceMesh& mesh)>;
 

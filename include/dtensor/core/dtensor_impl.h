@@ -16,8 +16,10 @@ namespace dtensor {
 /// The backend key DTensors carry (configured at build time: DTENSOR_DISPATCH_KEY).
 c10::DispatchKey dtensor_dispatch_key();
 
+/// The TensorImpl of a DTensor: local shard, spec, and an optional pending async collective.
 class DTensorImpl final : public c10::TensorImpl {
  public:
+  /// Wraps `local` (a plain tensor) with `spec`; reports the spec's global sizes and strides.
   DTensorImpl(at::Tensor local, SpecPtr spec);
 
   /// The local shard. Waits for a pending async collective first.
@@ -25,18 +27,23 @@ class DTensorImpl final : public c10::TensorImpl {
     if (C10_UNLIKELY(pending_.has_value())) wait_pending();
     return local_;
   }
-  const SpecPtr& spec() const { return spec_; }
+  const SpecPtr& spec() const { return spec_; }  ///< The layout (mesh, placements, global meta).
+  /// Whether an async collective is in flight.
   bool has_pending() const { return pending_.has_value(); }
+  /// Makes local() wait for `p` first.
   void set_pending(comm::PendingResult p) { pending_ = std::move(p); }
 
   /// Replaces local shard and spec in place (in-place ops whose metadata changes).
   void replace(at::Tensor local, SpecPtr spec);
 
+  /// TensorImpl override (detach): a new DTensorImpl sharing the local shard (waited on) and spec.
   c10::intrusive_ptr<c10::TensorImpl> shallow_copy_and_detach(
       const c10::VariableVersion& version_counter,
       bool allow_tensor_metadata_change) const override;
+  /// Same, taking the version counter by rvalue.
   c10::intrusive_ptr<c10::TensorImpl> shallow_copy_and_detach(
       c10::VariableVersion&& version_counter, bool allow_tensor_metadata_change) const override;
+  /// Takes another DTensorImpl's local shard and spec (`.data = ...`); throws for plain tensors.
   void shallow_copy_from(const c10::intrusive_ptr<c10::TensorImpl>& impl) override;
 
  private:
@@ -55,6 +62,7 @@ class DTensorImpl final : public c10::TensorImpl {
 inline bool is_dtensor(const at::Tensor& t) {
   return t.defined() && t.unsafeGetTensorImpl()->key_set().has(dtensor_dispatch_key());
 }
+/// The DTensorImpl of `t`, unchecked: only for tensors where is_dtensor(t) is true.
 inline DTensorImpl* dtensor_impl(const at::Tensor& t) {
   return static_cast<DTensorImpl*>(t.unsafeGetTensorImpl());
 }

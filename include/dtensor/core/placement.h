@@ -12,15 +12,20 @@
 
 namespace dtensor {
 
+/// One mesh dim's layout: Replicate, Shard(dim) or Partial(op) (PyTorch's Placement types).
 class Placement {
  public:
+  /// Which kind of placement.
   enum class Type : uint8_t { Replicate, Shard, Partial };
 
   constexpr Placement() = default;  // Replicate
+  /// Replicate: every rank holds the whole tensor.
   static constexpr Placement replicate() { return Placement(); }
+  /// Shard(dim): tensor dim `dim` is split across the mesh dim (torch.chunk rule).
   static constexpr Placement shard(int64_t dim) {
     return Placement(Type::Shard, dim, ReduceOp::Sum);
   }
+  /// Partial(op): each rank holds a part; the value is their reduction by `op`.
   static constexpr Placement partial(ReduceOp op = ReduceOp::Sum) {
     return Placement(Type::Partial, 0, op);
   }
@@ -28,26 +33,31 @@ class Placement {
   /// (max for p = inf, min for p = -inf). Produced by norm reductions (gradient clipping).
   static Placement norm_partial(double p);
 
-  Type type() const { return type_; }
-  bool is_replicate() const { return type_ == Type::Replicate; }
-  bool is_shard() const { return type_ == Type::Shard; }
+  Type type() const { return type_; }                             ///< The kind.
+  bool is_replicate() const { return type_ == Type::Replicate; }  ///< Whether Replicate.
+  bool is_shard() const { return type_ == Type::Shard; }          ///< Whether Shard (any dim).
+  /// Whether Shard(dim).
   bool is_shard(int64_t dim) const { return type_ == Type::Shard && dim_ == dim; }
+  /// Whether Partial (norm partials included).
   bool is_partial() const { return type_ == Type::Partial; }
   /// Shard dimension; only meaningful for is_shard().
   int64_t dim() const { return dim_; }
-  ReduceOp reduce_op() const { return op_; }
+  ReduceOp reduce_op() const { return op_; }  ///< The reduction of a Partial (Sum for the others).
   /// The p of a norm partial; 0 for an ordinary Partial.
   double norm_p() const { return norm_p_; }
+  /// Partial with a p-norm reduction.
   bool is_norm_partial() const { return type_ == Type::Partial && norm_p_ != 0.0; }
 
   /// Shard(d) with d < 0 becomes Shard(d + ndim); others are returned unchanged.
   Placement normalized(int64_t ndim) const;
 
+  /// Same kind and, where they matter, same dim or reduction.
   bool operator==(const Placement& o) const {
     return type_ == o.type_ && (type_ != Type::Shard || dim_ == o.dim_) &&
            (type_ != Type::Partial || (op_ == o.op_ && norm_p_ == o.norm_p_));
   }
-  bool operator!=(const Placement& o) const { return !(*this == o); }
+  bool operator!=(const Placement& o) const { return !(*this == o); }  ///< Negation of ==.
+  /// Hash consistent with ==.
   size_t hash() const {
     return (static_cast<size_t>(type_) << 40) ^
            (is_shard() ? static_cast<size_t>(dim_ + 1024) : 0) ^
@@ -72,6 +82,7 @@ inline constexpr Placement Shard(int64_t dim) { return Placement::shard(dim); }
 inline constexpr Placement Replicate() { return Placement::replicate(); }
 inline constexpr Placement Partial(ReduceOp op = ReduceOp::Sum) { return Placement::partial(op); }
 
+/// Placements of a DTensor, one per mesh dim.
 using Placements = c10::SmallVector<Placement, 4>;
 
 std::string to_string(c10::ArrayRef<Placement> placements);  // "(S(0), R)"
@@ -86,12 +97,15 @@ inline Placements clear_partial(c10::ArrayRef<Placement> p) {
   for (const auto& x : p) out.push_back(x.is_partial() ? Placement() : x);
   return out;
 }
+/// Prints str(), e.g. S(0).
 std::ostream& operator<<(std::ostream& os, const Placement& p);
+/// Prints to_string(p), e.g. (S(0), R).
 std::ostream& operator<<(std::ostream& os, c10::ArrayRef<Placement> p);
 
 }  // namespace dtensor
 
 template <>
+/// Hashes a Placement with Placement::hash().
 struct std::hash<dtensor::Placement> {
   size_t operator()(const dtensor::Placement& p) const noexcept { return p.hash(); }
 };

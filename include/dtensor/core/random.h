@@ -16,8 +16,9 @@ void manual_seed(uint64_t seed);
 
 namespace random {
 
+/// One reserved draw: the seed and its first counter.
 struct Draw {
-  uint64_t seed;
+  uint64_t seed;   ///< Seed of the stream when the draw was reserved.
   uint64_t first;  // first counter of this draw
 };
 /// Reserves the counters of one draw over a tensor of `numel` elements (every rank calls it).
@@ -27,6 +28,7 @@ Draw reserve(int64_t numel);
 /// `global_shape`, for draw `d`. Computed on the CPU in double, returned with `options`.
 at::Tensor uniform_block(const Draw& d, c10::IntArrayRef global_shape, c10::IntArrayRef shape,
                          c10::IntArrayRef offset, at::TensorOptions options);
+/// Standard normal values of the block, as uniform_block describes.
 at::Tensor normal_block(const Draw& d, c10::IntArrayRef global_shape, c10::IntArrayRef shape,
                         c10::IntArrayRef offset, at::TensorOptions options);
 

@@ -10,10 +10,12 @@
 
 namespace dtensor {
 
+/// One transition of a redistribution plan: mesh dim `mesh_dim` goes from `src` to `dst`.
 struct RedistributeStep {
-  int64_t mesh_dim;
-  Placement src;
-  Placement dst;
+  int64_t mesh_dim;  ///< The mesh dim that changes.
+  Placement src;     ///< Its placement before.
+  Placement dst;     ///< Its placement after.
+  /// Same mesh dim, src and dst.
   bool operator==(const RedistributeStep& o) const {
     return mesh_dim == o.mesh_dim && src == o.src && dst == o.dst;
   }
@@ -23,6 +25,7 @@ struct RedistributeStep {
 std::vector<RedistributeStep> plan_redistribute(c10::ArrayRef<Placement> src,
                                                 c10::ArrayRef<Placement> dst);
 
+/// Options of redistribute_local.
 struct RedistributeLocalOptions {
   bool is_backward = false;  // R->P keeps the replica (no division); S->P gathers
   bool async_op = false;     // leave the last collective in flight

@@ -10,13 +10,16 @@
 
 namespace dtensor {
 
+/// A 1-D shard: `size` elements starting at `offset`.
 struct ShardRange {
-  int64_t size;
-  int64_t offset;
+  int64_t size;    ///< Number of elements (0 for an empty shard).
+  int64_t offset;  ///< Index of the first element (N for an empty shard).
 };
 
+/// ceil(n / k): the size of a full torch.chunk chunk; 0 when k is 0.
 inline int64_t full_chunk_size(int64_t n, int64_t k) { return k == 0 ? 0 : (n + k - 1) / k; }
 
+/// Range of chunk `r` of `k` over `n` elements (torch.chunk rule).
 inline ShardRange chunk_range(int64_t n, int64_t k, int64_t r) {
   const int64_t c = full_chunk_size(n, k);
   const int64_t off = r * c;
@@ -27,9 +30,11 @@ inline ShardRange chunk_range(int64_t n, int64_t k, int64_t r) {
 /// Local shape and global offset of the shard at `coordinate` (mesh dims applied left to
 /// right, each on the size left by the previous level).
 struct LocalShard {
-  std::vector<int64_t> shape;
-  std::vector<int64_t> offset;
+  std::vector<int64_t> shape;   ///< Local sizes.
+  std::vector<int64_t> offset;  ///< Global index of the shard's first element, per dim.
 };
+/// The LocalShard of `coordinate` (PyTorch's compute_local_shape_and_global_offset); throws for a
+/// Shard dim out of range.
 LocalShard compute_local_shape_and_global_offset(c10::IntArrayRef global_shape,
                                                  c10::IntArrayRef mesh_shape,
                                                  c10::IntArrayRef coordinate,

@@ -12,7 +12,9 @@ namespace dtensor {
 /// to prove that a plan communicates only where it says it does.
 class ExplicitRedistribution {
  public:
+  /// Enables the check on this thread; guards nest.
   ExplicitRedistribution();
+  /// Restores the state before construction.
   ~ExplicitRedistribution();
   ExplicitRedistribution(const ExplicitRedistribution&) = delete;
   ExplicitRedistribution& operator=(const ExplicitRedistribution&) = delete;

@@ -23,29 +23,38 @@ struct InputSpec {
   int list_index = -1;  // position inside a Tensor[] argument, else -1
 };
 
+/// The op call a sharding rule decides: the operator, its arguments and its inputs' specs.
+/// A view: it refers to the caller's objects and lives only during the rule.
 class OpCall {
  public:
+  /// Refers to (does not copy) `op`, `args`, `inputs` and `mesh`.
   OpCall(const c10::OperatorHandle& op, c10::ArrayRef<c10::IValue> args,
          const std::vector<InputSpec>& inputs, const DeviceMesh& mesh)
       : op_(op), args_(args), inputs_(inputs), mesh_(mesh) {}
 
-  const c10::OperatorHandle& op() const { return op_; }
-  const c10::FunctionSchema& schema() const { return op_.schema(); }
-  std::string name() const;  // "aten::add.Tensor"
-  c10::ArrayRef<c10::IValue> args() const { return args_; }
-  const c10::IValue& arg(size_t i) const { return args_[i]; }
-  size_t num_args() const { return args_.size(); }
+  const c10::OperatorHandle& op() const { return op_; }               ///< The operator.
+  const c10::FunctionSchema& schema() const { return op_.schema(); }  ///< Its schema.
+  std::string name() const;                                           // "aten::add.Tensor"
+  c10::ArrayRef<c10::IValue> args() const { return args_; }    ///< All arguments, in schema order.
+  const c10::IValue& arg(size_t i) const { return args_[i]; }  ///< Argument `i` (unchecked).
+  size_t num_args() const { return args_.size(); }             ///< Number of arguments.
+  /// The tensor inputs, in order.
   const std::vector<InputSpec>& inputs() const { return inputs_; }
-  size_t num_inputs() const { return inputs_.size(); }
+  size_t num_inputs() const { return inputs_.size(); }  ///< Number of tensor inputs.
+  /// Spec of tensor input `i` (must not be an undefined optional).
   const DTensorSpec& input(size_t i) const { return *inputs_.at(i).spec; }
-  const DeviceMesh& mesh() const { return mesh_; }
-  int64_t mesh_ndim() const { return mesh_.ndim(); }
+  const DeviceMesh& mesh() const { return mesh_; }    ///< The mesh of the DTensor inputs.
+  int64_t mesh_ndim() const { return mesh_.ndim(); }  ///< Number of mesh dims.
 
   /// Typed argument access (by schema position), with defaults for None.
   int64_t int_arg(size_t i, int64_t dflt = 0) const;
+  /// Argument `i` as a bool, `dflt` when None.
   bool bool_arg(size_t i, bool dflt = false) const;
+  /// Argument `i` as an int list.
   std::vector<int64_t> int_list_arg(size_t i) const;  // empty for None
+  /// Argument `i` as an int list, nullopt when None.
   std::optional<std::vector<int64_t>> opt_int_list_arg(size_t i) const;
+  /// Number of values the op returns.
   int64_t num_returns() const { return static_cast<int64_t>(schema().returns().size()); }
   std::string placements_str() const;  // "(S(0)), (R)" for error messages
 
@@ -59,8 +68,8 @@ class OpCall {
 /// What a local kernel knows besides the stack: the specs of the inputs as they arrive at the
 /// local call (after redistribution) and of the outputs (null for non-tensor returns).
 struct LocalContext {
-  c10::ArrayRef<SpecPtr> inputs;
-  c10::ArrayRef<SpecPtr> outputs;
+  c10::ArrayRef<SpecPtr> inputs;   ///< Specs of the inputs at the local call.
+  c10::ArrayRef<SpecPtr> outputs;  ///< Specs of the outputs; null for non-tensor returns.
 };
 /// Replaces `op.callBoxed` when an op's local computation differs from the plain op (a masked
 /// embedding lookup, a random op drawing from DTensor's stream). It gets the stack exactly as
@@ -68,6 +77,7 @@ struct LocalContext {
 using LocalKernel = std::function<void(const c10::OperatorHandle& op, torch::jit::Stack& stack,
                                        const LocalContext&)>;
 
+/// A rule's answer for one op call: input placements, output placements and local rewrites.
 struct Decision {
   /// Placements each input must have for the local call (one entry per OpCall input; an
   /// empty Placements means "as it is").
@@ -89,6 +99,7 @@ struct Strategy {
   std::vector<Placements> inputs;   // per OpCall input
 };
 
+/// A sharding rule: from an op call to the Decision (throws when no sharding applies).
 using Rule = std::function<Decision(const OpCall&)>;
 
 /// Registers `rule` for a qualified op name with overload ("aten::add.Tensor", or "aten::mm"
@@ -97,6 +108,7 @@ using Rule = std::function<Decision(const OpCall&)>;
 /// list in `static_args` the positions of those whose value does change the decision (a
 /// norm's order).
 void register_rule(const std::string& qualified_name, Rule rule, std::vector<int> static_args = {});
+/// Registers `rule` under each of `names` (see above).
 void register_rule(std::initializer_list<const char*> names, const Rule& rule,
                    std::vector<int> static_args = {});
 /// Registers `rule` to decide `qualified_name` instead of its ordinary rule while
@@ -105,8 +117,10 @@ void register_rule(std::initializer_list<const char*> names, const Rule& rule,
 /// rules this way from its own layer, and the ordinary rules never need to know about it. The
 /// first registered rule whose mask matches wins.
 void register_context_rule(const std::string& qualified_name, int64_t context_mask, Rule rule);
+/// Registers `rule` as a context rule under each of `names` (see above).
 void register_context_rule(std::initializer_list<const char*> names, int64_t context_mask,
                            const Rule& rule);
+/// Whether an ordinary rule (register_rule) is registered for `qualified_name`.
 bool has_rule(const std::string& qualified_name);
 /// Every name a rule was registered for, sorted (a misspelt name registers a rule that no
 /// operator ever reaches: tests check each against the dispatcher).
@@ -119,7 +133,9 @@ int64_t decision_context();
 /// Sets bits `mask` for the life of the guard (restores the previous value on destruction).
 class DecisionContextGuard {
  public:
+  /// Sets bits `mask` in decision_context() on this thread.
   explicit DecisionContextGuard(int64_t mask);
+  /// Restores the previous decision_context().
   ~DecisionContextGuard();
   DecisionContextGuard(const DecisionContextGuard&) = delete;
   DecisionContextGuard& operator=(const DecisionContextGuard&) = delete;

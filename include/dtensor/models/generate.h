@@ -39,20 +39,27 @@ namespace dtensor::models {
 /// attended to and the rotary position of slot t is t - pad[b], as if the row were alone.
 class KVCache {
  public:
+  /// Allocates zeroed caches for `batch` rows of up to `max_len` positions (<= max_seq_len) on
+  /// the model's device and dtype, with no padding; throws on bad sizes.
   KVCache(const TransformerImpl& model, int64_t batch, int64_t max_len);
 
+  /// Number of KV heads this rank keeps for `model` (local_kv_heads above).
   static int64_t local_kv_heads(const TransformerImpl& model);
-  int64_t batch() const { return batch_; }
-  int64_t max_len() const { return max_len_; }
-  int64_t length() const { return length_; }  // slots filled
+  int64_t batch() const { return batch_; }      ///< Rows (B).
+  int64_t max_len() const { return max_len_; }  ///< Positions allocated per row.
+  int64_t length() const { return length_; }    // slots filled
+  /// Bytes allocated for keys and values, all layers.
   int64_t bytes() const;
+  /// Keys of `layer`, (B, max_len, heads, head_dim).
   at::Tensor& keys(int64_t layer) { return keys_.at(layer); }
+  /// Values of `layer`, same shape as keys.
   at::Tensor& values(int64_t layer) { return values_.at(layer); }
   /// (B,) int64: the padding slots in front of each row (set before the first forward).
   const at::Tensor& padding() const { return padding_; }
+  /// Sets padding() ((B,) int64); throws unless the cache is empty (length() == 0).
   void set_padding(at::Tensor padding);
-  void advance(int64_t n) { length_ += n; }
-  void reset() { length_ = 0; }
+  void advance(int64_t n) { length_ += n; }  ///< Marks `n` more slots filled.
+  void reset() { length_ = 0; }              ///< Empties the cache (length() = 0).
 
  private:
   int64_t batch_, max_len_, length_ = 0;
@@ -65,6 +72,7 @@ class KVCache {
 /// must not be re-parallelized or have its parameters replaced while a Decoder uses it.
 class Decoder {
  public:
+  /// Takes `model`'s local weights (and its TP mesh, when parallelized).
   explicit Decoder(const TransformerImpl& model);
 
   /// tokens (B, S) int64, the same on every rank, at slots [cache.length(), +S). Returns the
@@ -72,8 +80,8 @@ class Decoder {
   /// every rank, and advances the cache by S.
   at::Tensor forward(const at::Tensor& tokens, KVCache& cache);
 
-  const LlamaConfig& config() const { return config_; }
-  int64_t tp() const { return tp_; }
+  const LlamaConfig& config() const { return config_; }  ///< The model's configuration.
+  int64_t tp() const { return tp_; }                     ///< TP degree (1 without TP).
 
  private:
   struct Layer {
@@ -92,11 +100,12 @@ class Decoder {
   double eps_;
 };
 
+/// How the next token is chosen from the logits.
 struct SamplingOptions {
   double temperature = 0;  // 0: greedy (argmax)
   int64_t top_k = 0;       // keep the k most likely tokens; 0: all
   double top_p = 1.0;      // keep the smallest set whose probability reaches top_p; 1: all
-  uint64_t seed = 0;
+  uint64_t seed = 0;       ///< Seed of the sampling generator.
 };
 
 /// The next token of each row of logits (B, V) (whole vocabulary). Sampling draws one uniform
@@ -106,8 +115,9 @@ struct SamplingOptions {
 at::Tensor sample_next_tokens(const at::Tensor& logits, const SamplingOptions& options,
                               int64_t step);
 
+/// Options of generate(): sampling, length, stopping and callbacks.
 struct GenerateOptions : SamplingOptions {
-  int64_t max_new_tokens = 32;
+  int64_t max_new_tokens = 32;       ///< Upper bound on new tokens per row.
   std::vector<int64_t> stop_tokens;  // a row stops after emitting one (it is included)
   int64_t pad_token = 0;             // fills the left padding (never attended to)
   /// Called on every rank, in order, for each new token of a row still running.
@@ -116,12 +126,13 @@ struct GenerateOptions : SamplingOptions {
   std::function<void(const at::Tensor& logits)> on_logits;
 };
 
+/// What generate() returns.
 struct GenerateResult {
-  std::vector<std::vector<int64_t>> tokens;  // new tokens per prompt
-  int64_t prompt_tokens = 0;                 // real (unpadded) prompt tokens
-  int64_t new_tokens = 0;
-  int64_t decode_steps = 0;  // forwards after the prefill
-  double prefill_seconds = 0, decode_seconds = 0;
+  std::vector<std::vector<int64_t>> tokens;        // new tokens per prompt
+  int64_t prompt_tokens = 0;                       // real (unpadded) prompt tokens
+  int64_t new_tokens = 0;                          ///< Total new tokens over all rows.
+  int64_t decode_steps = 0;                        // forwards after the prefill
+  double prefill_seconds = 0, decode_seconds = 0;  ///< Wall-clock times, in seconds.
 };
 
 /// Generates for every prompt (non-empty token lists, identical on every rank) at once; a row

@@ -32,44 +32,48 @@
 
 namespace dtensor::models {
 
-// Llama 3.1's rotary frequency scaling (Hugging Face rope_type "llama3"): wavelengths longer
-// than original_max_position_embeddings / low_freq_factor are stretched by `factor`, those
-// shorter than original_max_position_embeddings / high_freq_factor kept, and the ones between
-// interpolated smoothly.
+/// Llama 3.1's rotary frequency scaling (Hugging Face rope_type "llama3"): wavelengths longer
+/// than original_max_position_embeddings / low_freq_factor are stretched by `factor`, those
+/// shorter than original_max_position_embeddings / high_freq_factor kept, and the ones between
+/// interpolated smoothly.
 struct Llama3RopeScaling {
-  double factor = 8;
+  double factor = 8;  ///< How much longer the long wavelengths get.
   double low_freq_factor = 1;
   double high_freq_factor = 4;
   int64_t original_max_position_embeddings = 8192;
 };
 
+/// Model hyperparameters (torchtitan's ModelArgs); fields left 0 are derived (see below).
 struct LlamaConfig {
-  int64_t vocab_size = 256;
-  int64_t dim = 32;
-  int64_t n_layers = 2;
-  int64_t n_heads = 4;
+  int64_t vocab_size = 256;    ///< Tokens in the vocabulary.
+  int64_t dim = 32;            ///< Model (embedding) width.
+  int64_t n_layers = 2;        ///< Transformer blocks.
+  int64_t n_heads = 4;         ///< Query heads.
   int64_t n_kv_heads = 0;      // 0: n_heads (no GQA)
   int64_t ffn_hidden_dim = 0;  // 0: Llama's rule from dim, multiple_of and ffn_dim_multiplier
-  int64_t multiple_of = 32;
-  std::optional<double> ffn_dim_multiplier;
-  int64_t max_seq_len = 128;
-  double norm_eps = 1e-5;
-  double rope_theta = 10000;
-  std::optional<Llama3RopeScaling> rope_scaling;  // JSON: null or an object of its fields
-  bool tie_embeddings = false;                    // output.weight is tok_embeddings.weight
+  int64_t multiple_of = 32;    ///< The derived FFN hidden size is rounded up to a multiple of this.
+  std::optional<double> ffn_dim_multiplier;       ///< Scales the FFN hidden size (Llama's rule).
+  int64_t max_seq_len = 128;                      ///< Longest sequence (size of the rotary table).
+  double norm_eps = 1e-5;                         ///< RMSNorm epsilon.
+  double rope_theta = 10000;                      ///< Rotary embedding base.
+  std::optional<Llama3RopeScaling> rope_scaling;  ///< JSON: null or an object of its fields.
+  bool tie_embeddings = false;                    ///< output.weight is tok_embeddings.weight.
 
   /// "tiny" (tests: dim 32, 2 layers, 4 heads, 2 KV heads), "demo" (~3M parameters, trains
   /// visibly in a minute at TP=2 on 2 CPU cores), "bench" (~30M parameters).
   static LlamaConfig preset(const std::string& name);
+  /// The preset names: "tiny", "demo", "bench".
   static std::vector<std::string> preset_names();
   /// A JSON object with any of the fields above (others keep their defaults); unknown keys
   /// are an error. to_json() writes every field, resolved values included.
   static LlamaConfig from_json(const std::string& json);
+  /// Every field as a JSON object (see from_json).
   std::string to_json() const;
 
   int64_t kv_heads() const;    // n_kv_heads resolved
   int64_t head_dim() const;    // dim / n_heads
   int64_t hidden_dim() const;  // ffn_hidden_dim resolved
+  /// Total parameter count (tied weights counted once).
   int64_t num_parameters() const;
   /// Throws naming the field when the configuration is inconsistent.
   void validate() const;
@@ -85,11 +89,14 @@ struct LlamaConfig {
 /// SwiGLU: w2(silu(w1(x)) * w3(x)).
 class FeedForwardImpl : public dtensor::nn::Module {
  public:
+  /// w1 and w3 (dim -> hidden_dim) and w2 (hidden_dim -> dim), without biases.
   FeedForwardImpl(int64_t dim, int64_t hidden_dim);
+  /// x: (..., dim) -> (..., dim).
   at::Tensor forward(const at::Tensor& x);
 
-  dtensor::nn::Linear w1{nullptr}, w2{nullptr}, w3{nullptr};
+  dtensor::nn::Linear w1{nullptr}, w2{nullptr}, w3{nullptr};  ///< The three projections.
 };
+/// Module holder of FeedForwardImpl.
 TORCH_MODULE(FeedForward);
 
 /// Causal multi-head attention with grouped KV heads and rotary embeddings. Heads are inferred
@@ -97,31 +104,40 @@ TORCH_MODULE(FeedForward);
 /// KV head (local index) * n_kv / n_q, so the same code runs whole or with heads sharded.
 class AttentionImpl : public dtensor::nn::Module {
  public:
+  /// Projections sized from `config` (no biases).
   explicit AttentionImpl(const LlamaConfig& config);
   /// x: (B, S, dim). rope: (S, head_dim / 2, 2), cos and sin of the rotation angles (real, so
   /// Gloo can communicate it); the role of torchtitan's freqs_cis.
   at::Tensor forward(const at::Tensor& x, const at::Tensor& rope);
 
-  int64_t n_heads, n_kv_heads, head_dim;
+  int64_t n_heads, n_kv_heads, head_dim;  ///< Query heads, KV heads (before TP) and head size.
+  /// Query, key, value and output projections.
   dtensor::nn::Linear wq{nullptr}, wk{nullptr}, wv{nullptr}, wo{nullptr};
 };
+/// Module holder of AttentionImpl.
 TORCH_MODULE(Attention);
 
+/// One pre-norm block: x + attention(norm(x)), then + feed_forward(norm(.)).
 class TransformerBlockImpl : public dtensor::nn::Module {
  public:
+  /// Block `layer_id` of a model with `config`.
   TransformerBlockImpl(int64_t layer_id, const LlamaConfig& config);
+  /// x: (B, S, dim) -> (B, S, dim); rope as for AttentionImpl::forward.
   at::Tensor forward(const at::Tensor& x, const at::Tensor& rope);
 
-  int64_t layer_id;
-  dtensor::nn::RMSNorm attention_norm{nullptr};
-  Attention attention{nullptr};
-  dtensor::nn::RMSNorm ffn_norm{nullptr};
-  FeedForward feed_forward{nullptr};
+  int64_t layer_id;                              ///< Index in the model's layers.
+  dtensor::nn::RMSNorm attention_norm{nullptr};  ///< Norm before attention.
+  Attention attention{nullptr};                  ///< Self-attention.
+  dtensor::nn::RMSNorm ffn_norm{nullptr};        ///< Norm before the feed-forward.
+  FeedForward feed_forward{nullptr};             ///< SwiGLU feed-forward.
 };
+/// Module holder of TransformerBlockImpl.
 TORCH_MODULE(TransformerBlock);
 
+/// The whole model: embedding, blocks, final norm and output projection (vocab logits).
 class TransformerImpl : public dtensor::nn::Module {
  public:
+  /// Builds the modules (call init_weights next); throws when `config` is invalid.
   explicit TransformerImpl(LlamaConfig config);
 
   /// tokens: (B, S) int64 with S <= max_seq_len, identical on every rank. Returns logits
@@ -140,22 +156,24 @@ class TransformerImpl : public dtensor::nn::Module {
   /// config().rope_scaling when set.
   at::Tensor rope(int64_t seqlen, const at::TensorOptions& options) const;
 
-  const LlamaConfig& config() const { return config_; }
+  const LlamaConfig& config() const { return config_; }  ///< The configuration it was built with.
 
-  dtensor::nn::Embedding tok_embeddings{nullptr};
-  torch::nn::ModuleList layers{nullptr};  // TransformerBlock children "0", "1", ...
-  dtensor::nn::RMSNorm norm{nullptr};
+  dtensor::nn::Embedding tok_embeddings{nullptr};  ///< Token embedding (vocab, dim).
+  torch::nn::ModuleList layers{nullptr};           // TransformerBlock children "0", "1", ...
+  dtensor::nn::RMSNorm norm{nullptr};              ///< Final norm.
   /// No bias. With tie_embeddings its weight member is tok_embeddings.weight and it registers no
   /// parameter of its own, so parameters() lists the shared weight once.
   dtensor::nn::Linear output{nullptr};
 
   /// Set by apply_tensor_parallel.
   struct TensorParallelState {
-    DeviceMesh mesh;
-    bool sequence_parallel;
-    bool loss_parallel;
+    DeviceMesh mesh;         ///< The TP mesh (1-D).
+    bool sequence_parallel;  ///< Whether the plan shards the sequence.
+    bool loss_parallel;      ///< Whether the logits stay vocab-sharded.
   };
+  /// Set after apply_tensor_parallel; nullopt before.
   const std::optional<TensorParallelState>& tp_state() const { return tp_state_; }
+  /// Used by apply_tensor_parallel.
   void set_tp_state(TensorParallelState state) { tp_state_ = std::move(state); }
   /// Points output.weight at tok_embeddings.weight (again, after the embedding was replaced).
   void tie_output_to_embedding();
@@ -165,10 +183,12 @@ class TransformerImpl : public dtensor::nn::Module {
   at::Tensor rope_table_;  // (max_seq_len, head_dim/2, 2) float64; not a buffer, never sharded
   std::optional<TensorParallelState> tp_state_;
 };
+/// Module holder of TransformerImpl.
 TORCH_MODULE(Transformer);
 
 // ---- tensor parallelism ----
 
+/// Options of apply_tensor_parallel.
 struct TensorParallelOptions {
   /// torchtitan's plan: residual stream sharded on the sequence (norms run sequence-parallel).
   /// Off: the Megatron plan (activations replicated between blocks, norms plain).
@@ -187,8 +207,9 @@ struct TensorParallelOptions {
 /// n_heads and the FFN hidden size divisible by tp (else throws listing valid degrees); with
 /// sequence parallelism the sequence length must be too (checked in forward). KV heads: when
 /// n_kv_heads % tp == 0, wk/wv are Colwise like wq; otherwise wk/wv stay replicated, every rank
-/// projects all KV heads and keeps those its query heads use (their gradients are Partial and summed
-/// by reduce_partial_grads). A tied embedding stays tied (both uses are Shard(0) on the vocab).
+/// projects all KV heads and keeps those its query heads use (their gradients are Partial and
+/// summed by reduce_partial_grads). A tied embedding stays tied (both uses are Shard(0) on the
+/// vocab).
 void apply_tensor_parallel(TransformerImpl& model, const DeviceMesh& mesh,
                            TensorParallelOptions options = {});
 

@@ -33,33 +33,45 @@ namespace dtensor::nn {
   };                                                                                         \
   TORCH_MODULE(Name)
 
+/// torch::nn::Linear with forward hooks (module holder dtensor::nn::Linear).
 DTENSOR_HOOKED_LAYER(Linear, const at::Tensor&);
+/// torch::nn::Embedding with forward hooks (module holder dtensor::nn::Embedding).
 DTENSOR_HOOKED_LAYER(Embedding, const at::Tensor&);
+/// torch::nn::LayerNorm with forward hooks (module holder dtensor::nn::LayerNorm).
 DTENSOR_HOOKED_LAYER(LayerNorm, const at::Tensor&);
+/// torch::nn::Dropout with forward hooks (module holder dtensor::nn::Dropout).
 DTENSOR_HOOKED_LAYER(Dropout, at::Tensor);
 
 #undef DTENSOR_HOOKED_LAYER
 
+/// Options of RMSNorm (torch.nn.RMSNorm's arguments).
 struct RMSNormOptions {
+  /// Normalises over a last dimension of size `dim`.
   /* implicit */ RMSNormOptions(int64_t dim) : dim(dim) {}
-  int64_t dim;
-  std::optional<double> eps;  // none: the dtype's machine epsilon, as torch.nn.RMSNorm
-  bool elementwise_affine = true;
+  int64_t dim;                     ///< Size of the normalised (last) dimension.
+  std::optional<double> eps;       // none: the dtype's machine epsilon, as torch.nn.RMSNorm
+  bool elementwise_affine = true;  ///< Learn a per-element scale (`weight`, initialised to ones).
 };
 
 /// Root-mean-square norm over the last dimension (torch.nn.RMSNorm, which LibTorch's C++ API
 /// lacks), computed with at::rms_norm.
 class RMSNormImpl : public Module, public ParameterSwapTarget {
  public:
+  /// Registers `weight` (ones) when options.elementwise_affine.
   explicit RMSNormImpl(RMSNormOptions options);
+  /// Normalises `input` over its last dimension, running forward hooks.
   at::Tensor forward(const at::Tensor& input);
+  /// Sets `weight` back to ones.
   void reset_parameters();
+  /// Keeps the `weight` member in step when parameter "weight" is swapped.
   void on_parameter_replaced(const std::string& name, const at::Tensor& value) override;
+  /// Prints "dtensor::nn::RMSNorm(dim, eps=..., elementwise_affine=...)".
   void pretty_print(std::ostream& stream) const override;
 
-  RMSNormOptions options;
-  at::Tensor weight;  // undefined without elementwise_affine
+  RMSNormOptions options;  ///< The options the module was built with.
+  at::Tensor weight;       // undefined without elementwise_affine
 };
+/// Module holder of RMSNormImpl (as TORCH_MODULE defines for the torch layers).
 TORCH_MODULE(RMSNorm);
 
 }  // namespace dtensor::nn

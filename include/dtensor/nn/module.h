@@ -15,6 +15,7 @@ namespace dtensor::nn {
 /// Base class for users' own modules: torch::nn::Module plus forward hooks.
 class Module : public torch::nn::Module, public tp::HookedModule {
  public:
+  /// torch::nn::Module's constructors.
   using torch::nn::Module::Module;
 
   /// Every parameter once, as PyTorch's parameters(): a tensor tied into two submodules

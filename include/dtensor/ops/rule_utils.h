@@ -11,6 +11,7 @@
 
 namespace dtensor::ops {
 
+/// Rule types, re-exported for rule writers.
 using dispatch::Decision;
 using dispatch::OpCall;
 using dispatch::Strategy;
@@ -47,6 +48,7 @@ inline int64_t shards_of_dim(const DeviceMesh& mesh, c10::ArrayRef<Placement> p,
   return n;
 }
 
+/// `d` wrapped into [0, ndim) (negative dims count from the end); a 0-d tensor counts as 1-d.
 inline int64_t wrap_dim(int64_t d, int64_t ndim) {
   return c10::maybe_wrap_dim(d, std::max<int64_t>(ndim, 1));
 }
@@ -76,6 +78,7 @@ inline int input_of(const OpCall& call, int arg) {
   return -1;
 }
 
+/// TensorMeta of a contiguous tensor of `shape` and `dtype`.
 inline TensorMeta contiguous_meta(std::vector<int64_t> shape, at::ScalarType dtype) {
   auto stride = default_strides(shape);
   return TensorMeta{std::move(shape), std::move(stride), dtype};
@@ -83,6 +86,7 @@ inline TensorMeta contiguous_meta(std::vector<int64_t> shape, at::ScalarType dty
 
 /// One mesh dim's part of a strategy: a placement for each output, then one for each OpCall input.
 using DimStrategy = std::vector<Placement>;
+/// Predicate keeping (true) or dropping a candidate Strategy.
 using StrategyFilter = std::function<bool(const Strategy&)>;
 
 /// A rule's candidates on the whole mesh from what each mesh dim allows: every combination of

@@ -22,6 +22,7 @@ namespace dtensor::tp {
 /// DTensor is redistributed to it.
 at::Tensor make_input_replicate_1d(const at::Tensor& input,
                                    const std::optional<DeviceMesh>& mesh = std::nullopt);
+/// Shard(dim) input (PyTorch 2.0's make_input_shard_1d).
 at::Tensor make_input_shard_1d(const at::Tensor& input,
                                const std::optional<DeviceMesh>& mesh = std::nullopt,
                                int64_t dim = 0);
@@ -35,6 +36,7 @@ at::Tensor make_input_reshard_replicate(const at::Tensor& input, const DeviceMes
 at::Tensor make_output_shard_1d(const at::Tensor& output,
                                 const std::optional<DeviceMesh>& mesh = std::nullopt,
                                 int64_t dim = 0);
+/// Replicate output (PyTorch 2.0's make_output_replicate_1d).
 at::Tensor make_output_replicate_1d(const at::Tensor& output,
                                     const std::optional<DeviceMesh>& mesh = std::nullopt);
 /// Replicated, as a plain tensor.
@@ -60,10 +62,13 @@ at::Tensor make_output_reshard_tensor(const at::Tensor& output,
 /// The first and last paired Linears need hooks (dtensor::nn::Linear); validate() says so.
 class PairwiseParallel : public ParallelStyle {
  public:
+  /// No options: PairwiseParallel takes no arguments.
   PairwiseParallel() = default;
-  std::string repr() const override { return "PairwiseParallel()"; }
+  std::string repr() const override { return "PairwiseParallel()"; }  ///< "PairwiseParallel()".
+  /// Rejects MLPs whose first or last paired Linear cannot hold hooks.
   void validate(torch::nn::Module& module, const std::string& fqn,
                 const DeviceMesh& mesh) const override;
+  /// Shards each MLP's Linear pairs as described above.
   void apply(torch::nn::Module& module, const std::string& fqn,
              const DeviceMesh& mesh) const override;
 };

@@ -31,8 +31,10 @@ namespace dtensor::tp {
 /// The decision-context bit LossParallel sets (see dispatch::decision_context()).
 inline constexpr int64_t kLossParallelBit = int64_t{1} << 0;
 
+/// Guard enabling vocab-parallel log_softmax / nll_loss on this thread (see above).
 class LossParallel {
  public:
+  /// Sets kLossParallelBit and treats plain tensors as Replicate until destruction.
   LossParallel() : guard_(kLossParallelBit) {}
 
  private:

@@ -41,15 +41,17 @@
 
 namespace dtensor::tp {
 
+/// Keyword arguments of a call, as (name, value) pairs in call order.
 using Kwargs = std::vector<std::pair<std::string, c10::IValue>>;
 
 /// One forward call as hooks see it.
 struct ModuleCall {
-  std::vector<c10::IValue> args;
-  Kwargs kwargs;  // in call order
+  std::vector<c10::IValue> args;  ///< Positional arguments.
+  Kwargs kwargs;                  // in call order
 
   /// The keyword argument `name`, or nullptr when the call does not pass it.
   c10::IValue* kwarg(const std::string& name);
+  /// Same, read-only.
   const c10::IValue* kwarg(const std::string& name) const;
 };
 
@@ -59,8 +61,10 @@ using ForwardPreHook = std::function<void(torch::nn::Module& module, ModuleCall&
 using ForwardHook =
     std::function<void(torch::nn::Module& module, const ModuleCall& call, c10::IValue& output)>;
 
+/// Mixin that gives a torch::nn::Module forward hooks (see the top of this file).
 class HookedModule {
  public:
+  /// No hooks, no name, no parent.
   HookedModule() = default;
   /// clone() copies hooks with the module; the parent link stays with the original's tree.
   HookedModule(const HookedModule& other)
@@ -68,13 +72,18 @@ class HookedModule {
         hooks_(other.hooks_),
         next_handle_(other.next_handle_),
         fqn_(other.fqn_) {}
+  /// Copies hooks, handles and name (not the parent link).
   HookedModule& operator=(const HookedModule& other);
+  /// Virtual, so hooked modules can be destroyed through this base.
   virtual ~HookedModule() = default;
 
   /// Returns a handle for remove_hook.
   size_t register_forward_pre_hook(ForwardPreHook hook);
+  /// Registers a hook run after forward; returns a handle for remove_hook.
   size_t register_forward_hook(ForwardHook hook);
+  /// Removes the pre-hook or hook with `handle`; unknown handles are ignored.
   void remove_hook(size_t handle);
+  /// Number of pre-hooks and hooks registered.
   size_t num_hooks() const { return pre_hooks_.size() + hooks_.size(); }
   /// The handle the next hook will get: handles only grow, so hooks registered after this call
   /// are exactly those with a handle at or above it.
@@ -83,10 +92,11 @@ class HookedModule {
   /// The module's path from the root of its model ("layers.0.attention"), used to attribute
   /// collectives in CommDebugMode; set by parallelize_module and tp::name_modules().
   const std::string& fqn() const { return fqn_; }
-  void set_fqn(std::string fqn) { fqn_ = std::move(fqn); }
+  void set_fqn(std::string fqn) { fqn_ = std::move(fqn); }  ///< Sets fqn().
 
   /// The nearest hook-capable ancestor (set by tp::name_modules), or nullptr: unknown, or gone.
   HookedModule* hooked_parent() const;
+  /// Sets hooked_parent(); remembers whether a parent owned by a shared_ptr is still alive.
   void set_hooked_parent(HookedModule* parent);
 
  protected:
@@ -127,7 +137,9 @@ void name_modules(torch::nn::Module& root);
 /// (for calling a submodule of a parallelized model on its own, without its ancestors' hooks).
 class DirectCallGuard {
  public:
+  /// Allows direct calls on this thread; guards nest.
   DirectCallGuard();
+  /// Ends this guard's allowance.
   ~DirectCallGuard();
   DirectCallGuard(const DirectCallGuard&) = delete;
   DirectCallGuard& operator=(const DirectCallGuard&) = delete;

@@ -22,6 +22,7 @@ namespace dtensor::tp {
 class HookedModule;
 struct ModuleCall;
 
+/// Tracks one HookedModule forward call for CommDebugMode; a no-op when none is active.
 class TrackedCall {
  public:
   /// Before the forward pre-hooks: `call` holds the arguments as the caller passed them.

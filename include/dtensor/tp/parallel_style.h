@@ -13,8 +13,10 @@
 
 namespace dtensor::tp {
 
+/// Base of all parallel styles (PyTorch's ParallelStyle): how one module is parallelized.
 class ParallelStyle {
  public:
+  /// Virtual: styles are owned through Style's shared_ptr.
   virtual ~ParallelStyle() = default;
 
   /// The style's name and arguments as PyTorch prints them, e.g.
@@ -45,17 +47,19 @@ class ParallelStyle {
 ///   {{"net1", ColwiseParallel()}, {"net2", RowwiseParallel({.output_layouts = Shard(0)})}}
 class Style {
  public:
+  /// Wraps a copy of `style`.
   template <class S>
   requires std::derived_from<S, ParallelStyle>
   /* implicit */ Style(S style) : ptr_(std::make_shared<S>(std::move(style))) {}
+  /// Shares `style`.
   template <class S>
   requires std::derived_from<S, ParallelStyle>
   /* implicit */ Style(std::shared_ptr<S> style) : ptr_(std::move(style)) {}
 
-  ParallelStyle& operator*() const { return *ptr_; }
-  ParallelStyle* operator->() const { return ptr_.get(); }
-  const std::shared_ptr<ParallelStyle>& ptr() const { return ptr_; }
-  std::string repr() const { return ptr_->repr(); }
+  ParallelStyle& operator*() const { return *ptr_; }        ///< The style.
+  ParallelStyle* operator->() const { return ptr_.get(); }  ///< Member access to the style.
+  const std::shared_ptr<ParallelStyle>& ptr() const { return ptr_; }  ///< The shared style.
+  std::string repr() const { return ptr_->repr(); }                   ///< The style's repr().
 
  private:
   std::shared_ptr<ParallelStyle> ptr_;

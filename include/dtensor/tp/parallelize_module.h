@@ -36,22 +36,26 @@
 
 namespace dtensor::tp {
 
+/// (plan key, style) pairs, applied in order; keys are path patterns (see above).
 using ParallelizePlan = std::vector<std::pair<std::string, Style>>;
 
 /// src_data_rank: group rank parameters are scattered/broadcast from, or nullopt for none
 /// (each rank keeps its own values; no communication). Returns `module`.
 torch::nn::Module& parallelize_module(torch::nn::Module& module, const DeviceMesh& mesh,
                                       const Style& style, std::optional<int64_t> src_data_rank = 0);
+/// Applies each entry of `plan` to the submodules its key matches (see above).
 torch::nn::Module& parallelize_module(torch::nn::Module& module, const DeviceMesh& mesh,
                                       const ParallelizePlan& plan,
                                       std::optional<int64_t> src_data_rank = 0);
 /// With the mesh from the innermost MeshGuard.
 torch::nn::Module& parallelize_module(torch::nn::Module& module, const Style& style,
                                       std::optional<int64_t> src_data_rank = 0);
+/// `plan` with the mesh from the innermost MeshGuard.
 torch::nn::Module& parallelize_module(torch::nn::Module& module, const ParallelizePlan& plan,
                                       std::optional<int64_t> src_data_rank = 0);
 /// No plan: warns that auto-parallel is not supported and returns the module unchanged.
 torch::nn::Module& parallelize_module(torch::nn::Module& module, const DeviceMesh& mesh);
+/// Same, with the mesh from the innermost MeshGuard.
 torch::nn::Module& parallelize_module(torch::nn::Module& module);
 
 /// Python's fnmatch.fnmatchcase: '*' any run, '?' one character, "[a-c]" / "[!x]" classes; a

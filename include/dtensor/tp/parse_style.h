@@ -19,7 +19,9 @@
 
 namespace dtensor::tp {
 
+/// Parses a style call such as "ColwiseParallel(use_local_output=False)"; throws on bad text.
 Style parse_style(std::string_view text);
+/// Parses one placement: "Shard(0)", "S(0)", "Replicate()", "R", "Partial(max)", "P".
 Placement parse_placement(std::string_view text);
 
 }  // namespace dtensor::tp

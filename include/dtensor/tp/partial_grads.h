@@ -21,6 +21,7 @@ namespace dtensor::tp {
 /// Returns the number of gradients reduced. Plain and non-Partial gradients are left alone;
 /// a parameter listed twice (tied weights) is reduced once.
 int64_t reduce_partial_grads(const std::vector<at::Tensor>& params);
+/// reduce_partial_grads(module.parameters()).
 int64_t reduce_partial_grads(torch::nn::Module& module);
 
 }  // namespace dtensor::tp

@@ -37,61 +37,79 @@ namespace dtensor::tp {
 
 /// Per-input layouts of Prepare* styles; an empty entry (PyTorch's None) leaves that input alone.
 using Layouts = std::vector<std::optional<Placement>>;
+/// Per-keyword-argument layouts of Prepare* styles, keyed by argument name.
 using KwargLayouts = std::map<std::string, std::optional<Placement>>;
 
+/// Options of ColwiseParallel (PyTorch's keyword arguments).
 struct ColwiseParallelOptions {
   std::optional<Placement> input_layouts;   // default Replicate
   std::optional<Placement> output_layouts;  // default Shard(-1)
-  bool use_local_output = true;
+  bool use_local_output = true;             ///< Return the output as a plain local tensor.
 };
 
 /// Linear: weight and bias Shard(0); Embedding: weight Shard(1). Output sharded on the last dim.
 /// Other module types: "ColwiseParallel currently only support nn.Linear and nn.Embedding!".
 class ColwiseParallel : public ParallelStyle {
  public:
+  /// PyTorch's ColwiseParallel(...).
   explicit ColwiseParallel(ColwiseParallelOptions options = {});
+  /// "ColwiseParallel(input_layouts=..., output_layouts=..., use_local_output=...)".
   std::string repr() const override;
+  /// Rejects other module types, and plain modules with options that need hooks.
   void validate(torch::nn::Module& module, const std::string& fqn,
                 const DeviceMesh& mesh) const override;
+  /// Shards the parameters and installs the input/output hooks.
   void apply(torch::nn::Module& module, const std::string& fqn,
              const DeviceMesh& mesh) const override;
+  /// Yes: parameters go through distribute_module.
   bool uses_distribute_module() const override { return true; }
-  const ColwiseParallelOptions& options() const { return options_; }
+  const ColwiseParallelOptions& options() const { return options_; }  ///< The options as given.
+  /// input_layouts, or its default.
   Placement input_layout() const { return options_.input_layouts.value_or(Replicate()); }
+  /// output_layouts, or its default.
   Placement output_layout() const { return options_.output_layouts.value_or(Shard(-1)); }
 
  private:
   ColwiseParallelOptions options_;
 };
 
+/// Options of RowwiseParallel (PyTorch's keyword arguments).
 struct RowwiseParallelOptions {
   std::optional<Placement> input_layouts;   // default Shard(-1)
   std::optional<Placement> output_layouts;  // default Replicate
-  bool use_local_output = true;
+  bool use_local_output = true;             ///< Return the output as a plain local tensor.
 };
 
 /// Linear: weight Shard(1), bias Replicate; Embedding: weight Shard(0) (vocab rows). The desired
 /// input is Shard(-1) for Linear and Replicate (the indices) for Embedding.
 class RowwiseParallel : public ParallelStyle {
  public:
+  /// PyTorch's RowwiseParallel(...).
   explicit RowwiseParallel(RowwiseParallelOptions options = {});
+  /// "RowwiseParallel(input_layouts=..., output_layouts=..., use_local_output=...)".
   std::string repr() const override;
+  /// Rejects other module types, and plain modules with options that need hooks.
   void validate(torch::nn::Module& module, const std::string& fqn,
                 const DeviceMesh& mesh) const override;
+  /// Shards the parameters and installs the input/output hooks.
   void apply(torch::nn::Module& module, const std::string& fqn,
              const DeviceMesh& mesh) const override;
+  /// Yes: parameters go through distribute_module.
   bool uses_distribute_module() const override { return true; }
-  const RowwiseParallelOptions& options() const { return options_; }
+  const RowwiseParallelOptions& options() const { return options_; }  ///< The options as given.
+  /// input_layouts, or its default.
   Placement input_layout() const { return options_.input_layouts.value_or(Shard(-1)); }
+  /// output_layouts, or its default.
   Placement output_layout() const { return options_.output_layouts.value_or(Replicate()); }
 
  private:
   RowwiseParallelOptions options_;
 };
 
+/// Options of SequenceParallel (PyTorch's keyword arguments).
 struct SequenceParallelOptions {
-  int64_t sequence_dim = 1;
-  bool use_local_output = false;
+  int64_t sequence_dim = 1;       ///< The tensor dim of the sequence.
+  bool use_local_output = false;  ///< Return the output as a plain local tensor.
 };
 
 /// Norms and dropout on sequence-sharded activations. Parameters become Replicate DTensors over
@@ -100,25 +118,32 @@ struct SequenceParallelOptions {
 /// shard; a DTensor input in another layout is redistributed to Shard(sequence_dim).
 class SequenceParallel : public ParallelStyle {
  public:
+  /// PyTorch's SequenceParallel(...).
   explicit SequenceParallel(SequenceParallelOptions options = {});
+  /// "SequenceParallel(sequence_dim=..., use_local_output=...)".
   std::string repr() const override;
+  /// Rejects plain modules when use_local_output needs the output hook.
   void validate(torch::nn::Module& module, const std::string& fqn,
                 const DeviceMesh& mesh) const override;
+  /// Replicates the parameters and installs the input/output hooks.
   void apply(torch::nn::Module& module, const std::string& fqn,
              const DeviceMesh& mesh) const override;
+  /// Yes: parameters go through distribute_module.
   bool uses_distribute_module() const override { return true; }
-  const SequenceParallelOptions& options() const { return options_; }
+  const SequenceParallelOptions& options() const { return options_; }  ///< The options as given.
 
  private:
   SequenceParallelOptions options_;
 };
 
+/// Options of PrepareModuleInput (PyTorch's keyword arguments; empty = None).
 struct PrepareModuleInputOptions {
-  std::optional<Layouts> input_layouts;
-  std::optional<Layouts> desired_input_layouts;
-  std::optional<KwargLayouts> input_kwarg_layouts;
+  std::optional<Layouts> input_layouts;             ///< Layout of each positional input as passed.
+  std::optional<Layouts> desired_input_layouts;     ///< Layout each positional input is moved to.
+  std::optional<KwargLayouts> input_kwarg_layouts;  ///< Layout of each keyword input as passed.
+  /// Layout each keyword input is moved to.
   std::optional<KwargLayouts> desired_input_kwarg_layouts;
-  bool use_local_output = false;
+  bool use_local_output = false;  ///< Pass the converted inputs on as plain local tensors.
 };
 
 /// Converts the module's positional (and keyword) inputs: a plain tensor becomes a DTensor with
@@ -129,22 +154,27 @@ struct PrepareModuleInputOptions {
 /// input_layouts should have same length!", "expecting input to be a torch.Tensor!".
 class PrepareModuleInput : public ParallelStyle {
  public:
+  /// Checks the options (see above); throws with PyTorch's messages.
   explicit PrepareModuleInput(PrepareModuleInputOptions options = {});
+  /// "PrepareModuleInput(input_layouts=..., desired_input_layouts=..., ...)".
   std::string repr() const override;
+  /// Rejects modules without forward hooks (this style is only hooks).
   void validate(torch::nn::Module& module, const std::string& fqn,
                 const DeviceMesh& mesh) const override;
+  /// Installs the forward pre-hook.
   void apply(torch::nn::Module& module, const std::string& fqn,
              const DeviceMesh& mesh) const override;
-  const PrepareModuleInputOptions& options() const { return options_; }
+  const PrepareModuleInputOptions& options() const { return options_; }  ///< The options as given.
 
  private:
   PrepareModuleInputOptions options_;
 };
 
+/// Options of PrepareModuleOutput (PyTorch's keyword arguments).
 struct PrepareModuleOutputOptions {
-  Layouts output_layouts;
-  Layouts desired_output_layouts;
-  bool use_local_output = true;
+  Layouts output_layouts;          ///< Layout of each output as returned.
+  Layouts desired_output_layouts;  ///< Layout each output is moved to.
+  bool use_local_output = true;    ///< Return the outputs as plain local tensors.
 };
 
 /// Converts the module's outputs (one, or the elements of a returned tuple). Checks: "output_layouts
@@ -152,40 +182,50 @@ struct PrepareModuleOutputOptions {
 /// output_layouts should have same length!" (call).
 class PrepareModuleOutput : public ParallelStyle {
  public:
+  /// Checks the options (see above); throws with PyTorch's messages.
   explicit PrepareModuleOutput(PrepareModuleOutputOptions options);
+  /// "PrepareModuleOutput(output_layouts=..., desired_output_layouts=..., ...)".
   std::string repr() const override;
+  /// Rejects modules without forward hooks (this style is only hooks).
   void validate(torch::nn::Module& module, const std::string& fqn,
                 const DeviceMesh& mesh) const override;
+  /// Installs the forward hook.
   void apply(torch::nn::Module& module, const std::string& fqn,
              const DeviceMesh& mesh) const override;
-  const PrepareModuleOutputOptions& options() const { return options_; }
+  const PrepareModuleOutputOptions& options() const { return options_; }  ///< The options as given.
 
  private:
   PrepareModuleOutputOptions options_;
 };
 
+/// Options of PrepareModuleInputOutput: PrepareModuleInput's then PrepareModuleOutput's.
 struct PrepareModuleInputOutputOptions {
-  std::optional<Layouts> input_layouts;
-  std::optional<Layouts> desired_input_layouts;
-  std::optional<KwargLayouts> input_kwarg_layouts;
+  std::optional<Layouts> input_layouts;             ///< Layout of each positional input as passed.
+  std::optional<Layouts> desired_input_layouts;     ///< Layout each positional input is moved to.
+  std::optional<KwargLayouts> input_kwarg_layouts;  ///< Layout of each keyword input as passed.
+  /// Layout each keyword input is moved to.
   std::optional<KwargLayouts> desired_input_kwarg_layouts;
-  bool use_local_input = false;
-  Layouts output_layouts;
-  Layouts desired_output_layouts;
-  bool use_local_output = true;
+  bool use_local_input = false;    ///< Pass the converted inputs on as plain local tensors.
+  Layouts output_layouts;          ///< Layout of each output as returned.
+  Layouts desired_output_layouts;  ///< Layout each output is moved to.
+  bool use_local_output = true;    ///< Return the outputs as plain local tensors.
 };
 
 /// PrepareModuleInput(use_local_output = use_local_input) and PrepareModuleOutput on one module.
 class PrepareModuleInputOutput : public ParallelStyle {
  public:
+  /// Builds both halves; throws as they do.
   explicit PrepareModuleInputOutput(PrepareModuleInputOutputOptions options);
+  /// "PrepareModuleInputOutput(...)" with the arguments of both halves.
   std::string repr() const override;
+  /// Rejects modules without forward hooks (this style is only hooks).
   void validate(torch::nn::Module& module, const std::string& fqn,
                 const DeviceMesh& mesh) const override;
+  /// Installs both halves' hooks.
   void apply(torch::nn::Module& module, const std::string& fqn,
              const DeviceMesh& mesh) const override;
-  const PrepareModuleInput& input_style() const { return input_; }
-  const PrepareModuleOutput& output_style() const { return output_; }
+  const PrepareModuleInput& input_style() const { return input_; }     ///< The input half.
+  const PrepareModuleOutput& output_style() const { return output_; }  ///< The output half.
 
  private:
   PrepareModuleInput input_;
