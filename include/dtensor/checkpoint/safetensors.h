@@ -115,9 +115,9 @@ class File {
   /// A CPU tensor over the mapping without a copy when the data is suitably aligned (it is
   /// in files we write), otherwise a copy. Valid while this File lives.
   at::Tensor view(const TensorInfo& info) const;
-  // A CPU tensor holding the block [offset[d], offset[d] + size[d]) of every dimension, copied
-  // from the mapping run by run: only the block's bytes are touched (pages outside it are never
-  // read), so a rank of a sharded load reads just its part. Its byte count is what was read.
+  /// A CPU tensor holding the block [offset[d], offset[d] + size[d]) of every dimension, copied
+  /// from the mapping run by run: only the block's bytes are touched (pages outside it are never
+  /// read), so a rank of a sharded load reads just its part. Its byte count is what was read.
   at::Tensor slice(const TensorInfo& info, c10::IntArrayRef offset, c10::IntArrayRef size) const;
 
   uint64_t data_offset() const { return data_offset_; }  // in the file: 8 + header length

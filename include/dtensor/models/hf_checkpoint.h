@@ -25,19 +25,19 @@
 
 namespace dtensor::models {
 
-// What config.json says beyond LlamaConfig.
+/// What config.json says beyond LlamaConfig.
 struct HfLlamaConfig {
   LlamaConfig config;
-  // torch_dtype (transformers 4) or dtype (5): the dtype of the stored weights as saved.
+  /// torch_dtype (transformers 4) or dtype (5): the dtype of the stored weights as saved.
   c10::ScalarType dtype = c10::ScalarType::Float;
 };
 
-// Reads `dir`/config.json: hidden_size, num_hidden_layers, num_attention_heads,
-// num_key_value_heads, intermediate_size, head_dim (must be hidden_size / num_attention_heads),
-// rope_theta and rope_scaling (transformers 4) or rope_parameters (5) of type "default" or
-// "llama3", rms_norm_eps, vocab_size, tie_word_embeddings, max_position_embeddings (our
-// max_seq_len) and torch_dtype. Throws naming the file and key for an unsupported architecture,
-// rope type, activation or bias.
+/// Reads `dir`/config.json: hidden_size, num_hidden_layers, num_attention_heads,
+/// num_key_value_heads, intermediate_size, head_dim (must be hidden_size / num_attention_heads),
+/// rope_theta and rope_scaling (transformers 4) or rope_parameters (5) of type "default" or
+/// "llama3", rms_norm_eps, vocab_size, tie_word_embeddings, max_position_embeddings (our
+/// max_seq_len) and torch_dtype. Throws naming the file and key for an unsupported architecture,
+/// rope type, activation or bias.
 HfLlamaConfig read_hf_llama_config(const std::string& dir);
 
 struct HfLoadOptions {
@@ -59,31 +59,31 @@ struct HfLlama {
   HfLoadStats stats;
 };
 
-// Builds the model from config.json in options.dtype (or the checkpoint's), parallelizes it
-// over `mesh` when given (apply_tensor_parallel, no communication), and loads the weights.
-// Every rank calls it; no collective is issued, and every rank fails alike on bad input.
+/// Builds the model from config.json in options.dtype (or the checkpoint's), parallelizes it
+/// over `mesh` when given (apply_tensor_parallel, no communication), and loads the weights.
+/// Every rank calls it; no collective is issued, and every rank fails alike on bad input.
 HfLlama load_hf_llama(const std::string& dir, const std::optional<DeviceMesh>& mesh = std::nullopt,
                       const HfLoadOptions& options = {});
 
-// Loads the checkpoint in `dir` into an existing model (plain or parallelized, any dtype). All
-// files, names, shapes and dtypes are checked and this rank's slices read before any parameter
-// changes: on error (naming the file and tensor) the model is left as it was.
+/// Loads the checkpoint in `dir` into an existing model (plain or parallelized, any dtype). All
+/// files, names, shapes and dtypes are checked and this rank's slices read before any parameter
+/// changes: on error (naming the file and tensor) the model is left as it was.
 HfLoadStats load_hf_weights(const std::string& dir, TransformerImpl& model);
 
 struct HfSaveOptions {
   std::optional<c10::ScalarType> dtype;  // of the stored weights; default: the model's
 };
 
-// Writes `dir`/config.json and `dir`/model.safetensors (metadata {"format": "pt"}) that
-// transformers' LlamaForCausalLM.from_pretrained loads unchanged: HF names, q/k rows back in
-// rotate-half order, no lm_head when the embedding is tied. Collective, from any TP degree:
-// every rank calls it, parameters are gathered with full_tensor, global rank 0 writes (the
-// safetensors file atomically) and every rank throws if rank 0 failed.
+/// Writes `dir`/config.json and `dir`/model.safetensors (metadata {"format": "pt"}) that
+/// transformers' LlamaForCausalLM.from_pretrained loads unchanged: HF names, q/k rows back in
+/// rotate-half order, no lm_head when the embedding is tied. Collective, from any TP degree:
+/// every rank calls it, parameters are gathered with full_tensor, global rank 0 writes (the
+/// safetensors file atomically) and every rank throws if rank 0 failed.
 void save_hf_llama(const std::string& dir, const TransformerImpl& model,
                    const HfSaveOptions& options = {});
 
-// The Hugging Face name of one of our parameter names ("tok_embeddings.weight" ->
-// "model.embed_tokens.weight"); throws for names that have none.
+/// The Hugging Face name of one of our parameter names ("tok_embeddings.weight" ->
+/// "model.embed_tokens.weight"); throws for names that have none.
 std::string hf_parameter_name(const std::string& name);
 
 }  // namespace dtensor::models

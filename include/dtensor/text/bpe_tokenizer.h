@@ -25,17 +25,17 @@ namespace dtensor::text {
 
 class BpeTokenizer {
  public:
-  // `source` names the file in error messages.
+  /// `source` names the file in error messages.
   static BpeTokenizer from_file(const std::string& path);
   static BpeTokenizer from_json(std::string_view json, const std::string& source = "<json>");
 
-  // `text` must be valid UTF-8. add_special_tokens applies the post-processor's template
-  // (Llama 3: a leading <|begin_of_text|>); HF's add_special_tokens=True.
+  /// `text` must be valid UTF-8. add_special_tokens applies the post-processor's template
+  /// (Llama 3: a leading <|begin_of_text|>); HF's add_special_tokens=True.
   std::vector<int64_t> encode(std::string_view text, bool add_special_tokens = false) const;
-  // Bytes that do not form UTF-8 (a sequence cut inside a character) become U+FFFD, as in HF.
+  /// Bytes that do not form UTF-8 (a sequence cut inside a character) become U+FFFD, as in HF.
   std::string decode(const std::vector<int64_t>& ids, bool skip_special_tokens = false) const;
 
-  // Model vocabulary and added tokens (HF's get_vocab_size(with_added_tokens=True)).
+  /// Model vocabulary and added tokens (HF's get_vocab_size(with_added_tokens=True)).
   int64_t vocab_size() const;
   std::optional<int64_t> token_to_id(std::string_view token) const;
   std::string id_to_token(int64_t id) const;  // throws std::out_of_range
