@@ -7,6 +7,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <iostream>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -15,6 +16,7 @@
 #include "dtensor/comm/process_group.h"
 #include "dtensor/mesh/device_mesh.h"
 #include "dtensor/models/generate.h"
+#include "dtensor/text/bpe_tokenizer.h"
 #include "model_source.h"
 #include "train/tokenizer.h"
 
@@ -51,23 +53,44 @@ int run(const Options& o, const comm::LaunchEnv& env) {
     std::cerr << "dtensor_generate: " << loaded.description << "; " << config.num_parameters()
               << " parameters, TP=" << mesh.size() << "\n";
 
-  const train::ByteTokenizer tokenizer;
+  // A Hugging Face model brings its BPE tokenizer; the bundled models use bytes.
+  std::optional<text::BpeTokenizer> bpe;
+  if (!loaded.tokenizer_json.empty()) bpe = text::BpeTokenizer::from_file(loaded.tokenizer_json);
+  const train::ByteTokenizer bytes;
+  auto encode = [&](const std::string& p) {
+    return bpe ? bpe->encode(p, /*add_special_tokens=*/true) : bytes.encode(p);
+  };
+  auto decode = [&](const std::vector<int64_t>& ids) {
+    if (bpe) return bpe->decode(ids, /*skip_special_tokens=*/true);
+    std::string out;
+    for (int64_t t : ids) out += token_text(t);
+    return out;
+  };
   std::vector<std::vector<int64_t>> prompts;
-  for (const auto& p : o.prompts) prompts.push_back(tokenizer.encode(p));
+  for (const auto& p : o.prompts) prompts.push_back(encode(p));
   models::GenerateOptions g = o.generate;
-  // One prompt streams as it comes; several are printed whole at the end, one per line.
+  // One prompt streams as it comes; several are printed whole at the end, one per line. A BPE
+  // token may end inside a UTF-8 character: print what the whole output decodes to, less what
+  // was printed already.
   const bool stream = rank0 && prompts.size() == 1;
+  std::vector<int64_t> streamed;
+  std::string printed;
   if (stream) {
     std::cout << o.prompts[0] << std::flush;
-    g.on_token = [](int64_t, int64_t token) { std::cout << token_text(token) << std::flush; };
+    g.on_token = [&](int64_t, int64_t token) {
+      streamed.push_back(token);
+      const std::string now = decode(streamed);
+      if (now.size() > printed.size() && now.compare(0, printed.size(), printed) == 0) {
+        std::cout << now.substr(printed.size()) << std::flush;
+        printed = now;
+      }
+    };
   }
   const auto result = models::generate(*loaded.model, prompts, g);
   if (rank0) {
     if (stream) std::cout << "\n";
     for (size_t b = 0; !stream && b < prompts.size(); ++b) {
-      std::cout << o.prompts[b];
-      for (int64_t t : result.tokens[b]) std::cout << token_text(t);
-      std::cout << "\n";
+      std::cout << o.prompts[b] << decode(result.tokens[b]) << "\n";
     }
     auto rate = [](int64_t n, double s) { return s > 0 ? static_cast<double>(n) / s : 0.0; };
     std::fprintf(stderr,

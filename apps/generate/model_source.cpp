@@ -6,6 +6,7 @@
 
 #include "dtensor/checkpoint/checkpoint.h"
 #include "dtensor/checkpoint/checkpoint_manager.h"
+#include "dtensor/models/hf_checkpoint.h"
 
 namespace dtensor::generate_app {
 
@@ -56,15 +57,27 @@ c10::ScalarType parse_dtype(const std::string& s, c10::ScalarType fallback) {
   throw std::runtime_error("--dtype: expected float32 or float64, got '" + s + "'");
 }
 
+// config.json, model.safetensors[.index.json] and tokenizer.json of a save_pretrained directory;
+// each rank reads only the slices it keeps.
+LoadedModel load_hf_model(const ModelSource& source, const DeviceMesh& mesh) {
+  const fs::path dir = source.hf_model;
+  if (!fs::is_directory(dir))
+    throw std::runtime_error("--model: no such directory '" + dir.string() + "'");
+  models::HfLoadOptions options;
+  options.dtype = parse_dtype(source.dtype, c10::kFloat);
+  options.tp = {.sequence_parallel = false, .loss_parallel = true};
+  auto hf = models::load_hf_llama(dir.string(), mesh, options);
+  LoadedModel out{hf.model, "Hugging Face checkpoint " + dir.string() + " (this rank read " +
+                                std::to_string(hf.stats.bytes_read) + " of " +
+                                std::to_string(hf.stats.checkpoint_bytes) + " weight bytes)"};
+  if (fs::is_regular_file(dir / "tokenizer.json")) out.tokenizer_json = dir / "tokenizer.json";
+  return out;
+}
+
 }  // namespace
 
 LoadedModel load_model(const ModelSource& source, const DeviceMesh& mesh) {
-  // The seam for Hugging Face checkpoints: their loader builds the config, the model and the
-  // tokenizer from DIR (config.json, model.safetensors[.index.json], tokenizer.json).
-  if (!source.hf_model.empty())
-    throw std::runtime_error("--model " + source.hf_model +
-                             ": Hugging Face checkpoints are not supported by this build yet; "
-                             "use --checkpoint (dtensor_train) or --preset");
+  if (!source.hf_model.empty()) return load_hf_model(source, mesh);
   models::LlamaConfig config;
   c10::ScalarType dtype = c10::kFloat;
   std::string path, description;

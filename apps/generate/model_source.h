@@ -1,6 +1,6 @@
 #pragma once
 // Where dtensor_generate's model comes from: a dtensor_train checkpoint, a preset with random
-// weights, or (at merge) a Hugging Face checkpoint directory.
+// weights, or a Hugging Face checkpoint directory.
 #include <c10/core/ScalarType.h>
 
 #include <cstdint>
@@ -21,7 +21,8 @@ struct ModelSource {
 
 struct LoadedModel {
   models::Transformer model{nullptr};
-  std::string description;  // what was loaded, for the header line
+  std::string description;     // what was loaded, for the header line
+  std::string tokenizer_json;  // a Hugging Face tokenizer.json; empty: the byte tokenizer
 };
 
 // The checkpoint file `what` names: the file itself, or the newest intact checkpoint of a

@@ -14,9 +14,9 @@
 #include <nlohmann/json.hpp>
 #include <string>
 
+#include "dtensor/checkpoint/safetensors.h"
 #include "dtensor/dtensor.h"
 #include "dtensor/models/hf_checkpoint.h"
-#include "dtensor/checkpoint/safetensors.h"
 #include "dtensor/text/bpe_tokenizer.h"
 #include "support/distributed.h"
 #include "support/errors.h"
@@ -113,6 +113,42 @@ INSTANTIATE_TEST_SUITE_P(
     [](const auto& info) {
       return std::get<0>(info.param).name + "_tp" + std::to_string(std::get<1>(info.param));
     });
+
+// Greedy generation with the KV cache continues every fixture's two prompts with exactly the
+// tokens Hugging Face's generate() picks (tests/fixtures/hf/make_generate_reference.py), at TP=1,
+// 2 and 3 (KV heads replicated on some).
+class GreedyMatchesHFGenerate : public ::testing::TestWithParam<std::tuple<std::string, int>> {};
+
+TEST_P(GreedyMatchesHFGenerate, TokenForToken) {
+  const auto [name, tp] = GetParam();
+  std::ifstream in(std::string(DTENSOR_HF_FIXTURES) + "/generate_reference.json");
+  ASSERT_TRUE(in) << "generate_reference.json is missing";
+  const auto rows = nlohmann::json::parse(in).at(name);
+  ASSERT_EQ(rows.size(), 2u);
+  run_ranks(tp, [&, name = name, tp = tp](int) {
+    auto mesh = init_device_mesh("cpu", {tp});
+    HfLoadOptions options{.dtype = at::kFloat};
+    options.tp.sequence_parallel = false;
+    HfLlama hf = load_hf_llama(kModels + name, mesh, options);
+    for (const auto& row : rows) {
+      const auto prompt = row.at("prompt").get<std::vector<int64_t>>();
+      const auto want = row.at("greedy").get<std::vector<int64_t>>();
+      GenerateOptions g;
+      g.max_new_tokens = static_cast<int64_t>(want.size());
+      const GenerateResult got = generate(*hf.model, {prompt}, g);
+      EXPECT_EQ(got.tokens.at(0), want) << name << " at tp=" << tp;
+    }
+  });
+}
+
+INSTANTIATE_TEST_SUITE_P(Fixtures, GreedyMatchesHFGenerate,
+                         ::testing::Combine(::testing::Values("single", "sharded", "tied_kv1",
+                                                              "llama3_rope"),
+                                            ::testing::Values(1, 2, 3)),
+                         [](const auto& info) {
+                           return std::get<0>(info.param) + "_tp" +
+                                  std::to_string(std::get<1>(info.param));
+                         });
 
 TEST(HfCheckpoint, ReadsTheConfig) {
   const auto hf = read_hf_llama_config(kModels + "llama3_rope");
