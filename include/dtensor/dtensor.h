@@ -3,6 +3,7 @@
 #include "dtensor/checkpoint/checkpoint.h"
 #include "dtensor/checkpoint/checkpoint_manager.h"
 #include "dtensor/checkpoint/crc32c.h"
+#include "dtensor/checkpoint/rank0_outcome.h"
 #include "dtensor/checkpoint/safetensors.h"
 #include "dtensor/comm/backend.h"
 #include "dtensor/comm/collectives.h"

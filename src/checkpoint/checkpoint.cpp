@@ -20,7 +20,7 @@
 #include "dtensor/core/api.h"
 #include "dtensor/core/dtensor_impl.h"
 #include "optimizer_state.h"
-#include "rank0_outcome.h"
+#include "dtensor/checkpoint/rank0_outcome.h"
 
 namespace dtensor::checkpoint {
 namespace {

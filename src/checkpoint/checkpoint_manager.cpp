@@ -13,7 +13,7 @@
 #include <fstream>
 #include <regex>
 
-#include "rank0_outcome.h"
+#include "dtensor/checkpoint/rank0_outcome.h"
 
 namespace dtensor::checkpoint {
 namespace fs = std::filesystem;

@@ -1,4 +1,4 @@
-#include "rank0_outcome.h"
+#include "dtensor/checkpoint/rank0_outcome.h"
 
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>

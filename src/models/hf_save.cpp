@@ -15,7 +15,7 @@
 #include "dtensor/core/dtensor_impl.h"
 #include "dtensor/models/hf_checkpoint.h"
 #include "dtensor/checkpoint/safetensors.h"
-#include "rank0_outcome.h"
+#include "dtensor/checkpoint/rank0_outcome.h"
 
 namespace dtensor::models {
 
@@ -153,7 +153,7 @@ void save_hf_llama(const std::string& dir, const TransformerImpl& model,
     }
   }
   writer.reset();
-  detail::share_rank0_outcome(error, "save_hf_llama('" + dir + "')");
+  checkpoint::detail::share_rank0_outcome(error, "save_hf_llama('" + dir + "')");
 }
 
 }  // namespace dtensor::models

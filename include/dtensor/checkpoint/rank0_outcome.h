@@ -6,12 +6,12 @@
 
 namespace dtensor::checkpoint::detail {
 
-// Collective over the world (a no-op without a process group or with one rank). Rank 0
-// passes the error its work raised (or nullptr); every rank then throws when rank 0 failed:
-// rank 0 its own exception, the others an error carrying rank 0's message and `what`.
+/// Collective over the world (a no-op without a process group or with one rank). Rank 0
+/// passes the error its work raised (or nullptr); every rank then throws when rank 0 failed:
+/// rank 0 its own exception, the others an error carrying rank 0's message and `what`.
 void share_rank0_outcome(std::exception_ptr error_on_rank0, const std::string& what);
 
-// Global rank (0 without a process group).
+/// Global rank (0 without a process group).
 int global_rank();
 
 }  // namespace dtensor::checkpoint::detail
