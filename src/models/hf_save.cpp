@@ -117,7 +117,7 @@ void save_hf_llama(const std::string& dir, const TransformerImpl& model,
   torch_dtype_name(dtype);  // every rank refuses an unsupported dtype before any collective
   for (const auto& item : items) entries.push_back({item.hf_name, dtype, item.param.sizes().vec()});
 
-  const bool writes = detail::global_rank() == 0;
+  const bool writes = checkpoint::detail::global_rank() == 0;
   const std::string path = (fs::path(dir) / "model.safetensors").string();
   std::unique_ptr<safetensors::Writer> writer;
   std::exception_ptr error;
