@@ -31,6 +31,7 @@
 #include "dtensor/checkpoint/safetensors.h"
 #include "dtensor/dtensor.h"
 #include "support/distributed.h"
+#include "support/errors.h"
 #include "support/temp_dir.h"
 
 using namespace dtensor;
@@ -94,36 +95,6 @@ std::map<std::string, at::Tensor> global_values(const torch::nn::Module& m) {
     }
   }
   return ::testing::AssertionSuccess();
-}
-
-template <typename F>
-std::string error_of(F&& f) {
-  try {
-    f();
-  } catch (const c10::Error& e) {
-    return e.what_without_backtrace();
-  } catch (const std::exception& e) {  // a caller's own exception, rethrown as it was
-    return e.what();
-  }
-  return "(no error)";
-}
-#define EXPECT_HAS(text, part)                               \
-  EXPECT_NE(std::string(text).find(part), std::string::npos) \
-      << "expected \"" << (part) << "\" in:\n"               \
-      << (text)
-
-void flip_byte(const std::string& path, uint64_t offset) {
-  std::fstream f(path, std::ios::in | std::ios::out | std::ios::binary);
-  f.seekg(static_cast<std::streamoff>(offset));
-  char c = 0;
-  f.read(&c, 1);
-  c = static_cast<char>(c ^ 0x10);
-  f.seekp(static_cast<std::streamoff>(offset));
-  f.write(&c, 1);
-}
-uint64_t data_offset_of(const std::string& path, const std::string& tensor) {
-  checkpoint::safetensors::File f(path);
-  return f.data_offset() + f.at(tensor).begin;
 }
 
 // The reference values: one device, seed 0. hidden = 10 shards unevenly on 4 ranks (3,3,3,1).
@@ -372,16 +343,16 @@ TEST(Checkpoint, DamagedFilesFailNamingFileAndTensorAndLeaveTheModuleUntouched) 
   const std::string flipped = dir.file("flipped.safetensors");
   fs::copy_file(good, flipped);
   flip_byte(flipped, data_offset_of(flipped, "2.weight") + 5);
-  std::string err = error_of([&] { load_checkpoint(flipped, *model); });
+  std::string err = message_of([&] { load_checkpoint(flipped, *model); });
   EXPECT_HAS(err, flipped);
   EXPECT_HAS(err, "tensor \"2.weight\" is corrupt");
   EXPECT_TRUE(bitwise_equal(global_values(*model), before));
-  EXPECT_HAS(error_of([&] { verify_checkpoint(flipped); }), "\"2.weight\" is corrupt");
+  EXPECT_HAS(message_of([&] { verify_checkpoint(flipped); }), "\"2.weight\" is corrupt");
 
   const std::string truncated = dir.file("truncated.safetensors");
   fs::copy_file(good, truncated);
   fs::resize_file(truncated, fs::file_size(good) - 10);
-  err = error_of([&] { load_checkpoint(truncated, *model); });
+  err = message_of([&] { load_checkpoint(truncated, *model); });
   EXPECT_HAS(err, truncated);
   EXPECT_HAS(err, "is truncated");
   EXPECT_TRUE(bitwise_equal(global_values(*model), before));
@@ -389,7 +360,7 @@ TEST(Checkpoint, DamagedFilesFailNamingFileAndTensorAndLeaveTheModuleUntouched) 
   const std::string header = dir.file("header.safetensors");
   fs::copy_file(good, header);
   flip_byte(header, 8 + 3);  // inside the JSON
-  err = error_of([&] { load_checkpoint(header, *model); });
+  err = message_of([&] { load_checkpoint(header, *model); });
   EXPECT_HAS(err, header);
   EXPECT_TRUE(bitwise_equal(global_values(*model), before));
 
@@ -401,7 +372,7 @@ TEST(Checkpoint, DamagedFilesFailNamingFileAndTensorAndLeaveTheModuleUntouched) 
     meta.at("checksums").replace(meta.at("checksums").find("\"0.bias\":\"") + 10, 1, "g");
     checkpoint::safetensors::save_file(t, sums, meta);
   }
-  err = error_of([&] { load_checkpoint(sums, *model); });
+  err = message_of([&] { load_checkpoint(sums, *model); });
   EXPECT_HAS(err, sums);
   EXPECT_HAS(err, "header checksum does not match");
   EXPECT_TRUE(bitwise_equal(global_values(*model), before));
@@ -425,7 +396,7 @@ TEST(Checkpoint, ModulesThatDoNotFitAreRejectedWithEveryProblemListed) {
   }
   auto check_rejected = [&](torch::nn::Sequential model, std::vector<std::string> parts) {
     const auto before = global_values(*model);
-    const std::string err = error_of([&] { load_checkpoint(path, *model); });
+    const std::string err = message_of([&] { load_checkpoint(path, *model); });
     EXPECT_HAS(err, path);
     EXPECT_HAS(err, "nothing loaded");
     for (const auto& p : parts) EXPECT_HAS(err, p);
@@ -450,16 +421,16 @@ TEST(Checkpoint, ModulesThatDoNotFitAreRejectedWithEveryProblemListed) {
   auto model = mlp(kDim, kHidden, 1);
   const auto before = global_values(*model);
   auto sgd = make_opt(OptKind::SGD, model);
-  EXPECT_HAS(error_of([&] { load_checkpoint(path, *model, sgd.get()); }),
+  EXPECT_HAS(message_of([&] { load_checkpoint(path, *model, sgd.get()); }),
              "holds AdamW optimizer state; it cannot be loaded into SGD");
   torch::optim::AdamW partial(std::vector<at::Tensor>{model->parameters()[0]});
-  EXPECT_HAS(error_of([&] { load_checkpoint(path, *model, &partial); }),
+  EXPECT_HAS(message_of([&] { load_checkpoint(path, *model, &partial); }),
              "optimizer param group 0 held [0.weight, 0.bias, 2.weight, 2.bias] when saved; now "
              "it holds [0.weight]");
   const std::string no_state = dir.file("no_state.safetensors");
   save_checkpoint(no_state, *mlp(kDim, kHidden, 0));
   auto adamw = make_opt(OptKind::AdamWAmsgrad, model);
-  EXPECT_HAS(error_of([&] { load_checkpoint(no_state, *model, adamw.get()); }),
+  EXPECT_HAS(message_of([&] { load_checkpoint(no_state, *model, adamw.get()); }),
              "holds no optimizer state");
   EXPECT_TRUE(bitwise_equal(global_values(*model), before));
   EXPECT_TRUE(adamw->state().empty());
@@ -485,7 +456,7 @@ TEST(Checkpoint, AFailedSaveLeavesThePreviousFileOnEveryRank) {
     failing.on_tensor_written = [&](const std::string&, size_t, size_t) {
       if (++written == 2) throw std::runtime_error("simulated disk failure");
     };
-    const std::string err = error_of([&] { save_checkpoint(path, *model, nullptr, failing); });
+    const std::string err = message_of([&] { save_checkpoint(path, *model, nullptr, failing); });
     EXPECT_HAS(err, "simulated disk failure");
     if (rank == 1) {
       EXPECT_HAS(err, "failed on rank 0");
@@ -495,7 +466,7 @@ TEST(Checkpoint, AFailedSaveLeavesThePreviousFileOnEveryRank) {
     EXPECT_NO_THROW(verify_checkpoint(path));
     EXPECT_EQ(dir.entries(), std::vector<std::string>{"model.safetensors"});
     // A directory that does not exist fails on every rank as well.
-    EXPECT_HAS(error_of([&] { save_checkpoint(dir.file("no/such/dir.safetensors"), *model); }),
+    EXPECT_HAS(message_of([&] { save_checkpoint(dir.file("no/such/dir.safetensors"), *model); }),
                "cannot create");
   });
   auto plain = mlp(kDim, kHidden, 1);
@@ -560,7 +531,7 @@ TEST(Checkpoint, ManagerKeepsTheLastNAndFallsBackPastADamagedNewest) {
   flip_byte(older, data_offset_of(older, "2.bias"));
   auto model = mlp(kDim, kHidden, 1);
   const std::string err =
-      error_of([&] { manager.load_latest(*model, nullptr, {}, [](auto&, auto&) {}); });
+      message_of([&] { manager.load_latest(*model, nullptr, {}, [](auto&, auto&) {}); });
   EXPECT_HAS(err, "no intact checkpoint");
   EXPECT_HAS(err, "\"2.bias\" is corrupt");
 }
@@ -694,14 +665,14 @@ TEST(Checkpoint, EditedStepOrLearningRateInTheHeaderFailsNamingTheFile) {
     auto model = mlp(kDim, kHidden, 1);
     torch::optim::AdamW opt(model->parameters(), torch::optim::AdamWOptions(0.5));
     const auto before = global_values(*model);
-    const std::string err = error_of([&] { load_checkpoint(path, *model, &opt); });
+    const std::string err = message_of([&] { load_checkpoint(path, *model, &opt); });
     EXPECT_HAS(err, path);
     EXPECT_HAS(err, "header checksum");
     EXPECT_TRUE(bitwise_equal(global_values(*model), before));
     EXPECT_EQ(opt.param_groups()[0].options().get_lr(), 0.5);
     EXPECT_TRUE(opt.state().empty());
-    EXPECT_HAS(error_of([&] { read_checkpoint_metadata(path); }), path);
-    EXPECT_HAS(error_of([&] { verify_checkpoint(path); }), path);
+    EXPECT_HAS(message_of([&] { read_checkpoint_metadata(path); }), path);
+    EXPECT_HAS(message_of([&] { verify_checkpoint(path); }), path);
   }
 }
 
@@ -808,17 +779,17 @@ TEST(Checkpoint, FilesWithUncheckedMetadataAreRefused) {
   checkpoint::safetensors::save_file(tensors, v1, v1_meta);
   auto model = mlp(kDim, kHidden, 1);
   const auto before = global_values(*model);
-  std::string err = error_of([&] { load_checkpoint(v1, *model); });
+  std::string err = message_of([&] { load_checkpoint(v1, *model); });
   EXPECT_HAS(err, v1);
   EXPECT_HAS(err, "format version 1");
   EXPECT_HAS(err, "safetensors::load_file");
-  EXPECT_HAS(error_of([&] { read_checkpoint_metadata(v1); }), "format version 1");
+  EXPECT_HAS(message_of([&] { read_checkpoint_metadata(v1); }), "format version 1");
 
   const std::string unnamed = dir.file("unnamed.safetensors");
   auto unnamed_meta = meta;
   unnamed_meta.erase("checkpoint_format");
   checkpoint::safetensors::save_file(tensors, unnamed, unnamed_meta);
-  err = error_of([&] { load_checkpoint(unnamed, *model); });
+  err = message_of([&] { load_checkpoint(unnamed, *model); });
   EXPECT_HAS(err, unnamed);
   EXPECT_HAS(err, "\"checkpoint_format\"");
   EXPECT_TRUE(bitwise_equal(global_values(*model), before));
@@ -839,7 +810,7 @@ TEST(Checkpoint, NonStrictLoadingThatMatchesNothingFails) {
   for (const auto& [model, module_name] : cases) {
     const auto before = global_values(*model);
     const std::string err =
-        error_of([&] { load_checkpoint(path, *model, nullptr, {.strict = false}); });
+        message_of([&] { load_checkpoint(path, *model, nullptr, {.strict = false}); });
     EXPECT_HAS(err, path);
     EXPECT_HAS(err, "no tensor name in common");
     EXPECT_HAS(err, "0.weight");   // in the checkpoint
@@ -867,7 +838,7 @@ TEST(Checkpoint, NonStrictLoadingReportsMissingAndUnexpectedNames) {
   EXPECT_TRUE(model[3]->as<torch::nn::Linear>()->weight.equal(extra));
 
   // Strict loading of the same fails, naming both sides.
-  const std::string err = error_of([&] { load_checkpoint(path, *model); });
+  const std::string err = message_of([&] { load_checkpoint(path, *model); });
   EXPECT_HAS(err, "missing in the checkpoint:\n    3.weight\n    3.bias");
   EXPECT_HAS(err, "unexpected in the checkpoint:\n    0.bias");
 

@@ -19,11 +19,13 @@
 #include <vector>
 
 #include "dtensor/checkpoint/safetensors.h"
+#include "support/errors.h"
 #include "support/temp_dir.h"
 
 namespace fs = std::filesystem;
 namespace st = dtensor::checkpoint::safetensors;
 
+using dtensor::testing::message_of;
 using dtensor::testing::TempDir;
 
 namespace {
@@ -174,16 +176,6 @@ int run_python(const TempDir& dir, const std::string& mode, const std::string& p
   return rc;
 }
 
-template <typename F>
-std::string error_of(F&& f) {
-  try {
-    f();
-  } catch (const c10::Error& e) {
-    return e.what_without_backtrace();
-  }
-  return "(no error)";
-}
-
 }  // namespace
 
 TEST(Safetensors, RoundTripsEveryDtypeBitForBit) {
@@ -287,7 +279,7 @@ TEST(Safetensors, ReadsAHandMadeFileWithUnsortedEntriesAndNoPadding) {
   EXPECT_TRUE(same_bytes(f.tensor("a"), at::tensor({-3, 7}, at::kInt)));
   EXPECT_TRUE(same_bytes(f.tensor("b"), at::scalar_tensor(2.5, at::kDouble)));
   EXPECT_TRUE(same_bytes(f.tensor("e"), at::empty({0, 3})));
-  EXPECT_NE(error_of([&] { f.at("zz"); }).find("has no tensor \"zz\""), std::string::npos);
+  EXPECT_NE(message_of([&] { f.at("zz"); }).find("has no tensor \"zz\""), std::string::npos);
 }
 
 // Hugging Face writes {"format": "pt"} into every file; the reader takes any string entries.
@@ -346,13 +338,13 @@ TEST(Safetensors, MalformedFilesGiveErrorsNamingTheFileAndTheProblem) {
     SCOPED_TRACE(c.label);
     const std::string path = dir.file("bad.safetensors");
     write_bytes(path, c.bytes);
-    const std::string err = error_of([&] { st::File f(path); });
+    const std::string err = message_of([&] { st::File f(path); });
     EXPECT_NE(err.find(path), std::string::npos) << err;
     EXPECT_NE(err.find(c.expected), std::string::npos) << err;
   }
   write_bytes(dir.file("ok.safetensors"), raw_file(good, data8));
   EXPECT_NO_THROW(st::File(dir.file("ok.safetensors")));
-  EXPECT_NE(error_of([&] { st::File(dir.file("absent.safetensors")); }).find("cannot open"),
+  EXPECT_NE(message_of([&] { st::File(dir.file("absent.safetensors")); }).find("cannot open"),
             std::string::npos);
 }
 
@@ -366,8 +358,9 @@ TEST(Safetensors, AnUnfinishedWriterLeavesThePreviousFileAndNoTemporary) {
     w.write(at::zeros({4}));
     EXPECT_TRUE(fs::exists(w.temporary_path()));
     // Declared order, dtype and shape are enforced.
-    EXPECT_NE(error_of([&] { w.write(at::zeros({3})); }).find("declared as v"), std::string::npos);
-    EXPECT_NE(error_of([&] { w.finish({}); }).find("only 1 of 2 tensors"), std::string::npos);
+    EXPECT_NE(message_of([&] { w.write(at::zeros({3})); }).find("declared as v"),
+              std::string::npos);
+    EXPECT_NE(message_of([&] { w.finish({}); }).find("only 1 of 2 tensors"), std::string::npos);
   }  // destroyed unfinished, as when an exception unwinds a save
   EXPECT_EQ(read_bytes(path), before);
   EXPECT_EQ(dir.entries(), std::vector<std::string>{"model.safetensors"});
@@ -386,13 +379,13 @@ TEST(Safetensors, FinalMetadataMustFitTheReservedHeader) {
   const std::string path = dir.file("m.safetensors");
   st::Writer w(path, {{"x", at::kFloat, {1}}}, {{"k", "ab"}});
   w.write(at::ones({1}));
-  const std::string err = error_of([&] { w.finish({{"k", std::string(100, 'z')}}); });
+  const std::string err = message_of([&] { w.finish({{"k", std::string(100, 'z')}}); });
   EXPECT_NE(err.find("longer than the one reserved"), std::string::npos) << err;
   EXPECT_FALSE(fs::exists(path));
 }
 
 TEST(Safetensors, RejectsDtypesTheFormatCannotHold) {
-  const std::string err = error_of([] { st::dtype_name(at::kComplexFloat); });
+  const std::string err = message_of([] { st::dtype_name(at::kComplexFloat); });
   EXPECT_NE(err.find("cannot be stored"), std::string::npos) << err;
   EXPECT_NE(err.find("BF16"), std::string::npos) << err;
   TempDir dir;

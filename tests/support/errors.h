@@ -13,12 +13,15 @@
 
 namespace dtensor::testing {
 
-// The message (without backtrace) of the c10::Error `f` throws, or "(no error)".
+// The message of what `f` throws (a c10::Error without its backtrace, any other exception's
+// what()), or "(no error)".
 inline std::string message_of(const std::function<void()>& f) {
   try {
     f();
   } catch (const c10::Error& e) {
     return e.what_without_backtrace();
+  } catch (const std::exception& e) {
+    return e.what();
   }
   return "(no error)";
 }
