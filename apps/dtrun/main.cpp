@@ -369,9 +369,10 @@ int exec_mpirun(Options& o) {
   std::vector<std::string> args = {"mpirun", "-np", std::to_string(o.nproc), "--oversubscribe"};
   if (::geteuid() == 0) args.push_back("--allow-run-as-root");
   const char* threads = std::getenv("OMP_NUM_THREADS");
-  for (const std::string& var : {"DTENSOR_BACKEND=mpi", "MASTER_ADDR=" + o.master_addr,
-                                 "MASTER_PORT=" + std::to_string(o.master_port),
-                                 std::string("OMP_NUM_THREADS=") + (threads ? threads : "1")}) {
+  for (const std::string& var :
+       std::vector<std::string>{std::string("DTENSOR_BACKEND=mpi"), "MASTER_ADDR=" + o.master_addr,
+                                "MASTER_PORT=" + std::to_string(o.master_port),
+                                std::string("OMP_NUM_THREADS=") + (threads ? threads : "1")}) {
     args.insert(args.end(), {"-x", var});
   }
   if (o.prefix) args.push_back("--tag-output");
