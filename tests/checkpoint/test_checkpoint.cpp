@@ -97,6 +97,26 @@ std::map<std::string, at::Tensor> global_values(const torch::nn::Module& m) {
   return ::testing::AssertionSuccess();
 }
 
+// EXPECT_CONTAINS with the whole text on a new line (these messages are long).
+#define EXPECT_HAS(text, part)                               \
+  EXPECT_NE(std::string(text).find(part), std::string::npos) \
+      << "expected \"" << (part) << "\" in:\n"               \
+      << (text)
+
+void flip_byte(const std::string& path, uint64_t offset) {
+  std::fstream f(path, std::ios::in | std::ios::out | std::ios::binary);
+  f.seekg(static_cast<std::streamoff>(offset));
+  char c = 0;
+  f.read(&c, 1);
+  c = static_cast<char>(c ^ 0x10);
+  f.seekp(static_cast<std::streamoff>(offset));
+  f.write(&c, 1);
+}
+uint64_t data_offset_of(const std::string& path, const std::string& tensor) {
+  checkpoint::safetensors::File f(path);
+  return f.data_offset() + f.at(tensor).begin;
+}
+
 // The reference values: one device, seed 0. hidden = 10 shards unevenly on 4 ranks (3,3,3,1).
 constexpr int64_t kDim = 6, kHidden = 10;
 std::map<std::string, at::Tensor> reference_values() {
