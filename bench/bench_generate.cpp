@@ -52,7 +52,9 @@ int run_rank(const Options& o, int rank, int world, int port, int fd) {
   comm::init_process_group();
   auto mesh = init_device_mesh("cpu", {world}, {"tp"});
   models::Transformer model(models::LlamaConfig::preset(o.preset));
-  models::apply_tensor_parallel(*model, mesh, {.sequence_parallel = false});
+  models::TensorParallelOptions tp;
+  tp.sequence_parallel = false;
+  models::apply_tensor_parallel(*model, mesh, tp);
   model->init_weights(0);
   at::manual_seed(1);
   const at::Tensor ids = at::randint(model->config().vocab_size, {o.batch, o.prompt}, at::kLong);

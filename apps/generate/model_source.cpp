@@ -65,11 +65,13 @@ LoadedModel load_hf_model(const ModelSource& source, const DeviceMesh& mesh) {
     throw std::runtime_error("--model: no such directory '" + dir.string() + "'");
   models::HfLoadOptions options;
   options.dtype = parse_dtype(source.dtype, c10::kFloat);
-  options.tp = {.sequence_parallel = false, .loss_parallel = true};
+  options.tp.sequence_parallel = false;
   auto hf = models::load_hf_llama(dir.string(), mesh, options);
-  LoadedModel out{hf.model, "Hugging Face checkpoint " + dir.string() + " (this rank read " +
-                                std::to_string(hf.stats.bytes_read) + " of " +
-                                std::to_string(hf.stats.checkpoint_bytes) + " weight bytes)"};
+  LoadedModel out{hf.model,
+                  "Hugging Face checkpoint " + dir.string() + " (this rank read " +
+                      std::to_string(hf.stats.bytes_read) + " of " +
+                      std::to_string(hf.stats.checkpoint_bytes) + " weight bytes)",
+                  ""};
   if (fs::is_regular_file(dir / "tokenizer.json")) out.tokenizer_json = dir / "tokenizer.json";
   return out;
 }
@@ -92,10 +94,11 @@ LoadedModel load_model(const ModelSource& source, const DeviceMesh& mesh) {
   }
   dtype = parse_dtype(source.dtype, dtype);
   config.validate_tp(mesh.size());
-  LoadedModel out{models::Transformer(config), description};
+  LoadedModel out{models::Transformer(config), description, ""};
   out.model->to(dtype);
-  models::apply_tensor_parallel(*out.model, mesh,
-                                {.sequence_parallel = false, .loss_parallel = true});
+  models::TensorParallelOptions tp;
+  tp.sequence_parallel = false;
+  models::apply_tensor_parallel(*out.model, mesh, tp);
   if (path.empty()) {
     out.model->init_weights(source.seed);
   } else {

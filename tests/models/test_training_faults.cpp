@@ -156,6 +156,8 @@ TEST(TrainingFaults, EveryRankEndsPromptlyNamingTheFailedRank) {
     } else {
       EXPECT_LT(out[0].seconds - out[1].seconds, 2.0) << what;
     }
-    if (p.fault == Fault::Throw) EXPECT_CONTAINS(out[0].message, "injected failure");
+    if (p.fault == Fault::Throw) {
+      EXPECT_CONTAINS(out[0].message, "injected failure");
+    }
   }
 }
