@@ -137,9 +137,7 @@ std::vector<Point> draw_points() {
 
 }  // namespace
 
-// Disabled at the end of session 3: after the merges, rank 1 never reaches the store in these
-// runs (rank 0 reports "missing rank(s): 1"); a regression to find next session (see the note).
-TEST(TrainingFaults, DISABLED_EveryRankEndsPromptlyNamingTheFailedRank) {
+TEST(TrainingFaults, EveryRankEndsPromptlyNamingTheFailedRank) {
   const auto points = draw_points();
   ASSERT_EQ(points.size(), 5u);
   for (const auto& p : points) {
