@@ -10,8 +10,10 @@
 #include <string>
 
 #include "dtensor/comm/collectives.h"
+#include "dtensor/core/api.h"
 #include "dtensor/core/dtensor_impl.h"
 #include "dtensor/core/shard_math.h"
+#include "rotary.h"
 
 namespace dtensor::models {
 
@@ -32,12 +34,9 @@ at::Tensor local_part(const at::Tensor& param, std::optional<int64_t> shard_dim,
   return local_tensor(param).detach();
 }
 
-// x: (B, S, H, D), rope: (B, S, D/2, 2). Rotates consecutive pairs as the model does.
+// x: (B, S, H, D), rope: (B, S, D/2, 2): per-row positions, rotated as the model does.
 at::Tensor rotate(const at::Tensor& x, const at::Tensor& rope) {
-  auto pairs = x.unflatten(-1, {-1, 2});
-  auto x0 = pairs.select(-1, 0), x1 = pairs.select(-1, 1);
-  auto cos = rope.select(-1, 0).unsqueeze(2), sin = rope.select(-1, 1).unsqueeze(2);
-  return at::stack({x0 * cos - x1 * sin, x0 * sin + x1 * cos}, -1).flatten(-2);
+  return detail::rotate_pairs(x, rope.select(-1, 0).unsqueeze(2), rope.select(-1, 1).unsqueeze(2));
 }
 
 uint64_t mix(uint64_t a, uint64_t b) {
@@ -174,11 +173,12 @@ at::Tensor Decoder::forward(const at::Tensor& tokens_in, KVCache& cache) {
   const at::Tensor last = at::rms_norm(h.select(1, S - 1), {config_.dim}, norm_, eps_);
   at::Tensor logits = at::linear(last, output_);  // (B, this rank's vocab rows)
   if (tp_ == 1) return logits;
-  // Uneven vocab shards: pad each to the full chunk, gather, cut the padding off.
-  const int64_t chunk = full_chunk_size(config_.vocab_size, tp_);
-  logits = at::constant_pad_nd(logits, {0, chunk - logits.size(1)});
-  at::Tensor gathered = comm::all_gather_into_tensor(logits.t().contiguous(), 0, mesh_->group(0));
-  return gathered.narrow(0, 0, config_.vocab_size).t().contiguous();
+  // The vocab shards (uneven ones too) gathered by the library's own S(1) -> R: one all-gather.
+  const int64_t V = config_.vocab_size;
+  const at::Tensor sharded =
+      from_local(logits, *mesh_, {Shard(1)},
+                 {.shape = std::vector<int64_t>{B, V}, .stride = std::vector<int64_t>{V, 1}});
+  return full_tensor(sharded).contiguous();
 }
 
 // ---- sampling ----

@@ -9,21 +9,17 @@
 #include "dtensor/core/api.h"
 #include "dtensor/core/dtensor_impl.h"
 #include "dtensor/tp/loss_parallel.h"
+#include "rotary.h"
 
 namespace dtensor::models {
 
 namespace {
 
-// x: (B, S, H, head_dim), rope: (S, head_dim/2, 2). Rotates consecutive pairs (x0, x1) as the
-// complex number x0 + i x1 times cos + i sin, like torchtitan's apply_rotary_emb.
+// x: (B, S, H, head_dim), rope: (S, head_dim/2, 2), like torchtitan's apply_rotary_emb.
 at::Tensor apply_rotary(const at::Tensor& x, const at::Tensor& rope) {
   const int64_t seqlen = x.size(1);
-  auto pairs = x.unflatten(-1, {-1, 2});
-  auto x0 = pairs.select(-1, 0);
-  auto x1 = pairs.select(-1, 1);
-  auto cos = rope.select(-1, 0).view({1, seqlen, 1, -1});
-  auto sin = rope.select(-1, 1).view({1, seqlen, 1, -1});
-  return at::stack({x0 * cos - x1 * sin, x0 * sin + x1 * cos}, -1).flatten(-2);
+  return detail::rotate_pairs(x, rope.select(-1, 0).view({1, seqlen, 1, -1}),
+                              rope.select(-1, 1).view({1, seqlen, 1, -1}));
 }
 
 // (B, S, n_kv, D) -> (B, S, n_kv * n_rep, D): query head j uses KV head j / n_rep.
