@@ -35,9 +35,17 @@ Result shell(const std::string& command) {
   return r;
 }
 
+// dtensor_generate without dtrun (one process, no process group).
+Result generate_alone(const std::string& args) {
+  std::ostringstream command;  // not operator+ chains: GCC 12 warns about them (-Warray-bounds)
+  command << DTENSOR_GENERATE_PATH << " " << args;
+  return shell(command.str());
+}
+
 Result generate(int ranks, const std::string& args) {
-  return shell(std::string(DTRUN_PATH) + " -n " + std::to_string(ranks) + " " +
-               DTENSOR_GENERATE_PATH + " " + args);
+  std::ostringstream command;
+  command << DTRUN_PATH << " -n " << ranks << " " << DTENSOR_GENERATE_PATH << " " << args;
+  return shell(command.str());
 }
 
 // The generated text: rank 0's output without the lines that name the TP degree or timings.
@@ -72,8 +80,10 @@ TEST(GenerateApp, PresetTextIsTheSameAtTP1AndTP2) {
 
 TEST(GenerateApp, TrainerCheckpointLoadsAtAnyTP) {
   TempDir dir;
-  const Result trained = shell(std::string(DTRUN_PATH) + " -n 2 " + DTENSOR_TRAIN_PATH +
-                               " --preset tiny --steps 3 --save-final --out " + dir.file("run"));
+  std::ostringstream train;
+  train << DTRUN_PATH << " -n 2 " << DTENSOR_TRAIN_PATH
+        << " --preset tiny --steps 3 --save-final --out " << dir.file("run");
+  const Result trained = shell(train.str());
   ASSERT_EQ(trained.exit_code, 0) << trained.output;
   const std::string args = "--checkpoint " + dir.file("run") +
                            " --prompt 'The ' --prompt 'A longer prompt' --max-new-tokens 12";
@@ -85,16 +95,15 @@ TEST(GenerateApp, TrainerCheckpointLoadsAtAnyTP) {
 }
 
 TEST(GenerateApp, UsageErrorsAreExplained) {
-  const Result help = shell(std::string(DTENSOR_GENERATE_PATH) + " --help");
+  const Result help = generate_alone("--help");
   EXPECT_EQ(help.exit_code, 0);
   for (const char* option : {"--checkpoint", "--model", "--preset", "--prompt", "--max-new-tokens",
                              "--temperature", "--top-k", "--top-p", "--seed"})
     EXPECT_NE(help.output.find(option), std::string::npos) << option << " missing from --help";
-  const Result none = shell(std::string(DTENSOR_GENERATE_PATH) + " --prompt hi");
+  const Result none = generate_alone("--prompt hi");
   EXPECT_NE(none.exit_code, 0);
   EXPECT_NE(none.output.find("model"), std::string::npos) << none.output;
-  const Result missing =
-      shell(std::string(DTENSOR_GENERATE_PATH) + " --checkpoint /nonexistent --prompt hi");
+  const Result missing = generate_alone("--checkpoint /nonexistent --prompt hi");
   EXPECT_NE(missing.exit_code, 0);
   EXPECT_NE(missing.output.find("/nonexistent"), std::string::npos) << missing.output;
 }

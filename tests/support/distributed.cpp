@@ -5,6 +5,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -147,11 +148,24 @@ std::optional<int> env_int(const char* name) {
   return std::atoi(v);
 }
 
-// The port of the job's store: the same on every rank, different for concurrent jobs.
+// The first port the kernel hands out to outgoing connections (Linux's default is 32768).
+int first_ephemeral_port() {
+  int low = 32768, high = 60999;
+  if (FILE* f = std::fopen("/proc/sys/net/ipv4/ip_local_port_range", "r")) {
+    if (std::fscanf(f, "%d %d", &low, &high) != 2) low = 32768;
+    std::fclose(f);
+  }
+  return low;
+}
+
+// The port of the job's store: the same on every rank, different for concurrent jobs. Taken
+// below the ephemeral range: there any connection's local port could already hold it
+// (EADDRINUSE in CI, between two mpirun entries).
 int mpi_job_port() {
   if (auto p = env_int("DTENSOR_TEST_PORT_BASE")) return *p;
   const char* job = std::getenv("OMPI_MCA_ess_base_jobid");
-  return 20000 + static_cast<int>(std::hash<std::string>{}(job ? job : "") % 30000);
+  const int base = 10000, span = std::max(1000, first_ephemeral_port() - base);
+  return base + static_cast<int>(std::hash<std::string>{}(job ? job : "") % span);
 }
 
 // Runs `body` as this process's rank of the mpirun job.
