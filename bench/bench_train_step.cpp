@@ -1,19 +1,22 @@
-// bench_train_step: one training step of the bundled Llama ("bench" preset) four ways, in one
+// bench_train_step: one training step of the bundled Llama ("bench" preset) five ways, in one
 // run on one machine:
-//   (a) plain   LibTorch, the model without apply_tensor_parallel (no DTensor anywhere)
-//   (b) tp1     dtensor-cpp TP on a 1-rank mesh (every parameter a DTensor)
-//   (c) tp2     dtensor-cpp TP on 2 ranks (Gloo on 127.0.0.1)
-//   (d) py-tp2  PyTorch's own Python TP on 2 ranks (bench/pytorch_tp_train_step.py)
+//   (a)  plain   LibTorch, the model without apply_tensor_parallel (no DTensor anywhere)
+//   (b)  tp1     dtensor-cpp TP on a 1-rank mesh (every parameter a DTensor)
+//   (c)  tp2     dtensor-cpp TP on 2 ranks, Gloo on 127.0.0.1
+//   (c') tp2     dtensor-cpp TP on 2 ranks, MPI (shared memory; ranks started by mpirun)
+//   (d)  py-tp2  PyTorch's own Python TP on 2 ranks, Gloo (bench/pytorch_tp_train_step.py)
 //
 //   build/bench/bench_train_step      scripts/bench train_step      (--help for the options)
 //
 // Every variant is a long-lived worker process (two for the 2-rank ones) with the same initial
 // parameters and token batches, read from one safetensors file this program writes. The
-// controller hands out blocks of steps in rounds, a b c d then d c b a, so that (a, b) and
-// (c, d) always run back to back and each runs first half of the time; a block's time is the
-// slowest rank's. Ratios are medians of per-round ratios, which cancels the slow phases of a
-// busy machine far better than a ratio of medians. The last line is:
+// controller hands out blocks of steps in rounds, a b c c' d then d c' c b a, so that each runs
+// first half of the time; a block's time is the slowest rank's. Ratios are medians of per-round
+// ratios, which cancels the slow phases of a busy machine far better than a ratio of medians.
+// The last line is:
 //   RESULT tp1_overhead_pct=<(b - a) / a * 100> speedup_vs_pytorch_tp2=<(d) / (c)>
+//          tp2_vs_tp1_plain=<a / the faster of c, c'> tp2_vs_tp1_plain_gloo=<a / c>
+//          tp2_vs_tp1_plain_mpi=<a / c'>
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <fcntl.h>
@@ -37,9 +40,9 @@
 #include <vector>
 
 #include "cli/cli.h"
+#include "dtensor/checkpoint/safetensors.h"
 #include "dtensor/dtensor.h"
 #include "dtensor/models/llama.h"
-#include "dtensor/checkpoint/safetensors.h"
 #include "launch/local_ranks.h"
 
 namespace {
@@ -52,11 +55,14 @@ constexpr const char* kUsage = R"(usage: bench_train_step [options]
 
 Times a full training step (forward, loss, backward, AdamW) of the Llama model's "bench"
 preset (~29M parameters) as (a) plain LibTorch, (b) dtensor TP on a 1-rank mesh, (c) dtensor
-TP on 2 ranks and (d) PyTorch's Python TP on 2 ranks (the same model, plan — sequence parallel
+TP on 2 ranks over Gloo, (c') the same over MPI (started by mpirun, when the build has MPI)
+and (d) PyTorch's Python TP on 2 ranks over Gloo (the same model, plan — sequence parallel
 and loss parallel — initial parameters and data), one intra-op thread per rank, interleaved
 in rounds. Prints ms/step and tokens/s per variant, the first and last losses of each
 variant, and as its last line:
   RESULT tp1_overhead_pct=<(b-a)/a*100> speedup_vs_pytorch_tp2=<(d)/(c)>
+         tp2_vs_tp1_plain=<a/(faster of c, c')> tp2_vs_tp1_plain_gloo=<a/c>
+         tp2_vs_tp1_plain_mpi=<a/c'>
 
 options:
   --preset NAME          model preset (default bench; tiny, demo for a quick look)
@@ -70,10 +76,14 @@ options:
   --seed N               parameters and tokens (default 0)
   --pytorch-script PATH  default bench/pytorch_tp_train_step.py
   --no-pytorch           skip (d)
+  --no-mpi               skip (c')
   --quick                --preset tiny --seq 32 --warmup 1 --steps 1 --rounds 2 (for those
                          not given): a smoke test
   --help                 print this help
 )";
+
+// The variants, in the order they run in a round.
+enum VariantIndex { kPlain, kTp1, kTp2Gloo, kTp2Mpi, kPy, kVariants };
 
 struct Options {
   std::string preset = "bench";
@@ -83,6 +93,7 @@ struct Options {
   uint64_t seed = 0;
   std::string script = "bench/pytorch_tp_train_step.py";
   bool pytorch = true;
+  bool mpi = true;
   // Worker side.
   std::string worker;  // "", "plain" or "tp"
   std::string inputs;
@@ -151,6 +162,11 @@ class Worker {
   }
 
   int rank() const { return tp_ ? dtensor::comm::get_rank() : 0; }
+  int broadcast_from_rank0(int value) {
+    if (!tp_ || dtensor::comm::get_world_size() == 1) return value;
+    at::Tensor t = at::tensor({static_cast<int64_t>(value)}, at::kLong);
+    return static_cast<int>(dtensor::comm::broadcast(t, 0, *world_).item<int64_t>());
+  }
   int64_t num_parameters() const { return config_.num_parameters(); }
   int64_t dtensor_params() const { return dtensor_params_; }
 
@@ -219,6 +235,23 @@ class Worker {
   int64_t dtensor_params_ = 0;
 };
 
+// The next command's step count on every rank: 0 to quit. Only rank 0 reads the controller's
+// commands (mpirun hands stdin to rank 0 only); it passes them on with a broadcast.
+int next_command(Worker& worker) {
+  int steps = 0;
+  if (worker.rank() == 0) {
+    std::string line;
+    if (std::getline(std::cin, line)) {
+      std::istringstream in(line);
+      std::string cmd;
+      in >> cmd;
+      if (cmd != "quit" && (cmd != "run" || !(in >> steps) || steps < 1))
+        die("worker: unknown command '" + line + "'");
+    }
+  }
+  return worker.broadcast_from_rank0(steps);
+}
+
 int run_worker(const Options& opt) {
   Worker worker(opt, opt.worker == "tp");
   // Only rank 0 talks to the controller; the others follow the same commands silently.
@@ -229,14 +262,7 @@ int run_worker(const Options& opt) {
                 static_cast<long long>(worker.dtensor_params()));
     std::fflush(stdout);
   }
-  std::string line;
-  while (std::getline(std::cin, line)) {
-    std::istringstream in(line);
-    std::string cmd;
-    int steps = 0;
-    in >> cmd;
-    if (cmd == "quit") break;
-    if (cmd != "run" || !(in >> steps)) die("worker: unknown command '" + line + "'");
+  while (const int steps = next_command(worker)) {
     const std::string reply = worker.run(steps);
     if (speak) {
       std::printf("%s\n", reply.c_str());
@@ -322,11 +348,10 @@ struct Variant {
   std::vector<Block> rounds;
   std::vector<double> all_losses;  // every step's loss, in order
 
+  // To the first process only: it hands the command on to its peers.
   bool send(const std::string& cmd) {
-    for (auto& p : procs) {
-      if (std::fprintf(p.in, "%s\n", cmd.c_str()) < 0 || std::fflush(p.in) != 0) return false;
-    }
-    return true;
+    auto& p = procs.front();
+    return std::fprintf(p.in, "%s\n", cmd.c_str()) >= 0 && std::fflush(p.in) == 0;
   }
 
   std::optional<Block> run(int steps) {
@@ -431,24 +456,43 @@ std::vector<Variant> start_variants(const Options& opt, const char* self,
     return env;
   };
 
-  std::vector<Variant> variants(4);
-  variants[0].key = "plain";
-  variants[0].label = "(a) plain LibTorch";
-  variants[0].procs.push_back(spawn(cpp_worker("plain"), one_thread, true));
-  variants[1].key = "tp1";
-  variants[1].label = "(b) dtensor TP=1";
-  variants[1].procs.push_back(spawn(cpp_worker("tp"), rank_env(0, 1, launch::free_port()), true));
-  variants[2].key = "tp2";
-  variants[2].label = "(c) dtensor TP=2";
+  std::vector<Variant> variants(kVariants);
+  variants[kPlain].label = "(a) plain LibTorch";
+  variants[kPlain].procs.push_back(spawn(cpp_worker("plain"), one_thread, true));
+  variants[kTp1].label = "(b) dtensor TP=1";
+  variants[kTp1].procs.push_back(
+      spawn(cpp_worker("tp"), rank_env(0, 1, launch::free_port()), true));
+  variants[kTp2Gloo].label = "(c) dtensor TP=2 Gloo";
   const int port2 = launch::free_port();
+  auto gloo_env = [&](int rank) {
+    auto env = rank_env(rank, 2, port2);
+    env.emplace_back("DTENSOR_BACKEND", "gloo");
+    return env;
+  };
   for (int r = 0; r < 2; ++r)
-    variants[2].procs.push_back(spawn(cpp_worker("tp"), rank_env(r, 2, port2), r == 0));
-  variants[3].key = "py";
-  variants[3].label = "(d) PyTorch TP=2";
+    variants[kTp2Gloo].procs.push_back(spawn(cpp_worker("tp"), gloo_env(r), r == 0));
+  variants[kTp2Mpi].label = "(c') dtensor TP=2 MPI";
+  if (dtensor::comm::has_mpi() && opt.mpi) {
+    // mpirun starts both ranks (bound to a core each); rank 0 reads our commands.
+    std::vector<std::string> argv = {MPIEXEC_PATH, "-np", "2"};
+    if (::geteuid() == 0) argv.push_back("--allow-run-as-root");
+    const std::vector<std::string> vars = {"OMP_NUM_THREADS=1", "MKL_NUM_THREADS=1",
+                                           "DTENSOR_BACKEND=mpi", "MASTER_ADDR=127.0.0.1",
+                                           "MASTER_PORT=" + std::to_string(launch::free_port())};
+    for (const auto& var : vars) {
+      argv.push_back("-x");
+      argv.push_back(var);
+    }
+    auto worker = cpp_worker("tp");
+    worker[0] = std::filesystem::read_symlink("/proc/self/exe").string();  // not mpirun's self
+    argv.insert(argv.end(), worker.begin(), worker.end());
+    variants[kTp2Mpi].procs.push_back(spawn(argv, one_thread, true));
+  }
+  variants[kPy].label = "(d) PyTorch TP=2 Gloo";
   if (opt.pytorch) {
-    variants[3].procs.push_back(spawn({"python3", find_script(opt.script), "--serve", "--tp", "2",
-                                       "--inputs", inputs, "--lr", lr},
-                                      one_thread, true));
+    variants[kPy].procs.push_back(spawn({"python3", find_script(opt.script), "--serve", "--tp", "2",
+                                         "--inputs", inputs, "--lr", lr},
+                                        one_thread, true));
   }
   for (auto& v : variants) {
     if (v.procs.empty()) continue;
@@ -460,7 +504,7 @@ std::vector<Variant> start_variants(const Options& opt, const char* self,
       v.fail(line ? "replied '" + *line + "' instead of ready" : "exited while starting");
     }
   }
-  for (int i = 0; i < 3; ++i) {
+  for (int i : {kPlain, kTp1, kTp2Gloo}) {
     if (!variants[i].alive) die(variants[i].label + " could not start");
   }
   return variants;
@@ -477,19 +521,21 @@ void print_intro(const Options& opt, const models::LlamaConfig& config) {
       "rounds of %d step(s) per variant\n",
       opt.warmup, opt.rounds, opt.steps);
   std::printf(
-      "rounds alternate a b c d / d c b a; ms/step = median over rounds of the slowest "
+      "rounds alternate a b c c' d / d c' c b a; ms/step = median over rounds of the slowest "
       "rank's block time / steps\n\n");
   std::fflush(stdout);
 }
 
-// Warm-up, then the rounds: a b c d / d c b a, so that each variant runs first half of the time.
+// Warm-up, then the rounds: a b c c' d / d c' c b a, so that each variant runs first half of the
+// time.
 void run_rounds(const Options& opt, std::vector<Variant>& variants) {
   for (auto& v : variants) {
     if (auto b = v.run(opt.warmup)) v.warmup_losses = b->losses;
   }
   for (int r = 0; r < opt.rounds; ++r) {
-    for (int i = 0; i < 4; ++i) {
-      auto& v = variants[r % 2 == 0 ? i : 3 - i];
+    const int n = static_cast<int>(variants.size());
+    for (int i = 0; i < n; ++i) {
+      auto& v = variants[r % 2 == 0 ? i : n - 1 - i];
       if (auto b = v.run(opt.steps)) v.rounds.push_back(*b);
     }
   }
@@ -509,19 +555,20 @@ void print_report(const Options& opt, const std::vector<Variant>& variants) {
       rs.push_back(x.rounds[i].ms_per_step / y.rounds[i].ms_per_step);
     return median(rs);
   };
-  const Variant &a = variants[0], &b = variants[1], &c = variants[2], &d = variants[3];
+  const Variant &a = variants[kPlain], &b = variants[kTp1], &c = variants[kTp2Gloo],
+                &m = variants[kTp2Mpi], &d = variants[kPy];
 
-  std::printf("%-20s %10s %10s %9s %9s %9s %9s %11s\n", "variant", "ms/step", "tokens/s",
+  std::printf("%-24s %10s %10s %9s %9s %9s %9s %11s\n", "variant", "ms/step", "tokens/s",
               "vs plain", "forward", "backward", "optim", "DTensor ops");
-  std::printf("%s\n", std::string(20 + 10 * 2 + 9 * 4 + 11 + 7, '-').c_str());
+  std::printf("%s\n", std::string(24 + 10 * 2 + 9 * 4 + 11 + 7, '-').c_str());
   for (const auto& v : variants) {
     if (v.rounds.empty()) {
-      std::printf("%-20s %10s   (not run)\n", v.label.c_str(), "-");
+      std::printf("%-24s %10s   (not run)\n", v.label.c_str(), "-");
       continue;
     }
     const double ms = med(v, &Block::ms_per_step);
     const double ops = med(v, &Block::dtensor_ops);
-    std::printf("%-20s %10s %10s %8sx %9s %9s %9s %11s\n", v.label.c_str(), fmt(ms, 1).c_str(),
+    std::printf("%-24s %10s %10s %8sx %9s %9s %9s %11s\n", v.label.c_str(), fmt(ms, 1).c_str(),
                 fmt(tokens / ms * 1000.0, 1).c_str(), fmt(ratio(v, a), 3).c_str(),
                 fmt(med(v, &Block::forward_ms), 1).c_str(),
                 fmt(med(v, &Block::backward_ms), 1).c_str(),
@@ -535,7 +582,7 @@ void print_report(const Options& opt, const std::vector<Variant>& variants) {
   std::printf("per-round ms/step:\n");
   for (const auto& v : variants) {
     if (v.rounds.empty()) continue;
-    std::printf("  %-20s", v.label.c_str());
+    std::printf("  %-24s", v.label.c_str());
     for (const auto& blk : v.rounds) std::printf(" %8.1f", blk.ms_per_step);
     std::printf("\n");
   }
@@ -550,7 +597,7 @@ void print_report(const Options& opt, const std::vector<Variant>& variants) {
     double worst = 0;
     for (size_t i = 0; i < std::min(v.all_losses.size(), a.all_losses.size()); ++i)
       worst = std::max(worst, std::abs(v.all_losses[i] - a.all_losses[i]));
-    std::printf("  %-20s first %.6f  last %.6f  max |diff vs (a)| %.2e\n", v.label.c_str(),
+    std::printf("  %-24s first %.6f  last %.6f  max |diff vs (a)| %.2e\n", v.label.c_str(),
                 v.all_losses.front(), v.all_losses.back(), worst);
   }
   if (!d.all_losses.empty()) {
@@ -562,14 +609,28 @@ void print_report(const Options& opt, const std::vector<Variant>& variants) {
   const double speedup = d.rounds.empty() ? std::nan("") : ratio(d, c);
   std::printf("\ntp1 overhead (median over rounds of (b-a)/a): %+.2f%%  (target <= 3%%)\n",
               overhead);
-  if (d.rounds.empty()) {
+  if (!opt.pytorch) {
+    std::printf("PyTorch TP=2 skipped (--no-pytorch)\n");
+  } else if (d.rounds.empty()) {
     std::printf("PyTorch TP=2 did not run: is python3 with torch installed? (see stderr)\n");
   } else {
     std::printf("speedup over PyTorch TP=2 (median over rounds of d/c): %.3fx  (target > 1)\n",
                 speedup);
   }
-  std::printf("RESULT tp1_overhead_pct=%.2f speedup_vs_pytorch_tp2=%s\n", overhead,
-              d.rounds.empty() ? "nan" : fmt(speedup, 3).c_str());
+  // TP=2 tokens/s over plain LibTorch's, per engine; unsuffixed: the faster engine that ran.
+  const double vs_plain_gloo = ratio(a, c);
+  const double vs_plain_mpi = m.rounds.empty() ? std::nan("") : ratio(a, m);
+  const double vs_plain =
+      std::isnan(vs_plain_mpi) ? vs_plain_gloo : std::max(vs_plain_gloo, vs_plain_mpi);
+  std::printf(
+      "TP=2 tokens/s over plain LibTorch's (median over rounds of a/c): Gloo %.3fx, MPI %sx "
+      " (2 cores: at most 2)\n",
+      vs_plain_gloo, fmt(vs_plain_mpi, 3).c_str());
+  std::printf(
+      "RESULT tp1_overhead_pct=%.2f speedup_vs_pytorch_tp2=%s tp2_vs_tp1_plain=%.3f "
+      "tp2_vs_tp1_plain_gloo=%.3f tp2_vs_tp1_plain_mpi=%s\n",
+      overhead, d.rounds.empty() ? "nan" : fmt(speedup, 3).c_str(), vs_plain, vs_plain_gloo,
+      std::isnan(vs_plain_mpi) ? "nan" : fmt(vs_plain_mpi, 3).c_str());
   std::fflush(stdout);
 }
 
@@ -593,7 +654,7 @@ int run_controller(const Options& opt, const char* self) {
   for (auto& v : variants) v.quit();
   g_children.wait_all({});
   std::filesystem::remove_all(dir);
-  for (int i = 0; i < 3; ++i) {
+  for (int i : {kPlain, kTp1, kTp2Gloo}) {
     if (variants[i].rounds.size() != static_cast<size_t>(opt.rounds))
       die(variants[i].label + " failed part-way; no RESULT");
   }
@@ -618,6 +679,7 @@ int main(int argc, char** argv) {
   app.add_option("--seed", opt.seed)->check(cli::integer(0));
   app.add_option("--pytorch-script", opt.script)->check(cli::non_empty());
   app.add_flag_callback("--no-pytorch", [&] { opt.pytorch = false; })->disable_flag_override();
+  app.add_flag_callback("--no-mpi", [&] { opt.mpi = false; })->disable_flag_override();
   bool quick = false;
   app.add_flag("--quick", quick)->disable_flag_override();
   // The controller starts itself as the workers with these.
