@@ -23,7 +23,9 @@ Options:
       --grace S           seconds from SIGTERM to SIGKILL when stopping ranks (default 5)
       --backend B         collective engine for CPU tensors: gloo, or mpi to start the ranks
                           with Open MPI's mpirun (one process per rank, shared-memory
-                          collectives; see docs/BACKENDS.md); default: the ranks choose
+                          collectives; see docs/BACKENDS.md), or auto: mpi when this build
+                          has MPI and mpirun is on PATH, else gloo; default: the ranks
+                          choose (Gloo for ranks dtrun starts)
   -h, --help              print this help and exit
 
 Each rank gets RANK and LOCAL_RANK (0..N-1), WORLD_SIZE and LOCAL_WORLD_SIZE (N),
@@ -57,7 +59,7 @@ std::optional<Options> parse_args(int argc, char** argv, int& exit_code) {
   app.add_option("--master-port", o.master_port)->check(cli::integer(1, 65535));
   app.add_flag_callback("--no-prefix", [&o] { o.prefix = false; })->disable_flag_override();
   app.add_option("--grace", o.grace_s)->check(cli::number(0, 86400));
-  app.add_option("--backend", o.backend)->check(cli::one_of({"gloo", "mpi"}));
+  app.add_option("--backend", o.backend)->check(cli::one_of({"gloo", "mpi", "auto"}));
   if (auto code = cli::parse(app, argc, argv, kUsage, /*quiet=*/false, &o.command)) {
     exit_code = *code;
     return std::nullopt;

@@ -17,6 +17,7 @@
 
 #include "checkpoints.h"
 #include "corpus.h"
+#include "dtensor/comm/backend.h"
 #include "dtensor/mesh/device_mesh.h"
 #include "loss_plot.h"
 #include "metrics.h"
@@ -73,6 +74,7 @@ std::string parallel_line(const RunConfig& c, int64_t threads) {
   s << (c.dp > 1 ? " x DP=" + std::to_string(c.dp) : std::string()) << " on " << c.world_size
     << " CPU rank" << (c.world_size > 1 ? "s" : "") << ", " << threads << " thread"
     << (threads > 1 ? "s" : "") << " each, " << (c.dtype == c10::kDouble ? "float64" : "float32");
+  if (c.world_size > 1) s << ", collectives on " << dtensor::comm::cpu_backend_name();
   return s.str();
 }
 
