@@ -1,85 +1,152 @@
 // Prefill and decode throughput of models::generate (KV cache, greedy) at TP=1 and TP=2 on
-// local CPU ranks, one thread per rank.
+// local CPU ranks, one thread per rank, and of Hugging Face transformers on the same model in
+// the same run (bench/hf_generate.py: the model saved with save_hf_llama, PyTorch eager).
 //
 //   bench_generate [--preset bench] [--batch 1] [--prompt 128] [--new 64] [--rounds 3]
 //
 // Prints a table (median over rounds, after one warm-up) and last line
-//   RESULT decode_tps_tp1=<new tokens/s> decode_tps_tp2=<new tokens/s>
+//   RESULT decode_tps_tp1=<new tokens/s> decode_tps_tp2=<Gloo> decode_tps_tp2_mpi=<...>
+//          decode_tps_hf=<...>
+//          speedup_vs_hf_tp1=<decode_tps_tp1 / decode_tps_hf> greedy_matches_hf=<0|1>
 // Decode tokens/s counts every generated token of the batch over the decode steps' time.
 #include <ATen/ATen.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <filesystem>
+#include <fstream>
 #include <iostream>
+#include <optional>
+#include <sstream>
 #include <string>
-#include <string_view>
 #include <vector>
 
+#include "cli/cli.h"
+#include "dtensor/comm/backend.h"
 #include "dtensor/comm/process_group.h"
 #include "dtensor/mesh/device_mesh.h"
 #include "dtensor/models/generate.h"
+#include "dtensor/models/hf_checkpoint.h"
 
 namespace {
 
 using namespace dtensor;
 
+constexpr const char* kUsage = R"(usage: bench_generate [options]
+
+Prefill and decode tokens/s of generate() (greedy, KV cache, one thread per rank) at TP=1 and
+TP=2 on local ranks (TP=2 over Gloo and, when the build has it, over MPI), and of Hugging Face transformers on the same weights and prompts in the
+same run (bench/hf_generate.py; left out when python3 cannot import transformers). Last line:
+  RESULT decode_tps_tp1=... decode_tps_tp2=<Gloo> decode_tps_tp2_mpi=... decode_tps_hf=...
+         speedup_vs_hf_tp1=<decode_tps_tp1 / decode_tps_hf>
+         greedy_matches_hf=<1 when HF's greedy tokens of prompt 0 equal ours at TP=1>
+
+options:
+  --preset NAME    model preset with random weights (default bench; tiny, demo)
+  --batch N        prompts (default 1)
+  --prompt N       tokens per prompt (default 128)
+  --new N          new tokens per prompt (default 64, at least 2)
+  --rounds N       timed rounds after one warm-up (default 3)
+  --hf-script P    default bench/hf_generate.py
+  --no-hf          skip transformers
+  --no-mpi         skip TP=2 on the MPI backend (its ranks started by mpirun)
+  --help           print this help
+)";
+
 struct Options {
   std::string preset = "bench";
   int64_t batch = 1, prompt = 128, new_tokens = 64;
   int rounds = 3;
+  std::string hf_script = "bench/hf_generate.py";
+  bool hf = true;
+  bool mpi = true;
+  bool worker = false;  // a rank of the MPI run
 };
 
 struct Numbers {
   double prefill_tps = 0, decode_tps = 0;
+  std::string tokens;  // prompt 0's new tokens, comma-separated
 };
+
+// The same model on every rank and in the HF copy: the preset, parameters from seed 0.
+models::Transformer make_model(const Options& o) {
+  return models::Transformer(models::LlamaConfig::preset(o.preset));
+}
+
+// The prompts: seed 1, uniform token ids.
+std::vector<std::vector<int64_t>> make_prompts(const Options& o, int64_t vocab) {
+  at::manual_seed(1);
+  const at::Tensor ids = at::randint(vocab, {o.batch, o.prompt}, at::kLong);
+  std::vector<std::vector<int64_t>> prompts;
+  for (int64_t b = 0; b < o.batch; ++b) {
+    auto row = ids[b].contiguous();
+    prompts.emplace_back(row.data_ptr<int64_t>(), row.data_ptr<int64_t>() + o.prompt);
+  }
+  return prompts;
+}
 
 double median(std::vector<double> v) {
   std::sort(v.begin(), v.end());
   return v[v.size() / 2];
 }
 
-// One rank of a TP=`world` run; rank 0 writes "prefill_tps decode_tps" to `fd`.
-int run_rank(const Options& o, int rank, int world, int port, int fd) {
-  ::setenv("RANK", std::to_string(rank).c_str(), 1);
-  ::setenv("LOCAL_RANK", std::to_string(rank).c_str(), 1);
-  ::setenv("WORLD_SIZE", std::to_string(world).c_str(), 1);
-  ::setenv("MASTER_ADDR", "127.0.0.1", 1);
-  ::setenv("MASTER_PORT", std::to_string(port).c_str(), 1);
+// This process's rank (from the launcher's environment) measures; rank 0 writes
+// "prefill_tps decode_tps tokens" to `fd`.
+int measure(const Options& o, int fd) {
   at::set_num_threads(1);
   comm::init_process_group();
-  auto mesh = init_device_mesh("cpu", {world}, {"tp"});
-  models::Transformer model(models::LlamaConfig::preset(o.preset));
+  const int rank = comm::get_rank();
+  auto mesh = init_device_mesh("cpu", {comm::get_world_size()}, {"tp"});
+  models::Transformer model = make_model(o);
   models::TensorParallelOptions tp;
   tp.sequence_parallel = false;
   models::apply_tensor_parallel(*model, mesh, tp);
   model->init_weights(0);
-  at::manual_seed(1);
-  const at::Tensor ids = at::randint(model->config().vocab_size, {o.batch, o.prompt}, at::kLong);
-  std::vector<std::vector<int64_t>> prompts;
-  for (int64_t b = 0; b < o.batch; ++b) {
-    auto row = ids[b].contiguous();
-    prompts.emplace_back(row.data_ptr<int64_t>(), row.data_ptr<int64_t>() + o.prompt);
-  }
+  const auto prompts = make_prompts(o, model->config().vocab_size);
   models::GenerateOptions g;
   g.max_new_tokens = o.new_tokens;
   std::vector<double> prefill, decode;
+  std::string tokens;
   for (int r = 0; r <= o.rounds; ++r) {
     const auto res = models::generate(*model, prompts, g);
     if (r == 0) continue;  // warm-up
     prefill.push_back(static_cast<double>(res.prompt_tokens) / res.prefill_seconds);
     // The first new token comes from the prefill; the others from decode steps.
     decode.push_back(static_cast<double>(res.decode_steps * o.batch) / res.decode_seconds);
+    tokens.clear();
+    for (int64_t t : res.tokens.at(0)) tokens += (tokens.empty() ? "" : ",") + std::to_string(t);
   }
   if (rank == 0) {
-    const std::string line =
-        std::to_string(median(prefill)) + " " + std::to_string(median(decode)) + "\n";
+    const std::string line = std::to_string(median(prefill)) + " " +
+                             std::to_string(median(decode)) + " " + tokens + "\n";
     if (::write(fd, line.data(), line.size()) < 0) return 1;
   }
   comm::destroy_process_group();
   return 0;
+}
+
+// One forked rank of a TP=`world` run over Gloo.
+int run_rank(const Options& o, int rank, int world, int port, int fd) {
+  ::setenv("RANK", std::to_string(rank).c_str(), 1);
+  ::setenv("LOCAL_RANK", std::to_string(rank).c_str(), 1);
+  ::setenv("WORLD_SIZE", std::to_string(world).c_str(), 1);
+  ::setenv("MASTER_ADDR", "127.0.0.1", 1);
+  ::setenv("MASTER_PORT", std::to_string(port).c_str(), 1);
+  ::setenv("DTENSOR_BACKEND", "gloo", 1);
+  return measure(o, fd);
+}
+
+// "prefill_tps decode_tps tokens" as rank 0 wrote it.
+Numbers parse_numbers(const std::string& reply, const std::string& what) {
+  Numbers x;
+  std::istringstream in(reply);
+  if (!(in >> x.prefill_tps >> x.decode_tps >> x.tokens))
+    throw std::runtime_error(what + " sent no numbers");
+  return x;
 }
 
 Numbers run_tp(const Options& o, int world, int port) {
@@ -102,71 +169,173 @@ Numbers run_tp(const Options& o, int world, int port) {
     pids.push_back(pid);
   }
   ::close(fds[1]);
-  char buf[256] = {};
-  const ssize_t n = ::read(fds[0], buf, sizeof(buf) - 1);
+  std::string reply;
+  char buf[4096];
+  ssize_t n;
+  while ((n = ::read(fds[0], buf, sizeof(buf))) > 0) reply.append(buf, static_cast<size_t>(n));
   ::close(fds[0]);
-  bool ok = n > 0;
+  bool ok = !reply.empty();
   for (pid_t pid : pids) {
     int status = 0;
     ::waitpid(pid, &status, 0);
     ok = ok && WIFEXITED(status) && WEXITSTATUS(status) == 0;
   }
   if (!ok) throw std::runtime_error("TP=" + std::to_string(world) + " run failed");
+  return parse_numbers(reply, "TP=" + std::to_string(world));
+}
+
+// TP=2 with the MPI backend: this program again, its ranks started by mpirun; nullopt (with
+// the reason on stderr) when it cannot run here.
+std::optional<Numbers> run_tp2_mpi(const Options& o, int port) {
+  std::error_code ec;
+  const std::string self = std::filesystem::read_symlink("/proc/self/exe", ec).string();
+  std::string cmd =
+      std::string(MPIEXEC_PATH) + " -np 2" + (::geteuid() == 0 ? " --allow-run-as-root" : "") +
+      " -x OMP_NUM_THREADS=1 -x DTENSOR_BACKEND=mpi -x MASTER_ADDR=127.0.0.1" +
+      " -x MASTER_PORT=" + std::to_string(port) + " " + self + " --worker" + " --preset " +
+      o.preset + " --batch " + std::to_string(o.batch) + " --prompt " + std::to_string(o.prompt) +
+      " --new " + std::to_string(o.new_tokens) + " --rounds " + std::to_string(o.rounds);
+  std::fflush(stdout);
+  FILE* p = ::popen(cmd.c_str(), "r");
+  if (!p) return std::nullopt;
+  std::string out;
+  char buf[4096];
+  while (std::fgets(buf, sizeof(buf), p)) out += buf;
+  if (::pclose(p) != 0 || out.empty()) {
+    std::cerr << "bench_generate: TP=2 on MPI left out: the mpirun job failed\n" << out;
+    return std::nullopt;
+  }
+  return parse_numbers(out, "TP=2 on MPI");
+}
+
+// The reference script as given, or beside the source tree of an in-tree build folder
+// (build*/bench/bench_generate -> bench/), so the benchmark runs from any directory.
+std::string find_script(const std::string& script) {
+  namespace fs = std::filesystem;
+  if (fs::exists(script) || fs::path(script).is_absolute()) return script;
+  std::error_code ec;
+  const fs::path exe = fs::read_symlink("/proc/self/exe", ec);
+  if (!ec) {
+    const fs::path candidate = exe.parent_path() / ".." / ".." / script;
+    if (fs::exists(candidate)) return fs::weakly_canonical(candidate).string();
+  }
+  return script;
+}
+
+// Transformers on the same weights and prompts; nullopt (with the reason on stderr) when it
+// cannot run here.
+std::optional<Numbers> run_hf(const Options& o) {
+  namespace fs = std::filesystem;
+  const fs::path dir = fs::temp_directory_path() / ("bench_generate." + std::to_string(::getpid()));
+  fs::create_directories(dir);
+  struct Cleanup {
+    fs::path dir;
+    ~Cleanup() {
+      std::error_code ec;
+      fs::remove_all(dir, ec);
+    }
+  } cleanup{dir};
+  {
+    models::Transformer model = make_model(o);
+    model->init_weights(0);
+    models::save_hf_llama((dir / "model").string(), *model);
+    std::ofstream prompts(dir / "prompts.txt");
+    for (const auto& row : make_prompts(o, model->config().vocab_size)) {
+      for (size_t i = 0; i < row.size(); ++i) prompts << (i ? " " : "") << row[i];
+      prompts << "\n";
+    }
+  }
+  const std::string cmd =
+      "OMP_NUM_THREADS=1 TRANSFORMERS_VERBOSITY=error HF_HUB_DISABLE_PROGRESS_BARS=1 python3 " +
+      find_script(o.hf_script) + " --model " + (dir / "model").string() + " --prompts " +
+      (dir / "prompts.txt").string() + " --new " + std::to_string(o.new_tokens) + " --rounds " +
+      std::to_string(o.rounds);
+  std::fflush(stdout);
+  FILE* p = ::popen(cmd.c_str(), "r");
+  if (!p) return std::nullopt;
+  std::string out;
+  char buf[4096];
+  while (std::fgets(buf, sizeof(buf), p)) out += buf;
+  const int status = ::pclose(p);
+  const auto at = out.rfind("ok ");
+  if (status != 0 || at == std::string::npos) {
+    std::cerr << "bench_generate: transformers left out: "
+              << (out.empty() ? "the script failed (see above)" : out) << "\n";
+    return std::nullopt;
+  }
   Numbers x;
-  if (std::sscanf(buf, "%lf %lf", &x.prefill_tps, &x.decode_tps) != 2)
-    throw std::runtime_error("TP=" + std::to_string(world) + " sent no numbers");
+  std::istringstream in(out.substr(at + 3));
+  std::string field;
+  while (in >> field) {
+    const auto eq = field.find('=');
+    if (eq == std::string::npos) continue;
+    const std::string key = field.substr(0, eq), value = field.substr(eq + 1);
+    if (key == "prefill_tps") x.prefill_tps = std::stod(value);
+    if (key == "decode_tps") x.decode_tps = std::stod(value);
+    if (key == "tokens") x.tokens = value;
+  }
   return x;
 }
 
 }  // namespace
 
 int main(int argc, char** argv) {
+  namespace cli = dtensor::cli;
   Options o;
-  for (int i = 1; i < argc; ++i) {
-    const std::string_view a = argv[i];
-    auto next = [&]() -> std::string {
-      if (i + 1 >= argc) {
-        std::cerr << "bench_generate: " << a << " needs a value\n";
-        std::exit(2);
-      }
-      return argv[++i];
-    };
-    if (a == "--preset") {
-      o.preset = next();
-    } else if (a == "--batch") {
-      o.batch = std::stoll(next());
-    } else if (a == "--prompt") {
-      o.prompt = std::stoll(next());
-    } else if (a == "--new") {
-      o.new_tokens = std::stoll(next());
-    } else if (a == "--rounds") {
-      o.rounds = std::stoi(next());
-    } else if (a == "--help" || a == "-h") {
-      std::cout << "bench_generate [--preset bench] [--batch 1] [--prompt 128] [--new 64] "
-                   "[--rounds 3]\nPrefill and decode tokens/s of generate() at TP=1 and TP=2 "
-                   "(greedy, KV cache, one thread per rank).\n";
-      return 0;
-    } else {
-      std::cerr << "bench_generate: unknown option '" << a << "' (see --help)\n";
-      return 2;
-    }
-  }
-  if (o.batch < 1 || o.prompt < 1 || o.new_tokens < 2 || o.rounds < 1) {
-    std::cerr << "bench_generate: --batch, --prompt, --rounds must be >= 1 and --new >= 2\n";
-    return 2;
-  }
+  CLI::App app("", "bench_generate");
+  app.add_option("--preset", o.preset)->check(cli::one_of({"tiny", "demo", "bench"}));
+  app.add_option("--batch", o.batch)->check(cli::integer(1));
+  app.add_option("--prompt", o.prompt)->check(cli::integer(1));
+  app.add_option("--new", o.new_tokens)->check(cli::integer(2));
+  app.add_option("--rounds", o.rounds)->check(cli::integer(1, 1 << 20));
+  app.add_option("--hf-script", o.hf_script)->check(cli::non_empty());
+  app.add_flag_callback("--no-hf", [&] { o.hf = false; })->disable_flag_override();
+  app.add_flag_callback("--no-mpi", [&] { o.mpi = false; })->disable_flag_override();
+  app.add_flag("--worker", o.worker)->disable_flag_override();
+  if (auto code = cli::parse(app, argc, argv, kUsage)) return *code;
   try {
+    if (o.worker) return measure(o, STDOUT_FILENO);
     const int port = 29500 + static_cast<int>(::getpid() % 2000);
     const Numbers tp1 = run_tp(o, 1, port), tp2 = run_tp(o, 2, port + 1);
+    const std::optional<Numbers> tp2_mpi =
+        o.mpi && comm::has_mpi() ? run_tp2_mpi(o, port + 2) : std::nullopt;
+    const std::optional<Numbers> hf = o.hf ? run_hf(o) : std::nullopt;
     std::printf(
         "generate: preset %s, batch %lld, prompt %lld, %lld new tokens, greedy, median "
         "of %d rounds, 1 thread per rank\n",
         o.preset.c_str(), static_cast<long long>(o.batch), static_cast<long long>(o.prompt),
         static_cast<long long>(o.new_tokens), o.rounds);
-    std::printf("%-6s %18s %18s\n", "TP", "prefill tokens/s", "decode tokens/s");
-    std::printf("%-6s %18.1f %18.1f\n", "1", tp1.prefill_tps, tp1.decode_tps);
-    std::printf("%-6s %18.1f %18.1f\n", "2", tp2.prefill_tps, tp2.decode_tps);
-    std::printf("RESULT decode_tps_tp1=%.1f decode_tps_tp2=%.1f\n", tp1.decode_tps, tp2.decode_tps);
+    std::printf("%-26s %18s %18s\n", "run", "prefill tokens/s", "decode tokens/s");
+    std::printf("%-26s %18.1f %18.1f\n", "dtensor TP=1", tp1.prefill_tps, tp1.decode_tps);
+    std::printf("%-26s %18.1f %18.1f\n", "dtensor TP=2 Gloo", tp2.prefill_tps, tp2.decode_tps);
+    if (tp2_mpi) {
+      std::printf("%-26s %18.1f %18.1f\n", "dtensor TP=2 MPI", tp2_mpi->prefill_tps,
+                  tp2_mpi->decode_tps);
+    } else {
+      std::printf("%-26s %18s %18s\n", "dtensor TP=2 MPI", "-", "(not run)");
+    }
+    if (hf) {
+      std::printf("%-26s %18.1f %18.1f\n", "HF transformers (1 rank)", hf->prefill_tps,
+                  hf->decode_tps);
+    } else {
+      std::printf("%-26s %18s %18s\n", "HF transformers (1 rank)", "-", "(not run)");
+    }
+    const bool tp_same = tp1.tokens == tp2.tokens && (!tp2_mpi || tp2_mpi->tokens == tp1.tokens);
+    std::printf("greedy tokens of prompt 0: TP=2 %s TP=1", tp_same ? "==" : "!=");
+    if (hf) std::printf(", HF %s TP=1", hf->tokens == tp1.tokens ? "==" : "!=");
+    std::printf("\n");
+    if (hf) {
+      std::printf(
+          "RESULT decode_tps_tp1=%.1f decode_tps_tp2=%.1f decode_tps_tp2_mpi=%.1f "
+          "decode_tps_hf=%.1f speedup_vs_hf_tp1=%.3f greedy_matches_hf=%d\n",
+          tp1.decode_tps, tp2.decode_tps, tp2_mpi ? tp2_mpi->decode_tps : std::nan(""),
+          hf->decode_tps, tp1.decode_tps / hf->decode_tps, hf->tokens == tp1.tokens ? 1 : 0);
+    } else {
+      std::printf(
+          "RESULT decode_tps_tp1=%.1f decode_tps_tp2=%.1f decode_tps_tp2_mpi=%.1f "
+          "decode_tps_hf=nan speedup_vs_hf_tp1=nan greedy_matches_hf=nan\n",
+          tp1.decode_tps, tp2.decode_tps, tp2_mpi ? tp2_mpi->decode_tps : std::nan(""));
+    }
   } catch (const std::exception& e) {
     std::cerr << "bench_generate: " << e.what() << "\n";
     return 1;
