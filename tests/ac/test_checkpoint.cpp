@@ -15,6 +15,7 @@
 #include "dtensor/dtensor.h"
 #include "support/distributed.h"
 #include "support/errors.h"
+#include "support/model_compare.h"
 
 using namespace dtensor;
 using namespace dtensor::models;
@@ -22,22 +23,6 @@ using namespace dtensor::testing;
 using dtensor::ac::ACMode;
 
 namespace {
-
-using Params = std::map<std::string, at::Tensor>;
-
-Params params_of(const torch::nn::Module& m) {
-  Params out;
-  for (const auto& p : m.named_parameters()) out[p.key()] = p.value();
-  return out;
-}
-
-at::Tensor whole(const at::Tensor& t) { return is_dtensor(t) ? full_tensor(t.detach()) : t; }
-
-// Relative to the tensor's scale (as tests/models/test_llama_tp.cpp compares).
-::testing::AssertionResult close(const at::Tensor& a, const at::Tensor& b, double tol) {
-  const double scale = std::max(b.abs().max().item<double>(), 1.0);
-  return tensors_close(a.to(at::kDouble), b.to(at::kDouble), tol, tol * scale);
-}
 
 LlamaConfig tiny() {
   auto c = LlamaConfig::preset("tiny");
@@ -81,17 +66,18 @@ void expect_training_matches(const DeviceMesh* mesh, ACMode mode) {
     auto ref_loss = loss_and_backward(ref->forward(tokens), targets);
     auto loss = loss_and_backward(model->forward(tokens), targets);
     reduce_partial_grads(*model);
-    EXPECT_TRUE(close(loss, ref_loss, 1e-9)) << "loss";
+    EXPECT_TRUE(close_to_scale(loss, ref_loss, 1e-9)) << "loss";
     for (const auto& [name, p] : params) {
       SCOPED_TRACE(name);
       ASSERT_TRUE(p.grad().defined());
-      EXPECT_TRUE(close(whole(p.grad()), ref_params.at(name).grad(), 1e-9)) << "gradient";
+      EXPECT_TRUE(close_to_scale(whole(p.grad()), ref_params.at(name).grad(), 1e-9)) << "gradient";
     }
     ref_opt.step();
     opt_ac.step();
     for (const auto& [name, p] : params) {
       SCOPED_TRACE(name);
-      EXPECT_TRUE(close(whole(p), ref_params.at(name), 1e-9)) << "parameter after the step";
+      EXPECT_TRUE(close_to_scale(whole(p), ref_params.at(name), 1e-9))
+          << "parameter after the step";
     }
   }
 }
