@@ -2,7 +2,6 @@
 
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/Context.h>
-#include <ATen/core/Generator.h>
 #include <ATen/ops/empty.h>
 #include <c10/core/GradMode.h>
 #include <torch/csrc/autograd/autograd.h>
@@ -151,10 +150,12 @@ struct CheckpointFunction : torch::autograd::Function<CheckpointFunction> {
     std::vector<at::Tensor> outs = flatten(out);
     state->num_outputs = outs.size();
     state->output = placeholders(out);
+    torch::autograd::variable_list integral;  // marked in one call: each call replaces the set
     for (const at::Tensor& o : outs)
       if (o.defined() && !at::isFloatingType(o.scalar_type()) &&
           !at::isComplexType(o.scalar_type()))
-        ctx->mark_non_differentiable({o});
+        integral.push_back(o);
+    if (!integral.empty()) ctx->mark_non_differentiable(integral);
     ctx->save_for_backward(inputs.vec());
     ctx->saved_data["state"] = std::move(state_capsule);
     return outs;
