@@ -1,7 +1,8 @@
 // Activation checkpointing (dtensor/ac/checkpoint.h): training with AC full and selective matches
 // one device in float64 at TP=1 and TP=2; a step issues exactly the collectives it issues
 // without AC (the recompute replays them); dropout masks are replayed; a recompute whose
-// collectives differ fails naming the module; full AC keeps only each block's input.
+// collectives differ fails naming the module; full AC keeps only each block's input; a drop-in
+// layer can be checkpointed and runs plainly under no-grad.
 #include <ATen/ATen.h>
 #include <c10/core/CPUAllocator.h>
 #include <gtest/gtest.h>
@@ -388,4 +389,31 @@ TEST(ActivationCheckpointing, FullAcKeepsOnlyEachBlocksInput) {
             << per_block_full << " with full AC; peak over forward+backward (4 layers, B=" << B
             << ", S=" << S << "): " << none4.peak << " without AC, " << full4.peak
             << " with full AC\n";
+}
+
+// A drop-in layer can be checkpointed as it is; under no-grad it runs without the Function.
+TEST(ActivationCheckpointing, WrapsADtensorNnLayerAndRunsPlainUnderNoGrad) {
+  dtensor::nn::Linear ref(4, 3), layer(4, 3);
+  ref->to(at::kDouble);
+  layer->to(at::kDouble);
+  {
+    at::NoGradGuard no_grad;
+    layer->weight.copy_(ref->weight);
+    layer->bias.copy_(ref->bias);
+  }
+  ac::checkpoint_wrapper(layer);
+  auto x = at::randn({2, 4}, at::kDouble).requires_grad_();
+  auto x2 = x.detach().clone().requires_grad_();
+  ref(x).pow(2).sum().backward();
+  auto y = layer(x2);
+  ASSERT_NE(y.grad_fn(), nullptr);
+  EXPECT_CONTAINS(y.grad_fn()->name(), "CheckpointFunction");
+  y.pow(2).sum().backward();
+  EXPECT_TENSOR_EQ(layer->weight.grad(), ref->weight.grad());
+  EXPECT_TENSOR_EQ(layer->bias.grad(), ref->bias.grad());
+  EXPECT_TENSOR_EQ(x2.grad(), x.grad());
+  at::NoGradGuard no_grad;
+  auto z = layer(x2);
+  EXPECT_FALSE(z.requires_grad());
+  EXPECT_TENSOR_EQ(z, ref(x));
 }
