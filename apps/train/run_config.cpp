@@ -84,6 +84,7 @@ RunConfig resolve_run_config(const TrainOptions& o, int64_t world_size) {
   c.verify_rtol = o.verify_rtol.value_or(c.dtype == c10::kDouble ? 1e-9 : 1e-4);
   c.sequence_parallel = o.sequence_parallel;
   c.loss_parallel = o.loss_parallel;
+  c.ac = o.ac;
   if (!o.plan_path.empty()) {
     c.plan = read_plan_file(o.plan_path);
     c.sequence_parallel = c.plan->sequence_parallel;

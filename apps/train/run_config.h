@@ -35,6 +35,7 @@ struct RunConfig {
   int64_t world_size = 1, dp = 1, tp = 1;
   bool sequence_parallel = true;
   bool loss_parallel = true;
+  std::string ac = "none";       // activation checkpointing mode (dtensor/ac/checkpoint.h)
   std::optional<PlanFile> plan;  // --plan: used instead of the built-in Llama plan
   double verify_rtol = 1e-4;
 

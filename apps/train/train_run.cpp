@@ -71,6 +71,7 @@ std::string parallel_line(const RunConfig& c, int64_t threads) {
     s << " (" << (c.sequence_parallel ? "sequence parallel" : "no sequence parallel") << ", "
       << (c.loss_parallel ? "loss parallel" : "gathered logits") << ")";
   }
+  if (c.ac != "none") s << ", AC " << c.ac;
   s << (c.dp > 1 ? " x DP=" + std::to_string(c.dp) : std::string()) << " on " << c.world_size
     << " CPU rank" << (c.world_size > 1 ? "s" : "") << ", " << threads << " thread"
     << (threads > 1 ? "s" : "") << " each, " << (c.dtype == c10::kDouble ? "float64" : "float32");

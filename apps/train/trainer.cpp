@@ -6,6 +6,7 @@
 
 #include <limits>
 
+#include "dtensor/ac/checkpoint.h"
 #include "dtensor/comm/collectives.h"
 #include "dtensor/core/api.h"
 #include "dtensor/core/distribute_module.h"
@@ -31,6 +32,7 @@ Trainer::Trainer(const RunConfig& config, std::optional<DeviceMesh> mesh)
       models::apply_tensor_parallel(*model_, tp_mesh, tp);
     }
   }
+  ac::apply_ac<models::TransformerBlockImpl>(*model_, ac::parse_ac_mode(config_.ac));
 
   // Decay the matrices (projections and embeddings), not the norm weights, as GPT-style
   // recipes do. A tied weight is listed (and so optimized) once.

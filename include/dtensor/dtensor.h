@@ -1,11 +1,13 @@
 #pragma once
 // Everything a program using dtensor-cpp needs: every public header (a test checks the list).
+#include "dtensor/ac/checkpoint.h"
 #include "dtensor/checkpoint/checkpoint.h"
 #include "dtensor/checkpoint/checkpoint_manager.h"
 #include "dtensor/checkpoint/crc32c.h"
 #include "dtensor/checkpoint/rank0_outcome.h"
 #include "dtensor/checkpoint/safetensors.h"
 #include "dtensor/comm/backend.h"
+#include "dtensor/comm/collective_tape.h"
 #include "dtensor/comm/collectives.h"
 #include "dtensor/comm/comm_debug_mode.h"
 #include "dtensor/comm/failure.h"
@@ -34,6 +36,7 @@
 #include "dtensor/ops/rule_utils.h"
 #include "dtensor/text/bpe_tokenizer.h"
 #include "dtensor/tp/compat.h"
+#include "dtensor/tp/forward_wrapper.h"
 #include "dtensor/tp/loss_parallel.h"
 #include "dtensor/tp/module_hooks.h"
 #include "dtensor/tp/module_tracker.h"

@@ -11,6 +11,7 @@
 #include "backends.h"
 #include "dtensor/comm/comm_debug_mode.h"
 #include "health.h"
+#include "tape.h"
 
 namespace dtensor::comm {
 namespace {
@@ -73,6 +74,15 @@ PendingResult launch(const char* name, CommType type, ProcessGroup& pg, const at
                        "rank " + std::to_string(pg.global_rank(pg.rank())) + ": " + what);
 }
 
+// "all_gather_into_tensor dim 1 of float64[2,4,32] on group tp (2 ranks)": what a recorded
+// collective must match when it is replayed.
+std::string tape_key(const std::string& op, const at::Tensor& t, ProcessGroup& pg) {
+  return op + " of " + detail::signature(t) + " on group " + pg.name() + " (" +
+         std::to_string(pg.size()) + " ranks)";
+}
+
+PendingResult ready(at::Tensor t) { return PendingResult({}, std::move(t), nullptr, ""); }
+
 at::Tensor contiguous_copy_if_needed(const at::Tensor& t) {
   return t.is_contiguous() ? t : t.contiguous();
 }
@@ -111,6 +121,9 @@ void PendingResult::then(std::function<at::Tensor(at::Tensor)> f) {
 }
 
 PendingResult all_reduce_async(const at::Tensor& t, ReduceOp op, ProcessGroup& pg) {
+  if (detail::tape_open())
+    return ready(detail::taped(tape_key(std::string("all_reduce ") + reduce_op_name(op), t, pg),
+                               [&] { return all_reduce_async(t, op, pg).wait(); }));
   // Out-of-place: reduce into a private copy.
   at::Tensor buf = t.clone(at::MemoryFormat::Contiguous);
   std::function<at::Tensor(at::Tensor)> finish;
@@ -136,6 +149,9 @@ at::Tensor all_reduce(const at::Tensor& t, ReduceOp op, ProcessGroup& pg) {
 }
 
 PendingResult all_gather_into_tensor_async(const at::Tensor& t, int64_t dim, ProcessGroup& pg) {
+  if (detail::tape_open())
+    return ready(detail::taped(tape_key("all_gather_into_tensor dim " + std::to_string(dim), t, pg),
+                               [&] { return all_gather_into_tensor_async(t, dim, pg).wait(); }));
   const int64_t k = pg.size();
   dim = c10::maybe_wrap_dim(dim, t.dim());
   at::Tensor in = contiguous_copy_if_needed(t);
@@ -165,6 +181,11 @@ at::Tensor all_gather_into_tensor(const at::Tensor& t, int64_t dim, ProcessGroup
 
 PendingResult reduce_scatter_tensor_async(const at::Tensor& t, int64_t dim, ReduceOp op,
                                           ProcessGroup& pg) {
+  if (detail::tape_open())
+    return ready(detail::taped(
+        tape_key("reduce_scatter_tensor dim " + std::to_string(dim) + " " + reduce_op_name(op), t,
+                 pg),
+        [&] { return reduce_scatter_tensor_async(t, dim, op, pg).wait(); }));
   const int64_t k = pg.size();
   dim = c10::maybe_wrap_dim(dim, t.dim());
   TORCH_CHECK(t.size(dim) % k == 0, "dtensor: reduce_scatter_tensor needs dim ", dim, " (size ",
@@ -214,6 +235,11 @@ at::Tensor reduce_scatter_tensor(const at::Tensor& t, int64_t dim, ReduceOp op, 
 
 at::Tensor all_to_all_single(const at::Tensor& t, int64_t split_dim, int64_t concat_dim,
                              ProcessGroup& pg) {
+  if (detail::tape_open())
+    return detail::taped(tape_key("all_to_all_single split " + std::to_string(split_dim) +
+                                      " concat " + std::to_string(concat_dim),
+                                  t, pg),
+                         [&] { return all_to_all_single(t, split_dim, concat_dim, pg); });
   const int64_t k = pg.size();
   split_dim = c10::maybe_wrap_dim(split_dim, t.dim());
   concat_dim = c10::maybe_wrap_dim(concat_dim, t.dim());
@@ -240,6 +266,9 @@ at::Tensor all_to_all_single(const at::Tensor& t, int64_t split_dim, int64_t con
 }
 
 at::Tensor broadcast(const at::Tensor& t, int src, ProcessGroup& pg) {
+  if (detail::tape_open())
+    return detail::taped(tape_key("broadcast from " + std::to_string(src), t, pg),
+                         [&] { return broadcast(t, src, pg); });
   at::Tensor buf = t.clone(at::MemoryFormat::Contiguous);
   if (pg.size() == 1) {
     record(CommType::broadcast, t, pg);
@@ -257,6 +286,9 @@ at::Tensor broadcast(const at::Tensor& t, int src, ProcessGroup& pg) {
 
 at::Tensor scatter(const std::vector<at::Tensor>& chunks_on_src, const at::Tensor& like, int src,
                    ProcessGroup& pg) {
+  if (detail::tape_open())
+    return detail::taped(tape_key("scatter from " + std::to_string(src), like, pg),
+                         [&] { return scatter(chunks_on_src, like, src, pg); });
   at::Tensor out = at::empty(like.sizes(), like.options());
   if (pg.size() == 1) {
     record(CommType::scatter, like, pg);

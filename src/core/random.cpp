@@ -21,13 +21,18 @@ RngState& rng() {
   return s;
 }
 
-std::pair<uint64_t, uint64_t> reserve_counters(uint64_t n) {
-  auto& s = rng();
-  std::lock_guard<std::mutex> l(s.mu);
+// Called with s.mu held.
+void seed_if_needed(RngState& s) {
   if (!s.seeded) {
     s.seed = at::detail::getDefaultCPUGenerator().current_seed();
     s.seeded = true;
   }
+}
+
+std::pair<uint64_t, uint64_t> reserve_counters(uint64_t n) {
+  auto& s = rng();
+  std::lock_guard<std::mutex> l(s.mu);
+  seed_if_needed(s);
   const uint64_t first = s.offset;
   s.offset += (n + 3) / 4 * 4;
   return {s.seed, first};
@@ -87,6 +92,21 @@ void manual_seed(uint64_t seed) {
 }
 
 namespace random {
+
+StreamState get_state() {
+  auto& s = rng();
+  std::lock_guard<std::mutex> l(s.mu);
+  seed_if_needed(s);
+  return {s.seed, s.offset};
+}
+
+void set_state(const StreamState& state) {
+  auto& s = rng();
+  std::lock_guard<std::mutex> l(s.mu);
+  s.seeded = true;
+  s.seed = state.seed;
+  s.offset = state.offset;
+}
 
 Draw reserve(int64_t numel) {
   // Two counters per element, so normal draws (Box-Muller) have their own pair.

@@ -1,7 +1,12 @@
 #include "dtensor/tp/module_hooks.h"
 
 #include <algorithm>
+#include <atomic>
+#include <memory>
+#include <mutex>
+#include <unordered_map>
 
+#include "dtensor/tp/forward_wrapper.h"
 #include "dtensor/tp/module_tracker.h"
 #include "style_support.h"
 
@@ -33,6 +38,37 @@ struct RunningScope {
   RunningScope(const RunningScope&) = delete;
   RunningScope& operator=(const RunningScope&) = delete;
 };
+
+// Forward wrappers by module. Each entry remembers its module's owner: a wrapper whose module
+// is gone is dropped, never inherited by a new module at the same address.
+struct WrapperEntry {
+  std::weak_ptr<torch::nn::Module> owner;
+  std::shared_ptr<const ForwardWrapper> wrapper;
+};
+std::mutex g_wrappers_mu;
+std::unordered_map<const HookedModule*, WrapperEntry> g_wrappers;
+std::atomic<size_t> g_wrapper_count{0};  // lets calls skip the lookup when there are none
+
+std::shared_ptr<const ForwardWrapper> wrapper_of(const HookedModule* m) {
+  if (g_wrapper_count.load(std::memory_order_relaxed) == 0) return nullptr;
+  std::lock_guard<std::mutex> l(g_wrappers_mu);
+  auto it = g_wrappers.find(m);
+  if (it == g_wrappers.end() || it->second.owner.expired()) return nullptr;
+  return it->second.wrapper;
+}
+
+// The module of the innermost BodyOnlyCall on this thread and its saved call.
+thread_local const void* t_body_only_module = nullptr;
+thread_local const ModuleCall* t_body_only_call = nullptr;
+
+HookedModule& hooked(torch::nn::Module& module, const char* what) {
+  auto* h = dynamic_cast<HookedModule*>(&module);
+  TORCH_CHECK(h != nullptr, "dtensor: ", what,
+              " needs a hook-capable module (a dtensor::nn layer or a ",
+              "dtensor::nn::Module that routes its forward through call_forward); ", module.name(),
+              " is a plain torch::nn::Module");
+  return *h;
+}
 
 std::string describe(HookedModule& m) {
   auto* module = dynamic_cast<torch::nn::Module*>(&m);
@@ -108,15 +144,57 @@ torch::nn::Module& HookedModule::as_module() {
 
 c10::IValue HookedModule::call_forward_kw(const std::function<c10::IValue(const ModuleCall&)>& body,
                                           ModuleCall call) {
+  if (t_body_only_module == this) {
+    const ModuleCall& saved = *t_body_only_call;
+    t_body_only_module = nullptr;  // the body's own calls of this module run normally
+    RunningScope running(this);
+    TrackedCall tracked(*this, saved);
+    c10::IValue out = body(saved);
+    tracked.track_output(out);
+    return out;
+  }
   check_ancestors_ran();
   RunningScope running(this);
   TrackedCall tracked(*this, call);  // CommDebugMode's per-module attribution
   torch::nn::Module& self = as_module();
   for (auto& [handle, hook] : pre_hooks_) hook(self, call);
-  c10::IValue out = body(call);
+  auto wrapper = wrapper_of(this);
+  c10::IValue out = wrapper ? (*wrapper)(self, call, body) : body(call);
   for (auto& [handle, hook] : hooks_) hook(self, call, out);
   tracked.track_output(out);
   return out;
+}
+
+void set_forward_wrapper(torch::nn::Module& module, ForwardWrapper wrapper) {
+  HookedModule& h = hooked(module, "set_forward_wrapper");
+  std::weak_ptr<torch::nn::Module> owner = module.weak_from_this();
+  TORCH_CHECK(!wrapper || !owner.expired(), "dtensor: set_forward_wrapper: ", module.name(),
+              " is not owned by a shared_ptr; create it through its module holder "
+              "(TORCH_MODULE) or std::make_shared");
+  std::lock_guard<std::mutex> l(g_wrappers_mu);
+  std::erase_if(g_wrappers, [](const auto& e) { return e.second.owner.expired(); });
+  if (wrapper) {
+    g_wrappers[&h] = {owner, std::make_shared<const ForwardWrapper>(std::move(wrapper))};
+  } else {
+    g_wrappers.erase(&h);
+  }
+  g_wrapper_count.store(g_wrappers.size(), std::memory_order_relaxed);
+}
+
+bool has_forward_wrapper(const torch::nn::Module& module) {
+  auto* h = dynamic_cast<const HookedModule*>(&module);
+  return h != nullptr && wrapper_of(h) != nullptr;
+}
+
+BodyOnlyCall::BodyOnlyCall(torch::nn::Module& module, const ModuleCall& call)
+    : prev_module_(t_body_only_module), prev_call_(t_body_only_call) {
+  t_body_only_module = &hooked(module, "BodyOnlyCall");
+  t_body_only_call = &call;
+}
+
+BodyOnlyCall::~BodyOnlyCall() {
+  t_body_only_module = prev_module_;
+  t_body_only_call = prev_call_;
 }
 
 namespace {

@@ -1,6 +1,6 @@
 // dtensor_train's Trainer: a few AdamW steps of the tiny Llama with tensor parallelism (and
 // dp x tp) against the same Trainer on one device with plain LibTorch: losses, gradient
-// norms and every parameter afterwards.
+// norms and every parameter afterwards; with activation checkpointing too.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -42,6 +42,8 @@ void expect_like_one_device(const RunConfig& cfg, const DeviceMesh& mesh) {
   Trainer tp(cfg, mesh);
   RunConfig one_cfg = cfg;
   one_cfg.world_size = one_cfg.dp = one_cfg.tp = 1;
+  one_cfg.ac = "none";
+  EXPECT_EQ(ac::is_checkpointed(*tp.model().layers[1]), cfg.ac != "none");
   Trainer one(one_cfg, std::nullopt);
   for (int64_t step = 0; step < cfg.steps; ++step) {
     SCOPED_TRACE("step " + std::to_string(step));
@@ -81,6 +83,19 @@ TEST(TrainTrainer, TensorParallelStepsMatchOneDevice) {
                      " loss_parallel=" + (lp ? "on" : "off"));
         expect_like_one_device(tiny_config(2, 1, sp, lp), mesh);
       }
+    }
+  });
+}
+
+// --ac full | selective: the same steps as one device without activation checkpointing.
+TEST(TrainTrainer, ActivationCheckpointingStepsMatchOneDevice) {
+  run_ranks(2, [](int) {
+    auto mesh = init_device_mesh("cpu", {2});
+    for (const char* mode : {"full", "selective"}) {
+      SCOPED_TRACE(mode);
+      RunConfig cfg = tiny_config(2, 1, true, true);
+      cfg.ac = mode;
+      expect_like_one_device(cfg, mesh);
     }
   });
 }

@@ -314,6 +314,10 @@ TEST(TrainOptions, ParsesEveryKindOfOption) {
   EXPECT_TRUE(o->verify_tp1);
   EXPECT_EQ(o->seq_len, 64);
   EXPECT_EQ(o->progress, "auto");
+  EXPECT_EQ(o->ac, "none");
+  o = parse({"--ac", "selective"}, code);
+  ASSERT_TRUE(o.has_value());
+  EXPECT_EQ(o->ac, "selective");
   o = parse({"--progress", "bar"}, code);
   ASSERT_TRUE(o.has_value());
   EXPECT_EQ(o->progress, "bar");
@@ -341,6 +345,7 @@ TEST(TrainOptions, RejectsUnknownFlagsAndBadValuesClearly) {
       {{"--preset", "huge"}, "--preset expects one of tiny, demo, bench, got 'huge'"},
       {{"--dtype", "half"}, "--dtype expects one of float32, float64"},
       {{"--progress", "fancy"}, "--progress expects one of auto, bar, lines"},
+      {{"--ac", "some"}, "--ac expects one of none, full, selective, got 'some'"},
       {{"--vocab", "100"}, "--vocab must be at least 256"},
       {{"--verify-tp1=yes"}, "--verify-tp1 takes no value"},
       {{"--lr", "1e-3", "--min-lr", "1e-2"}, "--min-lr"},

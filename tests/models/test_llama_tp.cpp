@@ -14,31 +14,13 @@
 #include "dtensor/dtensor.h"
 #include "dtensor/models/llama.h"
 #include "support/distributed.h"
+#include "support/model_compare.h"
 
 using namespace dtensor;
 using namespace dtensor::models;
 using namespace dtensor::testing;
 
 namespace {
-
-using Params = std::map<std::string, at::Tensor>;
-
-Params params_of(const torch::nn::Module& m) {
-  Params out;
-  for (const auto& p : m.named_parameters()) out[p.key()] = p.value();
-  return out;
-}
-
-at::Tensor whole(const at::Tensor& t) { return is_dtensor(t) ? full_tensor(t.detach()) : t; }
-
-// |a - b| <= tol * (|b| + max(max|b|, 1)): relative to the tensor's scale, so entries near
-// zero (rounding noise in both) do not need digits they cannot have, and absolute below 1 as
-// PyTorch's own float comparisons (Adam turns float32 rounding in gradients near its eps into
-// parameter differences of a few 1e-6).
-::testing::AssertionResult close(const at::Tensor& a, const at::Tensor& b, double tol) {
-  const double scale = std::max(b.abs().max().item<double>(), 1.0);
-  return tensors_close(a.to(at::kDouble), b.to(at::kDouble), tol, tol * scale);
-}
 
 LlamaConfig tiny(int64_t n_kv_heads = 2) {
   auto c = LlamaConfig::preset("tiny");
@@ -73,7 +55,7 @@ void expect_training_matches(const DeviceMesh& mesh, const Case& c) {
   ASSERT_EQ(ref_params.size(), tp_params.size());
   for (const auto& [name, p] : tp_params) {
     SCOPED_TRACE(name);
-    EXPECT_TRUE(close(whole(p), ref_params.at(name), 0.0)) << "initial value";
+    EXPECT_TRUE(close_to_scale(whole(p), ref_params.at(name), 0.0)) << "initial value";
   }
   for (int step = 0; step < 3; ++step) {
     SCOPED_TRACE("step " + std::to_string(step));
@@ -87,20 +69,21 @@ void expect_training_matches(const DeviceMesh& mesh, const Case& c) {
     EXPECT_EQ(is_dtensor(logits), c.options.loss_parallel);
     auto loss = loss_and_backward(logits, targets);
     reduce_partial_grads(*model);
-    EXPECT_TRUE(close(loss, ref_loss, c.tol)) << "loss";
+    EXPECT_TRUE(close_to_scale(loss, ref_loss, c.tol)) << "loss";
     for (const auto& [name, p] : tp_params) {
       SCOPED_TRACE(name);
       ASSERT_TRUE(p.grad().defined());
       if (is_dtensor(p.grad())) {
         EXPECT_FALSE(spec_of(p.grad()).has_partial());
       }
-      EXPECT_TRUE(close(whole(p.grad()), ref_params.at(name).grad(), c.tol)) << "gradient";
+      EXPECT_TRUE(close_to_scale(whole(p.grad()), ref_params.at(name).grad(), c.tol)) << "gradient";
     }
     ref_opt.step();
     tp_opt.step();
     for (const auto& [name, p] : tp_params) {
       SCOPED_TRACE(name);
-      EXPECT_TRUE(close(whole(p), ref_params.at(name), c.tol)) << "parameter after the step";
+      EXPECT_TRUE(close_to_scale(whole(p), ref_params.at(name), c.tol))
+          << "parameter after the step";
     }
   }
 }
@@ -237,7 +220,8 @@ TEST(LlamaTp, PlanRefusesWhatItCannotShardNamingTheFix) {
     Transformer megatron(tiny(2)), ref(tiny(2));
     apply_tensor_parallel(*megatron, mesh, kPlain);
     auto tokens = at::randint(64, {1, 6}, at::kLong);
-    EXPECT_TRUE(close(megatron->forward(tokens).detach(), ref->forward(tokens).detach(), 1e-5));
+    EXPECT_TRUE(
+        close_to_scale(megatron->forward(tokens).detach(), ref->forward(tokens).detach(), 1e-5));
 
     // A multi-dimensional mesh: its "tp" dimension, or an error when it has none.
     auto mesh2d = init_device_mesh("cpu", {2, 2}, {"dp", "tp"});
@@ -247,8 +231,8 @@ TEST(LlamaTp, PlanRefusesWhatItCannotShardNamingTheFix) {
     EXPECT_EQ(spec_of(on2d->layers[0]->as<TransformerBlock>()->attention->wq->weight).mesh(),
               *get_tp_mesh(mesh2d));
     auto tokens4 = at::randint(64, {1, 4}, at::kLong);
-    EXPECT_TRUE(
-        close(full_tensor(on2d->forward(tokens4).detach()), ref->forward(tokens4).detach(), 1e-5));
+    EXPECT_TRUE(close_to_scale(full_tensor(on2d->forward(tokens4).detach()),
+                               ref->forward(tokens4).detach(), 1e-5));
     EXPECT_NE(message([&] {
                 apply_tensor_parallel(*ref, init_device_mesh("cpu", {2, 2}, {"dp", "cp"}));
               }).find("get_tp_mesh"),

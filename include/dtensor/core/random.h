@@ -21,6 +21,16 @@ struct Draw {
   uint64_t seed;   ///< Seed of the stream when the draw was reserved.
   uint64_t first;  // first counter of this draw
 };
+/// Where the stream stands: its seed and the next counter to reserve.
+struct StreamState {
+  uint64_t seed;    ///< Seed of the stream.
+  uint64_t offset;  ///< First counter of the next draw.
+};
+/// The current state (seeding the stream first if manual_seed was never called).
+StreamState get_state();
+/// Puts the stream back to `state` (a recomputation replays the draws of the original).
+void set_state(const StreamState& state);
+
 /// Reserves the counters of one draw over a tensor of `numel` elements (every rank calls it).
 Draw reserve(int64_t numel);
 
