@@ -26,6 +26,7 @@
 #include "dtensor/dispatch/explicit_redistribution.h"
 #include "dtensor/dispatch/implicit_replication.h"
 #include "dtensor/dispatch/op_call.h"
+#include "dtensor/fsdp/fully_shard.h"
 #include "dtensor/mesh/device_mesh.h"
 #include "dtensor/models/generate.h"
 #include "dtensor/models/hf_checkpoint.h"

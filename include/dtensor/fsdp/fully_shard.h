@@ -1,0 +1,45 @@
+#pragma once
+// fully_shard: data-parallel sharding of a module's parameters over a 1-D "dp" mesh (the first
+// form of PyTorch's FSDP2). Each parameter is replaced by a leaf holding this dp rank's rows
+// (dim 0, torch.chunk split); the optimizer steps those leaves. Each forward of the unit issues
+// one all-gather of all its shards (one flat buffer) and runs on the gathered parameters; the
+// backward of that gather is one reduce-scatter that averages the gradients over dp into the
+// leaves' grads.
+//
+//   for (auto& block : *model->layers) fsdp::fully_shard(*block, dp_mesh);
+//   fsdp::fully_shard(*model, dp_mesh);   // the root last: it takes the parameters left over
+//   torch::optim::AdamW opt(model->parameters(), ...);   // after fully_shard: the leaves
+//
+// Limitations of this first version: parameters must be plain tensors (TP DTensors are
+// refused); the gathered parameters stay alive until backward through the autograd graph
+// (reshard_after_forward = false behaviour; no re-gather in backward); tied parameters are
+// refused.
+#include <torch/nn/module.h>
+
+#include "dtensor/mesh/device_mesh.h"
+
+namespace dtensor::fsdp {
+
+/// Options of fully_shard.
+struct FullyShardOptions {
+  /// Only false is supported for now: the gathered parameters live until backward.
+  bool reshard_after_forward = false;
+};
+
+/// Shards the parameters of `unit` not already owned by a fully_shard'ed submodule over the
+/// 1-D mesh `dp_mesh`. `unit` must be hook-capable (a dtensor::nn::Module or dtensor::nn layer).
+void fully_shard(torch::nn::Module& unit, const DeviceMesh& dp_mesh,
+                 FullyShardOptions options = {});
+
+/// Whether `param` is a sharded leaf created by fully_shard.
+bool is_fsdp_shard(const at::Tensor& param);
+
+/// The sharding of a leaf from fully_shard: the full dim-0 size and this rank's first row.
+struct ShardInfo {
+  int64_t full_rows = 0;   ///< Size of dim 0 of the unsharded parameter.
+  int64_t row_offset = 0;  ///< First row of the unsharded parameter this rank holds.
+};
+/// The sharding of `param` (throws when it is not from fully_shard).
+ShardInfo shard_info(const at::Tensor& param);
+
+}  // namespace dtensor::fsdp
