@@ -13,6 +13,7 @@
 #include <string>
 #include <vector>
 
+#include "bench_support.h"
 #include "cli/cli.h"
 #include "dtensor/dtensor.h"
 
@@ -49,14 +50,10 @@ double median(std::vector<double> v) {
 // {op: [plain_us, dtensor_us]} from the Python script, or empty if it cannot run.
 std::map<std::string, std::pair<double, double>> run_pytorch(const std::string& script, int iters) {
   std::map<std::string, std::pair<double, double>> out;
-  const std::string cmd =
-      "python3 " + script + " --iters " + std::to_string(iters) + " 2>/dev/null";
-  FILE* p = ::popen(cmd.c_str(), "r");
-  if (!p) return out;
-  std::string line, all;
-  char buf[4096];
-  while (std::fgets(buf, sizeof(buf), p)) all += buf;
-  ::pclose(p);
+  const auto r = dtensor::bench::run_command("python3 " + dtensor::bench::find_script(script) +
+                                             " --iters " + std::to_string(iters) + " 2>/dev/null");
+  if (!r) return out;
+  const std::string& all = r->out;
   // Parse {"add": [1.0, 2.0], ...} without a JSON dependency.
   size_t pos = 0;
   while ((pos = all.find('"', pos)) != std::string::npos) {

@@ -25,6 +25,7 @@
 #include <string>
 #include <vector>
 
+#include "bench_support.h"
 #include "cli/cli.h"
 #include "dtensor/comm/backend.h"
 #include "dtensor/comm/process_group.h"
@@ -195,31 +196,13 @@ std::optional<Numbers> run_tp2_mpi(const Options& o, int port) {
       " -x MASTER_PORT=" + std::to_string(port) + " " + self + " --worker" + " --preset " +
       o.preset + " --batch " + std::to_string(o.batch) + " --prompt " + std::to_string(o.prompt) +
       " --new " + std::to_string(o.new_tokens) + " --rounds " + std::to_string(o.rounds);
-  std::fflush(stdout);
-  FILE* p = ::popen(cmd.c_str(), "r");
-  if (!p) return std::nullopt;
-  std::string out;
-  char buf[4096];
-  while (std::fgets(buf, sizeof(buf), p)) out += buf;
-  if (::pclose(p) != 0 || out.empty()) {
-    std::cerr << "bench_generate: TP=2 on MPI left out: the mpirun job failed\n" << out;
+  const auto r = dtensor::bench::run_command(cmd);
+  if (!r || r->status != 0 || r->out.empty()) {
+    std::cerr << "bench_generate: TP=2 on MPI left out: the mpirun job failed\n"
+              << (r ? r->out : std::string());
     return std::nullopt;
   }
-  return parse_numbers(out, "TP=2 on MPI");
-}
-
-// The reference script as given, or beside the source tree of an in-tree build folder
-// (build*/bench/bench_generate -> bench/), so the benchmark runs from any directory.
-std::string find_script(const std::string& script) {
-  namespace fs = std::filesystem;
-  if (fs::exists(script) || fs::path(script).is_absolute()) return script;
-  std::error_code ec;
-  const fs::path exe = fs::read_symlink("/proc/self/exe", ec);
-  if (!ec) {
-    const fs::path candidate = exe.parent_path() / ".." / ".." / script;
-    if (fs::exists(candidate)) return fs::weakly_canonical(candidate).string();
-  }
-  return script;
+  return parse_numbers(r->out, "TP=2 on MPI");
 }
 
 // Transformers on the same weights and prompts; nullopt (with the reason on stderr) when it
@@ -247,18 +230,14 @@ std::optional<Numbers> run_hf(const Options& o) {
   }
   const std::string cmd =
       "OMP_NUM_THREADS=1 TRANSFORMERS_VERBOSITY=error HF_HUB_DISABLE_PROGRESS_BARS=1 python3 " +
-      find_script(o.hf_script) + " --model " + (dir / "model").string() + " --prompts " +
-      (dir / "prompts.txt").string() + " --new " + std::to_string(o.new_tokens) + " --rounds " +
-      std::to_string(o.rounds);
-  std::fflush(stdout);
-  FILE* p = ::popen(cmd.c_str(), "r");
-  if (!p) return std::nullopt;
-  std::string out;
-  char buf[4096];
-  while (std::fgets(buf, sizeof(buf), p)) out += buf;
-  const int status = ::pclose(p);
+      dtensor::bench::find_script(o.hf_script) + " --model " + (dir / "model").string() +
+      " --prompts " + (dir / "prompts.txt").string() + " --new " + std::to_string(o.new_tokens) +
+      " --rounds " + std::to_string(o.rounds);
+  const auto r = dtensor::bench::run_command(cmd);
+  if (!r) return std::nullopt;
+  const std::string& out = r->out;
   const auto at = out.rfind("ok ");
-  if (status != 0 || at == std::string::npos) {
+  if (r->status != 0 || at == std::string::npos) {
     std::cerr << "bench_generate: transformers left out: "
               << (out.empty() ? "the script failed (see above)" : out) << "\n";
     return std::nullopt;

@@ -39,6 +39,7 @@
 #include <string>
 #include <vector>
 
+#include "bench_support.h"
 #include "cli/cli.h"
 #include "dtensor/checkpoint/safetensors.h"
 #include "dtensor/dtensor.h"
@@ -427,20 +428,6 @@ std::string fmt(double v, int precision) {
   return buf;
 }
 
-// The reference script: as given, or else beside the source tree of an in-tree build folder
-// (build*/bench/bench_train_step -> bench/), so the benchmark runs from any directory.
-std::string find_script(const std::string& script) {
-  namespace fs = std::filesystem;
-  if (fs::exists(script) || fs::path(script).is_absolute()) return script;
-  std::error_code ec;
-  const fs::path exe = fs::read_symlink("/proc/self/exe", ec);
-  if (!ec) {
-    const fs::path candidate = exe.parent_path() / ".." / ".." / script;
-    if (fs::exists(candidate)) return fs::weakly_canonical(candidate).string();
-  }
-  return script;
-}
-
 // The variants' worker processes, started and ready (or left out, for (d)).
 std::vector<Variant> start_variants(const Options& opt, const char* self,
                                     const std::string& inputs) {
@@ -490,8 +477,8 @@ std::vector<Variant> start_variants(const Options& opt, const char* self,
   }
   variants[kPy].label = "(d) PyTorch TP=2 Gloo";
   if (opt.pytorch) {
-    variants[kPy].procs.push_back(spawn({"python3", find_script(opt.script), "--serve", "--tp", "2",
-                                         "--inputs", inputs, "--lr", lr},
+    variants[kPy].procs.push_back(spawn({"python3", dtensor::bench::find_script(opt.script),
+                                         "--serve", "--tp", "2", "--inputs", inputs, "--lr", lr},
                                         one_thread, true));
   }
   for (auto& v : variants) {
