@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <iterator>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -23,14 +24,30 @@
 namespace dtensor::fsdp {
 namespace {
 
-// Every leaf fully_shard created, so a parent unit leaves its children's parameters alone.
+// Every leaf fully_shard created, so a parent unit leaves its children's parameters alone. The
+// weak reference keeps a dead shard's TensorImpl allocation (not its storage) until the entry is
+// pruned, so a later tensor cannot take its address and pass for a shard.
+struct ShardEntry {
+  c10::weak_intrusive_ptr<c10::TensorImpl> impl;
+  ShardInfo info;
+};
 std::mutex& shards_mu() {
   static std::mutex mu;
   return mu;
 }
-std::unordered_map<const c10::TensorImpl*, ShardInfo>& shards() {
-  static std::unordered_map<const c10::TensorImpl*, ShardInfo> m;
+std::unordered_map<const c10::TensorImpl*, ShardEntry>& shards() {
+  static std::unordered_map<const c10::TensorImpl*, ShardEntry> m;
   return m;
+}
+// The live shard entry of `t`, or nullptr; call with shards_mu() held.
+const ShardEntry* find_shard(const at::Tensor& t) {
+  auto it = shards().find(t.unsafeGetTensorImpl());
+  return it == shards().end() || it->second.impl.expired() ? nullptr : &it->second;
+}
+void prune_dead_shards() {
+  std::lock_guard<std::mutex> l(shards_mu());
+  for (auto it = shards().begin(); it != shards().end();)
+    it = it->second.impl.expired() ? shards().erase(it) : std::next(it);
 }
 
 // One managed parameter: where it lives in the module tree and how its rows are split.
@@ -112,7 +129,7 @@ void collect(torch::nn::Module& m, const std::string& prefix, UnitState& st,
     const std::string fqn = prefix.empty() ? p.key() : prefix + "." + p.key();
     {
       std::lock_guard<std::mutex> l(shards_mu());
-      if (shards().count(t.unsafeGetTensorImpl())) continue;  // a child unit's shard
+      if (find_shard(t)) continue;  // a child unit's shard
     }
     TORCH_CHECK(!is_dtensor(t), "fully_shard(", st.unit_name, "): parameter ", fqn,
                 " is a DTensor; this first fully_shard supports plain tensors only (shard "
@@ -133,16 +150,16 @@ void collect(torch::nn::Module& m, const std::string& prefix, UnitState& st,
 bool is_fsdp_shard(const at::Tensor& param) {
   if (!param.defined()) return false;
   std::lock_guard<std::mutex> l(shards_mu());
-  return shards().count(param.unsafeGetTensorImpl()) > 0;
+  return find_shard(param) != nullptr;
 }
 
 ShardInfo shard_info(const at::Tensor& param) {
   TORCH_CHECK(param.defined(), "fsdp::shard_info: the tensor is undefined");
   std::lock_guard<std::mutex> l(shards_mu());
-  auto it = shards().find(param.unsafeGetTensorImpl());
-  TORCH_CHECK(it != shards().end(), "fsdp::shard_info: the tensor (shape ", param.sizes(),
+  const ShardEntry* e = find_shard(param);
+  TORCH_CHECK(e, "fsdp::shard_info: the tensor (shape ", param.sizes(),
               ") is not a parameter shard created by fully_shard");
-  return it->second;
+  return e->info;
 }
 
 void fully_shard(torch::nn::Module& unit, const DeviceMesh& dp_mesh, FullyShardOptions options) {
@@ -160,6 +177,7 @@ void fully_shard(torch::nn::Module& unit, const DeviceMesh& dp_mesh, FullyShardO
               "): the unit has no forward hooks; derive it from dtensor::nn::Module (or use a "
               "dtensor::nn layer) so fully_shard can gather its parameters before forward");
 
+  prune_dead_shards();
   auto st = std::make_shared<UnitState>();
   st->unit_name = uname;
   st->pg = dp_mesh.get_group(0);
@@ -187,7 +205,10 @@ void fully_shard(torch::nn::Module& unit, const DeviceMesh& dp_mesh, FullyShardO
   {
     std::lock_guard<std::mutex> l(shards_mu());
     for (size_t i = 0; i < st->params.size(); ++i)
-      shards()[st->params[i].shard.unsafeGetTensorImpl()] = infos[i];
+      shards().insert_or_assign(st->params[i].shard.unsafeGetTensorImpl(),
+                                ShardEntry{c10::weak_intrusive_ptr<c10::TensorImpl>(
+                                               st->params[i].shard.getIntrusivePtr()),
+                                           infos[i]});
   }
 
   hooked->register_forward_pre_hook([st](torch::nn::Module&, tp::ModuleCall&) {

@@ -124,3 +124,26 @@ TEST(FullyShard, RefusesBadMeshesAndTensorParallelParameters) {
 }
 
 }  // namespace
+
+// A model sharded and dropped, then another: the new model's parameters are all sharded, even
+// when they reuse the memory of the old shards (the shard registry must not mistake them for
+// shards of a child unit and leave them whole).
+TEST(FullyShard, ModelsShardedOneAfterAnotherAreEachShardedWhole) {
+  run_ranks(2, [](int) {
+    auto mesh = init_device_mesh("cpu", {2}, {"dp"});
+    for (int round = 0; round < 8; ++round) {
+      SCOPED_TRACE("round " + std::to_string(round));
+      Transformer model(tiny());
+      std::vector<int64_t> rows;
+      for (const auto& p : model->parameters()) rows.push_back(p.size(0));
+      shard_model(*model, mesh);
+      size_t i = 0;
+      for (const auto& p : model->parameters()) {
+        ASSERT_TRUE(fsdp::is_fsdp_shard(p));
+        EXPECT_EQ(fsdp::shard_info(p).full_rows, rows[i]);
+        EXPECT_EQ(p.size(0), (rows[i] + 1) / 2 - (mesh.get_local_rank() == 1 ? rows[i] % 2 : 0));
+        ++i;
+      }
+    }
+  });
+}
