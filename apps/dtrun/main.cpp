@@ -17,6 +17,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <memory>
 #include <optional>
 #include <string>
 #include <system_error>
@@ -26,6 +27,7 @@
 #include "launch/local_ranks.h"
 #include "line_writer.h"
 #include "options.h"
+#include "tagged_output.h"
 
 namespace dtrun {
 namespace {
@@ -74,14 +76,17 @@ void install_signal_handlers() {
   ::signal(SIGPIPE, SIG_IGN);
 }
 
+// A process dtrun started: one rank, or mpirun starting all of them.
 struct Rank {
-  Rank(int index, bool prefix)
+  Rank(int index, std::string name, bool prefix)
       : index(index),
+        name(std::move(name)),
         out(STDOUT_FILENO, prefix ? "[rank " + std::to_string(index) + "] " : ""),
         err(STDERR_FILENO, prefix ? "[rank " + std::to_string(index) + "] " : "") {}
 
   int index;
-  pid_t pid = -1;  // also the id of its process group
+  std::string name;  // "rank 3" or "mpirun", for messages
+  pid_t pid = -1;    // also the id of its process group
   bool reaped = false;
   bool group_gone = false;  // no process of its group is left
   int fds[2] = {-1, -1};    // read ends of its stdout and stderr pipes
@@ -90,7 +95,14 @@ struct Rank {
 
 class Launcher {
  public:
-  explicit Launcher(Options options) : o_(std::move(options)) {}
+  // Forks o_.nproc ranks; or, given `mpirun_command`, runs that one process, which starts the
+  // ranks, and splits its tagged output back into the ranks' lines.
+  explicit Launcher(Options options, std::vector<std::string> mpirun_command = {})
+      : o_(std::move(options)), mpirun_command_(std::move(mpirun_command)) {
+    if (!mpirun_command_.empty() && o_.prefix) {
+      tagged_ = std::make_unique<TaggedOutput>(o_.nproc, o_.prefix);
+    }
+  }
 
   int run() {
     install_signal_handlers();
@@ -110,8 +122,9 @@ class Launcher {
     devnull_ = ::open("/dev/null", O_RDONLY | O_CLOEXEC);
     if (devnull_ < 0) fatal(std::string("cannot open /dev/null: ") + std::strerror(errno));
 
-    ranks_.reserve(o_.nproc);
-    for (int r = 0; r < o_.nproc && !launch_error_; ++r) launch(r);
+    const int processes = mpirun_command_.empty() ? o_.nproc : 1;
+    ranks_.reserve(processes);
+    for (int r = 0; r < processes && !launch_error_; ++r) launch(r);
     if (launch_error_) stop(SIGTERM);
 
     loop();
@@ -127,8 +140,12 @@ class Launcher {
   // Starts rank r. On failure sets launch_error_ (the exit code) after printing why.
   void launch(int r) {
     int out[2] = {-1, -1}, err[2] = {-1, -1};
+    const bool by_mpirun = !mpirun_command_.empty();
+    const std::vector<std::string>& command = by_mpirun ? mpirun_command_ : o_.command;
     launch::ChildSetup setup;
-    setup.env = launch::rank_env(r, o_.nproc, o_.master_port, o_.master_addr);
+    // mpirun passes the rendezvous variables on with -x; RANK in its own environment would
+    // reach every rank and override Open MPI's.
+    if (!by_mpirun) setup.env = launch::rank_env(r, o_.nproc, o_.master_port, o_.master_addr);
     setup.stdin_fd = devnull_;
     setup.own_process_group = true;
     // If dtrun itself is killed (SIGKILL cannot be forwarded), take the rank down with it.
@@ -139,16 +156,18 @@ class Launcher {
         throw std::system_error(errno, std::generic_category());
       setup.stdout_fd = out[1];
       setup.stderr_fd = err[1];
-      child = launch::spawn_program(o_.command, setup);
+      child = launch::spawn_program(command, setup);
     } catch (const std::system_error& e) {
-      message("cannot start rank " + std::to_string(r) + ": " + e.code().message());
+      message("cannot start " + (by_mpirun ? std::string("mpirun") : "rank " + std::to_string(r)) +
+              ": " + e.code().message());
       for (int fd : {out[0], out[1], err[0], err[1]}) {
         if (fd >= 0) ::close(fd);
       }
       launch_error_ = 1;
       return;
     }
-    Rank& rank = ranks_.emplace_back(r, o_.prefix);
+    Rank& rank = ranks_.emplace_back(r, by_mpirun ? "mpirun" : "rank " + std::to_string(r),
+                                     o_.prefix && !by_mpirun);
     rank.pid = child.pid;
     rank.fds[0] = out[0];
     rank.fds[1] = err[0];
@@ -157,9 +176,10 @@ class Launcher {
     ::close(out[1]);
     ::close(err[1]);
     if (child.exec_errno != 0) {
-      std::string what = "cannot run '" + o_.command[0] + "': " + std::strerror(child.exec_errno);
-      if (child.exec_errno == ENOENT && o_.command[0].find('/') == std::string::npos) {
-        what += " (not found in PATH)";
+      std::string what = "cannot run '" + command[0] + "': " + std::strerror(child.exec_errno);
+      if (child.exec_errno == ENOENT && command[0].find('/') == std::string::npos) {
+        what += by_mpirun ? " (not found in PATH; install Open MPI, scripts/setup does)"
+                          : " (not found in PATH)";
       }
       message(what);
       launch_error_ = child.exec_errno == ENOENT ? 127 : 126;
@@ -216,8 +236,7 @@ class Launcher {
         bool failed = WIFSIGNALED(status) || (WIFEXITED(status) && WEXITSTATUS(status) != 0);
         if (failed && !stopping_) {
           failure_ = launch::exit_code_of(status);
-          std::string text =
-              "rank " + std::to_string(r.index) + " " + launch::describe_status(status);
+          std::string text = r.name + " " + launch::describe_status(status);
           if (!all_reaped()) text += "; stopping the other ranks";
           message(text);
           stop(SIGTERM);
@@ -241,7 +260,11 @@ class Launcher {
   }
 
   void close_stream(Rank& r, int which) {
-    (which == 0 ? r.out : r.err).finish();
+    if (tagged_) {
+      tagged_->finish(which);
+    } else {
+      (which == 0 ? r.out : r.err).finish();
+    }
     ::close(r.fds[which]);
     r.fds[which] = -1;
   }
@@ -249,7 +272,9 @@ class Launcher {
   void read_stream(Rank& r, int which) {
     char buf[65536];
     ssize_t n = ::read(r.fds[which], buf, sizeof buf);
-    if (n > 0) {
+    if (n > 0 && tagged_) {
+      tagged_->feed(which, buf, static_cast<size_t>(n));
+    } else if (n > 0) {
       (which == 0 ? r.out : r.err).feed(buf, static_cast<size_t>(n));
     } else if (n == 0 || (errno != EINTR && errno != EAGAIN)) {
       close_stream(r, which);
@@ -350,6 +375,8 @@ class Launcher {
   }
 
   Options o_;
+  std::vector<std::string> mpirun_command_;
+  std::unique_ptr<TaggedOutput> tagged_;
   int devnull_ = -1;
   std::vector<Rank> ranks_;
   bool stopping_ = false;
@@ -379,9 +406,9 @@ std::string fastest_backend() {
   return "gloo";
 }
 
-// MPI ranks must be started by the MPI launcher: hand the job to mpirun, with the same
-// rendezvous variables the forked ranks get.
-int exec_mpirun(Options& o) {
+// MPI ranks must be started by the MPI launcher: the mpirun command line that starts the job
+// with the same rendezvous variables the forked ranks get.
+std::vector<std::string> mpirun_command(Options& o) {
   if (o.master_port == 0) o.master_port = launch::free_port();
   std::vector<std::string> args = {"mpirun", "-np", std::to_string(o.nproc), "--oversubscribe"};
   if (::geteuid() == 0) args.push_back("--allow-run-as-root");
@@ -394,13 +421,7 @@ int exec_mpirun(Options& o) {
   }
   if (o.prefix) args.push_back("--tag-output");
   args.insert(args.end(), o.command.begin(), o.command.end());
-  std::vector<char*> argv;
-  for (auto& a : args) argv.push_back(a.data());
-  argv.push_back(nullptr);
-  ::execvp("mpirun", argv.data());
-  std::fprintf(stderr, "dtrun: cannot run mpirun (%s); install Open MPI (scripts/setup does)\n",
-               std::strerror(errno));
-  return errno == ENOENT ? 127 : 126;
+  return args;
 }
 
 }  // namespace dtrun
@@ -410,7 +431,11 @@ int main(int argc, char** argv) {
   auto options = dtrun::parse_args(argc, argv, exit_code);
   if (!options) return exit_code;
   if (options->backend == "auto") options->backend = dtrun::fastest_backend();
-  if (options->backend == "mpi") return dtrun::exec_mpirun(*options);
-  if (!options->backend.empty()) ::setenv("DTENSOR_BACKEND", options->backend.c_str(), 1);
-  return dtrun::Launcher(std::move(*options)).run();
+  std::vector<std::string> mpirun;
+  if (options->backend == "mpi") {
+    mpirun = dtrun::mpirun_command(*options);
+  } else if (!options->backend.empty()) {
+    ::setenv("DTENSOR_BACKEND", options->backend.c_str(), 1);
+  }
+  return dtrun::Launcher(std::move(*options), std::move(mpirun)).run();
 }

@@ -39,9 +39,10 @@ signal). SIGINT and SIGTERM sent to dtrun are passed on to every rank; a second 
 kills them at once. Exit status: 0 when every rank succeeds, 2 for a usage error, 127
 (or 126) when the program cannot be found (or executed).
 
-With --backend mpi, dtrun replaces itself with `mpirun -np N` (it must be on PATH), which
+With --backend mpi, dtrun runs `mpirun -np N --tag-output` (it must be on PATH), which
 starts and stops the ranks; the rendezvous variables and DTENSOR_BACKEND=mpi are passed on
-with -x, and output lines are tagged by mpirun instead of "[rank R] ".
+with -x, and dtrun splits mpirun's tagged output back into "[rank R] " lines, so progress
+bars redraw in place as with forked ranks. dtrun's exit status is then mpirun's.
 
 Examples:
   dtrun -n 4 build/apps/demo/dtensor_demo

@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <chrono>
+#include <cstdlib>
 #include <cstring>
 #include <fstream>
 #include <map>
@@ -371,6 +372,46 @@ echo "pid $!")"));
   auto pids = printed_pids(run.out());
   EXPECT_EQ(pids.size(), 2u) << run.out();
   expect_all_gone(pids);
+}
+
+bool mpirun_on_path() { return std::system("command -v mpirun > /dev/null 2>&1") == 0; }
+
+// --backend mpi: mpirun starts the ranks and tags their output; dtrun turns the tags back into
+// "[rank R] " lines, carriage returns (progress bars) included, also when a tag arrives mid-line.
+TEST(DtrunMpi, OutputIsSplitBackIntoPrefixedLinesPerRank) {
+  if (!mpirun_on_path()) GTEST_SKIP() << "mpirun is not on PATH";
+  Dtrun run(sh(2, R"(r=$OMPI_COMM_WORLD_RANK
+echo "hello from $r"
+printf 'step 1 [%s]\r' "$r" >&2; sleep 0.2; printf 'step 2 [%s]\r' "$r" >&2
+printf 'half '; sleep 0.3; printf 'line of %s\n' "$r"
+printf 'unterminated %s' "$r")",
+               {"--backend", "mpi"}));
+  ASSERT_EQ(run.finish(60), 0) << run.err();
+  const auto lines = lines_of(run.out());
+  std::multiset<std::string> out(lines.begin(), lines.end());
+  EXPECT_EQ(out, (std::multiset<std::string>{"[rank 0] hello from 0", "[rank 1] hello from 1",
+                                             "[rank 0] half line of 0", "[rank 1] half line of 1",
+                                             "[rank 0] unterminated 0", "[rank 1] unterminated 1"}))
+      << run.out();
+  for (int r = 0; r < 2; ++r) {  // each redraw prefixed and kept, in order (ranks interleave)
+    const std::string n = std::to_string(r);
+    const size_t first = run.err().find("[rank " + n + "] step 1 [" + n + "]\r");
+    const size_t second = run.err().find("[rank " + n + "] step 2 [" + n + "]\r");
+    EXPECT_NE(first, std::string::npos) << run.err();
+    EXPECT_NE(second, std::string::npos) << run.err();
+    EXPECT_LT(first, second) << run.err();
+  }
+  EXPECT_EQ(run.err().find("<stderr>"), std::string::npos) << "mpirun's tags leaked";
+}
+
+TEST(DtrunMpi, FailingRankEndsTheJobWithAnError) {
+  if (!mpirun_on_path()) GTEST_SKIP() << "mpirun is not on PATH";
+  Dtrun run(sh(2, R"(if [ "$OMPI_COMM_WORLD_RANK" = 1 ]; then exit 3; fi; sleep 30)",
+               {"--backend", "mpi"}));
+  const int code = run.finish(60);
+  EXPECT_NE(code, 0) << run.err();
+  EXPECT_LT(run.elapsed_s(), 20.0) << "mpirun should stop rank 0 when rank 1 fails";
+  EXPECT_NE(run.err().find("dtrun: mpirun exited with code"), std::string::npos) << run.err();
 }
 
 TEST(Dtrun, HelpExitsZeroAndPrintsUsage) {
