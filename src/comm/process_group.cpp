@@ -187,9 +187,9 @@ void rendezvous(c10d::Store& store, const LaunchEnv& e, const std::string& prefi
   }
 }
 
-// The CPU engine for DTENSOR_BACKEND=`requested` ("", "auto", "gloo", "mpi", "nccl", any case).
-std::string resolve_cpu_backend(std::string requested) {
-  const char* from = "DTENSOR_BACKEND";
+// The CPU engine for `requested` ("", "auto", "gloo", "mpi", "nccl", any case), which came
+// `from` DTENSOR_BACKEND or InitOptions::backend.
+std::string resolve_cpu_backend(std::string requested, const char* from) {
   for (auto& c : requested) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
   if (requested.empty() || requested == "auto") {
     // mpirun started the ranks: its shared-memory transport beats Gloo's loopback TCP.
@@ -201,7 +201,7 @@ std::string resolve_cpu_backend(std::string requested) {
   TORCH_CHECK(requested == "gloo" || has_mpi(), "dtensor: ", from,
               " asks for the MPI backend but this build has none (no MPI library was found when "
               "CMake configured it): install libopenmpi-dev (scripts/setup does), re-run CMake and "
-              "rebuild, or use DTENSOR_BACKEND=gloo");
+              "rebuild, or use gloo");
   return requested;
 }
 
@@ -290,7 +290,10 @@ void init_process_group(const InitOptions& options_in) {
   if (auto t = env("DTENSOR_TIMEOUT_S")) {
     options.timeout = std::chrono::seconds(env_int("DTENSOR_TIMEOUT_S", *t));
   }
-  const std::string engine = resolve_cpu_backend(env("DTENSOR_BACKEND").value_or(""));
+  const auto from_env = env("DTENSOR_BACKEND");
+  const std::string engine = from_env
+                                 ? resolve_cpu_backend(*from_env, "DTENSOR_BACKEND")
+                                 : resolve_cpu_backend(options.backend, "InitOptions::backend");
   LaunchEnv e = read_launch_env();
   if (options.gloo_host.empty() && !env("GLOO_SOCKET_IFNAME") && is_loopback(e.master_addr)) {
     options.gloo_host = "127.0.0.1";

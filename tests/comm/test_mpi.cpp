@@ -56,6 +56,27 @@ TEST(BackendSelection, UnknownBackendIsRefusedNamingTheChoices) {
             {.init_process_group = false});
 }
 
+TEST(BackendSelection, InitOptionsChooseTheEngineAndTheEnvironmentOverridesThem) {
+  SKIP_IN_MPI_JOB();
+  run_ranks(2,
+            [](int) {
+              ::unsetenv("DTENSOR_BACKEND");
+              const std::string msg = dtensor::testing::message_of(
+                  [] { comm::init_process_group({.backend = "infiniband"}); });
+              EXPECT_CONTAINS(msg, "unknown backend 'infiniband' in InitOptions::backend");
+              comm::init_process_group({.backend = "Gloo"});
+              EXPECT_EQ(comm::cpu_backend_name(), "gloo");
+              comm::destroy_process_group();
+              // The environment wins, as DTENSOR_TIMEOUT_S does over InitOptions::timeout.
+              ::setenv("DTENSOR_BACKEND", "gloo", 1);
+              comm::init_process_group({.backend = "infiniband"});
+              EXPECT_EQ(comm::cpu_backend_name(), "gloo");
+              comm::destroy_process_group();
+              ::unsetenv("DTENSOR_BACKEND");
+            },
+            {.init_process_group = false});
+}
+
 TEST(BackendSelection, AutoPicksGlooForForkedRanksAndTheEnvironmentChooses) {
   SKIP_IN_MPI_JOB();
   run_ranks(2,

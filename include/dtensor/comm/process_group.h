@@ -26,6 +26,10 @@ struct InitOptions {
   /// Address the Gloo transport binds to; empty = derived from the environment
   /// (GLOO_SOCKET_IFNAME, a loopback MASTER_ADDR, or the host name).
   std::string gloo_host;
+  /// Engine for CPU tensors: "gloo", "mpi", "nccl" (NCCL for CUDA tensors, Gloo for CPU ones)
+  /// or "auto"/empty (MPI when mpirun started the ranks and this build has it, else Gloo).
+  /// DTENSOR_BACKEND in the environment overrides it, as DTENSOR_TIMEOUT_S does the timeout.
+  std::string backend;
 };
 
 /// Where this process sits in the job, as read from the environment.
