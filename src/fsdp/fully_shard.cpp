@@ -18,6 +18,7 @@
 
 #include "dtensor/comm/collectives.h"
 #include "dtensor/comm/process_group.h"
+#include "dtensor/core/api.h"
 #include "dtensor/core/distribute_module.h"
 #include "dtensor/core/dtensor_impl.h"
 #include "dtensor/tp/module_hooks.h"
@@ -60,6 +61,9 @@ struct ParamSlot {
   int64_t row_numel;   // elements per row
   int64_t offset;      // start of this parameter in a rank's flat segment
   at::Tensor shard;    // the leaf the optimizer steps: this rank's rows, unpadded
+  // Set for a tensor-parallel DTensor parameter: FSDP shards its local tensor, and the gathered
+  // local tensor is wrapped back into a DTensor with this spec for the module.
+  std::shared_ptr<const DTensorSpec> tp_spec;
 };
 
 struct UnitState {
@@ -219,15 +223,22 @@ void collect(torch::nn::Module& m, const std::string& prefix, UnitState& st,
       std::lock_guard<std::mutex> l(shards_mu());
       if (find_shard(t)) continue;  // a child unit's shard
     }
-    TORCH_CHECK(!is_dtensor(t), "fully_shard(", st.unit_name, "): parameter ", fqn,
-                " is a DTensor; this first fully_shard supports plain tensors only (shard "
-                "tensor-parallel models later, or apply fully_shard without tensor parallelism)");
-    TORCH_CHECK(t.dim() >= 1, "fully_shard(", st.unit_name, "): parameter ", fqn,
+    std::shared_ptr<const DTensorSpec> tp_spec;
+    at::Tensor value = t;
+    if (is_dtensor(t)) {  // sharded over dp: this rank's tp-local tensor
+      tp_spec = std::make_shared<const DTensorSpec>(spec_of(t));
+      TORCH_CHECK(!tp_spec->mesh().contains_this_rank() || tp_spec->mesh().ndim() == 1,
+                  "fully_shard(", st.unit_name, "): parameter ", fqn, " is a DTensor on ",
+                  tp_spec->mesh().str(), "; fully_shard takes DTensors on a 1-D (tp) mesh only");
+      value = dtensor_impl(t)->local().detach();
+      value.set_requires_grad(t.requires_grad());
+    }
+    TORCH_CHECK(value.dim() >= 1, "fully_shard(", st.unit_name, "): parameter ", fqn,
                 " is 0-d; fully_shard splits dim 0 and needs at least one dimension");
     TORCH_CHECK(seen.insert(t.unsafeGetTensorImpl()).second, "fully_shard(", st.unit_name,
                 "): parameter ", fqn,
                 " is tied to another parameter of the unit; tied parameters are not supported yet");
-    st.params.push_back(ParamSlot{&m, p.key(), t.sizes().vec(), 0, 0, 0, t});
+    st.params.push_back(ParamSlot{&m, p.key(), value.sizes().vec(), 0, 0, 0, value, tp_spec});
   }
   for (auto& c : m.named_children())
     collect(*c.value(), prefix.empty() ? c.key() : prefix + "." + c.key(), st, seen);
@@ -309,8 +320,16 @@ void fully_shard(torch::nn::Module& unit, const DeviceMesh& dp_mesh, FullyShardO
     auto full = GatherParams::apply(
         c10::IValue::make_capsule(c10::intrusive_ptr<torch::CustomClassHolder>(call)),
         at::TensorList(shard_list));
-    for (size_t i = 0; i < cst->params.size(); ++i)
-      replace_parameter(*cst->params[i].owner, cst->params[i].name, full[i]);
+    for (size_t i = 0; i < cst->params.size(); ++i) {
+      const ParamSlot& p = cst->params[i];
+      const DTensorSpec* s = p.tp_spec.get();
+      // from_local's backward moves the gradient back to the parameter's placements (a
+      // Partial one is summed over tp) before the reduce-scatter over dp.
+      replace_parameter(*p.owner, p.name,
+                        s ? from_local(full[i], s->mesh(), s->placements(),
+                                       FromLocalOptions{.shape = s->shape(), .stride = s->stride()})
+                          : full[i]);
+    }
   });
   // After forward the modules list the shards again (the autograd graph keeps the gathered
   // tensors it needs for backward), so parameters() and the optimizer see the leaves. With

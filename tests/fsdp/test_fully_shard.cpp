@@ -36,7 +36,7 @@ LlamaConfig tiny() {
   return c;
 }
 
-struct Setup {
+struct ShardSetup {
   bool reshard_after_forward = false;
   bool ac = false;  // full activation checkpointing of every block, applied before fully_shard
   std::string str() const {
@@ -45,7 +45,7 @@ struct Setup {
   }
 };
 
-void shard_model(TransformerImpl& model, const DeviceMesh& dp_mesh, Setup setup = {}) {
+void shard_model(TransformerImpl& model, const DeviceMesh& dp_mesh, ShardSetup setup = {}) {
   if (setup.ac) ac::apply_ac<TransformerBlockImpl>(model, ac::ACMode::full);
   const fsdp::FullyShardOptions opts{setup.reshard_after_forward};
   for (auto& block : *model.layers) fsdp::fully_shard(*block, dp_mesh, opts);
@@ -71,7 +71,7 @@ int64_t count_of(const std::map<CommType, int64_t>& counts, CommType type) {
   return it == counts.end() ? 0 : it->second;
 }
 
-void expect_training_matches(const DeviceMesh& mesh, Setup setup) {
+void expect_training_matches(const DeviceMesh& mesh, ShardSetup setup) {
   SCOPED_TRACE("dp=" + std::to_string(mesh.size()) + " " + setup.str());
   const int64_t dp = mesh.size();
   const int64_t rank = mesh.get_local_rank();
@@ -158,7 +158,7 @@ void expect_training_matches(const DeviceMesh& mesh, Setup setup) {
 void expect_training_matches_all(int64_t dp) {
   auto mesh = init_device_mesh("cpu", {dp}, {"dp"});
   for (bool reshard : {false, true})
-    for (bool ac : {false, true}) expect_training_matches(mesh, Setup{reshard, ac});
+    for (bool ac : {false, true}) expect_training_matches(mesh, ShardSetup{reshard, ac});
 }
 
 TEST(FullyShard, LlamaTrainingMatchesOneDeviceDp2) {
@@ -204,15 +204,73 @@ TEST(FullyShard, BackwardRunsAfterTheModelIsDestroyed) {
   });
 }
 
-TEST(FullyShard, RefusesBadMeshesAndTensorParallelParameters) {
+TEST(FullyShard, RefusesBadMeshes) {
   run_ranks(4, [](int) {
     auto mesh = init_device_mesh("cpu", {2, 2}, {"dp", "tp"});
     Transformer model(tiny());
     EXPECT_CONTAINS(message_of([&] { fsdp::fully_shard(*model, mesh); }),
                     "expected a 1-D data-parallel mesh");
-    apply_tensor_parallel(*model, mesh["tp"]);
-    EXPECT_CONTAINS(message_of([&] { fsdp::fully_shard(*model->layers[0], mesh["dp"]); }),
-                    "is a DTensor");
+  });
+}
+
+// FSDP over tensor parallelism on a (dp=2, tp=2) mesh: each parameter's tp-local tensor is
+// sharded over dp; three AdamW steps match one device on the whole batch, with and without
+// reshard_after_forward and activation checkpointing.
+TEST(FullyShard, OverTensorParallelMatchesOneDeviceDp2Tp2) {
+  run_ranks(4, [](int) {
+    auto mesh = init_device_mesh("cpu", {2, 2}, {"dp", "tp"});
+    const DeviceMesh dp_mesh = mesh["dp"], tp_mesh = mesh["tp"];
+    const int64_t dp_rank = dp_mesh.get_local_rank();
+    for (const ShardSetup setup : {ShardSetup{false, false}, ShardSetup{true, true}}) {
+      SCOPED_TRACE(setup.str());
+      const auto config = tiny();
+      Transformer ref(config), model(config);
+      ref->to(at::kDouble);
+      model->to(at::kDouble);
+      ref->init_weights(11);
+      model->init_weights(11);
+      apply_tensor_parallel(*model, tp_mesh);
+      std::map<std::string, DTensorSpec> tp_specs;
+      for (const auto& [name, p] : params_of(*model)) tp_specs.emplace(name, spec_of(p));
+      shard_model(*model, dp_mesh, setup);
+      const auto opt = torch::optim::AdamWOptions(1e-2).weight_decay(0.1);
+      torch::optim::AdamW ref_opt(ref->parameters(), opt), dp_opt(model->parameters(), opt);
+      const auto ref_params = params_of(*ref), dp_params = params_of(*model);
+      // This rank's rows of its tp-local part of the one-device tensor `full`.
+      auto rows_of = [&](const std::string& name, const at::Tensor& full, const at::Tensor& p) {
+        const DTensorSpec& s = tp_specs.at(name);
+        const at::Tensor local =
+            to_local(distribute_tensor(full.detach(), s.mesh(), s.placements()));
+        return local.narrow(0, fsdp::shard_info(p).row_offset, p.size(0));
+      };
+      for (int step = 0; step < 3; ++step) {
+        SCOPED_TRACE("step " + std::to_string(step));
+        auto tokens = at::randint(config.vocab_size, {4, 8}, at::kLong);
+        auto targets = at::randint(config.vocab_size, {4, 8}, at::kLong);
+        ref_opt.zero_grad();
+        dp_opt.zero_grad();
+        auto ref_loss = loss_and_backward(ref->forward(tokens), targets);
+        auto loss = loss_and_backward(model->forward(tokens.narrow(0, 2 * dp_rank, 2)),
+                                      targets.narrow(0, 2 * dp_rank, 2));
+        if (is_dtensor(loss)) loss = full_tensor(loss);
+        auto mean_loss = comm::all_reduce(loss.detach(), ReduceOp::Sum, dp_mesh.group(0)) / 2;
+        EXPECT_TRUE(close_to_scale(mean_loss, ref_loss, 1e-9)) << "loss";
+        for (const auto& [name, p] : dp_params) {
+          SCOPED_TRACE(name);
+          ASSERT_TRUE(fsdp::is_fsdp_shard(p));
+          ASSERT_TRUE(p.grad().defined());
+          EXPECT_TRUE(close_to_scale(p.grad(), rows_of(name, ref_params.at(name).grad(), p), 1e-9))
+              << "gradient";
+        }
+        ref_opt.step();
+        dp_opt.step();
+        for (const auto& [name, p] : dp_params) {
+          SCOPED_TRACE(name);
+          EXPECT_TRUE(close_to_scale(p, rows_of(name, ref_params.at(name), p), 1e-9))
+              << "parameter";
+        }
+      }
+    }
   });
 }
 
@@ -318,7 +376,7 @@ LlamaConfig memory_config() {
 // sharded over `mesh` unless it is null. The CPU byte counts include what the collectives'
 // background threads still hold, so they vary a little between ranks and runs; the rest is
 // exact.
-StepMemory measure_step(const DeviceMesh* mesh, Setup setup) {
+StepMemory measure_step(const DeviceMesh* mesh, ShardSetup setup) {
   const auto config = memory_config();
   Transformer model(config);
   model->to(at::kDouble);
@@ -356,9 +414,10 @@ void expect_memory_divided(int64_t dp) {
     for (const auto& p : model->layers[0]->parameters()) largest_block += p.numel() * 8;
   }
   const StepMemory one = measure_step(nullptr, {});
-  const std::vector<Setup> setups = {{false, false}, {true, false}, {false, true}, {true, true}};
+  const std::vector<ShardSetup> setups = {
+      {false, false}, {true, false}, {false, true}, {true, true}};
   std::vector<StepMemory> sharded;
-  for (const Setup& s : setups) sharded.push_back(measure_step(&mesh, s));
+  for (const ShardSetup& s : setups) sharded.push_back(measure_step(&mesh, s));
   // Parameters, gradients and AdamW state: 1/dp per rank, within 10% (uneven last rows).
   EXPECT_EQ(one.state, 4 * param_bytes);
   EXPECT_LE(static_cast<double>(sharded[0].state * dp), 1.1 * static_cast<double>(one.state));

@@ -16,12 +16,21 @@
 // recompute runs on the gathered parameters the forward used (gathered again first, with
 // reshard_after_forward), and adds no collective.
 //
+// Tensor parallelism composes when applied first, on a (dp, tp) mesh: a DTensor parameter's
+// tp-local tensor is what is sharded over dp (shard_info counts its rows), and the gathered
+// local tensor is wrapped back into a DTensor with the parameter's spec for the module, whose
+// backward moves the gradient to the parameter's placements (a Partial gradient is summed
+// over tp) before the reduce-scatter over dp. The leaves the optimizer steps are plain tensors.
+//
 //   for (auto& block : *model->layers) fsdp::fully_shard(*block, dp_mesh);
 //   fsdp::fully_shard(*model, dp_mesh);   // the root last: it takes the parameters left over
 //   torch::optim::AdamW opt(model->parameters(), ...);   // after fully_shard: the leaves
 //
-// Limitations: parameters must be plain tensors (TP DTensors are refused); tied parameters are
-// refused; the unit's backward must start from its outputs (a gathered parameter that leaves
+//   apply_tensor_parallel(*model, mesh["tp"]);  then fully_shard each block and the root on
+//   mesh["dp"] as above
+//
+// Limitations: DTensor parameters must live on a 1-D mesh; tied parameters are refused; the
+// unit's backward must start from its outputs (a gathered parameter that leaves
 // the unit other than through its outputs is not gathered again for backward).
 #include <torch/nn/module.h>
 
