@@ -100,7 +100,7 @@ RunConfig resolve_run_config(const TrainOptions& o, int64_t world_size) {
     if (o.dp_shard != world_size) {
       bad("--dp-shard " + std::to_string(o.dp_shard) + " must equal the number of ranks (" +
           std::to_string(world_size) +
-          "): FSDP does not combine with tensor parallelism yet; launch " +
+          "): dtensor_train does not combine FSDP with tensor parallelism yet; launch " +
           std::to_string(o.dp_shard) + " ranks, or use --dp for dp x tp");
     }
     if (!o.plan_path.empty())
