@@ -74,9 +74,9 @@ parallelism and numerics:
                          apps/train/plans/llama_tp.json is the built-in plan
   --dp N                 data-parallel degree; ranks form a dp x tp mesh (default 1)
   --dp-shard N           fully sharded data parallelism (FSDP) over N ranks: each rank holds
-                         1/N of the parameters, gradients and AdamW state and gathers a
-                         block's parameters while it runs; N must be the number of ranks (not
-                         with --dp or tensor parallelism yet)
+                         1/N of the parameters, gradients and AdamW state (of its TP share)
+                         and gathers a block's parameters while it runs; ranks form a
+                         dp_shard x tp mesh (not with --dp, --plan or checkpoints yet)
   --ac MODE              activation checkpointing: none (default) | full (every block
                          recomputes its forward in backward) | selective (every other block)
   --dtype T              float32 | float64 (default float32)

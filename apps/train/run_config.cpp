@@ -97,12 +97,6 @@ RunConfig resolve_run_config(const TrainOptions& o, int64_t world_size) {
       bad("--dp-shard " + std::to_string(o.dp_shard) + " and --dp " + std::to_string(o.dp) +
           " cannot be combined yet: use --dp-shard N (FSDP) or --dp N (plain replication)");
     }
-    if (o.dp_shard != world_size) {
-      bad("--dp-shard " + std::to_string(o.dp_shard) + " must equal the number of ranks (" +
-          std::to_string(world_size) +
-          "): dtensor_train does not combine FSDP with tensor parallelism yet; launch " +
-          std::to_string(o.dp_shard) + " ranks, or use --dp for dp x tp");
-    }
     if (!o.plan_path.empty())
       bad("--plan is a tensor-parallel plan; it does not apply to --dp-shard");
     if (o.ckpt_every > 0 || o.final_ckpt || o.resume) {
@@ -113,8 +107,8 @@ RunConfig resolve_run_config(const TrainOptions& o, int64_t world_size) {
     c.fsdp = true;
   }
   if (world_size % c.dp != 0) {
-    bad("--dp " + std::to_string(c.dp) + " does not divide the " + std::to_string(world_size) +
-        " ranks of this launch");
+    bad((c.fsdp ? "--dp-shard " : "--dp ") + std::to_string(c.dp) + " does not divide the " +
+        std::to_string(world_size) + " ranks of this launch");
   }
   c.tp = world_size / c.dp;
   if (c.batch_size % c.dp != 0) {
@@ -124,7 +118,8 @@ RunConfig resolve_run_config(const TrainOptions& o, int64_t world_size) {
   try {
     c.model.validate_tp(c.tp);
   } catch (const std::exception& e) {
-    bad(std::string(e.what()) + " (the TP degree is the number of ranks / --dp)");
+    bad(std::string(e.what()) + " (the TP degree is the number of ranks / " +
+        (c.fsdp ? "--dp-shard)" : "--dp)"));
   }
   if (c.tp > 1 && c.sequence_parallel && c.seq_len % c.tp != 0) {
     bad("sequence parallelism splits the sequence over the " + std::to_string(c.tp) +

@@ -70,11 +70,21 @@ std::string model_line(const RunConfig& c) {
   return s.str();
 }
 
+// "FSDP=2", "FSDP=2 x TP=2".
+std::string run_name(const RunConfig& c) {
+  return "FSDP=" + std::to_string(c.dp) + (c.tp > 1 ? " x TP=" + std::to_string(c.tp) : "");
+}
+
 std::string parallel_line(const RunConfig& c, int64_t threads) {
   std::ostringstream s;
   if (c.fsdp) {
     s << "FSDP=" << c.dp << " (parameters, gradients and AdamW state sharded over " << c.dp
       << " ranks; a block's parameters gathered while it runs)";
+    if (c.tp > 1) {
+      s << " x TP=" << c.tp << " ("
+        << (c.sequence_parallel ? "sequence parallel" : "no sequence parallel") << ", "
+        << (c.loss_parallel ? "loss parallel" : "gathered logits") << ")";
+    }
     if (c.ac != "none") s << ", AC " << c.ac;
     s << " on " << c.world_size << " CPU ranks, " << threads << " thread"
       << (threads > 1 ? "s" : "") << " each, " << (c.dtype == c10::kDouble ? "float64" : "float32")
@@ -179,7 +189,8 @@ class TrainingRun {
     const int64_t p = trainer_.parameter_bytes_per_rank();
     return "per rank " + format_bytes(4 * p) + ": parameters " + format_bytes(p) + " + gradients " +
            format_bytes(p) + " + AdamW state " + format_bytes(2 * p) +
-           (cfg_.fsdp ? " (1/" + std::to_string(cfg_.dp) + " of the model's)" : std::string());
+           (cfg_.fsdp && cfg_.tp == 1 ? " (1/" + std::to_string(cfg_.dp) + " of the model's)"
+                                      : std::string());
   }
 
   void print_header() const {
@@ -282,7 +293,7 @@ class TrainingRun {
       write_loss_curve_svg(
           (out_dir_ / "loss.svg").string(), metrics_->rows(),
           "dtensor_train: " + cfg_.model_source +
-              (cfg_.fsdp ? ", FSDP=" + std::to_string(cfg_.dp)
+              (cfg_.fsdp ? ", " + run_name(cfg_)
                          : ", TP=" + std::to_string(cfg_.tp) +
                                (cfg_.dp > 1 ? " x DP=" + std::to_string(cfg_.dp) : std::string())));
     }
@@ -352,9 +363,8 @@ class TrainingRun {
         });
     vbar.finish();
     std::ostringstream table;
-    print_verify_report(
-        table, report,
-        cfg_.fsdp ? "FSDP=" + std::to_string(cfg_.dp) : "TP=" + std::to_string(cfg_.tp));
+    print_verify_report(table, report,
+                        cfg_.fsdp ? run_name(cfg_) : "TP=" + std::to_string(cfg_.tp));
     std::printf("%s", table.str().c_str());
     std::printf("verify-tp1: %.1f s\n", seconds_since(t));
     std::fflush(stdout);

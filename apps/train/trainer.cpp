@@ -6,6 +6,8 @@
 
 #include <cmath>
 #include <limits>
+#include <string>
+#include <unordered_set>
 
 #include "dtensor/ac/checkpoint.h"
 #include "dtensor/comm/collectives.h"
@@ -23,7 +25,7 @@ Trainer::Trainer(const RunConfig& config, std::optional<DeviceMesh> mesh)
   model_->to(config_.dtype);
   // Drawn from the seed alone: the TP run and the one-device check start from equal weights.
   model_->init_weights(config_.seed);
-  if (mesh_ && !config_.fsdp) {
+  if (mesh_ && (!config_.fsdp || config_.tp > 1)) {
     const DeviceMesh tp_mesh = mesh_->ndim() == 1 ? *mesh_ : (*mesh_)["tp"];
     if (config_.plan) {
       apply_plan_file(*model_, tp_mesh, *config_.plan);
@@ -36,12 +38,17 @@ Trainer::Trainer(const RunConfig& config, std::optional<DeviceMesh> mesh)
   }
   ac::apply_ac<models::TransformerBlockImpl>(*model_, ac::parse_ac_mode(config_.ac));
   if (mesh_ && config_.fsdp) {
+    std::unordered_set<std::string> replicated;  // by name: fully_shard makes plain shards
+    for (const auto& p : unique_named_parameters(*model_))
+      if (!is_dtensor(p.value()) || spec_of(p.value()).is_replicated()) replicated.insert(p.key());
     // torchtitan's layout: every block a unit whose parameters are whole only while it runs
     // (forward, then backward); the root (embedding, final norm, output) keeps them from its
     // forward to its backward, which starts right away.
     const DeviceMesh dp_mesh = mesh_->ndim() == 1 ? *mesh_ : (*mesh_)["dp"];
     for (auto& block : *model_->layers) fsdp::fully_shard(*block, dp_mesh, {true});
     fsdp::fully_shard(*model_, dp_mesh, {false});
+    for (const auto& p : unique_named_parameters(*model_))
+      tp_replicated_.push_back(replicated.count(p.key()) > 0);
   }
 
   // Decay the matrices (projections and embeddings), not the norm weights, as GPT-style
@@ -99,19 +106,24 @@ void Trainer::all_reduce_dp_grads() {
   }
 }
 
-// FSDP: every rank holds a slice of each gradient, so the squares are summed over dp; then
-// the scaling of LibTorch's clip_grad_norm_.
+// FSDP: every rank holds a slice of each gradient (of its tp share under TP), so the squares
+// are summed over dp, and over tp for what TP shards; then the scaling of LibTorch's
+// clip_grad_norm_.
 double Trainer::clip_sharded_grad_norm(double max_norm) {
   at::NoGradGuard no_grad;
   std::vector<at::Tensor> grads;
-  at::Tensor squares = at::zeros({1}, at::kDouble);
-  for (const auto& p : params_) {
-    if (!p.grad().defined()) continue;
-    grads.push_back(p.grad());
-    squares += p.grad().to(at::kDouble).pow(2).sum();
+  at::Tensor squares = at::zeros({2}, at::kDouble);  // [tp-sharded, tp-replicated]
+  for (size_t i = 0; i < params_.size(); ++i) {
+    const at::Tensor& g = params_[i].grad();
+    if (!g.defined()) continue;
+    grads.push_back(g);
+    squares.narrow(0, tp_replicated_[i] ? 1 : 0, 1).add_(g.to(at::kDouble).pow(2).sum());
   }
   squares = comm::all_reduce(squares, ReduceOp::Sum, mesh_->group(mesh_->dim_index("dp")));
-  const double norm = std::sqrt(squares.item<double>());
+  at::Tensor sharded = squares.narrow(0, 0, 1).clone();
+  if (config_.tp > 1)
+    sharded = comm::all_reduce(sharded, ReduceOp::Sum, mesh_->group(mesh_->dim_index("tp")));
+  const double norm = std::sqrt(sharded.item<double>() + squares[1].item<double>());
   const double coef = max_norm / (norm + 1e-6);
   if (coef < 1)
     for (auto& g : grads) g.mul_(coef);

@@ -61,6 +61,9 @@ class Trainer {
   models::Transformer model_{nullptr};
   std::unique_ptr<torch::optim::AdamW> optimizer_;
   std::vector<at::Tensor> params_;
+  // FSDP: per entry of params_, whether TP replicates it (or there is no TP): its gradient is
+  // equal on the tp ranks and counts once in the norm.
+  std::vector<bool> tp_replicated_;
 };
 
 }  // namespace dtensor::train

@@ -4,6 +4,8 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <map>
+#include <string>
 #include <vector>
 
 #include "dtensor/dtensor.h"
@@ -57,16 +59,30 @@ void expect_like_one_device(const RunConfig& cfg, const DeviceMesh& mesh) {
     EXPECT_EQ(a.lr, b.lr);
   }
   EXPECT_NEAR(tp.evaluate(val, 2), one.evaluate(val, 2), 1e-10);
+  // FSDP over TP: the spec of each TP parameter, to find this rank's tp-local part.
+  std::map<std::string, DTensorSpec> tp_specs;
+  if (cfg.fsdp && cfg.tp > 1) {
+    models::Transformer probe(cfg.model);
+    models::TensorParallelOptions o;
+    o.sequence_parallel = cfg.sequence_parallel;
+    o.loss_parallel = cfg.loss_parallel;
+    models::apply_tensor_parallel(*probe, mesh["tp"], o);
+    for (const auto& item : probe->named_parameters())
+      tp_specs.emplace(item.key(), spec_of(item.value()));
+  }
   auto tp_params = tp.model().named_parameters();
   auto one_params = one.model().named_parameters();
   ASSERT_EQ(tp_params.size(), one_params.size());
   for (const auto& item : one_params) {
     SCOPED_TRACE(item.key());
     const at::Tensor& p = tp_params[item.key()];
-    if (cfg.fsdp) {  // this rank's rows
+    if (cfg.fsdp) {  // this rank's rows (of its tp-local part)
       ASSERT_TRUE(fsdp::is_fsdp_shard(p));
-      EXPECT_TENSOR_CLOSE(p, item.value().narrow(0, fsdp::shard_info(p).row_offset, p.size(0)),
-                          1e-9, 1e-11);
+      at::Tensor full = item.value();
+      if (auto it = tp_specs.find(item.key()); it != tp_specs.end())
+        full = to_local(distribute_tensor(full, it->second.mesh(), it->second.placements()));
+      EXPECT_TENSOR_CLOSE(p, full.narrow(0, fsdp::shard_info(p).row_offset, p.size(0)), 1e-9,
+                          1e-11);
       continue;
     }
     // Without sequence parallelism the norm weights stay plain (the Megatron plan); every
@@ -140,14 +156,26 @@ TEST(TrainTrainer, FullyShardedStepsMatchOneDevice) {
   });
 }
 
-// --dp-shard must cover every rank (no FSDP x TP yet) and does not combine with --dp.
-TEST(TrainTrainer, DpShardRefusesTensorParallelismAndDp) {
+// --dp-shard 2 on 4 ranks: FSDP over TP=2 on a (dp, tp) mesh, the same steps as one device.
+TEST(TrainTrainer, FullyShardedOverTensorParallelStepsMatchOneDevice) {
+  run_ranks(4, [](int) {
+    auto mesh = init_device_mesh("cpu", {2, 2}, {"dp", "tp"});
+    RunConfig cfg = tiny_config(4, 1, true, true, /*dp_shard=*/2);
+    ASSERT_TRUE(cfg.fsdp);
+    EXPECT_EQ(cfg.dp, 2);
+    EXPECT_EQ(cfg.tp, 2);
+    expect_like_one_device(cfg, mesh);
+  });
+}
+
+// --dp-shard must divide the ranks and does not combine with --dp.
+TEST(TrainTrainer, DpShardRefusesBadDegreesAndDp) {
   EXPECT_THROW(
       {
         try {
-          tiny_config(4, 1, true, true, /*dp_shard=*/2);
+          tiny_config(4, 1, true, true, /*dp_shard=*/3);
         } catch (const std::invalid_argument& e) {
-          EXPECT_NE(std::string(e.what()).find("--dp-shard 2 must equal the number of ranks (4)"),
+          EXPECT_NE(std::string(e.what()).find("--dp-shard 3 does not divide the 4 ranks"),
                     std::string::npos)
               << e.what();
           throw;
