@@ -36,6 +36,14 @@ LlamaConfig tiny() {
   return c;
 }
 
+// A float64 model with the weights every test starts from.
+Transformer make_model(const LlamaConfig& config) {
+  Transformer m(config);
+  m->to(at::kDouble);
+  m->init_weights(11);
+  return m;
+}
+
 struct ShardSetup {
   bool reshard_after_forward = false;
   bool ac = false;  // full activation checkpointing of every block, applied before fully_shard
@@ -76,11 +84,7 @@ void expect_training_matches(const DeviceMesh& mesh, ShardSetup setup) {
   const int64_t dp = mesh.size();
   const int64_t rank = mesh.get_local_rank();
   const auto config = tiny();
-  Transformer ref(config), model(config);
-  ref->to(at::kDouble);
-  model->to(at::kDouble);
-  ref->init_weights(11);
-  model->init_weights(11);
+  Transformer ref = make_model(config), model = make_model(config);
   shard_model(*model, mesh, setup);
   const auto in_use = record_parameters_in_use(*model);
   const auto opt = torch::optim::AdamWOptions(1e-2).weight_decay(0.1);
@@ -176,18 +180,14 @@ TEST(FullyShard, BackwardRunsAfterTheModelIsDestroyed) {
     auto mesh = init_device_mesh("cpu", {2}, {"dp"});
     const int64_t rank = mesh.get_local_rank();
     const auto config = tiny();
-    Transformer ref(config);
-    ref->to(at::kDouble);
-    ref->init_weights(11);
+    Transformer ref = make_model(config);
     auto tokens = at::randint(config.vocab_size, {4, 8}, at::kLong);
     auto targets = at::randint(config.vocab_size, {4, 8}, at::kLong);
     loss_and_backward(ref->forward(tokens), targets);
     Params shards;
     at::Tensor logits;
     {
-      Transformer model(config);
-      model->to(at::kDouble);
-      model->init_weights(11);
+      Transformer model = make_model(config);
       shard_model(*model, mesh);
       shards = params_of(*model);
       logits = model->forward(tokens.narrow(0, 2 * rank, 2));
@@ -224,11 +224,7 @@ TEST(FullyShard, OverTensorParallelMatchesOneDeviceDp2Tp2) {
     for (const ShardSetup setup : {ShardSetup{false, false}, ShardSetup{true, true}}) {
       SCOPED_TRACE(setup.str());
       const auto config = tiny();
-      Transformer ref(config), model(config);
-      ref->to(at::kDouble);
-      model->to(at::kDouble);
-      ref->init_weights(11);
-      model->init_weights(11);
+      Transformer ref = make_model(config), model = make_model(config);
       apply_tensor_parallel(*model, tp_mesh);
       std::map<std::string, DTensorSpec> tp_specs;
       for (const auto& [name, p] : params_of(*model)) tp_specs.emplace(name, spec_of(p));
@@ -378,9 +374,7 @@ LlamaConfig memory_config() {
 // exact.
 StepMemory measure_step(const DeviceMesh* mesh, ShardSetup setup) {
   const auto config = memory_config();
-  Transformer model(config);
-  model->to(at::kDouble);
-  model->init_weights(11);
+  Transformer model = make_model(config);
   if (mesh) {
     shard_model(*model, *mesh, setup);
   } else if (setup.ac) {
