@@ -1,8 +1,10 @@
-// bench_train_step: one training step of the bundled Llama ("bench" preset) five ways, in one
+// bench_train_step: one training step of the bundled Llama ("bench" preset) six ways, in one
 // run on one machine:
 //   (a)  plain   LibTorch, the model without apply_tensor_parallel (no DTensor anywhere)
 //   (b)  tp1     dtensor-cpp TP on a 1-rank mesh (every parameter a DTensor)
 //   (c)  tp2     dtensor-cpp TP on 2 ranks, Gloo on 127.0.0.1
+//   (e)  fsdp2   dtensor-cpp FSDP (fully_shard) on 2 ranks (dp=2, tp=1), Gloo: each rank
+//                half of the batch
 //   (c') tp2     dtensor-cpp TP on 2 ranks, MPI (shared memory; ranks started by mpirun)
 //   (d)  py-tp2  PyTorch's own Python TP on 2 ranks, Gloo (bench/pytorch_tp_train_step.py)
 //
@@ -16,7 +18,7 @@
 // The last line is:
 //   RESULT tp1_overhead_pct=<(b - a) / a * 100> speedup_vs_pytorch_tp2=<(d) / (c)>
 //          tp2_vs_tp1_plain=<a / the faster of c, c'> tp2_vs_tp1_plain_gloo=<a / c>
-//          tp2_vs_tp1_plain_mpi=<a / c'>
+//          tp2_vs_tp1_plain_mpi=<a / c'> fsdp2_vs_tp2_gloo=<c / e>
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <fcntl.h>
@@ -57,13 +59,14 @@ constexpr const char* kUsage = R"(usage: bench_train_step [options]
 Times a full training step (forward, loss, backward, AdamW) of the Llama model's "bench"
 preset (~29M parameters) as (a) plain LibTorch, (b) dtensor TP on a 1-rank mesh, (c) dtensor
 TP on 2 ranks over Gloo, (c') the same over MPI (started by mpirun, when the build has MPI)
-and (d) PyTorch's Python TP on 2 ranks over Gloo (the same model, plan — sequence parallel
-and loss parallel — initial parameters and data), one intra-op thread per rank, interleaved
-in rounds. Prints ms/step and tokens/s per variant, the first and last losses of each
+(d) PyTorch's Python TP on 2 ranks over Gloo (the same model, plan — sequence parallel
+and loss parallel — initial parameters and data) and (e) dtensor FSDP (dp=2, tp=1) on 2 ranks
+over Gloo, each rank on half of the batch, one intra-op thread per rank, interleaved in
+rounds. Prints ms/step and tokens/s per variant, the first and last losses of each
 variant, and as its last line:
   RESULT tp1_overhead_pct=<(b-a)/a*100> speedup_vs_pytorch_tp2=<(d)/(c)>
          tp2_vs_tp1_plain=<a/(faster of c, c')> tp2_vs_tp1_plain_gloo=<a/c>
-         tp2_vs_tp1_plain_mpi=<a/c'>
+         tp2_vs_tp1_plain_mpi=<a/c'> fsdp2_vs_tp2_gloo=<c/e>
 
 options:
   --preset NAME          model preset (default bench; tiny, demo for a quick look)
@@ -84,7 +87,7 @@ options:
 )";
 
 // The variants, in the order they run in a round.
-enum VariantIndex { kPlain, kTp1, kTp2Gloo, kTp2Mpi, kPy, kVariants };
+enum VariantIndex { kPlain, kTp1, kTp2Gloo, kFsdp2Gloo, kTp2Mpi, kPy, kVariants };
 
 struct Options {
   std::string preset = "bench";
@@ -96,7 +99,7 @@ struct Options {
   bool pytorch = true;
   bool mpi = true;
   // Worker side.
-  std::string worker;  // "", "plain" or "tp"
+  std::string worker;  // "", "plain", "tp" or "fsdp"
   std::string inputs;
 };
 
@@ -139,7 +142,8 @@ struct StepTimes {
 
 class Worker {
  public:
-  Worker(const Options& opt, bool tp) : tp_(tp) {
+  Worker(const Options& opt, const std::string& kind)
+      : tp_(kind != "plain"), fsdp_(kind == "fsdp") {
     at::set_num_threads(1);  // one intra-op thread per rank
     checkpoint::safetensors::File file(opt.inputs);
     config_ = models::LlamaConfig::from_json(file.metadata().at("config"));
@@ -153,8 +157,15 @@ class Worker {
     if (tp_) {
       dtensor::comm::init_process_group();
       world_ = dtensor::comm::world_group();
-      mesh_ = dtensor::init_device_mesh("cpu", {dtensor::comm::get_world_size()});
-      models::apply_tensor_parallel(*model_, *mesh_);
+      if (fsdp_) {
+        // torchtitan's layout: blocks resharded after forward, the root not.
+        mesh_ = dtensor::init_device_mesh("cpu", {dtensor::comm::get_world_size()}, {"dp"});
+        for (auto& block : *model_->layers) dtensor::fsdp::fully_shard(*block, *mesh_, {true});
+        dtensor::fsdp::fully_shard(*model_, *mesh_, {false});
+      } else {
+        mesh_ = dtensor::init_device_mesh("cpu", {dtensor::comm::get_world_size()});
+        models::apply_tensor_parallel(*model_, *mesh_);
+      }
     }
     for (const auto& p : model_->parameters()) dtensor_params_ += dtensor::is_dtensor(p);
     optimizer_.emplace(
@@ -172,18 +183,27 @@ class Worker {
   int64_t dtensor_params() const { return dtensor_params_; }
 
   float step(StepTimes& times) {
-    const at::Tensor batch = batches_[step_count_++ % batches_.size(0)];
+    at::Tensor batch = batches_[step_count_++ % batches_.size(0)];
+    if (fsdp_) {  // this dp rank's slice
+      const int64_t rows = batch.size(0) / mesh_->size();
+      batch = batch.narrow(0, mesh_->get_local_rank() * rows, rows);
+    }
     const at::Tensor tokens = batch.slice(1, 0, -1), targets = batch.slice(1, 1);
     const auto t0 = Clock::now();
     optimizer_->zero_grad();
     const at::Tensor logits = model_->forward(tokens);
     const auto t1 = Clock::now();
     const at::Tensor loss = models::loss_and_backward(logits, targets);
-    if (tp_) models::reduce_partial_grads(*model_);
+    if (tp_ && !fsdp_) models::reduce_partial_grads(*model_);
     const auto t2 = Clock::now();
     optimizer_->step();
-    const float value = loss.item<float>();
+    float value = loss.item<float>();
     const auto t3 = Clock::now();
+    if (fsdp_) {  // the whole batch's loss: the mean of the equal slices' (not timed)
+      at::Tensor l = at::tensor({value}, at::kFloat);
+      value = dtensor::comm::all_reduce(l, dtensor::ReduceOp::Sum, *world_).item<float>() /
+              static_cast<float>(mesh_->size());
+    }
     times.forward += seconds(t0, t1);
     times.backward += seconds(t1, t2);
     times.optimizer += seconds(t2, t3);
@@ -225,7 +245,8 @@ class Worker {
     dtensor::comm::all_reduce(one, dtensor::ReduceOp::Sum, *world_);
   }
 
-  bool tp_;
+  bool tp_;  // distributed: TP, or FSDP when fsdp_
+  bool fsdp_;
   models::LlamaConfig config_;
   at::Tensor batches_;  // (n, B, S + 1) int64
   models::Transformer model_{nullptr};
@@ -254,7 +275,7 @@ int next_command(Worker& worker) {
 }
 
 int run_worker(const Options& opt) {
-  Worker worker(opt, opt.worker == "tp");
+  Worker worker(opt, opt.worker);
   // Only rank 0 talks to the controller; the others follow the same commands silently.
   const bool speak = worker.rank() == 0;
   if (speak) {
@@ -458,6 +479,13 @@ std::vector<Variant> start_variants(const Options& opt, const char* self,
   };
   for (int r = 0; r < 2; ++r)
     variants[kTp2Gloo].procs.push_back(spawn(cpp_worker("tp"), gloo_env(r), r == 0));
+  variants[kFsdp2Gloo].label = "(e) dtensor FSDP=2 Gloo";
+  const int port_fsdp = launch::free_port();
+  for (int r = 0; r < 2; ++r) {
+    auto env = rank_env(r, 2, port_fsdp);
+    env.emplace_back("DTENSOR_BACKEND", "gloo");
+    variants[kFsdp2Gloo].procs.push_back(spawn(cpp_worker("fsdp"), env, r == 0));
+  }
   variants[kTp2Mpi].label = "(c') dtensor TP=2 MPI";
   if (dtensor::comm::has_mpi() && opt.mpi) {
     // mpirun starts both ranks (bound to a core each); rank 0 reads our commands.
@@ -508,13 +536,13 @@ void print_intro(const Options& opt, const models::LlamaConfig& config) {
       "rounds of %d step(s) per variant\n",
       opt.warmup, opt.rounds, opt.steps);
   std::printf(
-      "rounds alternate a b c c' d / d c' c b a; ms/step = median over rounds of the slowest "
+      "rounds alternate a b c e c' d / d c' e c b a; ms/step = median over rounds of the slowest "
       "rank's block time / steps\n\n");
   std::fflush(stdout);
 }
 
-// Warm-up, then the rounds: a b c c' d / d c' c b a, so that each variant runs first half of the
-// time.
+// Warm-up, then the rounds: a b c e c' d / d c' e c b a, so that each variant runs first half of
+// the time.
 void run_rounds(const Options& opt, std::vector<Variant>& variants) {
   for (auto& v : variants) {
     if (auto b = v.run(opt.warmup)) v.warmup_losses = b->losses;
@@ -543,7 +571,7 @@ void print_report(const Options& opt, const std::vector<Variant>& variants) {
     return median(rs);
   };
   const Variant &a = variants[kPlain], &b = variants[kTp1], &c = variants[kTp2Gloo],
-                &m = variants[kTp2Mpi], &d = variants[kPy];
+                &m = variants[kTp2Mpi], &d = variants[kPy], &e = variants[kFsdp2Gloo];
 
   std::printf("%-24s %10s %10s %9s %9s %9s %9s %11s\n", "variant", "ms/step", "tokens/s",
               "vs plain", "forward", "backward", "optim", "DTensor ops");
@@ -613,11 +641,16 @@ void print_report(const Options& opt, const std::vector<Variant>& variants) {
       "TP=2 tokens/s over plain LibTorch's (median over rounds of a/c): Gloo %.3fx, MPI %sx "
       " (2 cores: at most 2)\n",
       vs_plain_gloo, fmt(vs_plain_mpi, 3).c_str());
+  // The same model and global batch: FSDP's tokens/s over TP's, both on 2 ranks over Gloo.
+  const double fsdp_vs_tp = e.rounds.empty() ? std::nan("") : ratio(c, e);
+  std::printf("FSDP dp=2 tokens/s over TP=2's (median over rounds of c/e, Gloo): %sx\n",
+              fmt(fsdp_vs_tp, 3).c_str());
   std::printf(
       "RESULT tp1_overhead_pct=%.2f speedup_vs_pytorch_tp2=%s tp2_vs_tp1_plain=%.3f "
-      "tp2_vs_tp1_plain_gloo=%.3f tp2_vs_tp1_plain_mpi=%s\n",
+      "tp2_vs_tp1_plain_gloo=%.3f tp2_vs_tp1_plain_mpi=%s fsdp2_vs_tp2_gloo=%s\n",
       overhead, d.rounds.empty() ? "nan" : fmt(speedup, 3).c_str(), vs_plain, vs_plain_gloo,
-      std::isnan(vs_plain_mpi) ? "nan" : fmt(vs_plain_mpi, 3).c_str());
+      std::isnan(vs_plain_mpi) ? "nan" : fmt(vs_plain_mpi, 3).c_str(),
+      std::isnan(fsdp_vs_tp) ? "nan" : fmt(fsdp_vs_tp, 3).c_str());
   std::fflush(stdout);
 }
 
@@ -626,6 +659,8 @@ int run_controller(const Options& opt, const char* self) {
   config.validate_tp(2);
   TORCH_CHECK(opt.seq % 2 == 0 && opt.seq <= config.max_seq_len, "--seq must be even (sequence ",
               "parallel on 2 ranks) and at most max_seq_len=", config.max_seq_len);
+  TORCH_CHECK(opt.batch % 2 == 0, "--batch must be even (FSDP on 2 ranks splits it), got ",
+              opt.batch);
   char dir_template[] = "/tmp/bench_train_step.XXXXXX";
   if (!::mkdtemp(dir_template)) die(std::string("mkdtemp: ") + std::strerror(errno));
   const std::string dir = dir_template, inputs = dir + "/inputs.safetensors";
@@ -670,7 +705,7 @@ int main(int argc, char** argv) {
   bool quick = false;
   app.add_flag("--quick", quick)->disable_flag_override();
   // The controller starts itself as the workers with these.
-  app.add_option("--worker", opt.worker)->check(cli::one_of({"plain", "tp"}));
+  app.add_option("--worker", opt.worker)->check(cli::one_of({"plain", "tp", "fsdp"}));
   app.add_option("--inputs", opt.inputs)->check(cli::non_empty());
   if (auto code = cli::parse(app, argc, argv, kUsage)) return *code;
   if (quick) {  // a smoke test; options given explicitly win

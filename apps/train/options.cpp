@@ -73,6 +73,10 @@ parallelism and numerics:
                             "output": "ColwiseParallel(output_layouts=Replicate())"}
                          apps/train/plans/llama_tp.json is the built-in plan
   --dp N                 data-parallel degree; ranks form a dp x tp mesh (default 1)
+  --dp-shard N           fully sharded data parallelism (FSDP) over N ranks: each rank holds
+                         1/N of the parameters, gradients and AdamW state (of its TP share)
+                         and gathers a block's parameters while it runs; ranks form a
+                         dp_shard x tp mesh (not with --dp, --plan or checkpoints yet)
   --ac MODE              activation checkpointing: none (default) | full (every block
                          recomputes its forward in backward) | selective (every other block)
   --dtype T              float32 | float64 (default float32)
@@ -142,6 +146,7 @@ void add_parallel_options(CLI::App& app, TrainOptions& o) {
       ->disable_flag_override();
   app.add_option("--plan", o.plan_path)->check(cli::non_empty());
   app.add_option("--dp", o.dp)->check(cli::integer(1));
+  app.add_option("--dp-shard", o.dp_shard)->check(cli::integer(1));
   app.add_option("--ac", o.ac)->check(cli::one_of({"none", "full", "selective"}));
   app.add_option("--dtype", o.dtype)->check(cli::one_of({"float32", "float64"}));
   app.add_option("--threads", o.threads)->check(cli::integer(1));

@@ -46,6 +46,7 @@ struct TrainOptions {
   bool loss_parallel = true;
   std::string plan_path;  // a TP plan as JSON instead of the built-in Llama plan (plan_file.h)
   int64_t dp = 1;
+  int64_t dp_shard = 1;     // FSDP degree (fully_shard over that many ranks); 1: off
   std::string ac = "none";  // activation checkpointing: none | full | selective
   std::string dtype = "float32";
   int64_t threads = 1;

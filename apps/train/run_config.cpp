@@ -92,19 +92,34 @@ RunConfig resolve_run_config(const TrainOptions& o, int64_t world_size) {
 
   c.world_size = world_size;
   c.dp = o.dp;
+  if (o.dp_shard > 1) {
+    if (o.dp > 1) {
+      bad("--dp-shard " + std::to_string(o.dp_shard) + " and --dp " + std::to_string(o.dp) +
+          " cannot be combined yet: use --dp-shard N (FSDP) or --dp N (plain replication)");
+    }
+    if (!o.plan_path.empty())
+      bad("--plan is a tensor-parallel plan; it does not apply to --dp-shard");
+    if (o.ckpt_every > 0 || o.final_ckpt || o.resume) {
+      bad("checkpoints (--ckpt-every, --save-final, --resume) do not support --dp-shard yet: "
+          "each rank holds only its shard of the parameters");
+    }
+    c.dp = o.dp_shard;
+    c.fsdp = true;
+  }
   if (world_size % c.dp != 0) {
-    bad("--dp " + std::to_string(c.dp) + " does not divide the " + std::to_string(world_size) +
-        " ranks of this launch");
+    bad((c.fsdp ? "--dp-shard " : "--dp ") + std::to_string(c.dp) + " does not divide the " +
+        std::to_string(world_size) + " ranks of this launch");
   }
   c.tp = world_size / c.dp;
   if (c.batch_size % c.dp != 0) {
-    bad("--batch-size " + std::to_string(c.batch_size) + " is not divisible by --dp " +
-        std::to_string(c.dp));
+    bad("--batch-size " + std::to_string(c.batch_size) + " is not divisible by " +
+        (c.fsdp ? "--dp-shard " : "--dp ") + std::to_string(c.dp));
   }
   try {
     c.model.validate_tp(c.tp);
   } catch (const std::exception& e) {
-    bad(std::string(e.what()) + " (the TP degree is the number of ranks / --dp)");
+    bad(std::string(e.what()) + " (the TP degree is the number of ranks / " +
+        (c.fsdp ? "--dp-shard)" : "--dp)"));
   }
   if (c.tp > 1 && c.sequence_parallel && c.seq_len % c.tp != 0) {
     bad("sequence parallelism splits the sequence over the " + std::to_string(c.tp) +
@@ -126,6 +141,7 @@ std::string RunConfig::to_json() const {
      << ", \"eval_every\": " << eval_every << ", \"eval_batches\": " << eval_batches
      << ", \"dtype\": \"" << (dtype == c10::kDouble ? "float64" : "float32") << "\""
      << ", \"world_size\": " << world_size << ", \"dp\": " << dp << ", \"tp\": " << tp
+     << ", \"fsdp\": " << (fsdp ? "true" : "false")
      << ", \"sequence_parallel\": " << (sequence_parallel ? "true" : "false")
      << ", \"loss_parallel\": " << (loss_parallel ? "true" : "false");
   if (plan) js << ", \"plan\": " << std::quoted(plan->path);

@@ -33,6 +33,7 @@ struct RunConfig {
   int64_t eval_batches = 0;
   c10::ScalarType dtype = c10::kFloat;
   int64_t world_size = 1, dp = 1, tp = 1;
+  bool fsdp = false;  // --dp-shard: the dp ranks shard the parameters (fully_shard)
   bool sequence_parallel = true;
   bool loss_parallel = true;
   std::string ac = "none";       // activation checkpointing mode (dtensor/ac/checkpoint.h)

@@ -43,6 +43,14 @@ std::string fmt(const char* format, double v) {
   return buf;
 }
 
+// "3.05 MiB", "12.5 KiB", "100 B"
+std::string format_bytes(int64_t b) {
+  const double v = static_cast<double>(b);
+  if (b >= (int64_t{1} << 20)) return fmt("%.2f MiB", v / (1 << 20));
+  if (b >= (int64_t{1} << 10)) return fmt("%.1f KiB", v / (1 << 10));
+  return std::to_string(b) + " B";
+}
+
 // "1,234,567"
 std::string grouped(int64_t v) {
   std::string digits = std::to_string(v), out;
@@ -62,8 +70,27 @@ std::string model_line(const RunConfig& c) {
   return s.str();
 }
 
+// "FSDP=2", "FSDP=2 x TP=2".
+std::string run_name(const RunConfig& c) {
+  return "FSDP=" + std::to_string(c.dp) + (c.tp > 1 ? " x TP=" + std::to_string(c.tp) : "");
+}
+
 std::string parallel_line(const RunConfig& c, int64_t threads) {
   std::ostringstream s;
+  if (c.fsdp) {
+    s << "FSDP=" << c.dp << " (parameters, gradients and AdamW state sharded over " << c.dp
+      << " ranks; a block's parameters gathered while it runs)";
+    if (c.tp > 1) {
+      s << " x TP=" << c.tp << " ("
+        << (c.sequence_parallel ? "sequence parallel" : "no sequence parallel") << ", "
+        << (c.loss_parallel ? "loss parallel" : "gathered logits") << ")";
+    }
+    if (c.ac != "none") s << ", AC " << c.ac;
+    s << " on " << c.world_size << " CPU ranks, " << threads << " thread"
+      << (threads > 1 ? "s" : "") << " each, " << (c.dtype == c10::kDouble ? "float64" : "float32")
+      << ", collectives on " << dtensor::comm::cpu_backend_name();
+    return s.str();
+  }
   s << "TP=" << c.tp;
   if (c.plan) {
     s << " (plan " << c.plan->path << ")";
@@ -156,10 +183,21 @@ class TrainingRun {
     }
   }
 
+  // Per rank: the parameters this rank holds, their gradients and AdamW's two moments (the same
+  // size each), before the first step allocates the last three.
+  std::string memory_line() const {
+    const int64_t p = trainer_.parameter_bytes_per_rank();
+    return "per rank " + format_bytes(4 * p) + ": parameters " + format_bytes(p) + " + gradients " +
+           format_bytes(p) + " + AdamW state " + format_bytes(2 * p) +
+           (cfg_.fsdp && cfg_.tp == 1 ? " (1/" + std::to_string(cfg_.dp) + " of the model's)"
+                                      : std::string());
+  }
+
   void print_header() const {
     std::printf("dtensor_train\n");
     print_row("model", model_line(cfg_));
     print_row("parallelism", parallel_line(cfg_, o_.threads));
+    print_row("memory", memory_line());
     print_row("data", (o_.data_path.empty() ? std::string("built-in corpus") : o_.data_path) +
                           ": " + grouped(static_cast<int64_t>(split_.train.size())) + " train / " +
                           grouped(static_cast<int64_t>(split_.val.size())) +
@@ -252,10 +290,12 @@ class TrainingRun {
     if (o_.final_ckpt && !losses_.empty() && last_ckpt_step_ != cfg_.stop_at) save(cfg_.stop_at);
     if (losses_.empty()) evaluate();
     if (rank0_ && metrics_) {
-      write_loss_curve_svg((out_dir_ / "loss.svg").string(), metrics_->rows(),
-                           "dtensor_train: " + cfg_.model_source +
-                               ", TP=" + std::to_string(cfg_.tp) +
-                               (cfg_.dp > 1 ? " x DP=" + std::to_string(cfg_.dp) : std::string()));
+      write_loss_curve_svg(
+          (out_dir_ / "loss.svg").string(), metrics_->rows(),
+          "dtensor_train: " + cfg_.model_source +
+              (cfg_.fsdp ? ", " + run_name(cfg_)
+                         : ", TP=" + std::to_string(cfg_.tp) +
+                               (cfg_.dp > 1 ? " x DP=" + std::to_string(cfg_.dp) : std::string())));
     }
   }
 
@@ -273,6 +313,8 @@ class TrainingRun {
     print_row("model", model_line(cfg_));
     print_row("parallelism", parallel_line(cfg_, o_.threads));
     if (!losses_.empty()) {
+      print_row("memory", "per rank " + format_bytes(trainer_.state_bytes_per_rank()) +
+                              " of parameters, gradients and AdamW state after the last step");
       const int64_t tokens = cfg_.tokens_per_step();
       print_row("steps", std::to_string(start_step_ + 1) + " to " + std::to_string(cfg_.stop_at) +
                              " of " + std::to_string(cfg_.steps) + ", " + grouped(tokens) +
@@ -321,7 +363,8 @@ class TrainingRun {
         });
     vbar.finish();
     std::ostringstream table;
-    print_verify_report(table, report, cfg_.tp);
+    print_verify_report(table, report,
+                        cfg_.fsdp ? run_name(cfg_) : "TP=" + std::to_string(cfg_.tp));
     std::printf("%s", table.str().c_str());
     std::printf("verify-tp1: %.1f s\n", seconds_since(t));
     std::fflush(stdout);

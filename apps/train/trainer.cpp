@@ -4,7 +4,10 @@
 #include <ATen/CPUGeneratorImpl.h>
 #include <torch/nn/utils/clip_grad.h>
 
+#include <cmath>
 #include <limits>
+#include <string>
+#include <unordered_set>
 
 #include "dtensor/ac/checkpoint.h"
 #include "dtensor/comm/collectives.h"
@@ -12,6 +15,7 @@
 #include "dtensor/core/distribute_module.h"
 #include "dtensor/core/dtensor_impl.h"
 #include "dtensor/dispatch/implicit_replication.h"
+#include "dtensor/fsdp/fully_shard.h"
 
 namespace dtensor::train {
 
@@ -21,7 +25,7 @@ Trainer::Trainer(const RunConfig& config, std::optional<DeviceMesh> mesh)
   model_->to(config_.dtype);
   // Drawn from the seed alone: the TP run and the one-device check start from equal weights.
   model_->init_weights(config_.seed);
-  if (mesh_) {
+  if (mesh_ && (!config_.fsdp || config_.tp > 1)) {
     const DeviceMesh tp_mesh = mesh_->ndim() == 1 ? *mesh_ : (*mesh_)["tp"];
     if (config_.plan) {
       apply_plan_file(*model_, tp_mesh, *config_.plan);
@@ -33,6 +37,19 @@ Trainer::Trainer(const RunConfig& config, std::optional<DeviceMesh> mesh)
     }
   }
   ac::apply_ac<models::TransformerBlockImpl>(*model_, ac::parse_ac_mode(config_.ac));
+  if (mesh_ && config_.fsdp) {
+    std::unordered_set<std::string> replicated;  // by name: fully_shard makes plain shards
+    for (const auto& p : unique_named_parameters(*model_))
+      if (!is_dtensor(p.value()) || spec_of(p.value()).is_replicated()) replicated.insert(p.key());
+    // torchtitan's layout: every block a unit whose parameters are whole only while it runs
+    // (forward, then backward); the root (embedding, final norm, output) keeps them from its
+    // forward to its backward, which starts right away.
+    const DeviceMesh dp_mesh = mesh_->ndim() == 1 ? *mesh_ : (*mesh_)["dp"];
+    for (auto& block : *model_->layers) fsdp::fully_shard(*block, dp_mesh, {true});
+    fsdp::fully_shard(*model_, dp_mesh, {false});
+    for (const auto& p : unique_named_parameters(*model_))
+      tp_replicated_.push_back(replicated.count(p.key()) > 0);
+  }
 
   // Decay the matrices (projections and embeddings), not the norm weights, as GPT-style
   // recipes do. A tied weight is listed (and so optimized) once.
@@ -89,10 +106,35 @@ void Trainer::all_reduce_dp_grads() {
   }
 }
 
+// FSDP: every rank holds a slice of each gradient (of its tp share under TP), so the squares
+// are summed over dp, and over tp for what TP shards; then the scaling of LibTorch's
+// clip_grad_norm_.
+double Trainer::clip_sharded_grad_norm(double max_norm) {
+  at::NoGradGuard no_grad;
+  std::vector<at::Tensor> grads;
+  at::Tensor squares = at::zeros({2}, at::kDouble);  // [tp-sharded, tp-replicated]
+  for (size_t i = 0; i < params_.size(); ++i) {
+    const at::Tensor& g = params_[i].grad();
+    if (!g.defined()) continue;
+    grads.push_back(g);
+    squares.narrow(0, tp_replicated_[i] ? 1 : 0, 1).add_(g.to(at::kDouble).pow(2).sum());
+  }
+  squares = comm::all_reduce(squares, ReduceOp::Sum, mesh_->group(mesh_->dim_index("dp")));
+  at::Tensor sharded = squares.narrow(0, 0, 1).clone();
+  if (config_.tp > 1)
+    sharded = comm::all_reduce(sharded, ReduceOp::Sum, mesh_->group(mesh_->dim_index("tp")));
+  const double norm = std::sqrt(sharded.item<double>() + squares[1].item<double>());
+  const double coef = max_norm / (norm + 1e-6);
+  if (coef < 1)
+    for (auto& g : grads) g.mul_(coef);
+  return norm;
+}
+
 // LibTorch's clip_grad_norm_ runs on DTensor gradients (pending p-norms, one all_reduce for the
 // sharded ones); the plain gradients of the norm weights without sequence parallelism join them
 // as replicated values.
 double Trainer::clip_grad_norm(double max_norm) {
+  if (mesh_ && config_.fsdp) return clip_sharded_grad_norm(max_norm);
   ImplicitReplication plain_gradients_are_replicated;
   return torch::nn::utils::clip_grad_norm_(params_, max_norm);
 }
@@ -107,7 +149,7 @@ StepStats Trainer::train_step(int64_t step, const Batch& global_batch) {
   optimizer_->zero_grad();
   auto logits = model_->forward(dp_slice(global_batch.inputs));
   auto loss = models::loss_and_backward(logits, dp_slice(global_batch.targets));
-  if (mesh_) {
+  if (mesh_ && !config_.fsdp) {  // FSDP's backward already reduce-scattered the gradients
     models::reduce_partial_grads(*model_);
     all_reduce_dp_grads();
   }
@@ -117,6 +159,33 @@ StepStats Trainer::train_step(int64_t step, const Batch& global_batch) {
   optimizer_->step();
   stats.loss = mean_over_dp(loss.item<double>());
   return stats;
+}
+
+namespace {
+int64_t local_bytes(const at::Tensor& t) {
+  const at::Tensor l = is_dtensor(t) ? to_local(t) : t;
+  return l.numel() * static_cast<int64_t>(l.element_size());
+}
+}  // namespace
+
+int64_t Trainer::parameter_bytes_per_rank() const {
+  int64_t bytes = 0;
+  for (const auto& p : params_) bytes += local_bytes(p);
+  return bytes;
+}
+
+int64_t Trainer::state_bytes_per_rank() const {
+  int64_t bytes = 0;
+  for (const auto& p : params_) {
+    bytes += local_bytes(p);
+    if (p.grad().defined()) bytes += local_bytes(p.grad());
+    auto it = optimizer_->state().find(p.unsafeGetTensorImpl());
+    if (it == optimizer_->state().end()) continue;
+    const auto& s = static_cast<const torch::optim::AdamWParamState&>(*it->second);
+    bytes += local_bytes(s.exp_avg()) + local_bytes(s.exp_avg_sq());
+    if (s.max_exp_avg_sq().defined()) bytes += local_bytes(s.max_exp_avg_sq());
+  }
+  return bytes;
 }
 
 double Trainer::evaluate(const BatchSampler& val, int64_t n_batches) {

@@ -43,10 +43,17 @@ class Trainer {
   const RunConfig& config() const { return config_; }
   bool distributed() const { return mesh_.has_value(); }
 
+  // Bytes this rank holds for the parameters, their gradients and AdamW's two moments (this
+  // rank's shards under TP or FSDP), counted from the tensors after a step.
+  int64_t state_bytes_per_rank() const;
+  // Bytes of this rank's parameters alone (its shards under TP or FSDP).
+  int64_t parameter_bytes_per_rank() const;
+
  private:
   at::Tensor dp_slice(const at::Tensor& t) const;
   void all_reduce_dp_grads();
-  double clip_grad_norm(double max_norm);  // returns the global norm before clipping
+  double clip_grad_norm(double max_norm);          // returns the global norm before clipping
+  double clip_sharded_grad_norm(double max_norm);  // the same for FSDP's gradient shards
   double mean_over_dp(double v) const;
 
   RunConfig config_;
@@ -54,6 +61,9 @@ class Trainer {
   models::Transformer model_{nullptr};
   std::unique_ptr<torch::optim::AdamW> optimizer_;
   std::vector<at::Tensor> params_;
+  // FSDP: per entry of params_, whether TP replicates it (or there is no TP): its gradient is
+  // equal on the tp ranks and counts once in the norm.
+  std::vector<bool> tp_replicated_;
 };
 
 }  // namespace dtensor::train

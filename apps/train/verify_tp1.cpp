@@ -15,6 +15,7 @@ namespace dtensor::train {
 Trainer make_reference_trainer(const RunConfig& config, const std::string& resume_from) {
   RunConfig one = config;
   one.world_size = one.dp = one.tp = 1;
+  one.fsdp = false;
   Trainer reference(one, std::nullopt);
   if (!resume_from.empty()) {
     checkpoint::load_checkpoint(resume_from, reference.model(), &reference.optimizer());
@@ -44,7 +45,8 @@ VerifyReport verify_against_one_device(
   return report;
 }
 
-void print_verify_report(std::ostream& out, const VerifyReport& r, int64_t tp, size_t max_rows) {
+void print_verify_report(std::ostream& out, const VerifyReport& r, const std::string& run,
+                         size_t max_rows) {
   std::set<size_t> shown;
   const size_t n = r.rows.size();
   for (size_t i = 0; i < std::min<size_t>(3, n); ++i) shown.insert(i);
@@ -54,7 +56,7 @@ void print_verify_report(std::ostream& out, const VerifyReport& r, int64_t tp, s
     if (r.rows[i].step == r.worst_step) shown.insert(i);
   }
   char buf[160];
-  const std::string tp_col = "loss TP=" + std::to_string(tp);
+  const std::string tp_col = "loss " + run;
   std::snprintf(buf, sizeof buf, "%8s  %14s  %14s  %10s", "step", tp_col.c_str(), "loss TP=1",
                 "rel diff");
   out << buf << '\n';

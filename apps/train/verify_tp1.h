@@ -40,8 +40,9 @@ VerifyReport verify_against_one_device(
     int64_t first_step, double rtol, const std::function<void(int64_t, int64_t, double)>& on_step);
 
 // "step  loss TP=2  loss TP=1  rel diff" with up to `max_rows` rows (the first ones, evenly
-// spaced ones, the worst and the last), then the verdict line.
-void print_verify_report(std::ostream& out, const VerifyReport& report, int64_t tp,
+// spaced ones, the worst and the last), then the verdict line; `run` names the distributed run
+// ("TP=2", "FSDP=2").
+void print_verify_report(std::ostream& out, const VerifyReport& report, const std::string& run,
                          size_t max_rows = 12);
 
 }  // namespace dtensor::train

@@ -9,6 +9,7 @@
 
 #include <mutex>
 #include <optional>
+#include <unordered_map>
 
 #include "dtensor/comm/collective_tape.h"
 #include "dtensor/core/distribute_module.h"
@@ -131,8 +132,49 @@ struct CheckpointState : torch::CustomClassHolder {
   size_t num_inputs = 0;
   size_t num_outputs = 0;
   c10::IValue output;  // the output's structure, with placeholders for its tensors
+  // Where each saved parameter sits in the module tree: (module, name, index among the saved
+  // parameters). The recompute runs on the parameters the forward used.
+  struct ParamSite {
+    std::weak_ptr<torch::nn::Module> owner;
+    std::string name;
+    size_t index;
+  };
+  std::vector<ParamSite> param_sites;
   comm::CollectiveTape tape;
   RngSnapshot rng;
+};
+
+// While alive, the module tree holds the parameters the forward ran on (when something swapped
+// them since, as fully_shard swaps its gathered parameters back for the shards); restores the
+// current ones when destroyed.
+class ForwardParams {
+ public:
+  ForwardParams(const CheckpointState& state, const std::vector<at::Tensor>& saved_params) {
+    for (const auto& site : state.param_sites) {
+      std::shared_ptr<torch::nn::Module> owner = site.owner.lock();
+      if (!owner) continue;
+      const auto own = owner->named_parameters(/*recurse=*/false);
+      const at::Tensor* now = own.find(site.name);
+      const at::Tensor& then = saved_params[site.index];
+      if (now == nullptr || now->unsafeGetTensorImpl() == then.unsafeGetTensorImpl()) continue;
+      swapped_.push_back({owner, site.name, *now});
+      replace_parameter(*owner, site.name, then);
+    }
+  }
+  ~ForwardParams() {
+    for (auto it = swapped_.rbegin(); it != swapped_.rend(); ++it)
+      replace_parameter(*it->owner, it->name, it->current);
+  }
+  ForwardParams(const ForwardParams&) = delete;
+  ForwardParams& operator=(const ForwardParams&) = delete;
+
+ private:
+  struct Swap {
+    std::shared_ptr<torch::nn::Module> owner;
+    std::string name;
+    at::Tensor current;
+  };
+  std::vector<Swap> swapped_;
 };
 
 struct CheckpointFunction : torch::autograd::Function<CheckpointFunction> {
@@ -189,6 +231,8 @@ struct CheckpointFunction : torch::autograd::Function<CheckpointFunction> {
         at::AutoGradMode grad(true);
         comm::ReplayCollectives replay(
             state->tape, "the recompute of checkpointed module '" + state->name + "'");
+        const std::vector<at::Tensor> saved_params(saved.begin() + state->num_inputs, saved.end());
+        ForwardParams forward_params(*state, saved_params);
         tp::BodyOnlyCall body_only(*module, call);
         out = state->rerun(*module, call);
         replay.finish();
@@ -258,6 +302,13 @@ struct Checkpointer {
     const at::Tensor placeholder = at::empty({0});
     state->call = map_call(call, [&](const at::Tensor&) { return placeholder; });
     state->num_inputs = inputs.size();
+    std::unordered_map<const c10::TensorImpl*, size_t> param_index;
+    for (size_t i = 0; i < params.size(); ++i) param_index[params[i].unsafeGetTensorImpl()] = i;
+    for (const auto& m : module.named_modules("", /*include_self=*/true))
+      for (const auto& p : m.value()->named_parameters(/*recurse=*/false)) {
+        auto it = param_index.find(p.value().unsafeGetTensorImpl());
+        if (it != param_index.end()) state->param_sites.push_back({m.value(), p.key(), it->second});
+      }
     std::optional<at::Device> cuda;
     for (const at::Tensor& t : inputs)
       if (t.defined() && t.is_cuda()) cuda = t.device();

@@ -2,6 +2,7 @@
 #include "dtensor/fsdp/fully_shard.h"
 
 #include <ATen/ATen.h>
+#include <c10/core/GradMode.h>
 #include <c10/util/Exception.h>
 #include <torch/csrc/autograd/custom_function.h>
 
@@ -17,6 +18,7 @@
 
 #include "dtensor/comm/collectives.h"
 #include "dtensor/comm/process_group.h"
+#include "dtensor/core/api.h"
 #include "dtensor/core/distribute_module.h"
 #include "dtensor/core/dtensor_impl.h"
 #include "dtensor/tp/module_hooks.h"
@@ -59,6 +61,9 @@ struct ParamSlot {
   int64_t row_numel;   // elements per row
   int64_t offset;      // start of this parameter in a rank's flat segment
   at::Tensor shard;    // the leaf the optimizer steps: this rank's rows, unpadded
+  // Set for a tensor-parallel DTensor parameter: FSDP shards its local tensor, and the gathered
+  // local tensor is wrapped back into a DTensor with this spec for the module.
+  std::shared_ptr<const DTensorSpec> tp_spec;
 };
 
 struct UnitState {
@@ -66,60 +71,147 @@ struct UnitState {
   std::shared_ptr<comm::ProcessGroup> pg;
   int64_t dp = 1;
   int64_t segment = 0;  // elements of one rank's flat buffer
+  bool reshard_after_forward = false;
   std::vector<ParamSlot> params;
+};
+
+// All ranks' shards of the unit: one all-gather of this rank's flat segment, as [dp, segment].
+at::Tensor all_gather_shards(const UnitState& st) {
+  at::Tensor flat = at::zeros({st.segment}, st.params[0].shard.options());
+  for (const auto& p : st.params)
+    flat.narrow(0, p.offset, p.shard.numel()).copy_(p.shard.detach().reshape({-1}));
+  return comm::all_gather_into_tensor(flat, 0, *st.pg).view({st.dp, st.segment});
+}
+
+// Parameter i, whole, from the gathered buffer (a copy, or a view when dp is 1).
+at::Tensor unpack(const UnitState& st, const at::Tensor& gathered, size_t i) {
+  const auto& p = st.params[i];
+  std::vector<int64_t> padded = p.full_shape;
+  padded[0] = st.dp * p.chunk_rows;
+  return gathered.narrow(1, p.offset, p.chunk_rows * p.row_numel)
+      .reshape(padded)
+      .narrow(0, 0, p.full_shape[0])
+      .contiguous();
+}
+
+// The gathered parameters of one forward call of a unit, by storage: their values can be freed
+// (the storage resized to 0 bytes) while autograd still holds the tensors, and gathered again
+// into the same storage before backward needs them. It holds storages, not the tensors: the
+// tensors' grad_fn holds this object, and holding them here would make a cycle.
+struct GatheredCall : torch::CustomClassHolder {
+  struct View {
+    c10::Storage storage;
+    int64_t offset;
+    std::vector<int64_t> sizes, strides;
+  };
+  std::shared_ptr<const UnitState> unit;                  // shared: backward may outlive the module
+  std::vector<View> views;                                // one per parameter
+  std::vector<std::pair<c10::Storage, size_t>> storages;  // distinct storages, full byte size
+  bool freed = false;
+  std::mutex mu;  // backward hooks of one call may run on different engine threads
+
+  explicit GatheredCall(std::shared_ptr<const UnitState> u) : unit(std::move(u)) {}
+
+  void remember(const torch::autograd::variable_list& params) {
+    std::unordered_set<const c10::StorageImpl*> seen;
+    for (const at::Tensor& t : params) {
+      views.push_back(View{t.storage(), t.storage_offset(), t.sizes().vec(), t.strides().vec()});
+      if (seen.insert(t.storage().unsafeGetStorageImpl()).second)
+        storages.emplace_back(t.storage(), t.storage().nbytes());
+    }
+  }
+
+  // Drops the gathered values; the tensors keep their shapes over 0-byte storages.
+  void free() {
+    std::lock_guard<std::mutex> l(mu);
+    if (freed) return;
+    for (auto& [s, nbytes] : storages) s.unsafeGetStorageImpl()->reset();
+    freed = true;
+  }
+
+  // Before the unit's backward: one all-gather, into the storages free() emptied.
+  void regather() {
+    std::lock_guard<std::mutex> l(mu);
+    if (!freed) return;
+    const UnitState& st = *unit;
+    at::NoGradGuard no_grad;
+    const at::Tensor gathered = all_gather_shards(st);
+    for (auto& [s, nbytes] : storages) {
+      c10::StorageImpl* impl = s.unsafeGetStorageImpl();
+      TORCH_CHECK(impl->allocator() != nullptr, "fully_shard(", st.unit_name,
+                  "): the gathered parameters' storage has no allocator to gather them again "
+                  "before backward");
+      impl->set_data_ptr_noswap(impl->allocator()->allocate(nbytes));
+      impl->set_nbytes(nbytes);
+    }
+    for (size_t i = 0; i < views.size(); ++i) {
+      // A new tensor over the storage: writing through it leaves the saved tensors' version
+      // counters alone, so autograd does not see an in-place change.
+      const View& v = views[i];
+      at::Tensor alias =
+          at::empty({0}, gathered.options()).set_(v.storage, v.offset, v.sizes, v.strides);
+      alias.copy_(unpack(st, gathered, i));
+    }
+    freed = false;
+  }
 };
 
 // The unit's parameters from its shards: one all-gather forward, one reduce-scatter backward.
 struct GatherParams : torch::autograd::Function<GatherParams> {
   static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx,
-                                                UnitState* st, at::TensorList shards) {
-    ctx->saved_data["state"] = static_cast<int64_t>(reinterpret_cast<intptr_t>(st));
-    const auto opts = shards[0].options();
-    at::Tensor flat = at::zeros({st->segment}, opts);
-    for (size_t i = 0; i < st->params.size(); ++i) {
-      const auto& p = st->params[i];
-      flat.narrow(0, p.offset, shards[i].numel()).copy_(shards[i].reshape({-1}));
-    }
-    at::Tensor gathered =
-        comm::all_gather_into_tensor(flat, 0, *st->pg).view({st->dp, st->segment});
+                                                c10::IValue call_capsule, at::TensorList shards) {
+    auto* call = static_cast<GatheredCall*>(call_capsule.toCapsule().get());
+    const UnitState& st = *call->unit;
+    TORCH_INTERNAL_ASSERT(shards.size() == st.params.size());
+    const at::Tensor gathered = all_gather_shards(st);
     torch::autograd::variable_list out;
-    out.reserve(st->params.size());
-    for (const auto& p : st->params) {
-      std::vector<int64_t> padded = p.full_shape;
-      padded[0] = st->dp * p.chunk_rows;
-      out.push_back(gathered.narrow(1, p.offset, p.chunk_rows * p.row_numel)
-                        .reshape(padded)
-                        .narrow(0, 0, p.full_shape[0])
-                        .contiguous());
-    }
+    out.reserve(st.params.size());
+    for (size_t i = 0; i < st.params.size(); ++i) out.push_back(unpack(st, gathered, i));
+    call->remember(out);
+    ctx->saved_data["call"] = std::move(call_capsule);
     return out;
   }
 
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {
-    auto* st =
-        reinterpret_cast<UnitState*>(static_cast<intptr_t>(ctx->saved_data["state"].toInt()));
-    const auto opts = st->params[0].shard.options();
-    at::Tensor buf = at::zeros({st->dp, st->segment}, opts);
-    for (size_t i = 0; i < st->params.size(); ++i) {
-      const auto& p = st->params[i];
+    auto* call = static_cast<GatheredCall*>(ctx->saved_data["call"].toCapsule().get());
+    const UnitState& st = *call->unit;
+    const auto opts = st.params[0].shard.options();
+    at::Tensor buf = at::zeros({st.dp, st.segment}, opts);
+    for (size_t i = 0; i < st.params.size(); ++i) {
+      const auto& p = st.params[i];
       if (!grads[i].defined()) continue;  // unused parameter: zero gradient
-      at::Tensor padded = at::zeros({st->dp * p.chunk_rows, p.row_numel}, opts);
+      at::Tensor padded = at::zeros({st.dp * p.chunk_rows, p.row_numel}, opts);
       padded.narrow(0, 0, p.full_shape[0]).copy_(grads[i].reshape({p.full_shape[0], -1}));
       buf.narrow(1, p.offset, p.chunk_rows * p.row_numel)
-          .copy_(padded.view({st->dp, p.chunk_rows * p.row_numel}));
+          .copy_(padded.view({st.dp, p.chunk_rows * p.row_numel}));
     }
+    // Every consumer of the gathered parameters has run its backward: free them (a second
+    // backward through a retained graph gathers them again).
+    call->free();
     // Sum then divide: the mean over dp of the ranks' gradients, as data parallelism needs.
-    at::Tensor mine = comm::reduce_scatter_tensor(buf.view({-1}), 0, ReduceOp::Sum, *st->pg)
-                          .div_(static_cast<double>(st->dp));
+    at::Tensor mine = comm::reduce_scatter_tensor(buf.view({-1}), 0, ReduceOp::Sum, *st.pg)
+                          .div_(static_cast<double>(st.dp));
     torch::autograd::variable_list out;
-    out.reserve(st->params.size() + 1);
-    out.emplace_back();  // for `st`
-    for (const auto& p : st->params)
+    out.reserve(st.params.size() + 1);
+    out.emplace_back();  // for the call
+    for (const auto& p : st.params)
       out.push_back(mine.narrow(0, p.offset, p.shard.numel()).view(p.shard.sizes()).clone());
     return out;
   }
 };
+
+// Calls f on every tensor in v (a tensor, or tuples and lists of them).
+template <class F>
+void for_each_tensor(const c10::IValue& v, F&& f) {
+  if (v.isTensor()) {
+    f(v.toTensor());
+  } else if (v.isTuple()) {
+    for (const auto& e : v.toTupleRef().elements()) for_each_tensor(e, f);
+  } else if (v.isList()) {
+    for (const c10::IValue& e : v.toListRef()) for_each_tensor(e, f);
+  }
+}
 
 void collect(torch::nn::Module& m, const std::string& prefix, UnitState& st,
              std::unordered_set<const c10::TensorImpl*>& seen) {
@@ -131,15 +223,22 @@ void collect(torch::nn::Module& m, const std::string& prefix, UnitState& st,
       std::lock_guard<std::mutex> l(shards_mu());
       if (find_shard(t)) continue;  // a child unit's shard
     }
-    TORCH_CHECK(!is_dtensor(t), "fully_shard(", st.unit_name, "): parameter ", fqn,
-                " is a DTensor; this first fully_shard supports plain tensors only (shard "
-                "tensor-parallel models later, or apply fully_shard without tensor parallelism)");
-    TORCH_CHECK(t.dim() >= 1, "fully_shard(", st.unit_name, "): parameter ", fqn,
+    std::shared_ptr<const DTensorSpec> tp_spec;
+    at::Tensor value = t;
+    if (is_dtensor(t)) {  // sharded over dp: this rank's tp-local tensor
+      tp_spec = std::make_shared<const DTensorSpec>(spec_of(t));
+      TORCH_CHECK(!tp_spec->mesh().contains_this_rank() || tp_spec->mesh().ndim() == 1,
+                  "fully_shard(", st.unit_name, "): parameter ", fqn, " is a DTensor on ",
+                  tp_spec->mesh().str(), "; fully_shard takes DTensors on a 1-D (tp) mesh only");
+      value = dtensor_impl(t)->local().detach();
+      value.set_requires_grad(t.requires_grad());
+    }
+    TORCH_CHECK(value.dim() >= 1, "fully_shard(", st.unit_name, "): parameter ", fqn,
                 " is 0-d; fully_shard splits dim 0 and needs at least one dimension");
     TORCH_CHECK(seen.insert(t.unsafeGetTensorImpl()).second, "fully_shard(", st.unit_name,
                 "): parameter ", fqn,
                 " is tied to another parameter of the unit; tied parameters are not supported yet");
-    st.params.push_back(ParamSlot{&m, p.key(), t.sizes().vec(), 0, 0, 0, t});
+    st.params.push_back(ParamSlot{&m, p.key(), value.sizes().vec(), 0, 0, 0, value, tp_spec});
   }
   for (auto& c : m.named_children())
     collect(*c.value(), prefix.empty() ? c.key() : prefix + "." + c.key(), st, seen);
@@ -164,9 +263,6 @@ ShardInfo shard_info(const at::Tensor& param) {
 
 void fully_shard(torch::nn::Module& unit, const DeviceMesh& dp_mesh, FullyShardOptions options) {
   const std::string uname = unit.name();
-  TORCH_CHECK(!options.reshard_after_forward, "fully_shard(", uname,
-              "): reshard_after_forward=true is not implemented yet; the gathered parameters "
-              "stay alive until backward (pass reshard_after_forward=false)");
   TORCH_CHECK(dp_mesh.ndim() == 1, "fully_shard(", uname,
               "): expected a 1-D data-parallel mesh, got ", dp_mesh.str(), " with ", dp_mesh.ndim(),
               " dims; pass the dp sub-mesh, e.g. mesh[\"dp\"]");
@@ -182,6 +278,7 @@ void fully_shard(torch::nn::Module& unit, const DeviceMesh& dp_mesh, FullyShardO
   st->unit_name = uname;
   st->pg = dp_mesh.get_group(0);
   st->dp = dp_mesh.size();
+  st->reshard_after_forward = options.reshard_after_forward;
   const int64_t rank = dp_mesh.get_local_rank();
   std::unordered_set<const c10::TensorImpl*> seen;
   collect(unit, "", *st, seen);
@@ -211,18 +308,47 @@ void fully_shard(torch::nn::Module& unit, const DeviceMesh& dp_mesh, FullyShardO
                                            infos[i]});
   }
 
-  hooked->register_forward_pre_hook([st](torch::nn::Module&, tp::ModuleCall&) {
+  // The call between the pre-hook and the hook of one forward (not in UnitState: a call holds
+  // the state, and the state holding a call would make a cycle).
+  auto current = std::make_shared<c10::intrusive_ptr<GatheredCall>>();
+  std::shared_ptr<const UnitState> cst = st;
+  hooked->register_forward_pre_hook([cst, current](torch::nn::Module&, tp::ModuleCall&) {
     std::vector<at::Tensor> shard_list;
-    for (const auto& p : st->params) shard_list.push_back(p.shard);
-    auto full = GatherParams::apply(st.get(), at::TensorList(shard_list));
-    for (size_t i = 0; i < st->params.size(); ++i)
-      replace_parameter(*st->params[i].owner, st->params[i].name, full[i]);
+    for (const auto& p : cst->params) shard_list.push_back(p.shard);
+    auto call = c10::make_intrusive<GatheredCall>(cst);
+    *current = call;
+    auto full = GatherParams::apply(
+        c10::IValue::make_capsule(c10::intrusive_ptr<torch::CustomClassHolder>(call)),
+        at::TensorList(shard_list));
+    for (size_t i = 0; i < cst->params.size(); ++i) {
+      const ParamSlot& p = cst->params[i];
+      const DTensorSpec* s = p.tp_spec.get();
+      // from_local's backward moves the gradient back to the parameter's placements (a
+      // Partial one is summed over tp) before the reduce-scatter over dp.
+      replace_parameter(*p.owner, p.name,
+                        s ? from_local(full[i], s->mesh(), s->placements(),
+                                       FromLocalOptions{.shape = s->shape(), .stride = s->stride()})
+                          : full[i]);
+    }
   });
   // After forward the modules list the shards again (the autograd graph keeps the gathered
-  // values it needs for backward), so parameters() and the optimizer see the leaves.
-  hooked->register_forward_hook([st](torch::nn::Module&, const tp::ModuleCall&, c10::IValue&) {
-    for (const auto& p : st->params) replace_parameter(*p.owner, p.name, p.shard);
-  });
+  // tensors it needs for backward), so parameters() and the optimizer see the leaves. With
+  // reshard_after_forward the gathered values are freed now and gathered again when the first
+  // gradient reaches one of the unit's outputs, i.e. before any of the unit's backward runs.
+  hooked->register_forward_hook(
+      [cst, current](torch::nn::Module&, const tp::ModuleCall&, c10::IValue& output) {
+        for (const auto& p : cst->params) replace_parameter(*p.owner, p.name, p.shard);
+        c10::intrusive_ptr<GatheredCall> call = std::move(*current);
+        *current = {};
+        if (!call) return;
+        if (c10::GradMode::is_enabled()) {
+          for_each_tensor(output, [&](const at::Tensor& t) {
+            if (t.defined() && t.requires_grad())
+              t.register_hook([call](const at::Tensor&) { call->regather(); });
+          });
+        }
+        if (cst->reshard_after_forward) call->free();
+      });
 }
 
 }  // namespace dtensor::fsdp

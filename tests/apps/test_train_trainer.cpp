@@ -1,9 +1,11 @@
 // dtensor_train's Trainer: a few AdamW steps of the tiny Llama with tensor parallelism (and
-// dp x tp) against the same Trainer on one device with plain LibTorch: losses, gradient
-// norms and every parameter afterwards; with activation checkpointing too.
+// dp x tp, and FSDP) against the same Trainer on one device with plain LibTorch: losses,
+// gradient norms and every parameter afterwards; with activation checkpointing too.
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <map>
+#include <string>
 #include <vector>
 
 #include "dtensor/dtensor.h"
@@ -19,8 +21,10 @@ using dtensor::testing::run_ranks;
 
 namespace {
 
-RunConfig tiny_config(int64_t world, int64_t dp, bool sequence_parallel, bool loss_parallel) {
+RunConfig tiny_config(int64_t world, int64_t dp, bool sequence_parallel, bool loss_parallel,
+                      int64_t dp_shard = 1) {
   TrainOptions o;
+  o.dp_shard = dp_shard;
   o.preset = "tiny";
   o.steps = 4;
   o.batch_size = 4;
@@ -42,6 +46,7 @@ void expect_like_one_device(const RunConfig& cfg, const DeviceMesh& mesh) {
   Trainer tp(cfg, mesh);
   RunConfig one_cfg = cfg;
   one_cfg.world_size = one_cfg.dp = one_cfg.tp = 1;
+  one_cfg.fsdp = false;
   one_cfg.ac = "none";
   EXPECT_EQ(ac::is_checkpointed(*tp.model().layers[1]), cfg.ac != "none");
   Trainer one(one_cfg, std::nullopt);
@@ -54,18 +59,45 @@ void expect_like_one_device(const RunConfig& cfg, const DeviceMesh& mesh) {
     EXPECT_EQ(a.lr, b.lr);
   }
   EXPECT_NEAR(tp.evaluate(val, 2), one.evaluate(val, 2), 1e-10);
+  // FSDP over TP: the spec of each TP parameter, to find this rank's tp-local part.
+  std::map<std::string, DTensorSpec> tp_specs;
+  if (cfg.fsdp && cfg.tp > 1) {
+    models::Transformer probe(cfg.model);
+    models::TensorParallelOptions o;
+    o.sequence_parallel = cfg.sequence_parallel;
+    o.loss_parallel = cfg.loss_parallel;
+    models::apply_tensor_parallel(*probe, mesh["tp"], o);
+    for (const auto& item : probe->named_parameters())
+      tp_specs.emplace(item.key(), spec_of(item.value()));
+  }
   auto tp_params = tp.model().named_parameters();
   auto one_params = one.model().named_parameters();
   ASSERT_EQ(tp_params.size(), one_params.size());
   for (const auto& item : one_params) {
     SCOPED_TRACE(item.key());
     const at::Tensor& p = tp_params[item.key()];
+    if (cfg.fsdp) {  // this rank's rows (of its tp-local part)
+      ASSERT_TRUE(fsdp::is_fsdp_shard(p));
+      at::Tensor full = item.value();
+      if (auto it = tp_specs.find(item.key()); it != tp_specs.end())
+        full = to_local(distribute_tensor(full, it->second.mesh(), it->second.placements()));
+      EXPECT_TENSOR_CLOSE(p, full.narrow(0, fsdp::shard_info(p).row_offset, p.size(0)), 1e-9,
+                          1e-11);
+      continue;
+    }
     // Without sequence parallelism the norm weights stay plain (the Megatron plan); every
     // rank then holds the whole weight and it still has to match.
     const bool plain = !cfg.sequence_parallel && item.key().find("norm") != std::string::npos;
     EXPECT_EQ(is_dtensor(p), !plain);
     EXPECT_TENSOR_CLOSE(is_dtensor(p) ? full_tensor(p) : p, item.value(), 1e-9, 1e-11);
   }
+  // FSDP holds 1/dp of the parameters, gradients and AdamW state per rank (up to the uneven
+  // last rows); TP a share of them.
+  if (cfg.fsdp) {
+    EXPECT_LE(static_cast<double>(tp.state_bytes_per_rank() * cfg.dp),
+              1.1 * static_cast<double>(one.state_bytes_per_rank()));
+  }
+  EXPECT_LT(tp.state_bytes_per_rank(), one.state_bytes_per_rank());
   // The weights moved: a test that compares two untouched models would pass trivially.
   Trainer fresh(one_cfg, std::nullopt);
   EXPECT_FALSE(at::allclose(fresh.model().named_parameters()["layers.0.attention.wq.weight"],
@@ -105,4 +137,50 @@ TEST(TrainTrainer, DataAndTensorParallelStepsMatchOneDevice) {
     auto mesh = init_device_mesh("cpu", {2, 2}, {"dp", "tp"});
     expect_like_one_device(tiny_config(4, 2, true, true), mesh);
   });
+}
+
+// --dp-shard 2 (FSDP, blocks resharded after forward), with and without activation
+// checkpointing: the same steps as one device.
+TEST(TrainTrainer, FullyShardedStepsMatchOneDevice) {
+  run_ranks(2, [](int) {
+    auto mesh = init_device_mesh("cpu", {2}, {"dp"});
+    for (const char* mode : {"none", "full"}) {
+      SCOPED_TRACE(mode);
+      RunConfig cfg = tiny_config(2, 1, true, true, /*dp_shard=*/2);
+      ASSERT_TRUE(cfg.fsdp);
+      EXPECT_EQ(cfg.dp, 2);
+      EXPECT_EQ(cfg.tp, 1);
+      cfg.ac = mode;
+      expect_like_one_device(cfg, mesh);
+    }
+  });
+}
+
+// --dp-shard 2 on 4 ranks: FSDP over TP=2 on a (dp, tp) mesh, the same steps as one device.
+TEST(TrainTrainer, FullyShardedOverTensorParallelStepsMatchOneDevice) {
+  run_ranks(4, [](int) {
+    auto mesh = init_device_mesh("cpu", {2, 2}, {"dp", "tp"});
+    RunConfig cfg = tiny_config(4, 1, true, true, /*dp_shard=*/2);
+    ASSERT_TRUE(cfg.fsdp);
+    EXPECT_EQ(cfg.dp, 2);
+    EXPECT_EQ(cfg.tp, 2);
+    expect_like_one_device(cfg, mesh);
+  });
+}
+
+// --dp-shard must divide the ranks and does not combine with --dp.
+TEST(TrainTrainer, DpShardRefusesBadDegreesAndDp) {
+  EXPECT_THROW(
+      {
+        try {
+          tiny_config(4, 1, true, true, /*dp_shard=*/3);
+        } catch (const std::invalid_argument& e) {
+          EXPECT_NE(std::string(e.what()).find("--dp-shard 3 does not divide the 4 ranks"),
+                    std::string::npos)
+              << e.what();
+          throw;
+        }
+      },
+      std::invalid_argument);
+  EXPECT_THROW(tiny_config(4, 2, true, true, /*dp_shard=*/4), std::invalid_argument);
 }

@@ -1,17 +1,27 @@
 // fully_shard on the Llama model: with every TransformerBlock and the root sharded over dp, three
 // AdamW steps on each rank's slice of the batch give the loss, the gradients and the parameters
-// of one device training on the whole batch; each unit issues exactly one all-gather in forward
-// and one reduce-scatter in backward; bad meshes and unsupported parameters are refused clearly.
+// of one device training on the whole batch, with and without reshard_after_forward and
+// activation checkpointing; each unit issues exactly one all-gather in forward, one more in
+// backward with reshard_after_forward, and one reduce-scatter (checkpointing adds none); the
+// gathered parameters' storage is empty between forward and backward with
+// reshard_after_forward and after backward always; bad meshes and unsupported parameters are
+// refused clearly.
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 #include <torch/optim/adamw.h>
 
+#include <algorithm>
+#include <iostream>
+#include <map>
+#include <memory>
 #include <string>
+#include <vector>
 
 #include "dtensor/dtensor.h"
 #include "dtensor/models/llama.h"
 #include "support/distributed.h"
 #include "support/errors.h"
+#include "support/memory.h"
 #include "support/model_compare.h"
 
 using namespace dtensor;
@@ -26,22 +36,57 @@ LlamaConfig tiny() {
   return c;
 }
 
-void shard_model(TransformerImpl& model, const DeviceMesh& dp_mesh) {
-  for (auto& block : *model.layers) fsdp::fully_shard(*block, dp_mesh);
-  fsdp::fully_shard(model, dp_mesh);
+// A float64 model with the weights every test starts from.
+Transformer make_model(const LlamaConfig& config) {
+  Transformer m(config);
+  m->to(at::kDouble);
+  m->init_weights(11);
+  return m;
 }
 
-void expect_training_matches(int64_t dp) {
-  SCOPED_TRACE("dp=" + std::to_string(dp));
-  auto mesh = init_device_mesh("cpu", {dp}, {"dp"});
+struct ShardSetup {
+  bool reshard_after_forward = false;
+  bool ac = false;  // full activation checkpointing of every block, applied before fully_shard
+  std::string str() const {
+    return std::string("reshard_after_forward=") + (reshard_after_forward ? "true" : "false") +
+           " ac=" + (ac ? "full" : "none");
+  }
+};
+
+void shard_model(TransformerImpl& model, const DeviceMesh& dp_mesh, ShardSetup setup = {}) {
+  if (setup.ac) ac::apply_ac<TransformerBlockImpl>(model, ac::ACMode::full);
+  const fsdp::FullyShardOptions opts{setup.reshard_after_forward};
+  for (auto& block : *model.layers) fsdp::fully_shard(*block, dp_mesh, opts);
+  fsdp::fully_shard(model, dp_mesh, opts);
+}
+
+// The parameters every module with parameters of its own runs on (while its unit runs: the
+// gathered ones), appended on each call, recomputes included.
+std::shared_ptr<std::vector<at::Tensor>> record_parameters_in_use(TransformerImpl& model) {
+  auto used = std::make_shared<std::vector<at::Tensor>>();
+  for (const auto& m : model.modules(/*include_self=*/true)) {
+    auto* h = dynamic_cast<tp::HookedModule*>(m.get());
+    if (h == nullptr || m->named_parameters(/*recurse=*/false).is_empty()) continue;
+    h->register_forward_pre_hook([used](torch::nn::Module& mod, tp::ModuleCall&) {
+      for (const auto& p : mod.named_parameters(/*recurse=*/false)) used->push_back(p.value());
+    });
+  }
+  return used;
+}
+
+int64_t count_of(const std::map<CommType, int64_t>& counts, CommType type) {
+  auto it = counts.find(type);
+  return it == counts.end() ? 0 : it->second;
+}
+
+void expect_training_matches(const DeviceMesh& mesh, ShardSetup setup) {
+  SCOPED_TRACE("dp=" + std::to_string(mesh.size()) + " " + setup.str());
+  const int64_t dp = mesh.size();
   const int64_t rank = mesh.get_local_rank();
   const auto config = tiny();
-  Transformer ref(config), model(config);
-  ref->to(at::kDouble);
-  model->to(at::kDouble);
-  ref->init_weights(11);
-  model->init_weights(11);
-  shard_model(*model, mesh);
+  Transformer ref = make_model(config), model = make_model(config);
+  shard_model(*model, mesh, setup);
+  const auto in_use = record_parameters_in_use(*model);
   const auto opt = torch::optim::AdamWOptions(1e-2).weight_decay(0.1);
   torch::optim::AdamW ref_opt(ref->parameters(), opt), dp_opt(model->parameters(), opt);
 
@@ -59,6 +104,8 @@ void expect_training_matches(int64_t dp) {
     EXPECT_TRUE(close_to_scale(p, rows_of(ref_params.at(name), p), 0.0)) << "initial value";
   }
   const int64_t units = config.n_layers + 1;
+  size_t block_params = 0;  // recomputed in backward with activation checkpointing
+  for (const auto& [name, p] : dp_params) block_params += name.rfind("layers.", 0) == 0;
   const int64_t b = 2;  // sequences per rank
   for (int step = 0; step < 3; ++step) {
     SCOPED_TRACE("step " + std::to_string(step));
@@ -69,22 +116,31 @@ void expect_training_matches(int64_t dp) {
     dp_opt.zero_grad();
     auto ref_loss = loss_and_backward(ref->forward(tokens), targets);
     at::Tensor loss;
+    in_use->clear();
     {
       CommDebugMode comm;
-      loss = loss_and_backward(model->forward(tokens.narrow(0, b * rank, b)),
-                               targets.narrow(0, b * rank, b));
+      auto logits = model->forward(tokens.narrow(0, b * rank, b));
+      // Between forward and backward: the gathered parameters hold memory only without
+      // reshard_after_forward.
+      ASSERT_EQ(in_use->size(), dp_params.size());
+      for (const at::Tensor& p : *in_use) {
+        EXPECT_FALSE(fsdp::is_fsdp_shard(p)) << "a module ran on its shard";
+        if (setup.reshard_after_forward)
+          EXPECT_EQ(p.storage().nbytes(), 0u) << "gathered parameter " << p.sizes() << " kept";
+        else  // padded to dp equal chunks of rows
+          EXPECT_GE(p.storage().nbytes(), p.numel() * sizeof(double)) << p.sizes();
+      }
+      loss = loss_and_backward(logits, targets.narrow(0, b * rank, b));
       comm.exit();
       const auto counts = comm.get_comm_counts();
-      EXPECT_EQ(comm.get_total_counts(), 2 * units) << format_comm_counts(counts);
-      EXPECT_EQ(counts.count(CommType::all_gather_into_tensor)
-                    ? counts.at(CommType::all_gather_into_tensor)
-                    : 0,
-                units);
-      EXPECT_EQ(counts.count(CommType::reduce_scatter_tensor)
-                    ? counts.at(CommType::reduce_scatter_tensor)
-                    : 0,
-                units);
+      const int64_t gathers = setup.reshard_after_forward ? 2 * units : units;
+      EXPECT_EQ(comm.get_total_counts(), gathers + units) << format_comm_counts(counts);
+      EXPECT_EQ(count_of(counts, CommType::all_gather_into_tensor), gathers);
+      EXPECT_EQ(count_of(counts, CommType::reduce_scatter_tensor), units);
     }
+    // After backward every gathered parameter (recomputes' included) is freed.
+    EXPECT_EQ(in_use->size(), dp_params.size() + (setup.ac ? block_params : 0));
+    for (const at::Tensor& p : *in_use) EXPECT_EQ(p.storage().nbytes(), 0u) << p.sizes();
     // Equal slices: the whole batch's mean loss is the mean of the ranks' losses.
     auto mean_loss = comm::all_reduce(loss.detach(), ReduceOp::Sum, mesh.group(0)) / dp;
     EXPECT_TRUE(close_to_scale(mean_loss, ref_loss, 1e-9)) << "loss";
@@ -103,23 +159,114 @@ void expect_training_matches(int64_t dp) {
   }
 }
 
+void expect_training_matches_all(int64_t dp) {
+  auto mesh = init_device_mesh("cpu", {dp}, {"dp"});
+  for (bool reshard : {false, true})
+    for (bool ac : {false, true}) expect_training_matches(mesh, ShardSetup{reshard, ac});
+}
+
 TEST(FullyShard, LlamaTrainingMatchesOneDeviceDp2) {
-  run_ranks(2, [](int) { expect_training_matches(2); });
+  run_ranks(2, [](int) { expect_training_matches_all(2); });
 }
 
 TEST(FullyShard, LlamaTrainingMatchesOneDeviceDp4) {
-  run_ranks(4, [](int) { expect_training_matches(4); });
+  run_ranks(4, [](int) { expect_training_matches_all(4); });
 }
 
-TEST(FullyShard, RefusesBadMeshesAndTensorParallelParameters) {
+// The graph of a forward holds what its backward needs (the unit's sharding and process group),
+// so the model may be destroyed before backward: the gradients still reach the shards.
+TEST(FullyShard, BackwardRunsAfterTheModelIsDestroyed) {
+  run_ranks(2, [](int) {
+    auto mesh = init_device_mesh("cpu", {2}, {"dp"});
+    const int64_t rank = mesh.get_local_rank();
+    const auto config = tiny();
+    Transformer ref = make_model(config);
+    auto tokens = at::randint(config.vocab_size, {4, 8}, at::kLong);
+    auto targets = at::randint(config.vocab_size, {4, 8}, at::kLong);
+    loss_and_backward(ref->forward(tokens), targets);
+    Params shards;
+    at::Tensor logits;
+    {
+      Transformer model = make_model(config);
+      shard_model(*model, mesh);
+      shards = params_of(*model);
+      logits = model->forward(tokens.narrow(0, 2 * rank, 2));
+    }
+    loss_and_backward(logits, targets.narrow(0, 2 * rank, 2));
+    const auto ref_params = params_of(*ref);
+    for (const auto& [name, p] : shards) {
+      SCOPED_TRACE(name);
+      ASSERT_TRUE(p.grad().defined());
+      const at::Tensor expected =
+          ref_params.at(name).grad().narrow(0, fsdp::shard_info(p).row_offset, p.size(0));
+      EXPECT_TRUE(close_to_scale(p.grad(), expected, 1e-9));
+    }
+  });
+}
+
+TEST(FullyShard, RefusesBadMeshes) {
   run_ranks(4, [](int) {
     auto mesh = init_device_mesh("cpu", {2, 2}, {"dp", "tp"});
     Transformer model(tiny());
     EXPECT_CONTAINS(message_of([&] { fsdp::fully_shard(*model, mesh); }),
                     "expected a 1-D data-parallel mesh");
-    apply_tensor_parallel(*model, mesh["tp"]);
-    EXPECT_CONTAINS(message_of([&] { fsdp::fully_shard(*model->layers[0], mesh["dp"]); }),
-                    "is a DTensor");
+  });
+}
+
+// FSDP over tensor parallelism on a (dp=2, tp=2) mesh: each parameter's tp-local tensor is
+// sharded over dp; three AdamW steps match one device on the whole batch, with and without
+// reshard_after_forward and activation checkpointing.
+TEST(FullyShard, OverTensorParallelMatchesOneDeviceDp2Tp2) {
+  run_ranks(4, [](int) {
+    auto mesh = init_device_mesh("cpu", {2, 2}, {"dp", "tp"});
+    const DeviceMesh dp_mesh = mesh["dp"], tp_mesh = mesh["tp"];
+    const int64_t dp_rank = dp_mesh.get_local_rank();
+    for (const ShardSetup setup : {ShardSetup{false, false}, ShardSetup{true, true}}) {
+      SCOPED_TRACE(setup.str());
+      const auto config = tiny();
+      Transformer ref = make_model(config), model = make_model(config);
+      apply_tensor_parallel(*model, tp_mesh);
+      std::map<std::string, DTensorSpec> tp_specs;
+      for (const auto& [name, p] : params_of(*model)) tp_specs.emplace(name, spec_of(p));
+      shard_model(*model, dp_mesh, setup);
+      const auto opt = torch::optim::AdamWOptions(1e-2).weight_decay(0.1);
+      torch::optim::AdamW ref_opt(ref->parameters(), opt), dp_opt(model->parameters(), opt);
+      const auto ref_params = params_of(*ref), dp_params = params_of(*model);
+      // This rank's rows of its tp-local part of the one-device tensor `full`.
+      auto rows_of = [&](const std::string& name, const at::Tensor& full, const at::Tensor& p) {
+        const DTensorSpec& s = tp_specs.at(name);
+        const at::Tensor local =
+            to_local(distribute_tensor(full.detach(), s.mesh(), s.placements()));
+        return local.narrow(0, fsdp::shard_info(p).row_offset, p.size(0));
+      };
+      for (int step = 0; step < 3; ++step) {
+        SCOPED_TRACE("step " + std::to_string(step));
+        auto tokens = at::randint(config.vocab_size, {4, 8}, at::kLong);
+        auto targets = at::randint(config.vocab_size, {4, 8}, at::kLong);
+        ref_opt.zero_grad();
+        dp_opt.zero_grad();
+        auto ref_loss = loss_and_backward(ref->forward(tokens), targets);
+        auto loss = loss_and_backward(model->forward(tokens.narrow(0, 2 * dp_rank, 2)),
+                                      targets.narrow(0, 2 * dp_rank, 2));
+        if (is_dtensor(loss)) loss = full_tensor(loss);
+        auto mean_loss = comm::all_reduce(loss.detach(), ReduceOp::Sum, dp_mesh.group(0)) / 2;
+        EXPECT_TRUE(close_to_scale(mean_loss, ref_loss, 1e-9)) << "loss";
+        for (const auto& [name, p] : dp_params) {
+          SCOPED_TRACE(name);
+          ASSERT_TRUE(fsdp::is_fsdp_shard(p));
+          ASSERT_TRUE(p.grad().defined());
+          EXPECT_TRUE(close_to_scale(p.grad(), rows_of(name, ref_params.at(name).grad(), p), 1e-9))
+              << "gradient";
+        }
+        ref_opt.step();
+        dp_opt.step();
+        for (const auto& [name, p] : dp_params) {
+          SCOPED_TRACE(name);
+          EXPECT_TRUE(close_to_scale(p, rows_of(name, ref_params.at(name), p), 1e-9))
+              << "parameter";
+        }
+      }
+    }
   });
 }
 
@@ -146,4 +293,167 @@ TEST(FullyShard, ModelsShardedOneAfterAnotherAreEachShardedWhole) {
       }
     }
   });
+}
+
+// ---- memory ----
+
+namespace {
+
+// Bytes of the parameters, their gradients and AdamW's moments this rank holds.
+int64_t state_bytes(const torch::nn::Module& model, torch::optim::AdamW& opt) {
+  auto bytes = [](const at::Tensor& t) {
+    return t.defined() ? t.numel() * static_cast<int64_t>(t.element_size()) : 0;
+  };
+  int64_t total = 0;
+  for (const at::Tensor& p : model.parameters()) {
+    total += bytes(p) + bytes(p.grad());
+    auto it = opt.state().find(p.unsafeGetTensorImpl());
+    if (it == opt.state().end()) continue;
+    const auto& s = static_cast<const torch::optim::AdamWParamState&>(*it->second);
+    total += bytes(s.exp_avg()) + bytes(s.exp_avg_sq()) + bytes(s.max_exp_avg_sq());
+  }
+  return total;
+}
+
+// The bytes of the gathered parameters held at once, sampled whenever a module with parameters
+// starts (forward and recompute) and whenever a gradient for a gathered parameter is ready (its
+// unit's backward). Holds storages only: a tensor here, reached from the gradient hooks on the
+// tensor's own grad_fn, would make a cycle.
+struct GatheredBytes {
+  std::vector<c10::Storage> storages;  // each storage a module ran on, once
+  int64_t peak = 0;
+
+  int64_t now() const {
+    int64_t total = 0;
+    for (const auto& st : storages) total += static_cast<int64_t>(st.nbytes());
+    return total;
+  }
+  void sample() { peak = std::max(peak, now()); }
+
+  static std::shared_ptr<GatheredBytes> watch(TransformerImpl& model) {
+    auto g = std::make_shared<GatheredBytes>();
+    for (const auto& m : model.modules(/*include_self=*/true)) {
+      auto* h = dynamic_cast<tp::HookedModule*>(m.get());
+      if (h == nullptr || m->named_parameters(/*recurse=*/false).is_empty()) continue;
+      h->register_forward_pre_hook([g](torch::nn::Module& mod, tp::ModuleCall&) {
+        for (const auto& p : mod.named_parameters(/*recurse=*/false)) {
+          const at::Tensor& t = p.value();
+          auto* impl = t.storage().unsafeGetStorageImpl();
+          if (std::none_of(g->storages.begin(), g->storages.end(), [&](const c10::Storage& st) {
+                return st.unsafeGetStorageImpl() == impl;
+              }))
+            g->storages.push_back(t.storage());
+          if (t.requires_grad()) t.register_hook([g](const at::Tensor&) { g->sample(); });
+        }
+        g->sample();
+      });
+    }
+    return g;
+  }
+};
+
+struct StepMemory {
+  int64_t state = 0;                   // parameters + gradients + AdamW state after a step
+  int64_t gathered_after_forward = 0;  // gathered parameters' bytes between forward and backward
+  int64_t gathered_peak = 0;           // the most gathered parameter bytes held at once
+  int64_t after_forward = 0;  // all CPU bytes the forward left (activations, gathered, ...)
+  int64_t peak = 0;           // highest CPU bytes during forward + backward, above the start
+};
+
+// The tiny Llama with 4 blocks, so that one block is a small part of the model.
+LlamaConfig memory_config() {
+  auto config = tiny();
+  config.n_layers = 4;
+  config.max_seq_len = 32;
+  return config;
+}
+
+// One AdamW step of a fresh 4-block tiny Llama (float64, B=2 sequences of 32 per rank),
+// sharded over `mesh` unless it is null. The CPU byte counts include what the collectives'
+// background threads still hold, so they vary a little between ranks and runs; the rest is
+// exact.
+StepMemory measure_step(const DeviceMesh* mesh, ShardSetup setup) {
+  const auto config = memory_config();
+  Transformer model = make_model(config);
+  if (mesh) {
+    shard_model(*model, *mesh, setup);
+  } else if (setup.ac) {
+    ac::apply_ac<TransformerBlockImpl>(*model, ac::ACMode::full);
+  }
+  auto gathered = mesh ? GatheredBytes::watch(*model) : nullptr;
+  torch::optim::AdamW opt(model->parameters(), torch::optim::AdamWOptions(1e-2));
+  auto tokens = at::randint(config.vocab_size, {2, 32}, at::kLong);
+  auto targets = at::randint(config.vocab_size, {2, 32}, at::kLong);
+  StepMemory m;
+  {
+    CountCpuBytes bytes;
+    auto loss = token_cross_entropy(model->forward(tokens), targets);
+    m.after_forward = bytes.live();
+    if (gathered) m.gathered_after_forward = gathered->now();
+    loss.backward();
+    m.peak = bytes.peak();
+  }
+  if (gathered) m.gathered_peak = gathered->peak;
+  opt.step();
+  m.state = state_bytes(*model, opt);
+  return m;
+}
+
+void expect_memory_divided(int64_t dp) {
+  auto mesh = init_device_mesh("cpu", {dp}, {"dp"});
+  int64_t param_bytes = 0, largest_block = 0;  // of the whole model, of one block
+  {
+    Transformer model(memory_config());
+    for (const auto& p : model->parameters()) param_bytes += p.numel() * 8;
+    for (const auto& p : model->layers[0]->parameters()) largest_block += p.numel() * 8;
+  }
+  const StepMemory one = measure_step(nullptr, {});
+  const std::vector<ShardSetup> setups = {
+      {false, false}, {true, false}, {false, true}, {true, true}};
+  std::vector<StepMemory> sharded;
+  for (const ShardSetup& s : setups) sharded.push_back(measure_step(&mesh, s));
+  // Parameters, gradients and AdamW state: 1/dp per rank, within 10% (uneven last rows).
+  EXPECT_EQ(one.state, 4 * param_bytes);
+  EXPECT_LE(static_cast<double>(sharded[0].state * dp), 1.1 * static_cast<double>(one.state));
+  for (size_t i = 0; i < setups.size(); ++i) {
+    SCOPED_TRACE(setups[i].str());
+    EXPECT_EQ(sharded[i].state, sharded[0].state);
+    if (setups[i].reshard_after_forward) {
+      // Nothing gathered survives the forward; at most the root and one block at once (the
+      // root's parameters are gathered again when backward starts).
+      EXPECT_EQ(sharded[i].gathered_after_forward, 0);
+      EXPECT_LE(sharded[i].gathered_peak,
+                param_bytes - (memory_config().n_layers - 2) * largest_block + dp * 8 * 1024);
+    } else {
+      // Every unit's gathered parameters (padded to dp equal chunks) live until backward.
+      EXPECT_GE(sharded[i].gathered_after_forward, param_bytes);
+      EXPECT_EQ(sharded[i].gathered_peak, sharded[i].gathered_after_forward);
+    }
+  }
+  if (mesh.get_local_rank() == 0) {
+    std::cout << "dp=" << dp << " (rank 0): parameters+gradients+AdamW " << sharded[0].state
+              << " B (one device " << one.state << " B, ratio "
+              << static_cast<double>(one.state) / static_cast<double>(sharded[0].state)
+              << "); one device without FSDP: after forward " << one.after_forward << " B, peak "
+              << one.peak << " B\n";
+    for (size_t i = 0; i < setups.size(); ++i)
+      std::cout << "  " << setups[i].str() << ": gathered after forward "
+                << sharded[i].gathered_after_forward << " B, gathered peak "
+                << sharded[i].gathered_peak << " B; CPU after forward " << sharded[i].after_forward
+                << " B, CPU peak " << sharded[i].peak << " B\n";
+  }
+}
+
+}  // namespace
+
+// Memory per rank: FSDP divides the parameters, gradients and optimizer state by dp, and
+// reshard_after_forward frees the gathered parameters between forward and backward.
+TEST(FullyShard, MemoryPerRankDp1) {
+  run_ranks(1, [](int) { expect_memory_divided(1); });
+}
+TEST(FullyShard, MemoryPerRankDp2) {
+  run_ranks(2, [](int) { expect_memory_divided(2); });
+}
+TEST(FullyShard, MemoryPerRankDp4) {
+  run_ranks(4, [](int) { expect_memory_divided(4); });
 }

@@ -1,19 +1,37 @@
 #pragma once
-// fully_shard: data-parallel sharding of a module's parameters over a 1-D "dp" mesh (the first
-// form of PyTorch's FSDP2). Each parameter is replaced by a leaf holding this dp rank's rows
-// (dim 0, torch.chunk split); the optimizer steps those leaves. Each forward of the unit issues
-// one all-gather of all its shards (one flat buffer) and runs on the gathered parameters; the
-// backward of that gather is one reduce-scatter that averages the gradients over dp into the
-// leaves' grads.
+// fully_shard: data-parallel sharding of a module's parameters over a 1-D "dp" mesh (PyTorch's
+// FSDP2). Each parameter is replaced by a leaf holding this dp rank's rows (dim 0, torch.chunk
+// split); the optimizer steps those leaves. Each forward of the unit issues one all-gather of
+// all its shards (one flat buffer) and runs on the gathered parameters; the backward of that
+// gather is one reduce-scatter that averages the gradients over dp into the leaves' grads, after
+// which the gathered parameters are freed.
+//
+// With reshard_after_forward the gathered parameters' storage is freed (resized to 0 bytes; the
+// tensors autograd saved stay, empty) when the unit's forward returns, and gathered again into
+// the same storage by one all-gather when the first gradient reaches the unit's outputs, before
+// the unit's backward runs: per unit and step 2 all-gathers and 1 reduce-scatter, instead of 1
+// and 1, for parameters that are whole only while their unit runs.
+//
+// Activation checkpointing composes in either order (torchtitan applies it first): the
+// recompute runs on the gathered parameters the forward used (gathered again first, with
+// reshard_after_forward), and adds no collective.
+//
+// Tensor parallelism composes when applied first, on a (dp, tp) mesh: a DTensor parameter's
+// tp-local tensor is what is sharded over dp (shard_info counts its rows), and the gathered
+// local tensor is wrapped back into a DTensor with the parameter's spec for the module, whose
+// backward moves the gradient to the parameter's placements (a Partial gradient is summed
+// over tp) before the reduce-scatter over dp. The leaves the optimizer steps are plain tensors.
 //
 //   for (auto& block : *model->layers) fsdp::fully_shard(*block, dp_mesh);
 //   fsdp::fully_shard(*model, dp_mesh);   // the root last: it takes the parameters left over
 //   torch::optim::AdamW opt(model->parameters(), ...);   // after fully_shard: the leaves
 //
-// Limitations of this first version: parameters must be plain tensors (TP DTensors are
-// refused); the gathered parameters stay alive until backward through the autograd graph
-// (reshard_after_forward = false behaviour; no re-gather in backward); tied parameters are
-// refused.
+//   apply_tensor_parallel(*model, mesh["tp"]);  then fully_shard each block and the root on
+//   mesh["dp"] as above
+//
+// Limitations: DTensor parameters must live on a 1-D mesh; tied parameters are refused; the
+// unit's backward must start from its outputs (a gathered parameter that leaves
+// the unit other than through its outputs is not gathered again for backward).
 #include <torch/nn/module.h>
 
 #include "dtensor/mesh/device_mesh.h"
@@ -22,7 +40,8 @@ namespace dtensor::fsdp {
 
 /// Options of fully_shard.
 struct FullyShardOptions {
-  /// Only false is supported for now: the gathered parameters live until backward.
+  /// Free the gathered parameters after the unit's forward and gather them again before its
+  /// backward (less memory, one more all-gather); false keeps them until backward.
   bool reshard_after_forward = false;
 };
 
