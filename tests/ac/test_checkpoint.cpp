@@ -4,16 +4,15 @@
 // collectives differ fails naming the module; full AC keeps only each block's input; a drop-in
 // layer can be checkpointed and runs plainly under no-grad.
 #include <ATen/ATen.h>
-#include <c10/core/CPUAllocator.h>
 #include <gtest/gtest.h>
 #include <torch/optim/adamw.h>
 
 #include <algorithm>
-#include <atomic>
 #include <map>
 #include <string>
 
 #include "dtensor/dtensor.h"
+#include "support/counting_allocator.h"
 #include "support/distributed.h"
 #include "support/errors.h"
 #include "support/model_compare.h"
@@ -311,36 +310,6 @@ TEST(ActivationCheckpointing, RecomputeWithOtherCollectivesFailsNamingTheModule)
 
 namespace {
 
-// Counts the bytes the CPU allocator has handed out and not got back.
-struct CountingAllocator final : c10::Allocator {
-  c10::Allocator* base = nullptr;
-  std::atomic<int64_t> live{0}, peak{0};
-
-  struct Ctx {
-    c10::DataPtr inner;
-    int64_t n;
-    CountingAllocator* owner;
-  };
-  static void release(void* p) {
-    auto* ctx = static_cast<Ctx*>(p);
-    ctx->owner->live -= ctx->n;
-    delete ctx;
-  }
-  c10::DataPtr allocate(size_t n) override {
-    c10::DataPtr inner = base->allocate(n);
-    void* data = inner.get();
-    const auto device = inner.device();
-    const int64_t now = live += static_cast<int64_t>(n);
-    int64_t p = peak.load();
-    while (now > p && !peak.compare_exchange_weak(p, now)) {
-    }
-    return {data, new Ctx{std::move(inner), static_cast<int64_t>(n), this}, &release, device};
-  }
-  void copy_data(void* dest, const void* src, std::size_t count) const override {
-    default_copy_data(dest, src, count);
-  }
-};
-
 struct Memory {
   int64_t held_after_forward;  // bytes kept from the forward for backward (and the loss)
   int64_t peak;                // highest live bytes during forward + backward, above the start
@@ -353,19 +322,14 @@ Memory measure(int64_t layers, ACMode mode, int64_t batch, int64_t seqlen) {
   Transformer m = make_model(c, nullptr, mode);
   auto tokens = at::randint(c.vocab_size, {batch, seqlen}, at::kLong);
   auto targets = at::randint(c.vocab_size, {batch, seqlen}, at::kLong);
-  static CountingAllocator counter;  // outlives every tensor it allocated
-  counter.base = c10::GetCPUAllocator();
-  c10::SetCPUAllocator(&counter, /*priority=*/0);
   Memory out{};
   {
-    const int64_t start = counter.live;
-    counter.peak = start;
+    CountingAllocator::Scope count;
     auto loss = token_cross_entropy(m->forward(tokens), targets);
-    out.held_after_forward = counter.live - start;
+    out.held_after_forward = count.live();
     loss.backward();
-    out.peak = counter.peak - start;
+    out.peak = count.peak();
   }
-  c10::SetCPUAllocator(counter.base, /*priority=*/0);
   return out;
 }
 
