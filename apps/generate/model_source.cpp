@@ -7,6 +7,7 @@
 #include "dtensor/checkpoint/checkpoint.h"
 #include "dtensor/checkpoint/checkpoint_manager.h"
 #include "dtensor/models/hf_checkpoint.h"
+#include "dtensor/models/meta_init.h"
 
 namespace dtensor::generate_app {
 
@@ -94,11 +95,10 @@ LoadedModel load_model(const ModelSource& source, const DeviceMesh& mesh) {
   }
   dtype = parse_dtype(source.dtype, dtype);
   config.validate_tp(mesh.size());
-  LoadedModel out{models::Transformer(config), description, ""};
-  out.model->to(dtype);
   models::TensorParallelOptions tp;
   tp.sequence_parallel = false;
-  models::apply_tensor_parallel(*out.model, mesh, tp);
+  // Only this rank's parameters get memory; the checkpoint or the seed fills them.
+  LoadedModel out{models::empty_transformer(config, dtype, mesh, tp), description, ""};
   if (path.empty()) {
     out.model->init_weights(source.seed);
   } else {

@@ -8,6 +8,7 @@
 
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <map>
 #include <memory>
 #include <nlohmann/json.hpp>
@@ -15,9 +16,11 @@
 #include <sstream>
 #include <vector>
 
+#include "dtensor/checkpoint/safetensors.h"
 #include "dtensor/core/api.h"
 #include "dtensor/core/dtensor_impl.h"
-#include "dtensor/checkpoint/safetensors.h"
+#include "dtensor/models/meta_init.h"
+#include "llama_meta.h"
 
 namespace dtensor::models {
 
@@ -252,22 +255,39 @@ HfLlamaConfig read_hf_llama_config(const std::string& dir) {
   return out;
 }
 
-HfLoadStats load_hf_weights(const std::string& dir, TransformerImpl& model) {
+namespace {
+
+// Reads this rank's part of every parameter of `model` (in the parameter's dtype, on its device;
+// the CPU for a meta parameter) and hands it to take(name, parameter, part) in order, after
+// checking every name, shape and dtype against the files. Reads one tensor at a time: what take
+// keeps is all it holds on to.
+HfLoadStats read_hf_parts(
+    const std::string& dir, TransformerImpl& model,
+    const std::function<void(const std::string&, const at::Tensor&, at::Tensor)>& take) {
   const LlamaConfig& config = model.config();
   Checkpoint ckpt(dir);
   HfLoadStats stats;
 
-  struct Item {
-    at::Tensor param;
-    at::Tensor value;  // this rank's part, in the parameter's dtype and device
-  };
-  std::vector<Item> items;
+  // Names the model has no place for mean another architecture (biases, ...): refuse them.
   std::set<std::string> used;
+  for (const auto& p : model.named_parameters(/*recurse=*/true))
+    used.insert(hf_parameter_name(p.key()));
+  std::vector<std::string> unexpected;
+  for (const auto& [name, file] : ckpt.file_of()) {
+    if (used.count(name) || name.ends_with("rotary_emb.inv_freq")) continue;
+    if (name == "lm_head.weight" && config.tie_embeddings) continue;  // tied: the embedding
+    unexpected.push_back(name);
+  }
+  if (!unexpected.empty()) {
+    if (unexpected.size() > 5) unexpected.resize(5);
+    TORCH_CHECK(false, "Hugging Face checkpoint '", dir, "' holds tensors the model has no place ",
+                "for (nothing loaded): ", c10::Join(", ", unexpected));
+  }
+
   for (const auto& p : model.named_parameters(/*recurse=*/true)) {
     const std::string& name = p.key();
     const at::Tensor& param = p.value();
     const std::string hf = hf_parameter_name(name);
-    used.insert(hf);
     const auto [file, info] = ckpt.locate(hf);
     const std::string what = "safetensors file '" + file->path() + "', tensor \"" + hf + "\"";
     TORCH_CHECK(at::isFloatingType(info->dtype), what, ": dtype ", info->dtype,
@@ -282,6 +302,7 @@ HfLoadStats load_hf_weights(const std::string& dir, TransformerImpl& model) {
 
     std::vector<int64_t> offset(info->shape.size(), 0), size = info->shape;
     at::Tensor local = param;
+    c10::Device device = c10::kCPU;  // of a meta parameter's part
     if (is_dtensor(param)) {
       const DTensorSpec& spec = spec_of(param);
       if (!spec.mesh().contains_this_rank()) continue;
@@ -289,7 +310,9 @@ HfLoadStats load_hf_weights(const std::string& dir, TransformerImpl& model) {
       offset = shard.offset;
       size = shard.shape;
       local = local_tensor(param);
+      device = spec.mesh().device();
     }
+    if (!local.is_meta()) device = local.device();
     at::Tensor part = file->slice(*info, offset, size);
     stats.bytes_read += part.nbytes();
     ++stats.tensors;
@@ -302,27 +325,26 @@ HfLoadStats load_hf_weights(const std::string& dir, TransformerImpl& model) {
                   " rows, which the rotary row order needs");
       part = interleave_rotary_rows(part, hd);
     }
-    items.push_back({param, part.to(local.options(), /*non_blocking=*/false, /*copy=*/true)});
-  }
-
-  // Names the model has no place for mean another architecture (biases, ...): refuse them.
-  std::vector<std::string> unexpected;
-  for (const auto& [name, file] : ckpt.file_of()) {
-    if (used.count(name) || name.ends_with("rotary_emb.inv_freq")) continue;
-    if (name == "lm_head.weight" && config.tie_embeddings) continue;  // tied: the embedding
-    unexpected.push_back(name);
-  }
-  if (!unexpected.empty()) {
-    if (unexpected.size() > 5) unexpected.resize(5);
-    TORCH_CHECK(false, "Hugging Face checkpoint '", dir, "' holds tensors the model has no place ",
-                "for (nothing loaded): ", c10::Join(", ", unexpected));
-  }
-
-  at::NoGradGuard no_grad;
-  for (auto& item : items) {
-    (is_dtensor(item.param) ? local_tensor(item.param) : item.param).copy_(item.value);
+    // slice() and the row permutation give fresh tensors: a cast is the only copy needed.
+    take(name, param, part.to(local.options().device(device)));
   }
   stats.files = ckpt.files_opened();
+  return stats;
+}
+
+}  // namespace
+
+HfLoadStats load_hf_weights(const std::string& dir, TransformerImpl& model) {
+  // Everything is read and checked before the first parameter changes.
+  std::vector<std::pair<at::Tensor, at::Tensor>> items;  // parameter, this rank's part
+  const HfLoadStats stats =
+      read_hf_parts(dir, model, [&](const std::string&, const at::Tensor& param, at::Tensor part) {
+        items.emplace_back(param, std::move(part));
+      });
+  at::NoGradGuard no_grad;
+  for (auto& [param, part] : items) {
+    (is_dtensor(param) ? local_tensor(param) : param).copy_(part);
+  }
   return stats;
 }
 
@@ -332,10 +354,28 @@ HfLlama load_hf_llama(const std::string& dir, const std::optional<DeviceMesh>& m
   HfLlama out;
   out.config = hf.config;
   if (options.max_seq_len) out.config.max_seq_len = *options.max_seq_len;
-  out.model = Transformer(out.config);
-  out.model->to(options.dtype.value_or(hf.dtype));
-  if (mesh) apply_tensor_parallel(*out.model, *mesh, options.tp);
-  out.stats = load_hf_weights(dir, *out.model);
+  // Built on the meta device and cut by the plan before any memory is allocated: each part read
+  // from the files becomes the parameter's storage, so a rank holds only its own parameters.
+  Transformer model = meta_transformer(out.config);
+  model->to(options.dtype.value_or(hf.dtype));
+  if (mesh) apply_tensor_parallel(*model, *mesh, options.tp);
+  std::map<std::string, at::Tensor> parts;
+  out.stats =
+      read_hf_parts(dir, *model, [&](const std::string& name, const at::Tensor&, at::Tensor part) {
+        parts.emplace(name, std::move(part));
+      });
+  detail::materialize_parameters(*model, [&](const std::string& name, const at::Tensor& local,
+                                             c10::Device device) {
+    const auto it = parts.find(name);
+    // A rank outside the mesh holds empty parts and reads nothing.
+    if (it == parts.end() && local.numel() == 0)
+      return at::empty(local.sizes(), local.options().device(device));
+    TORCH_CHECK(it != parts.end(), "load_hf_llama: no part of parameter \"", name, "\" was read");
+    at::Tensor part = std::move(it->second);
+    parts.erase(it);
+    return part;
+  });
+  out.model = model;
   return out;
 }
 

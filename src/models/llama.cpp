@@ -9,6 +9,7 @@
 #include "dtensor/core/api.h"
 #include "dtensor/core/dtensor_impl.h"
 #include "dtensor/tp/loss_parallel.h"
+#include "llama_meta.h"
 #include "rotary.h"
 
 namespace dtensor::models {
@@ -155,6 +156,10 @@ TransformerImpl::TransformerImpl(LlamaConfig config) : config_(std::move(config)
       dtensor::nn::Linear(torch::nn::LinearOptions(config_.dim, config_.vocab_size).bias(false)));
   if (config_.tie_embeddings) tie_output_to_embedding();
 
+  // Built on the meta device (empty_transformer): parameters without values, but the rotary
+  // table is no parameter and is needed as it is.
+  const bool meta = detail::MetaConstructionGuard::active();
+  detail::MetaConstructionGuard::Suspend ordinary_tensors;
   // Rotation angle of position p for pair i: p * theta^(-2i / head_dim).
   const int64_t hd = config_.head_dim();
   auto freqs =
@@ -162,7 +167,7 @@ TransformerImpl::TransformerImpl(LlamaConfig config) : config_(std::move(config)
   if (config_.rope_scaling) freqs = llama3_scaled_frequencies(freqs, *config_.rope_scaling);
   auto angles = at::outer(at::arange(config_.max_seq_len, at::kDouble), freqs);
   rope_table_ = at::stack({angles.cos(), angles.sin()}, -1);
-  init_weights(0);
+  if (!meta) init_weights(0);
 }
 
 void TransformerImpl::tie_output_to_embedding() {

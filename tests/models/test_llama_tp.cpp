@@ -13,7 +13,9 @@
 
 #include "dtensor/dtensor.h"
 #include "dtensor/models/llama.h"
+#include "dtensor/models/meta_init.h"
 #include "support/distributed.h"
+#include "support/memory.h"
 #include "support/model_compare.h"
 
 using namespace dtensor;
@@ -36,18 +38,26 @@ struct Case {
   at::ScalarType dtype = at::kDouble;
   double tol = 1e-9;
   int64_t seqlen = 8;
+  bool empty = false;  // the TP model from empty_transformer + init_weights
 };
 
 // Three AdamW steps on the TP model and on the plain one, comparing the loss, every gradient
 // (after reduce_partial_grads) and every parameter after each step.
 void expect_training_matches(const DeviceMesh& mesh, const Case& c) {
   SCOPED_TRACE(c.label + " on tp=" + std::to_string(mesh.size()));
-  Transformer ref(c.config), model(c.config);
+  Transformer ref(c.config);
   ref->to(c.dtype);
-  model->to(c.dtype);
   ref->init_weights(11);
-  model->init_weights(11);
-  apply_tensor_parallel(*model, mesh, c.options);
+  Transformer model{nullptr};
+  if (c.empty) {
+    model = empty_transformer(c.config, c.dtype, mesh, c.options);
+    model->init_weights(11);
+  } else {
+    model = Transformer(c.config);
+    model->to(c.dtype);
+    model->init_weights(11);
+    apply_tensor_parallel(*model, mesh, c.options);
+  }
   const auto opt = torch::optim::AdamWOptions(1e-2).weight_decay(0.1);
   torch::optim::AdamW ref_opt(ref->parameters(), opt), tp_opt(model->parameters(), opt);
 
@@ -183,6 +193,39 @@ TEST(LlamaTp, InitWeightsAfterParallelizingKeepsTheSameModel) {
       EXPECT_TENSOR_EQ(whole(p), rp.at(name));
     }
   });
+}
+
+// empty_transformer allocates only each rank's parameters (every byte counted by the CPU
+// allocator: its shards, the replicated norms and KV projections, and the rotary table) and,
+// filled by init_weights, trains as the model built whole: KV heads sharded (tp=2) and
+// replicated (tp=4), tied and untied.
+TEST(LlamaTp, EmptyTransformerAllocatesOnlyLocalParametersAndTrainsTheSame) {
+  for (int tp : {2, 4}) {
+    run_ranks(tp, [tp](int) {
+      auto mesh = init_device_mesh("cpu", {tp});
+      for (bool tied : {false, true}) {
+        LlamaConfig c = tiny();
+        c.tie_embeddings = tied;
+        int64_t peak = 0;
+        Transformer model{nullptr};
+        {
+          CountCpuBytes count;
+          model = empty_transformer(c, at::kDouble, mesh);
+          peak = count.peak();
+        }
+        int64_t local = 0;
+        for (const auto& p : model->parameters()) {
+          EXPECT_TRUE(is_dtensor(p));
+          local += local_tensor(p).nbytes();
+        }
+        // The table, and its angles, cos and sin while it is stacked.
+        const int64_t rope = 3 * c.max_seq_len * c.head_dim() * 8;
+        EXPECT_LE(peak, local + rope) << "tp=" << tp << " tied=" << tied;
+        EXPECT_LT(local + rope, c.num_parameters() * 8);
+        expect_training_matches(mesh, {"empty_transformer", c, {}, at::kDouble, 1e-9, 8, true});
+      }
+    });
+  }
 }
 
 TEST(LlamaTp, PlanRefusesWhatItCannotShardNamingTheFix) {

@@ -11,6 +11,8 @@
 // Shard-on-read: each rank copies out of the (memory-mapped) files only the bytes of the slices
 // its parameters keep under the TP plan (apply_tensor_parallel), so it reads about
 // (sharded bytes) / tp + (replicated bytes): norms, and wk/wv where KV heads are replicated.
+// load_hf_llama allocates no more than that either: the model is built on the meta device
+// (meta_init.h), cut by the plan, and the slices read become its parameters.
 // Parameter names map from HF's ("model.layers.0.self_attn.q_proj.weight") to ours
 // ("layers.0.attention.wq.weight"); q/k rows are permuted from HF's rotate-half order to the
 // interleaved pairs our rotary embedding uses; any floating source dtype is cast to the model's.
@@ -59,8 +61,9 @@ struct HfLlama {
   HfLoadStats stats;
 };
 
-/// Builds the model from config.json in options.dtype (or the checkpoint's), parallelizes it
-/// over `mesh` when given (apply_tensor_parallel, no communication), and loads the weights.
+/// Builds the model from config.json in options.dtype (or the checkpoint's) on the meta device,
+/// parallelizes it over `mesh` when given (apply_tensor_parallel, no communication), and makes
+/// the slices it reads this rank's parameters: a rank never holds the whole model.
 /// Every rank calls it; no collective is issued, and every rank fails alike on bad input.
 HfLlama load_hf_llama(const std::string& dir, const std::optional<DeviceMesh>& mesh = std::nullopt,
                       const HfLoadOptions& options = {});
