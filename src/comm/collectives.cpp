@@ -314,15 +314,15 @@ namespace {
 
 // "send float64[2,8,32] (4096 bytes) to group rank 1 with tag 3 as message #2 on channel
 // pp:0->1 (group rank 0 of 2, mesh dim 0)".
-std::string describe_p2p(const char* what, ProcessGroup& pg, const at::Tensor& t, int peer,
-                         int tag, int64_t seq, const std::string& channel) {
+std::string describe_p2p(const char* what, ProcessGroup& pg, const at::Tensor& t, int peer, int tag,
+                         int64_t seq, const std::string& channel) {
   std::string s = std::string(what) + " " + detail::signature(t) + " (" +
                   std::to_string(t.numel() * t.element_size()) + " bytes) " +
                   (std::string(what) == "send" ? "to" : "from") + " group rank " +
                   std::to_string(peer) + " (global rank " + std::to_string(pg.global_rank(peer)) +
                   ") with tag " + std::to_string(tag) + " as message #" + std::to_string(seq) +
-                  " on channel " + channel + " (group rank " + std::to_string(pg.rank()) +
-                  " of " + std::to_string(pg.size());
+                  " on channel " + channel + " (group rank " + std::to_string(pg.rank()) + " of " +
+                  std::to_string(pg.size());
   if (pg.mesh_dim() >= 0) s += ", mesh dim " + std::to_string(pg.mesh_dim());
   return s + ")";
 }
@@ -333,9 +333,9 @@ PendingResult launch_p2p(bool sending, ProcessGroup& pg, int peer, int tag, at::
               " inside a collective tape (activation checkpointing): a point-to-point message "
               "cannot be recorded or replayed; keep sends and receives outside checkpointed "
               "regions");
-  TORCH_CHECK(peer >= 0 && peer < pg.size() && peer != pg.rank(), "dtensor: ", name,
-              " on group ", pg.name(), ": peer group rank ", peer, " is not another member (group ",
-              "rank ", pg.rank(), " of ", pg.size(), ")");
+  TORCH_CHECK(peer >= 0 && peer < pg.size() && peer != pg.rank(), "dtensor: ", name, " on group ",
+              pg.name(), ": peer group rank ", peer, " is not another member (group ", "rank ",
+              pg.rank(), " of ", pg.size(), ")");
   TORCH_CHECK(tag >= 0, "dtensor: ", name, ": tag must be non-negative, got ", tag);
   const int src = sending ? pg.rank() : peer, dst = sending ? peer : pg.rank();
   record(sending ? CommType::send : CommType::recv, buffer, pg);
@@ -363,11 +363,14 @@ PendingResult isend(const at::Tensor& t, int dst, ProcessGroup& pg, int tag) {
 }
 
 PendingResult irecv(const at::Tensor& like, int src, ProcessGroup& pg, int tag) {
-  return launch_p2p(/*sending=*/false, pg, src, tag,
-                    at::empty(like.sizes(), like.options().memory_format(at::MemoryFormat::Contiguous)));
+  return launch_p2p(
+      /*sending=*/false, pg, src, tag,
+      at::empty(like.sizes(), like.options().memory_format(at::MemoryFormat::Contiguous)));
 }
 
-void send(const at::Tensor& t, int dst, ProcessGroup& pg, int tag) { isend(t, dst, pg, tag).wait(); }
+void send(const at::Tensor& t, int dst, ProcessGroup& pg, int tag) {
+  isend(t, dst, pg, tag).wait();
+}
 
 at::Tensor recv(const at::Tensor& like, int src, ProcessGroup& pg, int tag) {
   return irecv(like, src, pg, tag).wait();

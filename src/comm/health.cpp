@@ -591,8 +591,8 @@ namespace {
 
 // begin_collective on the group or p2p channel `name` over `members` (global ranks).
 int64_t begin_on(const std::string& name, const std::vector<int>& group_members,
-                 const std::string& group_label, std::chrono::milliseconds timeout,
-                 const char* op, const at::Tensor& t) {
+                 const std::string& group_label, std::chrono::milliseconds timeout, const char* op,
+                 const at::Tensor& t) {
   auto& h = health();
   Fingerprint f{0, op, signature(t), ModuleScope::current()};
   c10::intrusive_ptr<c10d::Store> store;

@@ -25,8 +25,13 @@ LlamaStageImpl::LlamaStageImpl(TransformerImpl& whole, int64_t stage, int64_t nu
       // The embedding lives on the first stage: this stage gets a copy of its own, kept equal
       // by summing the two stages' gradients (make_llama_pipeline_stage ties them).
       const at::Tensor& embedding = whole.tok_embeddings->weight;
+      // Linear's own initialisation draws from the default generator: restore it, so that this
+      // rank's later random numbers (a batch drawn alike on every rank) stay the others'.
+      at::Generator gen = at::detail::getDefaultCPUGenerator();
+      const at::Tensor state = gen.get_state();
       output = dtensor::nn::Linear(
           torch::nn::LinearOptions(config_.dim, config_.vocab_size).bias(false));
+      gen.set_state(state);
       output->to(embedding.scalar_type());
       {
         at::NoGradGuard no_grad;
@@ -59,7 +64,8 @@ at::Tensor LlamaStageImpl::forward(const at::Tensor& input) {
         TORCH_CHECK(seqlen <= config_.max_seq_len, "sequence length ", seqlen,
                     " exceeds max_seq_len=", config_.max_seq_len);
         const at::Tensor rope = rope_table_.slice(0, 0, seqlen).to(local.options());
-        for (const auto& item : *layers) h = item.value()->as<TransformerBlockImpl>()->forward(h, rope);
+        for (const auto& item : *layers)
+          h = item.value()->as<TransformerBlockImpl>()->forward(h, rope);
         if (!output.is_empty()) h = output(norm(h));
         return h;
       },
@@ -78,12 +84,13 @@ std::unique_ptr<pp::PipelineStage> make_llama_pipeline_stage(LlamaStage stage,
                                                              const DeviceMesh& mesh) {
   auto pipe = std::make_unique<pp::PipelineStage>(
       [stage](const at::Tensor& x) mutable { return stage->forward(x); }, mesh);
-  TORCH_CHECK(pipe->stage_index() == stage->stage_index() &&
-                  pipe->num_stages() == stage->num_stages(),
-              "make_llama_pipeline_stage: the stage was split as stage ", stage->stage_index(),
-              " of ", stage->num_stages(), " but this rank is ", pipe->label(), " of ", mesh.str());
+  TORCH_CHECK(
+      pipe->stage_index() == stage->stage_index() && pipe->num_stages() == stage->num_stages(),
+      "make_llama_pipeline_stage: the stage was split as stage ", stage->stage_index(), " of ",
+      stage->num_stages(), " but this rank is ", pipe->label(), " of ", mesh.str());
   if (stage->config().tie_embeddings && pipe->num_stages() > 1) {
-    if (pipe->is_first()) pipe->tie_parameter(stage->tok_embeddings->weight, pipe->num_stages() - 1);
+    if (pipe->is_first())
+      pipe->tie_parameter(stage->tok_embeddings->weight, pipe->num_stages() - 1);
     if (pipe->is_last()) pipe->tie_parameter(stage->output->weight, 0);
   }
   return pipe;

@@ -201,7 +201,7 @@ void apply_tensor_parallel(TransformerImpl& model, const DeviceMesh& device_mesh
   parts.head_shares_embedding = config.tie_embeddings;
   parts.layers = config.n_layers > 0;
   tp::parallelize_module(model, mesh, llama_plan(config, mesh.size(), sp, lp, parts),
-                     options.src_data_rank);
+                         options.src_data_rank);
   if (config.tie_embeddings) model.tie_output_to_embedding();
   model.set_tp_state({mesh, sp, lp});
 }
@@ -209,8 +209,8 @@ void apply_tensor_parallel(TransformerImpl& model, const DeviceMesh& device_mesh
 void apply_tensor_parallel(LlamaStageImpl& stage, const DeviceMesh& device_mesh,
                            TensorParallelOptions options) {
   const DeviceMesh mesh = tp_mesh_of(device_mesh);
-  TORCH_CHECK(!stage.tp_state, "apply_tensor_parallel: ", "pipeline stage ",
-              stage.stage_index(), " is already parallelized");
+  TORCH_CHECK(!stage.tp_state, "apply_tensor_parallel: ", "pipeline stage ", stage.stage_index(),
+              " is already parallelized");
   const LlamaConfig& config = stage.config();
   config.validate_tp(mesh.size());
   // Sequence parallelism would leave sequence-sharded DTensors at the stage boundaries.
@@ -221,7 +221,7 @@ void apply_tensor_parallel(LlamaStageImpl& stage, const DeviceMesh& device_mesh,
   parts.head_shares_embedding = parts.embedding && parts.head && config.tie_embeddings;
   parts.layers = !stage.layers->empty();
   tp::parallelize_module(stage, mesh, llama_plan(config, mesh.size(), /*sp=*/false, lp, parts),
-                     options.src_data_rank);
+                         options.src_data_rank);
   if (parts.head_shares_embedding) stage.output->weight = stage.tok_embeddings->weight;
   stage.tp_state = TransformerImpl::TensorParallelState{mesh, false, lp};
 }

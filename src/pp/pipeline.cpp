@@ -8,6 +8,7 @@
 
 #include "dtensor/comm/collectives.h"
 #include "dtensor/comm/failure.h"
+#include "dtensor/core/api.h"
 #include "dtensor/core/dtensor_impl.h"
 
 namespace dtensor::pp {
@@ -68,8 +69,7 @@ std::optional<DeviceMesh> get_pp_mesh(const DeviceMesh& mesh) {
   return std::nullopt;
 }
 
-std::pair<int64_t, int64_t> stage_layer_range(int64_t n_layers, int64_t stage,
-                                              int64_t num_stages) {
+std::pair<int64_t, int64_t> stage_layer_range(int64_t n_layers, int64_t stage, int64_t num_stages) {
   TORCH_CHECK(num_stages >= 1 && stage >= 0 && stage < num_stages, "stage_layer_range: stage ",
               stage, " is not in [0, ", num_stages, ")");
   const int64_t base = n_layers / num_stages, extra = n_layers % num_stages;
@@ -81,7 +81,8 @@ PipelineStage::PipelineStage(Forward forward, const DeviceMesh& mesh)
     : forward_(std::move(forward)),
       pp_mesh_([&] {
         auto pp = get_pp_mesh(mesh);
-        TORCH_CHECK(pp, "PipelineStage needs a mesh with a dimension named \"pp\" (or a 1-D mesh), ",
+        TORCH_CHECK(pp,
+                    "PipelineStage needs a mesh with a dimension named \"pp\" (or a 1-D mesh), ",
                     "got ", mesh.str());
         TORCH_CHECK(pp->contains_this_rank(), "PipelineStage: this rank is not in ", pp->str());
         return *pp;
@@ -107,9 +108,17 @@ void PipelineStage::sync_tied_gradients() {
   auto& pg = pp_mesh_.group(0);
   for (size_t k = 0; k < ties_.size(); ++k) {
     const auto& tie = ties_[k];
-    const at::Tensor& grad = tie.param.grad();
-    TORCH_CHECK(grad.defined(), label(), ": tied parameter #", k, " (shared with stage ",
-                tie.peer, ") has no gradient after backward; did the stage use it?");
+    at::Tensor grad = tie.param.grad();
+    TORCH_CHECK(grad.defined(), label(), ": tied parameter #", k, " (shared with stage ", tie.peer,
+                ") has no gradient after backward; did the stage use it?");
+    if (is_dtensor(grad) && is_dtensor(tie.param) &&
+        spec_of(grad).placements() != spec_of(tie.param).placements()) {
+      // Both ends exchange their shard of the parameter's layout (a gradient may come back
+      // Partial or Replicate: an embedding's, say).
+      at::NoGradGuard no_grad;
+      grad = redistribute(grad, spec_of(tie.param).mesh(), spec_of(tie.param).placements());
+      tie.param.mutable_grad() = grad;
+    }
     const at::Tensor mine = local_of(grad);
     // Both ends post their send before their receive: neither waits for the other first.
     auto sent = comm::isend(mine, static_cast<int>(tie.peer), pg, kTiedTag);
@@ -218,8 +227,8 @@ at::Tensor Schedule::step(const at::Tensor& inputs, const at::Tensor& targets) {
       (mb.loss / static_cast<double>(m)).backward();
       timing_.compute_s += seconds_since(t0);
     } else {
-      at::Tensor grad = comm::recv(*stage_.output_like_, static_cast<int>(s + 1), pg,
-                                   backward_tag(i));
+      at::Tensor grad =
+          comm::recv(*stage_.output_like_, static_cast<int>(s + 1), pg, backward_tag(i));
       const auto t0 = Clock::now();
       if (mb.output.requires_grad()) mb.output.backward(grad);
       timing_.compute_s += seconds_since(t0);

@@ -116,8 +116,7 @@ void expect_training_matches(const DeviceMesh& mesh, Kind kind, int64_t m, bool 
     opt_stage.step();
     for (const auto& [name, p] : params) {
       SCOPED_TRACE(name);
-      EXPECT_TRUE(
-          close_to_scale(whole(p), ref_params.at(reference_name(*b.stage, name)), 1e-9))
+      EXPECT_TRUE(close_to_scale(whole(p), ref_params.at(reference_name(*b.stage, name)), 1e-9))
           << "parameter after the step";
     }
   }
@@ -207,15 +206,15 @@ TEST(LlamaPipeline, TrainingMatchesOneDevicePp2Tp2) { expect_parity_for_layout(2
 // activation shape once more. The TP collectives summed over the stages are the whole model's
 // (plan without sequence parallelism) M times.
 TEST(LlamaPipeline, MessagesPerStepFollowTheFormula) {
-  for (const auto& layout : std::vector<std::tuple<int64_t, int64_t, int64_t>>{
-           {2, 1, 4}, {4, 1, 2}, {2, 2, 2}}) {
+  for (const auto& layout :
+       std::vector<std::tuple<int64_t, int64_t, int64_t>>{{2, 1, 4}, {4, 1, 2}, {2, 2, 2}}) {
     const int64_t pp = std::get<0>(layout), tp = std::get<1>(layout), m = std::get<2>(layout);
     run_ranks(static_cast<int>(pp * tp), [pp, tp, m](int) {
       auto mesh = pp_tp_mesh(pp, tp);
       for (bool tied : {false, true}) {
         for (Kind kind : {Kind::GPipe, Kind::OneFOneB}) {
-          SCOPED_TRACE("pp=" + std::to_string(pp) + " tp=" + std::to_string(tp) + " M=" +
-                       std::to_string(m) + (kind == Kind::GPipe ? " GPipe" : " 1F1B") +
+          SCOPED_TRACE("pp=" + std::to_string(pp) + " tp=" + std::to_string(tp) +
+                       " M=" + std::to_string(m) + (kind == Kind::GPipe ? " GPipe" : " 1F1B") +
                        (tied ? " tied" : " untied"));
           const auto config = tiny(tied);
           Built b = build_stage(mesh, config);
@@ -241,13 +240,12 @@ TEST(LlamaPipeline, MessagesPerStepFollowTheFormula) {
           // Totals over the pp group (outside the counted region).
           auto& pp_group = mesh.group(0);  // pp is dim 0
           std::vector<int64_t> mine;
-          for (CommType t : {CommType::all_reduce, CommType::all_gather_into_tensor,
-                             CommType::reduce_scatter_tensor, CommType::all_to_all_single,
-                             CommType::broadcast, CommType::scatter, CommType::send,
-                             CommType::recv})
+          for (CommType t :
+               {CommType::all_reduce, CommType::all_gather_into_tensor,
+                CommType::reduce_scatter_tensor, CommType::all_to_all_single, CommType::broadcast,
+                CommType::scatter, CommType::send, CommType::recv})
             mine.push_back(count(counts, t));
-          at::Tensor total =
-              comm::all_reduce(at::tensor(mine, at::kLong), ReduceOp::Sum, pp_group);
+          at::Tensor total = comm::all_reduce(at::tensor(mine, at::kLong), ReduceOp::Sum, pp_group);
           const int64_t tied_total = tied ? 2 : 0;
           EXPECT_EQ(total[6].item<int64_t>(), 2 * (pp - 1) * m + tied_total);
           EXPECT_EQ(total[7].item<int64_t>(), 2 * (pp - 1) * m + tied_total);

@@ -37,10 +37,10 @@ class LlamaStageImpl : public dtensor::nn::Module {
   at::Tensor forward(const at::Tensor& input);
 
   const LlamaConfig& config() const { return config_; }  ///< The whole model's configuration.
-  int64_t stage_index() const { return stage_; }          ///< Which stage this is.
-  int64_t num_stages() const { return num_stages_; }      ///< Of how many.
-  int64_t first_layer() const { return first_layer_; }    ///< Index of its first block.
-  int64_t end_layer() const { return end_layer_; }        ///< One past its last block.
+  int64_t stage_index() const { return stage_; }         ///< Which stage this is.
+  int64_t num_stages() const { return num_stages_; }     ///< Of how many.
+  int64_t first_layer() const { return first_layer_; }   ///< Index of its first block.
+  int64_t end_layer() const { return end_layer_; }       ///< One past its last block.
   /// Whether output.weight is a copy of the embedding tied across stages (see above).
   bool tied_across_stages() const { return tied_across_stages_; }
 

@@ -63,11 +63,11 @@ class PipelineStage {
   /// `mesh`: a mesh with a "pp" dimension, or the 1-D pp mesh itself (see get_pp_mesh).
   PipelineStage(Forward forward, const DeviceMesh& mesh);
 
-  int64_t stage_index() const { return stage_; }                   ///< 0 .. num_stages - 1.
-  int64_t num_stages() const { return pp_mesh_.size(); }           ///< The pp degree.
-  bool is_first() const { return stage_ == 0; }                    ///< Holds the inputs.
-  bool is_last() const { return stage_ == num_stages() - 1; }      ///< Computes the loss.
-  const DeviceMesh& pp_mesh() const { return pp_mesh_; }           ///< The 1-D pp mesh.
+  int64_t stage_index() const { return stage_; }                           ///< 0 .. num_stages - 1.
+  int64_t num_stages() const { return pp_mesh_.size(); }                   ///< The pp degree.
+  bool is_first() const { return stage_ == 0; }                            ///< Holds the inputs.
+  bool is_last() const { return stage_ == num_stages() - 1; }              ///< Computes the loss.
+  const DeviceMesh& pp_mesh() const { return pp_mesh_; }                   ///< The 1-D pp mesh.
   at::Tensor forward(const at::Tensor& input) { return forward_(input); }  ///< Runs the stage.
 
   /// Ties `param` (a parameter of this stage, plain or DTensor) to the parameter of stage
