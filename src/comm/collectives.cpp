@@ -69,7 +69,7 @@ PendingResult launch(const char* name, CommType type, ProcessGroup& pg, const at
     TORCH_CHECK(false, "dtensor: rank ", pg.global_rank(pg.rank()), ": ", what,
                 " failed: ", e.what());
   }
-  detail::attach(work.get(), pg, seq);
+  detail::attach(work.get(), pg, seq, pg.name(), /*blocks=*/false);
   return PendingResult(std::move(work), std::move(buffer), std::move(finish),
                        "rank " + std::to_string(pg.global_rank(pg.rank())) + ": " + what);
 }
@@ -308,6 +308,72 @@ at::Tensor scatter(const std::vector<at::Tensor>& chunks_on_src, const at::Tenso
                   return b.scatter(outs, ins, o);
                 })
       .wait();
+}
+
+namespace {
+
+// "send float64[2,8,32] (4096 bytes) to group rank 1 with tag 3 as message #2 on channel
+// pp:0->1 (group rank 0 of 2, mesh dim 0)".
+std::string describe_p2p(const char* what, ProcessGroup& pg, const at::Tensor& t, int peer, int tag,
+                         int64_t seq, const std::string& channel) {
+  std::string s = std::string(what) + " " + detail::signature(t) + " (" +
+                  std::to_string(t.numel() * t.element_size()) + " bytes) " +
+                  (std::string(what) == "send" ? "to" : "from") + " group rank " +
+                  std::to_string(peer) + " (global rank " + std::to_string(pg.global_rank(peer)) +
+                  ") with tag " + std::to_string(tag) + " as message #" + std::to_string(seq) +
+                  " on channel " + channel + " (group rank " + std::to_string(pg.rank()) + " of " +
+                  std::to_string(pg.size());
+  if (pg.mesh_dim() >= 0) s += ", mesh dim " + std::to_string(pg.mesh_dim());
+  return s + ")";
+}
+
+PendingResult launch_p2p(bool sending, ProcessGroup& pg, int peer, int tag, at::Tensor buffer) {
+  const char* name = sending ? "send" : "recv";
+  TORCH_CHECK(!detail::tape_open(), "dtensor: ", name, " on group ", pg.name(),
+              " inside a collective tape (activation checkpointing): a point-to-point message "
+              "cannot be recorded or replayed; keep sends and receives outside checkpointed "
+              "regions");
+  TORCH_CHECK(peer >= 0 && peer < pg.size() && peer != pg.rank(), "dtensor: ", name, " on group ",
+              pg.name(), ": peer group rank ", peer, " is not another member (group ", "rank ",
+              pg.rank(), " of ", pg.size(), ")");
+  TORCH_CHECK(tag >= 0, "dtensor: ", name, ": tag must be non-negative, got ", tag);
+  const int src = sending ? pg.rank() : peer, dst = sending ? peer : pg.rank();
+  record(sending ? CommType::send : CommType::recv, buffer, pg);
+  const int64_t seq = detail::begin_p2p(pg, src, dst, buffer);
+  const std::string channel = detail::p2p_channel(pg, src, dst);
+  const std::string what = "rank " + std::to_string(pg.global_rank(pg.rank())) + ": " +
+                           describe_p2p(name, pg, buffer, peer, tag, seq, channel);
+  c10::intrusive_ptr<c10d::Work> work;
+  try {
+    std::vector<at::Tensor> v{buffer};
+    c10d::Backend& b = backend_for(pg, buffer);
+    work = sending ? b.send(v, peer, tag) : b.recv(v, peer, tag);
+  } catch (const std::exception& e) {
+    TORCH_CHECK(false, "dtensor: ", what, " failed: ", e.what());
+  }
+  detail::attach(work.get(), pg, seq, channel,
+                 buffer.device().is_cpu() && detail::cpu_collectives_block());
+  return PendingResult(std::move(work), std::move(buffer), nullptr, what);
+}
+
+}  // namespace
+
+PendingResult isend(const at::Tensor& t, int dst, ProcessGroup& pg, int tag) {
+  return launch_p2p(/*sending=*/true, pg, dst, tag, t.contiguous());
+}
+
+PendingResult irecv(const at::Tensor& like, int src, ProcessGroup& pg, int tag) {
+  return launch_p2p(
+      /*sending=*/false, pg, src, tag,
+      at::empty(like.sizes(), like.options().memory_format(at::MemoryFormat::Contiguous)));
+}
+
+void send(const at::Tensor& t, int dst, ProcessGroup& pg, int tag) {
+  isend(t, dst, pg, tag).wait();
+}
+
+at::Tensor recv(const at::Tensor& like, int src, ProcessGroup& pg, int tag) {
+  return irecv(like, src, pg, tag).wait();
 }
 
 }  // namespace dtensor::comm

@@ -62,6 +62,10 @@ const char* comm_type_name(CommType t) {
       return "c10d_functional.broadcast";
     case CommType::scatter:
       return "c10d.scatter_";
+    case CommType::send:
+      return "c10d.send";
+    case CommType::recv:
+      return "c10d.recv_";
   }
   return "?";
 }

@@ -68,6 +68,7 @@ struct WorkContext {
   std::string group;
   int64_t seq = 0;
   std::chrono::milliseconds timeout{0};
+  bool blocks = false;  // waiting blocks in an uncancellable call (an MPI request)
 };
 
 // A thread inside a BlockingSection.
@@ -86,6 +87,8 @@ struct Health {
   bool check = false;
   std::map<std::string, GroupState> groups;
   std::map<const c10d::Work*, WorkContext> works;
+  // Work without a future being waited on (Gloo send/recv): aborted when a peer fails.
+  std::set<c10d::Work*> abortable;
   std::string peer_failure;
   std::atomic<bool> peer_failed{false};
   std::atomic<bool> reported{false};
@@ -160,6 +163,17 @@ void wake_waiters() {
   h.wake_cv.notify_all();
 }
 
+// Wakes the threads waiting on work without a future; their wait then sees peer_failed.
+void abort_waits_locked() {
+  for (c10d::Work* w : health().abortable) {
+    try {
+      w->abort();
+    } catch (...) {
+      // Nothing else to do: the wait ends at the backend's timeout instead.
+    }
+  }
+}
+
 void handle_event(c10d::Store& store, const std::string& event) {
   auto& h = health();
   auto p = split(event, '\t', 3);
@@ -175,6 +189,7 @@ void handle_event(c10d::Store& store, const std::string& event) {
         std::lock_guard<std::mutex> w(h.wake_mu);
         h.peer_failed.store(true);
       }
+      abort_waits_locked();
     }
     wake_waiters();
   } else if (p[0] == "diag") {
@@ -572,7 +587,12 @@ std::string signature(const at::Tensor& t) {
   return s + "]";
 }
 
-int64_t begin_collective(ProcessGroup& pg, const char* op, const at::Tensor& t) {
+namespace {
+
+// begin_collective on the group or p2p channel `name` over `members` (global ranks).
+int64_t begin_on(const std::string& name, const std::vector<int>& group_members,
+                 const std::string& group_label, std::chrono::milliseconds timeout, const char* op,
+                 const at::Tensor& t) {
   auto& h = health();
   Fingerprint f{0, op, signature(t), ModuleScope::current()};
   c10::intrusive_ptr<c10d::Store> store;
@@ -580,12 +600,11 @@ int64_t begin_collective(ProcessGroup& pg, const char* op, const at::Tensor& t) 
   std::string label;
   {
     std::lock_guard<std::mutex> g(h.mu);
-    auto [it, fresh] = h.groups.try_emplace(pg.name());
+    auto [it, fresh] = h.groups.try_emplace(name);
     auto& gs = it->second;
     if (fresh) {
-      gs.members = pg.global_ranks();
-      gs.label = pg.name();
-      if (pg.mesh_dim() >= 0) gs.label += " (mesh dim " + std::to_string(pg.mesh_dim()) + ")";
+      gs.members = group_members;
+      gs.label = group_label;
     }
     f.seq = ++gs.history.seq;
     gs.history.ring.push_back(f);
@@ -597,12 +616,12 @@ int64_t begin_collective(ProcessGroup& pg, const char* op, const at::Tensor& t) 
     }
   }
   throw_if_peer_failed(std::string(op) + " " + f.sig + " (collective #" + std::to_string(f.seq) +
-                       " on group " + pg.name() + ")");
+                       " on group " + name + ")");
   if (!store) return f.seq;
   // DTENSOR_CHECK_COLLECTIVES: every member publishes its fingerprint and compares.
-  const std::string base = h.prefix + "check/" + pg.name() + "/" + std::to_string(f.seq) + "/";
+  const std::string base = h.prefix + "check/" + name + "/" + std::to_string(f.seq) + "/";
   store->set(base + std::to_string(h.rank), f.op + "\t" + f.sig + "\t" + f.module);
-  const auto deadline = Clock::now() + pg.timeout();
+  const auto deadline = Clock::now() + timeout;
   std::map<int, History> others;
   std::vector<int> silent;
   bool differ = false;
@@ -613,7 +632,7 @@ int64_t begin_collective(ProcessGroup& pg, const char* op, const at::Tensor& t) 
       std::this_thread::sleep_for(std::chrono::milliseconds(1));
     }
     throw_if_peer_failed(std::string(op) + " " + f.sig + " (collective #" + std::to_string(f.seq) +
-                         " on group " + pg.name() + ")");
+                         " on group " + name + ")");
     if (!store->check({key})) {
       silent.push_back(r);
       continue;
@@ -630,7 +649,7 @@ int64_t begin_collective(ProcessGroup& pg, const char* op, const at::Tensor& t) 
   History mine;
   mine.seq = f.seq;
   mine.ring.push_back(f);
-  const std::string why = compare_histories(label, h.rank, mine, others, silent, pg.timeout());
+  const std::string why = compare_histories(label, h.rank, mine, others, silent, timeout);
   const std::string msg = "dtensor: rank " + std::to_string(h.rank) +
                           ": DTENSOR_CHECK_COLLECTIVES found a mismatch before issuing " + show(f) +
                           " as collective #" + std::to_string(f.seq) + " on group " + label + ": " +
@@ -639,23 +658,51 @@ int64_t begin_collective(ProcessGroup& pg, const char* op, const at::Tensor& t) 
   TORCH_CHECK(false, msg);
 }
 
-void attach(const c10d::Work* work, ProcessGroup& pg, int64_t seq) {
-  auto& h = health();
-  std::lock_guard<std::mutex> g(h.mu);
-  h.works[work] = WorkContext{pg.name(), seq, pg.timeout()};
+std::string group_label(ProcessGroup& pg) {
+  std::string label = pg.name();
+  if (pg.mesh_dim() >= 0) label += " (mesh dim " + std::to_string(pg.mesh_dim()) + ")";
+  return label;
 }
 
-BlockingSection::BlockingSection(ProcessGroup& pg, int64_t seq, std::string what) {
+}  // namespace
+
+int64_t begin_collective(ProcessGroup& pg, const char* op, const at::Tensor& t) {
+  return begin_on(pg.name(), pg.global_ranks(), group_label(pg), pg.timeout(), op, t);
+}
+
+std::string p2p_channel(ProcessGroup& pg, int src, int dst) {
+  return pg.name() + ":" + std::to_string(src) + "->" + std::to_string(dst);
+}
+
+int64_t begin_p2p(ProcessGroup& pg, int src, int dst, const at::Tensor& t) {
+  const std::string channel = p2p_channel(pg, src, dst);
+  // One fingerprint for both ends ("p2p float64[2,8,32]"), so a send and its receive compare
+  // equal and a shape mismatch shows in the diagnosis.
+  return begin_on(channel, {pg.global_rank(src), pg.global_rank(dst)},
+                  channel + " (of " + group_label(pg) + ")", pg.timeout(), "p2p", t);
+}
+
+void attach(const c10d::Work* work, ProcessGroup& pg, int64_t seq, const std::string& group,
+            bool blocks) {
+  auto& h = health();
+  std::lock_guard<std::mutex> g(h.mu);
+  h.works[work] = WorkContext{group, seq, pg.timeout(), blocks};
+}
+
+BlockingSection::BlockingSection(ProcessGroup& pg, int64_t seq, std::string what)
+    : BlockingSection(pg.name(), pg.timeout(), seq, std::move(what)) {}
+
+BlockingSection::BlockingSection(const std::string& group, std::chrono::milliseconds timeout,
+                                 int64_t seq, std::string what) {
   auto& h = health();
   // Room after the deadline for the diagnosis, the report and the peers to read it.
-  const auto reserve = diagnosis_budget(pg.timeout()) + kPoll * 6;
+  const auto reserve = diagnosis_budget(timeout) + kPoll * 6;
   const auto now = Clock::now();
-  const auto deadline = pg.timeout() > reserve ? now + pg.timeout() - reserve : now;
+  const auto deadline = timeout > reserve ? now + timeout - reserve : now;
   std::lock_guard<std::mutex> g(h.mu);
   set_last_words(what);
   id_ = h.next_blocked++;
-  h.blocked.emplace(id_,
-                    Blocked{std::move(what), WorkContext{pg.name(), seq, pg.timeout()}, deadline});
+  h.blocked.emplace(id_, Blocked{std::move(what), WorkContext{group, seq, timeout}, deadline});
 }
 
 BlockingSection::~BlockingSection() {
@@ -683,29 +730,63 @@ void wait_collective(c10d::Work& work, const std::string& what) {
     waitable = false;  // a backend without futures: plain wait() below
   }
   std::string failure;
+  auto peer_failure = [&] {
+    std::lock_guard<std::mutex> g(h.mu);
+    return h.peer_failure;
+  };
   if (waitable) {
     std::unique_lock<std::mutex> l(h.wake_mu);
     h.wake_cv.wait(l, [&] { return done->load() || h.peer_failed.load(); });
     if (!done->load()) {
       l.unlock();
-      std::lock_guard<std::mutex> g(h.mu);
-      failure = h.peer_failure;
+      failure = peer_failure();
     }
   }
-  if (!failure.empty()) {
+  auto stop_waiting = [&] {
     h.poisoned.store(true);  // the backend is still blocked in this collective
     TORCH_CHECK(false, "dtensor: ", what, " stopped waiting: ", failure,
                 " (every rank stops when one fails)");
-  }
+  };
+  if (!failure.empty()) stop_waiting();
   try {
-    work.wait();
+    if (waitable) {
+      work.wait();
+    } else if (c.blocks) {
+      // An MPI request: the health thread ends the process if a peer fails meanwhile.
+      BlockingSection blocked(c.group, c.timeout, c.seq, what);
+      work.wait();
+    } else {
+      // Gloo send/recv: the watchdog aborts the wait when a peer fails.
+      {
+        std::lock_guard<std::mutex> g(h.mu);
+        h.abortable.insert(&work);
+      }
+      struct Unregister {
+        c10d::Work* w;
+        ~Unregister() {
+          std::lock_guard<std::mutex> g(health().mu);
+          health().abortable.erase(w);
+        }
+      } unregister{&work};
+      bool completed = false;
+      if (!h.peer_failed.load()) completed = work.wait();
+      if (!completed || h.peer_failed.load()) {
+        failure = peer_failure();
+        if (failure.empty()) failure = "the wait was aborted";
+      }
+    }
   } catch (const std::exception& e) {
+    if (h.peer_failed.load()) {
+      failure = peer_failure();
+      stop_waiting();
+    }
     h.poisoned.store(true);
     const std::string why = c.group.empty() ? "" : diagnose(c);
     const std::string msg = "dtensor: " + what + " failed: " + why + "Backend error: " + e.what();
     report_failure(msg);
     TORCH_CHECK(false, msg);
   }
+  if (!failure.empty()) stop_waiting();
 }
 
 }  // namespace detail

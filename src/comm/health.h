@@ -40,10 +40,19 @@ void throw_if_peer_failed(const std::string& where);
 // A fingerprint for the next collective on `pg`; returns its sequence number on the group.
 // With DTENSOR_CHECK_COLLECTIVES=1 it first compares it with every member's.
 int64_t begin_collective(ProcessGroup& pg, const char* op, const at::Tensor& t);
+// The same for a point-to-point message from group rank `src` to group rank `dst` of `pg`:
+// each direction between two ranks is a channel of its own ("<group>:0->1") whose two members
+// number their messages alike, so a send and its receive get the same sequence number.
+int64_t begin_p2p(ProcessGroup& pg, int src, int dst, const at::Tensor& t);
+// The name of that channel.
+std::string p2p_channel(ProcessGroup& pg, int src, int dst);
 // "float32[8,4]".
 std::string signature(const at::Tensor& t);
 // Remembers which group and collective `work` belongs to, for wait_collective's messages.
-void attach(const c10d::Work* work, ProcessGroup& pg, int64_t seq);
+// `group` is pg.name() or a p2p_channel; `blocks`: waiting on the work blocks in a call that can
+// neither time out nor be cancelled (an MPI point-to-point request), see wait_collective.
+void attach(const c10d::Work* work, ProcessGroup& pg, int64_t seq, const std::string& group,
+            bool blocks);
 // Marks the calling thread as blocked in a collective that can neither time out nor be
 // cancelled (an MPI call). If it outlasts the group's timeout, or another rank reports a
 // failure meanwhile, the health thread writes a message naming this rank, the collective and
@@ -52,6 +61,9 @@ class BlockingSection {
  public:
   // `what`: "rank R: all_reduce float32[8] ... as collective #S on group G ...".
   BlockingSection(ProcessGroup& pg, int64_t seq, std::string what);
+  // The same for collective #`seq` of the group or channel named `group`.
+  BlockingSection(const std::string& group, std::chrono::milliseconds timeout, int64_t seq,
+                  std::string what);
   ~BlockingSection();
   BlockingSection(const BlockingSection&) = delete;
   BlockingSection& operator=(const BlockingSection&) = delete;
@@ -61,7 +73,9 @@ class BlockingSection {
 };
 
 // Waits for `work`; on an error, a peer's failure or a timeout, throws with `what` and a
-// diagnosis naming the ranks involved and the first collective where they diverge.
+// diagnosis naming the ranks involved and the first collective where they diverge. Work without
+// a future (point-to-point) is waited on directly: Gloo's is aborted when a peer fails, an MPI
+// request waits inside a BlockingSection.
 void wait_collective(c10d::Work& work, const std::string& what);
 
 }  // namespace dtensor::comm::detail

@@ -8,6 +8,7 @@
 #include "dtensor/core/distribute_module.h"
 #include "dtensor/core/dtensor_impl.h"
 #include "dtensor/models/llama.h"
+#include "dtensor/models/llama_pipeline.h"
 #include "dtensor/tp/parallelize_module.h"
 #include "dtensor/tp/styles.h"
 
@@ -110,21 +111,28 @@ std::optional<DeviceMesh> get_tp_mesh(const DeviceMesh& mesh) {
   return std::nullopt;
 }
 
-void apply_tensor_parallel(TransformerImpl& model, const DeviceMesh& device_mesh,
-                           TensorParallelOptions options) {
-  using namespace tp;
+namespace {
+
+// Which parts of the model a plan covers: the whole model has them all, a pipeline stage some.
+struct PlanParts {
+  bool embedding = true;
+  bool head = true;
+  bool head_shares_embedding = false;  // output.weight is this module's tok_embeddings.weight
+  bool layers = true;
+};
+
+DeviceMesh tp_mesh_of(const DeviceMesh& device_mesh) {
   const std::optional<DeviceMesh> tp_mesh = get_tp_mesh(device_mesh);
   TORCH_CHECK(tp_mesh,
               "apply_tensor_parallel needs a 1-D mesh or one with a dimension named "
               "\"tp\", got ",
               device_mesh.str(), " (see get_tp_mesh)");
-  const DeviceMesh& mesh = *tp_mesh;
-  TORCH_CHECK(!model.tp_state(), "apply_tensor_parallel: the model is already parallelized");
-  const LlamaConfig& config = model.config();
-  const int64_t tp = mesh.size();
-  config.validate_tp(tp);
+  return *tp_mesh;
+}
 
-  const bool sp = options.sequence_parallel, lp = options.loss_parallel;
+tp::ParallelizePlan llama_plan(const LlamaConfig& config, int64_t tp, bool sp, bool lp,
+                               const PlanParts& parts) {
+  using namespace tp;
   const bool kv_sharded = config.kv_heads() % tp == 0;
   auto kv_style = [&]() -> Style {
     if (kv_sharded) return ColwiseParallel();
@@ -135,25 +143,29 @@ void apply_tensor_parallel(TransformerImpl& model, const DeviceMesh& device_mesh
   const Placement logits = lp ? Shard(-1) : Replicate();
 
   ParallelizePlan plan;
-  plan.emplace_back("tok_embeddings",
-                    RowwiseParallel({.input_layouts = Replicate(), .output_layouts = between}));
-  if (sp) plan.emplace_back("norm", SequenceParallel());
-  if (config.tie_embeddings) {
-    // output.weight is tok_embeddings.weight (Shard(0), vocab rows, once that is sharded): the
-    // head keeps only ColwiseParallel's input and output conversions.
-    plan.emplace_back("output", PrepareModuleInputOutput({
-                                    .input_layouts = Layouts{between},
-                                    .desired_input_layouts = Layouts{Replicate()},
-                                    .output_layouts = Layouts{Shard(-1)},
-                                    .desired_output_layouts = Layouts{logits},
-                                    .use_local_output = !lp,
-                                }));
-  } else {
-    plan.emplace_back("output", ColwiseParallel({.input_layouts = between,
-                                                 .output_layouts = logits,
-                                                 .use_local_output = !lp}));
+  if (parts.embedding) {
+    plan.emplace_back("tok_embeddings",
+                      RowwiseParallel({.input_layouts = Replicate(), .output_layouts = between}));
   }
-  if (config.n_layers > 0) {
+  if (parts.head) {
+    if (sp) plan.emplace_back("norm", SequenceParallel());
+    if (parts.head_shares_embedding) {
+      // output.weight is tok_embeddings.weight (Shard(0), vocab rows, once that is sharded): the
+      // head keeps only ColwiseParallel's input and output conversions.
+      plan.emplace_back("output", PrepareModuleInputOutput({
+                                      .input_layouts = Layouts{between},
+                                      .desired_input_layouts = Layouts{Replicate()},
+                                      .output_layouts = Layouts{Shard(-1)},
+                                      .desired_output_layouts = Layouts{logits},
+                                      .use_local_output = !lp,
+                                  }));
+    } else {
+      plan.emplace_back("output", ColwiseParallel({.input_layouts = between,
+                                                   .output_layouts = logits,
+                                                   .use_local_output = !lp}));
+    }
+  }
+  if (parts.layers) {
     if (sp) plan.emplace_back("layers.*.attention_norm", SequenceParallel());
     // One conversion of the block input for wq, wk and wv together (without SP too: their
     // three input gradients then meet in one all_reduce instead of three).
@@ -173,9 +185,45 @@ void apply_tensor_parallel(TransformerImpl& model, const DeviceMesh& device_mesh
     plan.emplace_back("layers.*.feed_forward.w2", RowwiseParallel({.output_layouts = between}));
     plan.emplace_back("layers.*.feed_forward.w3", ColwiseParallel());
   }
-  parallelize_module(model, mesh, plan, options.src_data_rank);
+  return plan;
+}
+
+}  // namespace
+
+void apply_tensor_parallel(TransformerImpl& model, const DeviceMesh& device_mesh,
+                           TensorParallelOptions options) {
+  const DeviceMesh mesh = tp_mesh_of(device_mesh);
+  TORCH_CHECK(!model.tp_state(), "apply_tensor_parallel: the model is already parallelized");
+  const LlamaConfig& config = model.config();
+  config.validate_tp(mesh.size());
+  const bool sp = options.sequence_parallel, lp = options.loss_parallel;
+  PlanParts parts;
+  parts.head_shares_embedding = config.tie_embeddings;
+  parts.layers = config.n_layers > 0;
+  tp::parallelize_module(model, mesh, llama_plan(config, mesh.size(), sp, lp, parts),
+                         options.src_data_rank);
   if (config.tie_embeddings) model.tie_output_to_embedding();
   model.set_tp_state({mesh, sp, lp});
+}
+
+void apply_tensor_parallel(LlamaStageImpl& stage, const DeviceMesh& device_mesh,
+                           TensorParallelOptions options) {
+  const DeviceMesh mesh = tp_mesh_of(device_mesh);
+  TORCH_CHECK(!stage.tp_state, "apply_tensor_parallel: ", "pipeline stage ", stage.stage_index(),
+              " is already parallelized");
+  const LlamaConfig& config = stage.config();
+  config.validate_tp(mesh.size());
+  // Sequence parallelism would leave sequence-sharded DTensors at the stage boundaries.
+  const bool lp = options.loss_parallel;
+  PlanParts parts;
+  parts.embedding = !stage.tok_embeddings.is_empty();
+  parts.head = !stage.output.is_empty();
+  parts.head_shares_embedding = parts.embedding && parts.head && config.tie_embeddings;
+  parts.layers = !stage.layers->empty();
+  tp::parallelize_module(stage, mesh, llama_plan(config, mesh.size(), /*sp=*/false, lp, parts),
+                         options.src_data_rank);
+  if (parts.head_shares_embedding) stage.output->weight = stage.tok_embeddings->weight;
+  stage.tp_state = TransformerImpl::TensorParallelState{mesh, false, lp};
 }
 
 }  // namespace dtensor::models

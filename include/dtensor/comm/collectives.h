@@ -66,4 +66,22 @@ at::Tensor broadcast(const at::Tensor& t, int src, ProcessGroup& pg);
 at::Tensor scatter(const std::vector<at::Tensor>& chunks_on_src, const at::Tensor& like, int src,
                    ProcessGroup& pg);
 
+// ---- point-to-point ----
+// A send and its receive meet by (sender, receiver, tag): messages with the same tag between
+// the same two ranks are received in the order they were sent. Unlike the collectives above,
+// only the two ranks take part; each direction between two ranks numbers its messages on its
+// own channel ("<group>:0->1"), which errors and DTENSOR_CHECK_COLLECTIVES diagnoses name.
+
+/// Posts sending `t` to group rank `dst` of `pg` and returns at once (a pipeline's
+/// send-then-receive must not deadlock); wait() returns once the message left and `t` may be
+/// reused. Fails, as the collectives do, on a timeout or when another rank reports a failure.
+PendingResult isend(const at::Tensor& t, int dst, ProcessGroup& pg, int tag = 0);
+/// Posts receiving a tensor of `like`'s shape, dtype and device from group rank `src`; wait()
+/// returns the received tensor (a fresh one).
+PendingResult irecv(const at::Tensor& like, int src, ProcessGroup& pg, int tag = 0);
+/// isend(...).wait().
+void send(const at::Tensor& t, int dst, ProcessGroup& pg, int tag = 0);
+/// irecv(...).wait().
+at::Tensor recv(const at::Tensor& like, int src, ProcessGroup& pg, int tag = 0);
+
 }  // namespace dtensor::comm

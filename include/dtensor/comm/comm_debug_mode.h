@@ -20,6 +20,8 @@ enum class CommType : uint8_t {
   all_to_all_single,       ///< comm::all_to_all_single.
   broadcast,               ///< comm::broadcast.
   scatter,                 ///< comm::scatter.
+  send,                    ///< comm::send / isend (point-to-point; counted on the sender).
+  recv,                    ///< comm::recv / irecv (counted on the receiver).
 };
 /// The key PyTorch's tests use, e.g. "c10d_functional.all_reduce".
 const char* comm_type_name(CommType t);

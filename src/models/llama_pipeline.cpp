@@ -1,0 +1,99 @@
+// The Llama model split into pipeline stages.
+#include "dtensor/models/llama_pipeline.h"
+
+#include <ATen/ATen.h>
+
+#include "dtensor/core/dtensor_impl.h"
+
+namespace dtensor::models {
+
+LlamaStageImpl::LlamaStageImpl(TransformerImpl& whole, int64_t stage, int64_t num_stages)
+    : config_(whole.config()), stage_(stage), num_stages_(num_stages) {
+  TORCH_CHECK(!whole.tp_state(),
+              "split_llama_stage: split the model before apply_tensor_parallel (then parallelize "
+              "each stage with apply_tensor_parallel(stage, mesh))");
+  std::tie(first_layer_, end_layer_) = pp::stage_layer_range(config_.n_layers, stage, num_stages);
+  const bool first = stage == 0, last = stage == num_stages - 1;
+  if (first) tok_embeddings = register_module("tok_embeddings", whole.tok_embeddings);
+  std::vector<std::pair<std::string, std::shared_ptr<torch::nn::Module>>> blocks;
+  for (int64_t i = first_layer_; i < end_layer_; ++i)
+    blocks.emplace_back(std::to_string(i), whole.layers[i]);
+  layers = register_module("layers", torch::nn::ModuleDict(blocks));
+  if (last) {
+    norm = register_module("norm", whole.norm);
+    if (config_.tie_embeddings && !first) {
+      // The embedding lives on the first stage: this stage gets a copy of its own, kept equal
+      // by summing the two stages' gradients (make_llama_pipeline_stage ties them).
+      const at::Tensor& embedding = whole.tok_embeddings->weight;
+      // Linear's own initialisation draws from the default generator: restore it, so that this
+      // rank's later random numbers (a batch drawn alike on every rank) stay the others'.
+      at::Generator gen = at::detail::getDefaultCPUGenerator();
+      const at::Tensor state = gen.get_state();
+      output = dtensor::nn::Linear(
+          torch::nn::LinearOptions(config_.dim, config_.vocab_size).bias(false));
+      gen.set_state(state);
+      output->to(embedding.scalar_type());
+      {
+        at::NoGradGuard no_grad;
+        output->weight.copy_(embedding);
+      }
+      output = register_module("output", output);
+      tied_across_stages_ = true;
+    } else {
+      output = register_module("output", whole.output);
+    }
+  }
+  rope_table_ = whole.rope(config_.max_seq_len, at::TensorOptions().dtype(at::kDouble));
+}
+
+at::Tensor LlamaStageImpl::forward(const at::Tensor& input) {
+  return call_forward(
+      [this](const at::Tensor& input) {
+        at::Tensor h = input;
+        if (!tok_embeddings.is_empty()) {
+          TORCH_CHECK(input.dim() == 2, "LlamaStage ", stage_,
+                      ": the first stage takes tokens (batch, seqlen), got ", input.sizes());
+          h = tok_embeddings(input);
+        } else {
+          TORCH_CHECK(input.dim() == 3 && input.size(2) == config_.dim, "LlamaStage ", stage_,
+                      ": expected hidden states (batch, seqlen, ", config_.dim, "), got ",
+                      input.sizes());
+        }
+        const at::Tensor& local = is_dtensor(h) ? local_tensor(h) : h;
+        const int64_t seqlen = local.size(1);
+        TORCH_CHECK(seqlen <= config_.max_seq_len, "sequence length ", seqlen,
+                    " exceeds max_seq_len=", config_.max_seq_len);
+        const at::Tensor rope = rope_table_.slice(0, 0, seqlen).to(local.options());
+        for (const auto& item : *layers)
+          h = item.value()->as<TransformerBlockImpl>()->forward(h, rope);
+        if (!output.is_empty()) h = output(norm(h));
+        return h;
+      },
+      input);
+}
+
+LlamaStage split_llama_stage(TransformerImpl& whole, const DeviceMesh& mesh) {
+  auto pp_mesh = pp::get_pp_mesh(mesh);
+  TORCH_CHECK(pp_mesh, "split_llama_stage needs a mesh with a dimension named \"pp\", got ",
+              mesh.str());
+  const int64_t pp = pp_mesh->size();
+  return LlamaStage(whole, pp_mesh->get_local_rank(), pp);
+}
+
+std::unique_ptr<pp::PipelineStage> make_llama_pipeline_stage(LlamaStage stage,
+                                                             const DeviceMesh& mesh) {
+  auto pipe = std::make_unique<pp::PipelineStage>(
+      [stage](const at::Tensor& x) mutable { return stage->forward(x); }, mesh);
+  TORCH_CHECK(
+      pipe->stage_index() == stage->stage_index() && pipe->num_stages() == stage->num_stages(),
+      "make_llama_pipeline_stage: the stage was split as stage ", stage->stage_index(), " of ",
+      stage->num_stages(), " but this rank is ", pipe->label(), " of ", mesh.str());
+  if (stage->config().tie_embeddings && pipe->num_stages() > 1) {
+    if (pipe->is_first())
+      pipe->tie_parameter(stage->tok_embeddings->weight, pipe->num_stages() - 1);
+    if (pipe->is_last()) pipe->tie_parameter(stage->output->weight, 0);
+  }
+  return pipe;
+}
+
+}  // namespace dtensor::models
