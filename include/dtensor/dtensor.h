@@ -32,6 +32,7 @@
 #include "dtensor/models/hf_checkpoint.h"
 #include "dtensor/models/llama.h"
 #include "dtensor/models/llama_pipeline.h"
+#include "dtensor/models/meta_init.h"
 #include "dtensor/nn/layers.h"
 #include "dtensor/nn/module.h"
 #include "dtensor/ops/kernel_collectives.h"
