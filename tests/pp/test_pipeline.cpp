@@ -304,7 +304,7 @@ TEST(LlamaPipeline, AStageThatRaisesEndsEveryRank) {
           } catch (...) {
             // The failed stage lingers (its connections stay open): stage 0 must end on the
             // failure report, not on a broken connection.
-            if (rank == 1) std::this_thread::sleep_for(std::chrono::seconds(4));
+            if (rank == 1) std::this_thread::sleep_for(std::chrono::seconds(8));
             throw;
           }
         },
@@ -324,7 +324,8 @@ TEST(LlamaPipeline, AStageThatRaisesEndsEveryRank) {
     EXPECT_CONTAINS(out[0].message, ":1->0");
     EXPECT_CONTAINS(out[0].message, "rank 1 failed");
     EXPECT_CONTAINS(out[0].message, "injected failure");
-    // Promptly: well within the 20 s timeout, and before stage 1 exits.
-    EXPECT_LT(out[0].seconds, out[1].seconds - 2.0) << out[0].message;
+    // Promptly: well within the 20 s timeout, and long before stage 1 exits (a margin that a
+    // loaded CI machine's scheduling delays do not eat).
+    EXPECT_LT(out[0].seconds, out[1].seconds - 4.0) << out[0].message;
   }
 }
