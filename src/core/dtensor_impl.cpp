@@ -1,6 +1,7 @@
 #include "dtensor/core/dtensor_impl.h"
 
 #include <c10/util/Exception.h>
+#include "dispatch_key.h"  // generated: DTENSOR_KEY_<key>
 
 namespace dtensor {
 

@@ -10,6 +10,7 @@
 
 #include "dtensor/core/dtensor_impl.h"
 #include "kernel.h"
+#include "dispatch_key.h"  // generated: DTENSOR_KEY_<key>
 
 namespace dtensor::dispatch {
 namespace {
