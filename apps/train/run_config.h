@@ -34,6 +34,9 @@ struct RunConfig {
   c10::ScalarType dtype = c10::kFloat;
   int64_t world_size = 1, dp = 1, tp = 1;
   bool fsdp = false;  // --dp-shard: the dp ranks shard the parameters (fully_shard)
+  int64_t pp = 1;     // --pp: pipeline stages (world_size = pp x tp then)
+  std::string pp_schedule = "1f1b";  // gpipe | 1f1b
+  int64_t microbatches = 1;          // per step, with pp > 1
   bool sequence_parallel = true;
   bool loss_parallel = true;
   std::string ac = "none";       // activation checkpointing mode (dtensor/ac/checkpoint.h)
@@ -41,9 +44,16 @@ struct RunConfig {
   double verify_rtol = 1e-4;
 
   int64_t tokens_per_step() const { return batch_size * seq_len; }
+  // The idle share of a step the schedule predicts: (pp - 1) / (M + pp - 1).
+  double bubble_formula() const {
+    return static_cast<double>(pp - 1) / static_cast<double>(microbatches + pp - 1);
+  }
   // The settings as one JSON object ({"model": ..., "train": ...}) for DIR/config.json.
   std::string to_json() const;
 };
+
+// The same run on one device with plain LibTorch (--verify-tp1, --pp checkpoints).
+RunConfig one_device(const RunConfig& config);
 
 // Throws std::invalid_argument with a message that names the option to change.
 RunConfig resolve_run_config(const TrainOptions& options, int64_t world_size);
