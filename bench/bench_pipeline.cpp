@@ -127,7 +127,10 @@ double run_tp2(const Options& opt, const models::LlamaConfig& config, const at::
   auto mesh = init_device_mesh("cpu", {2}, {"tp"});
   models::Transformer model(config);
   model->init_weights(0);
-  models::apply_tensor_parallel(*model, mesh, {.sequence_parallel = true, .loss_parallel = true});
+  models::TensorParallelOptions tp;
+  tp.sequence_parallel = true;
+  tp.loss_parallel = true;
+  models::apply_tensor_parallel(*model, mesh, tp);
   torch::optim::AdamW adam(model->parameters(), torch::optim::AdamWOptions(1e-4));
   return median(time_steps(opt, [&] {
     adam.zero_grad();
@@ -198,7 +201,7 @@ int main(int argc, char** argv) {
                 static_cast<long long>(config.dim),
                 static_cast<double>(config.num_parameters()) / 1e6,
                 static_cast<long long>(opt.batch), static_cast<long long>(opt.seq),
-                comm::cpu_backend_name(), static_cast<long long>(opt.steps));
+                comm::cpu_backend_name().c_str(), static_cast<long long>(opt.steps));
     std::printf("%-10s %4s %10s %14s %13s %9s\n", "schedule", "M", "step ms", "bubble (mean)",
                 "bubble (max)", "formula");
   }

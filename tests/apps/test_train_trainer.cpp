@@ -234,10 +234,11 @@ struct Data {
 
 // Every parameter of the whole model (gathered from the stages under --pp) against `one`'s.
 void expect_parameters_like(Trainer& t, Trainer& one, double rtol = 1e-9) {
-  std::optional<Trainer> gathered;
+  std::optional<Trainer> gathered, gathered_one;
   if (t.pipelined()) gathered.emplace(t.gather_to_one_device());
+  if (one.pipelined()) gathered_one.emplace(one.gather_to_one_device());
   auto params = (gathered ? gathered->model() : t.model()).named_parameters();
-  auto reference = one.model().named_parameters();
+  auto reference = (gathered_one ? gathered_one->model() : one.model()).named_parameters();
   ASSERT_EQ(params.size(), reference.size());
   for (const auto& item : reference) {
     SCOPED_TRACE(item.key());
