@@ -82,8 +82,8 @@ std::vector<double> time_steps(const Options& opt, Step&& step) {
     comm::barrier();
     const auto t0 = Clock::now();
     step();
-    ms.push_back(all_reduce(
-        std::chrono::duration<double, std::milli>(Clock::now() - t0).count(), ReduceOp::Max));
+    ms.push_back(all_reduce(std::chrono::duration<double, std::milli>(Clock::now() - t0).count(),
+                            ReduceOp::Max));
   }
   return ms;
 }
@@ -190,18 +190,19 @@ int main(int argc, char** argv) {
   auto config = models::LlamaConfig::preset(opt.preset);
   config.max_seq_len = opt.seq;
   auto gen = at::make_generator<at::CPUGeneratorImpl>(1);
-  const at::Tensor tokens = at::randint(config.vocab_size, {opt.batch, opt.seq + 1}, gen, at::kLong);
+  const at::Tensor tokens =
+      at::randint(config.vocab_size, {opt.batch, opt.seq + 1}, gen, at::kLong);
   const at::Tensor x = tokens.narrow(1, 0, opt.seq).contiguous();
   const at::Tensor y = tokens.narrow(1, 1, opt.seq).contiguous();
 
   if (rank0) {
-    std::printf("bench_pipeline: preset %s (%lld layers, dim %lld, %.2fM parameters), batch %lld x "
-                "%lld tokens, 2 CPU ranks x 1 thread, %s, median of %lld steps\n\n",
-                opt.preset.c_str(), static_cast<long long>(config.n_layers),
-                static_cast<long long>(config.dim),
-                static_cast<double>(config.num_parameters()) / 1e6,
-                static_cast<long long>(opt.batch), static_cast<long long>(opt.seq),
-                comm::cpu_backend_name().c_str(), static_cast<long long>(opt.steps));
+    std::printf(
+        "bench_pipeline: preset %s (%lld layers, dim %lld, %.2fM parameters), batch %lld x "
+        "%lld tokens, 2 CPU ranks x 1 thread, %s, median of %lld steps\n\n",
+        opt.preset.c_str(), static_cast<long long>(config.n_layers),
+        static_cast<long long>(config.dim), static_cast<double>(config.num_parameters()) / 1e6,
+        static_cast<long long>(opt.batch), static_cast<long long>(opt.seq),
+        comm::cpu_backend_name().c_str(), static_cast<long long>(opt.steps));
     std::printf("%-10s %4s %10s %14s %13s %9s\n", "schedule", "M", "step ms", "bubble (mean)",
                 "bubble (max)", "formula");
   }
@@ -231,9 +232,10 @@ int main(int argc, char** argv) {
   }
   const double tp2_ms = run_tp2(opt, config, x, y);
   if (rank0) {
-    std::printf("\n(pp=2, tp=1) 1F1B M=4: %.1f ms/step; (pp=1, tp=2) sequence + loss parallel: "
-                "%.1f ms/step; ratio %.2f\n",
-                pp2_ms, tp2_ms, pp2_ms / tp2_ms);
+    std::printf(
+        "\n(pp=2, tp=1) 1F1B M=4: %.1f ms/step; (pp=1, tp=2) sequence + loss parallel: "
+        "%.1f ms/step; ratio %.2f\n",
+        pp2_ms, tp2_ms, pp2_ms / tp2_ms);
     std::snprintf(buf, sizeof buf, "pp2_ms=%.2f tp2_ms=%.2f pp2_vs_tp2=%.3f", pp2_ms, tp2_ms,
                   pp2_ms / tp2_ms);
     std::printf("RESULT %s%s\n", result.c_str(), buf);

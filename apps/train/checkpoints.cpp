@@ -42,8 +42,8 @@ Resumed resume_training(const std::string& what, const checkpoint::CheckpointMan
     throw std::runtime_error("--resume: no such checkpoint file '" + what + "'");
   }
   return {what, load_into(trainer, [&](models::TransformerImpl& model, torch::optim::AdamW& opt) {
-            return checkpoint::load_checkpoint(what, model, &opt);
-          }).step};
+                  return checkpoint::load_checkpoint(what, model, &opt);
+                }).step};
 }
 
 std::string save_training_checkpoint(checkpoint::CheckpointManager& manager, Trainer& trainer,

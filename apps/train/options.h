@@ -47,12 +47,14 @@ struct TrainOptions {
   std::string plan_path;  // a TP plan as JSON instead of the built-in Llama plan (plan_file.h)
   int64_t dp = 1;
   int64_t dp_shard = 1;     // FSDP degree (fully_shard over that many ranks); 1: off
-  int64_t pp = 1;                      // pipeline stages; ranks form a pp x tp mesh; 1: off
-  std::optional<std::string> schedule;  // pipeline schedule: gpipe | 1f1b (default 1f1b)
-  std::optional<int64_t> microbatches;  // micro-batches per step (default: pp)
   std::string ac = "none";  // activation checkpointing: none | full | selective
   std::string dtype = "float32";
   int64_t threads = 1;
+
+  // Pipeline parallelism: --pp stages, ranks form a pp x tp mesh; 1: off.
+  int64_t pp = 1;
+  std::optional<std::string> schedule;  // gpipe | 1f1b (default 1f1b)
+  std::optional<int64_t> microbatches;  // per step (default: pp)
 
   // After training, re-run the same steps on one device and compare the losses.
   bool verify_tp1 = false;

@@ -151,7 +151,9 @@ RunConfig resolve_run_config(const TrainOptions& o, int64_t world_size) {
     c.model.validate_tp(c.tp);
   } catch (const std::exception& e) {
     bad(std::string(e.what()) + " (the TP degree is the number of ranks / " +
-        (c.fsdp ? "--dp-shard)" : c.pp > 1 ? "--pp)" : "--dp)"));
+        (c.fsdp     ? "--dp-shard)"
+         : c.pp > 1 ? "--pp)"
+                    : "--dp)"));
   }
   if (c.tp > 1 && c.sequence_parallel && c.seq_len % c.tp != 0) {
     bad("sequence parallelism splits the sequence over the " + std::to_string(c.tp) +
@@ -180,9 +182,8 @@ std::string RunConfig::to_json() const {
      << ", \"eval_every\": " << eval_every << ", \"eval_batches\": " << eval_batches
      << ", \"dtype\": \"" << (dtype == c10::kDouble ? "float64" : "float32") << "\""
      << ", \"world_size\": " << world_size << ", \"dp\": " << dp << ", \"tp\": " << tp
-     << ", \"fsdp\": " << (fsdp ? "true" : "false")
-     << ", \"pp\": " << pp << ", \"pp_schedule\": \"" << pp_schedule
-     << "\", \"microbatches\": " << microbatches
+     << ", \"fsdp\": " << (fsdp ? "true" : "false") << ", \"pp\": " << pp << ", \"pp_schedule\": \""
+     << pp_schedule << "\", \"microbatches\": " << microbatches
      << ", \"sequence_parallel\": " << (sequence_parallel ? "true" : "false")
      << ", \"loss_parallel\": " << (loss_parallel ? "true" : "false");
   if (plan) js << ", \"plan\": " << std::quoted(plan->path);

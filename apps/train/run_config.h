@@ -34,14 +34,16 @@ struct RunConfig {
   c10::ScalarType dtype = c10::kFloat;
   int64_t world_size = 1, dp = 1, tp = 1;
   bool fsdp = false;  // --dp-shard: the dp ranks shard the parameters (fully_shard)
-  int64_t pp = 1;     // --pp: pipeline stages (world_size = pp x tp then)
-  std::string pp_schedule = "1f1b";  // gpipe | 1f1b
-  int64_t microbatches = 1;          // per step, with pp > 1
   bool sequence_parallel = true;
   bool loss_parallel = true;
   std::string ac = "none";       // activation checkpointing mode (dtensor/ac/checkpoint.h)
   std::optional<PlanFile> plan;  // --plan: used instead of the built-in Llama plan
   double verify_rtol = 1e-4;
+
+  // --pp: pipeline stages (world_size = pp x tp then), their schedule and micro-batches.
+  int64_t pp = 1;
+  std::string pp_schedule = "1f1b";  // gpipe | 1f1b
+  int64_t microbatches = 1;
 
   int64_t tokens_per_step() const { return batch_size * seq_len; }
   // The idle share of a step the schedule predicts: (pp - 1) / (M + pp - 1).

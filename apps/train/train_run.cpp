@@ -310,9 +310,9 @@ class TrainingRun {
       recent_s += step_seconds_[i];
     }
     const double mean_step = recent_s / static_cast<double>(recent);
-    ProgressState state{step + 1, cfg_.stop_at, s.loss,
-                        static_cast<double>(cfg_.tokens_per_step()) / mean_step, s.lr,
-                        mean_step * static_cast<double>(cfg_.stop_at - step - 1)};
+    const double rate = static_cast<double>(cfg_.tokens_per_step()) / mean_step;
+    const double eta = mean_step * static_cast<double>(cfg_.stop_at - step - 1);
+    ProgressState state{step + 1, cfg_.stop_at, s.loss, rate, s.lr, eta};
     state.bubble = s.bubble;
     state.bubble_formula = cfg_.bubble_formula();
     if (!std::isnan(s.bubble)) bubbles_.push_back(s.bubble);
@@ -323,13 +323,13 @@ class TrainingRun {
     if (o_.final_ckpt && !losses_.empty() && last_ckpt_step_ != cfg_.stop_at) save(cfg_.stop_at);
     if (losses_.empty()) evaluate();
     if (rank0_ && metrics_) {
-      write_loss_curve_svg(
-          (out_dir_ / "loss.svg").string(), metrics_->rows(),
-          "dtensor_train: " + cfg_.model_source +
-              (cfg_.pp > 1  ? ", " + pp_name(cfg_)
-               : cfg_.fsdp ? ", " + run_name(cfg_)
-                         : ", TP=" + std::to_string(cfg_.tp) +
-                               (cfg_.dp > 1 ? " x DP=" + std::to_string(cfg_.dp) : std::string())));
+      write_loss_curve_svg((out_dir_ / "loss.svg").string(), metrics_->rows(),
+                           "dtensor_train: " + cfg_.model_source +
+                               (cfg_.pp > 1 ? ", " + pp_name(cfg_)
+                                : cfg_.fsdp ? ", " + run_name(cfg_)
+                                            : ", TP=" + std::to_string(cfg_.tp) +
+                                                  (cfg_.dp > 1 ? " x DP=" + std::to_string(cfg_.dp)
+                                                               : std::string())));
     }
   }
 
@@ -405,7 +405,7 @@ class TrainingRun {
     vbar.finish();
     std::ostringstream table;
     print_verify_report(table, report,
-                        cfg_.pp > 1  ? pp_name(cfg_)
+                        cfg_.pp > 1 ? pp_name(cfg_)
                         : cfg_.fsdp ? run_name(cfg_)
                                     : "TP=" + std::to_string(cfg_.tp));
     std::printf("%s", table.str().c_str());

@@ -158,7 +158,8 @@ double Trainer::clip_pipeline_grad_norm(double max_norm) {
   double stage_norm = 0;
   {
     ImplicitReplication plain_gradients_are_replicated;
-    stage_norm = torch::nn::utils::clip_grad_norm_(counted, std::numeric_limits<double>::infinity());
+    stage_norm =
+        torch::nn::utils::clip_grad_norm_(counted, std::numeric_limits<double>::infinity());
   }
   const double norm = std::sqrt(pp_->sum_over_stages(stage_norm * stage_norm));
   const double coef = max_norm / (norm + 1e-6);

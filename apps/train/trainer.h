@@ -69,9 +69,11 @@ class Trainer {
   void all_reduce_dp_grads();
   double clip_grad_norm(double max_norm);          // returns the global norm before clipping
   double clip_sharded_grad_norm(double max_norm);  // the same for FSDP's gradient shards
-  double clip_pipeline_grad_norm(double max_norm);  // the same over the pipeline stages
-  StepStats pipeline_step(StepStats stats, const Batch& global_batch);  // train_step under --pp
   double mean_over_dp(double v) const;
+
+  // --pp: train_step's work, and the gradient norm over the stages.
+  StepStats pipeline_step(StepStats stats, const Batch& global_batch);
+  double clip_pipeline_grad_norm(double max_norm);
 
   RunConfig config_;
   std::optional<DeviceMesh> mesh_;

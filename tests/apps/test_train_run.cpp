@@ -263,9 +263,11 @@ TEST(TrainRun, BadPlanFileFailsOnceNamingTheFileAndTheEntry) {
 // checkpoint resumes at another layout (--pp 2 alone, 1F1B) to the one-device losses.
 TEST(TrainRun, PipelineStagesTrainResumeAndMatchOneDevice) {
   TempDir dir;
-  const auto r = train(4, {"--pp", "2", "--schedule", "gpipe", "--microbatches", "2", "--dtype",
-                           "float64", "--steps", "4", "--stop-at", "2", "--ckpt-every", "2",
-                           "--progress", "lines", "--log-every", "1", "--out", dir.file("run"),
+  const auto r = train(4, {"--pp",           "2", "--schedule", "gpipe",
+                           "--microbatches", "2", "--dtype",    "float64",
+                           "--steps",        "4", "--stop-at",  "2",
+                           "--ckpt-every",   "2", "--progress", "lines",
+                           "--log-every",    "1", "--out",      dir.file("run"),
                            "--verify-tp1"});
   ASSERT_EQ(r.exit_code, 0) << r.output;
   EXPECT_NE(r.output.find("PP=2 x TP=2 (blocks per stage 1 + 1; schedule gpipe, 2 micro-batches"),

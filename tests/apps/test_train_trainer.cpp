@@ -12,9 +12,9 @@
 #include <string>
 #include <vector>
 
-#include "dtensor/dtensor.h"
 #include "dtensor/checkpoint/checkpoint.h"
 #include "dtensor/checkpoint/checkpoint_manager.h"
+#include "dtensor/dtensor.h"
 #include "support/distributed.h"
 #include "support/temp_dir.h"
 #include "train/checkpoints.h"
@@ -323,7 +323,8 @@ TEST(TrainTrainer, PipelineCheckpointsLoadAcrossLayouts) {
     for (int64_t step = 0; step < 2; ++step) a.train_step(step, data.train->get(step));
     const std::string path = save_training_checkpoint(manager, a, 2, cfg.to_json());
     const StepStats next = a.train_step(2, data.train->get(2));
-    if (rank == 0) std::ofstream(continued) << std::setprecision(17) << next.loss << ' ' << next.grad_norm;
+    if (rank == 0)
+      std::ofstream(continued) << std::setprecision(17) << next.loss << ' ' << next.grad_norm;
     // Names are the whole model's: every block under its global index.
     const auto meta = checkpoint::read_checkpoint_metadata(path);
     EXPECT_EQ(meta.entries.at("pipeline_stages"), "2");

@@ -427,8 +427,8 @@ TEST(TrainPlanFile, TheShippedPlanParsesInFileOrder) {
 // not implement are refused naming the option.
 TEST(TrainRunConfig, PipelineLayoutAndRefusals) {
   int code = -1;
-  auto o = parse({"--preset", "tiny", "--pp", "2", "--schedule", "gpipe", "--microbatches", "4"},
-                 code);
+  auto o =
+      parse({"--preset", "tiny", "--pp", "2", "--schedule", "gpipe", "--microbatches", "4"}, code);
   ASSERT_TRUE(o);
   auto c = resolve_run_config(*o, 4);
   EXPECT_EQ(c.pp, 2);
