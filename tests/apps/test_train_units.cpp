@@ -53,6 +53,20 @@ std::optional<TrainOptions> parse(std::vector<std::string> args, int& exit_code,
   return o;
 }
 
+// Expects resolve_run_config to refuse `args` on `world` ranks with a message containing `what`.
+void expect_error(std::vector<std::string> args, int64_t world, const std::string& what) {
+  int code = -1;
+  auto o = parse(args, code);
+  ASSERT_TRUE(o) << args[0];
+  try {
+    resolve_run_config(*o, world);
+    ADD_FAILURE() << "no error for " << ::testing::PrintToString(args) << " on " << world
+                  << " ranks";
+  } catch (const std::exception& e) {
+    EXPECT_NE(std::string(e.what()).find(what), std::string::npos) << e.what();
+  }
+}
+
 }  // namespace
 
 TEST(TrainTokenizer, EveryByteRoundTrips) {
@@ -380,17 +394,6 @@ TEST(TrainRunConfig, PresetDefaultsOverridesAndTpChecks) {
   EXPECT_EQ(c.dp, 1);
   EXPECT_NE(c.to_json().find("\"tp\": 2"), std::string::npos);
 
-  auto expect_error = [&](std::vector<std::string> args, int64_t world, const std::string& what) {
-    int code = -1;
-    auto o = parse(args, code);
-    ASSERT_TRUE(o) << args[0];
-    try {
-      resolve_run_config(*o, world);
-      ADD_FAILURE() << "no error for " << args[0] << " on " << world << " ranks";
-    } catch (const std::exception& e) {
-      EXPECT_NE(std::string(e.what()).find(what), std::string::npos) << e.what();
-    }
-  };
   // heads split evenly: 3 ranks cannot share 4 heads.
   expect_error({"--preset", "tiny"}, 3, "valid tp degrees");
   expect_error({"--preset", "tiny", "--seq-len", "30"}, 4, "--no-sequence-parallel");
@@ -449,17 +452,6 @@ TEST(TrainRunConfig, PipelineLayoutAndRefusals) {
   EXPECT_EQ(c.microbatches, 2);
   EXPECT_EQ(c.tp, 1);
 
-  auto expect_error = [&](std::vector<std::string> args, int64_t world, const std::string& what) {
-    int code = -1;
-    auto o = parse(args, code);
-    ASSERT_TRUE(o) << args[0];
-    try {
-      resolve_run_config(*o, world);
-      ADD_FAILURE() << "no error for " << args[2] << " on " << world << " ranks";
-    } catch (const std::exception& e) {
-      EXPECT_NE(std::string(e.what()).find(what), std::string::npos) << e.what();
-    }
-  };
   expect_error({"--preset", "tiny", "--pp", "2", "--dp-shard", "2"}, 4,
                "--pp 2 cannot be combined with --dp or --dp-shard");
   expect_error({"--preset", "tiny", "--pp", "2", "--dp", "2"}, 4, "cannot be combined");
