@@ -1,5 +1,6 @@
 #pragma once
-// Training checkpoints: model and AdamW state as global tensors (they load at any TP degree)
+// Training checkpoints: model and AdamW state as global tensors under the whole model's names
+// (they load at any TP degree and any --pp split; a pipelined run gathers its stages first)
 // in DIR/checkpoints through checkpoint::CheckpointManager (step files, a "latest" pointer, the
 // newest --keep-ckpts kept). The batches are a function of (seed, step) and so is the
 // learning rate, so the step count is the only other state a resumed run needs.

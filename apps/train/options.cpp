@@ -77,6 +77,14 @@ parallelism and numerics:
                          1/N of the parameters, gradients and AdamW state (of its TP share)
                          and gathers a block's parameters while it runs; ranks form a
                          dp_shard x tp mesh (not with --dp, --plan or checkpoints yet)
+  --pp N                 pipeline parallelism: the blocks split over N stages (the first
+                         also holds the embedding, the last the norm and output head), TP
+                         without sequence parallelism inside each; ranks form a pp x tp mesh
+                         (not with --dp, --dp-shard or --plan)
+  --schedule S           pipeline schedule: gpipe | 1f1b (default 1f1b)
+  --microbatches M       micro-batches per step; must divide --batch-size (default: N of
+                         --pp). The progress line shows the measured bubble (the mean over
+                         stages of the share of a step spent waiting) and (pp-1)/(M+pp-1)
   --ac MODE              activation checkpointing: none (default) | full (every block
                          recomputes its forward in backward) | selective (every other block)
   --dtype T              float32 | float64 (default float32)
@@ -147,6 +155,9 @@ void add_parallel_options(CLI::App& app, TrainOptions& o) {
   app.add_option("--plan", o.plan_path)->check(cli::non_empty());
   app.add_option("--dp", o.dp)->check(cli::integer(1));
   app.add_option("--dp-shard", o.dp_shard)->check(cli::integer(1));
+  app.add_option("--pp", o.pp)->check(cli::integer(1));
+  add_optional(app, "--schedule", o.schedule)->check(cli::one_of({"gpipe", "1f1b"}));
+  add_optional(app, "--microbatches", o.microbatches)->check(cli::integer(1));
   app.add_option("--ac", o.ac)->check(cli::one_of({"none", "full", "selective"}));
   app.add_option("--dtype", o.dtype)->check(cli::one_of({"float32", "float64"}));
   app.add_option("--threads", o.threads)->check(cli::integer(1));

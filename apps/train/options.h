@@ -51,6 +51,11 @@ struct TrainOptions {
   std::string dtype = "float32";
   int64_t threads = 1;
 
+  // Pipeline parallelism: --pp stages, ranks form a pp x tp mesh; 1: off.
+  int64_t pp = 1;
+  std::optional<std::string> schedule;  // gpipe | 1f1b (default 1f1b)
+  std::optional<int64_t> microbatches;  // per step (default: pp)
+
   // After training, re-run the same steps on one device and compare the losses.
   bool verify_tp1 = false;
   std::optional<double> verify_rtol;  // default 1e-4 (float32), 1e-9 (float64)

@@ -8,6 +8,7 @@
 #include <chrono>
 #include <cstdint>
 #include <iosfwd>
+#include <limits>
 #include <string>
 
 namespace dtensor::train {
@@ -19,6 +20,10 @@ struct ProgressState {
   double tokens_per_s = 0;
   double lr = 0;
   double eta_s = 0;
+  // --pp: the measured pipeline bubble of the step and the schedule's formula (shown when the
+  // measured one is a number).
+  double bubble = std::numeric_limits<double>::quiet_NaN();
+  double bubble_formula = 0;
 };
 
 class ProgressBar {

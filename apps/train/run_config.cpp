@@ -34,6 +34,35 @@ std::string num(double v) {
   return buf;
 }
 
+// --pp N: world = pp x tp; the combinations the pipeline trainer does not implement are refused.
+void resolve_pipeline(const TrainOptions& o, int64_t world_size, RunConfig& c) {
+  auto bad = [](const std::string& msg) { throw std::invalid_argument(msg); };
+  const std::string pp = "--pp " + std::to_string(o.pp);
+  if (o.dp > 1 || o.dp_shard > 1) {
+    bad(pp + " cannot be combined with --dp or --dp-shard yet: ranks form a pp x tp mesh");
+  }
+  if (!o.plan_path.empty())
+    bad("--plan does not apply to --pp: each stage uses the built-in plan without sequence "
+        "parallelism");
+  if (world_size % o.pp != 0) {
+    bad(pp + " does not divide the " + std::to_string(world_size) +
+        " ranks of this launch (ranks form a pp x tp mesh)");
+  }
+  if (c.model.n_layers < o.pp) {
+    bad(pp + " needs at least one block per stage, but the model has " +
+        std::to_string(c.model.n_layers) + " layers (--layers)");
+  }
+  c.pp = o.pp;
+  c.pp_schedule = o.schedule.value_or("1f1b");
+  c.microbatches = o.microbatches.value_or(o.pp);
+  if (c.batch_size % c.microbatches != 0) {
+    bad("--batch-size " + std::to_string(c.batch_size) + " does not split into --microbatches " +
+        std::to_string(c.microbatches) + " equal micro-batches");
+  }
+  // Activations cross stage boundaries as replicated plain tensors.
+  c.sequence_parallel = false;
+}
+
 }  // namespace
 
 RunConfig resolve_run_config(const TrainOptions& o, int64_t world_size) {
@@ -85,6 +114,9 @@ RunConfig resolve_run_config(const TrainOptions& o, int64_t world_size) {
   c.sequence_parallel = o.sequence_parallel;
   c.loss_parallel = o.loss_parallel;
   c.ac = o.ac;
+  if (o.pp == 1 && (o.schedule || o.microbatches))
+    bad("--schedule and --microbatches apply to pipeline parallelism: add --pp N (N > 1)");
+  if (o.pp > 1) resolve_pipeline(o, world_size, c);
   if (!o.plan_path.empty()) {
     c.plan = read_plan_file(o.plan_path);
     c.sequence_parallel = c.plan->sequence_parallel;
@@ -110,7 +142,7 @@ RunConfig resolve_run_config(const TrainOptions& o, int64_t world_size) {
     bad((c.fsdp ? "--dp-shard " : "--dp ") + std::to_string(c.dp) + " does not divide the " +
         std::to_string(world_size) + " ranks of this launch");
   }
-  c.tp = world_size / c.dp;
+  c.tp = world_size / (c.dp * c.pp);
   if (c.batch_size % c.dp != 0) {
     bad("--batch-size " + std::to_string(c.batch_size) + " is not divisible by " +
         (c.fsdp ? "--dp-shard " : "--dp ") + std::to_string(c.dp));
@@ -119,7 +151,9 @@ RunConfig resolve_run_config(const TrainOptions& o, int64_t world_size) {
     c.model.validate_tp(c.tp);
   } catch (const std::exception& e) {
     bad(std::string(e.what()) + " (the TP degree is the number of ranks / " +
-        (c.fsdp ? "--dp-shard)" : "--dp)"));
+        (c.fsdp     ? "--dp-shard)"
+         : c.pp > 1 ? "--pp)"
+                    : "--dp)"));
   }
   if (c.tp > 1 && c.sequence_parallel && c.seq_len % c.tp != 0) {
     bad("sequence parallelism splits the sequence over the " + std::to_string(c.tp) +
@@ -127,6 +161,13 @@ RunConfig resolve_run_config(const TrainOptions& o, int64_t world_size) {
         std::to_string(c.tp) + " or --no-sequence-parallel");
   }
   return c;
+}
+
+RunConfig one_device(const RunConfig& config) {
+  RunConfig one = config;
+  one.world_size = one.dp = one.tp = one.pp = 1;
+  one.fsdp = false;
+  return one;
 }
 
 std::string RunConfig::to_json() const {
@@ -141,7 +182,8 @@ std::string RunConfig::to_json() const {
      << ", \"eval_every\": " << eval_every << ", \"eval_batches\": " << eval_batches
      << ", \"dtype\": \"" << (dtype == c10::kDouble ? "float64" : "float32") << "\""
      << ", \"world_size\": " << world_size << ", \"dp\": " << dp << ", \"tp\": " << tp
-     << ", \"fsdp\": " << (fsdp ? "true" : "false")
+     << ", \"fsdp\": " << (fsdp ? "true" : "false") << ", \"pp\": " << pp << ", \"pp_schedule\": \""
+     << pp_schedule << "\", \"microbatches\": " << microbatches
      << ", \"sequence_parallel\": " << (sequence_parallel ? "true" : "false")
      << ", \"loss_parallel\": " << (loss_parallel ? "true" : "false");
   if (plan) js << ", \"plan\": " << std::quoted(plan->path);

@@ -40,10 +40,22 @@ struct RunConfig {
   std::optional<PlanFile> plan;  // --plan: used instead of the built-in Llama plan
   double verify_rtol = 1e-4;
 
+  // --pp: pipeline stages (world_size = pp x tp then), their schedule and micro-batches.
+  int64_t pp = 1;
+  std::string pp_schedule = "1f1b";  // gpipe | 1f1b
+  int64_t microbatches = 1;
+
   int64_t tokens_per_step() const { return batch_size * seq_len; }
+  // The idle share of a step the schedule predicts: (pp - 1) / (M + pp - 1).
+  double bubble_formula() const {
+    return static_cast<double>(pp - 1) / static_cast<double>(microbatches + pp - 1);
+  }
   // The settings as one JSON object ({"model": ..., "train": ...}) for DIR/config.json.
   std::string to_json() const;
 };
+
+// The same run on one device with plain LibTorch (--verify-tp1, --pp checkpoints).
+RunConfig one_device(const RunConfig& config);
 
 // Throws std::invalid_argument with a message that names the option to change.
 RunConfig resolve_run_config(const TrainOptions& options, int64_t world_size);

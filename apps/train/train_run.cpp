@@ -19,6 +19,7 @@
 #include "corpus.h"
 #include "dtensor/comm/backend.h"
 #include "dtensor/mesh/device_mesh.h"
+#include "dtensor/pp/pipeline.h"
 #include "loss_plot.h"
 #include "metrics.h"
 #include "progress.h"
@@ -75,7 +76,34 @@ std::string run_name(const RunConfig& c) {
   return "FSDP=" + std::to_string(c.dp) + (c.tp > 1 ? " x TP=" + std::to_string(c.tp) : "");
 }
 
+// "PP=2 x TP=2".
+std::string pp_name(const RunConfig& c) {
+  return "PP=" + std::to_string(c.pp) + (c.tp > 1 ? " x TP=" + std::to_string(c.tp) : "");
+}
+
+std::string pipeline_line(const RunConfig& c, int64_t threads) {
+  std::ostringstream s;
+  s << "PP=" << c.pp << " x TP=" << c.tp << " (blocks per stage ";
+  for (int64_t k = 0; k < c.pp; ++k) {
+    const auto [first, end] = pp::stage_layer_range(c.model.n_layers, k, c.pp);
+    s << (k ? " + " : "") << end - first;
+  }
+  s << "; schedule " << c.pp_schedule << ", " << c.microbatches << " micro-batch"
+    << (c.microbatches > 1 ? "es" : "") << " of " << c.batch_size / c.microbatches
+    << ", bubble (pp-1)/(M+pp-1) = " << fmt("%.0f%%", 100 * c.bubble_formula()) << ")";
+  if (c.tp > 1) {
+    s << ", TP inside stages (no sequence parallel, "
+      << (c.loss_parallel ? "loss parallel" : "gathered logits") << ")";
+  }
+  if (c.ac != "none") s << ", AC " << c.ac;
+  s << " on " << c.world_size << " CPU ranks, " << threads << " thread" << (threads > 1 ? "s" : "")
+    << " each, " << (c.dtype == c10::kDouble ? "float64" : "float32") << ", collectives on "
+    << dtensor::comm::cpu_backend_name();
+  return s.str();
+}
+
 std::string parallel_line(const RunConfig& c, int64_t threads) {
+  if (c.pp > 1) return pipeline_line(c, threads);
   std::ostringstream s;
   if (c.fsdp) {
     s << "FSDP=" << c.dp << " (parameters, gradients and AdamW state sharded over " << c.dp
@@ -157,6 +185,7 @@ class TrainingRun {
       ::setenv("MASTER_PORT", "0", 1);
     }
     comm::init_process_group();
+    if (cfg.pp > 1) return init_device_mesh("cpu", {cfg.pp, cfg.tp}, {"pp", "tp"});
     return cfg.dp > 1 ? init_device_mesh("cpu", {cfg.dp, cfg.tp}, {"dp", "tp"})
                       : init_device_mesh("cpu", {cfg.tp}, {"tp"});
   }
@@ -281,21 +310,26 @@ class TrainingRun {
       recent_s += step_seconds_[i];
     }
     const double mean_step = recent_s / static_cast<double>(recent);
-    bar_.update({step + 1, cfg_.stop_at, s.loss,
-                 static_cast<double>(cfg_.tokens_per_step()) / mean_step, s.lr,
-                 mean_step * static_cast<double>(cfg_.stop_at - step - 1)});
+    const double rate = static_cast<double>(cfg_.tokens_per_step()) / mean_step;
+    const double eta = mean_step * static_cast<double>(cfg_.stop_at - step - 1);
+    ProgressState state{step + 1, cfg_.stop_at, s.loss, rate, s.lr, eta};
+    state.bubble = s.bubble;
+    state.bubble_formula = cfg_.bubble_formula();
+    if (!std::isnan(s.bubble)) bubbles_.push_back(s.bubble);
+    bar_.update(state);
   }
 
   void finish_training() {
     if (o_.final_ckpt && !losses_.empty() && last_ckpt_step_ != cfg_.stop_at) save(cfg_.stop_at);
     if (losses_.empty()) evaluate();
     if (rank0_ && metrics_) {
-      write_loss_curve_svg(
-          (out_dir_ / "loss.svg").string(), metrics_->rows(),
-          "dtensor_train: " + cfg_.model_source +
-              (cfg_.fsdp ? ", " + run_name(cfg_)
-                         : ", TP=" + std::to_string(cfg_.tp) +
-                               (cfg_.dp > 1 ? " x DP=" + std::to_string(cfg_.dp) : std::string())));
+      write_loss_curve_svg((out_dir_ / "loss.svg").string(), metrics_->rows(),
+                           "dtensor_train: " + cfg_.model_source +
+                               (cfg_.pp > 1 ? ", " + pp_name(cfg_)
+                                : cfg_.fsdp ? ", " + run_name(cfg_)
+                                            : ", TP=" + std::to_string(cfg_.tp) +
+                                                  (cfg_.dp > 1 ? " x DP=" + std::to_string(cfg_.dp)
+                                                               : std::string())));
     }
   }
 
@@ -325,6 +359,13 @@ class TrainingRun {
       const double med = median(step_seconds_);
       print_row("throughput", format_count(static_cast<double>(tokens) / med) + " tokens/s, " +
                                   fmt("%.1f", med * 1e3) + " ms/step (median)");
+      if (!bubbles_.empty()) {
+        print_row("bubble", fmt("%.1f%%", 100 * median(bubbles_)) +
+                                " of the pipeline step idle (median over steps of the mean over "
+                                "stages; " +
+                                cfg_.pp_schedule + " formula (pp-1)/(M+pp-1) = " +
+                                fmt("%.1f%%", 100 * cfg_.bubble_formula()) + ")");
+      }
     } else {
       print_row("steps", "none: the checkpoint is at step " + std::to_string(start_step_));
       print_row("loss", "validation " + fmt("%.4f", last_val_));
@@ -364,7 +405,9 @@ class TrainingRun {
     vbar.finish();
     std::ostringstream table;
     print_verify_report(table, report,
-                        cfg_.fsdp ? run_name(cfg_) : "TP=" + std::to_string(cfg_.tp));
+                        cfg_.pp > 1 ? pp_name(cfg_)
+                        : cfg_.fsdp ? run_name(cfg_)
+                                    : "TP=" + std::to_string(cfg_.tp));
     std::printf("%s", table.str().c_str());
     std::printf("verify-tp1: %.1f s\n", seconds_since(t));
     std::fflush(stdout);
@@ -391,7 +434,7 @@ class TrainingRun {
   std::ostream null_stream_{nullptr};
   ProgressBar bar_;
 
-  std::vector<double> losses_, step_seconds_;
+  std::vector<double> losses_, step_seconds_, bubbles_;
   double last_val_ = std::numeric_limits<double>::quiet_NaN();
   double train_s_ = 0, eval_s_ = 0, ckpt_s_ = 0;
   int64_t last_ckpt_step_ = -1;

@@ -16,6 +16,7 @@
 #include "dtensor/core/dtensor_impl.h"
 #include "dtensor/dispatch/implicit_replication.h"
 #include "dtensor/fsdp/fully_shard.h"
+#include "pipeline_part.h"
 
 namespace dtensor::train {
 
@@ -25,7 +26,9 @@ Trainer::Trainer(const RunConfig& config, std::optional<DeviceMesh> mesh)
   model_->to(config_.dtype);
   // Drawn from the seed alone: the TP run and the one-device check start from equal weights.
   model_->init_weights(config_.seed);
-  if (mesh_ && (!config_.fsdp || config_.tp > 1)) {
+  if (mesh_ && config_.pp > 1) {
+    pp_ = std::make_shared<PipelinePart>(*model_, config_, *mesh_);
+  } else if (mesh_ && (!config_.fsdp || config_.tp > 1)) {
     const DeviceMesh tp_mesh = mesh_->ndim() == 1 ? *mesh_ : (*mesh_)["tp"];
     if (config_.plan) {
       apply_plan_file(*model_, tp_mesh, *config_.plan);
@@ -36,7 +39,9 @@ Trainer::Trainer(const RunConfig& config, std::optional<DeviceMesh> mesh)
       models::apply_tensor_parallel(*model_, tp_mesh, tp);
     }
   }
-  ac::apply_ac<models::TransformerBlockImpl>(*model_, ac::parse_ac_mode(config_.ac));
+  // Under --pp the stage's modules are what trains (shared with the whole model's).
+  torch::nn::Module& trained = pp_ ? static_cast<torch::nn::Module&>(pp_->stage()) : *model_;
+  ac::apply_ac<models::TransformerBlockImpl>(trained, ac::parse_ac_mode(config_.ac));
   if (mesh_ && config_.fsdp) {
     std::unordered_set<std::string> replicated;  // by name: fully_shard makes plain shards
     for (const auto& p : unique_named_parameters(*model_))
@@ -54,7 +59,7 @@ Trainer::Trainer(const RunConfig& config, std::optional<DeviceMesh> mesh)
   // Decay the matrices (projections and embeddings), not the norm weights, as GPT-style
   // recipes do. A tied weight is listed (and so optimized) once.
   std::vector<at::Tensor> decay, no_decay;
-  for (const at::Tensor& p : unique_parameters(*model_)) {
+  for (const at::Tensor& p : unique_parameters(trained)) {
     (p.dim() >= 2 ? decay : no_decay).push_back(p);
     params_.push_back(p);
   }
@@ -135,8 +140,32 @@ double Trainer::clip_sharded_grad_norm(double max_norm) {
 // as replicated values.
 double Trainer::clip_grad_norm(double max_norm) {
   if (mesh_ && config_.fsdp) return clip_sharded_grad_norm(max_norm);
+  if (pp_) return clip_pipeline_grad_norm(max_norm);
   ImplicitReplication plain_gradients_are_replicated;
   return torch::nn::utils::clip_grad_norm_(params_, max_norm);
+}
+
+// Each stage's norm as above, then the squares summed over the stages; the last stage's copy of
+// a tied embedding has the first stage's gradient and is counted there only.
+double Trainer::clip_pipeline_grad_norm(double max_norm) {
+  at::NoGradGuard no_grad;
+  std::vector<at::Tensor> counted, grads;
+  for (const auto& p : params_) {
+    if (!p.grad().defined()) continue;
+    grads.push_back(p.grad());
+    if (!pp_->is_tied_copy(p)) counted.push_back(p);
+  }
+  double stage_norm = 0;
+  {
+    ImplicitReplication plain_gradients_are_replicated;
+    stage_norm =
+        torch::nn::utils::clip_grad_norm_(counted, std::numeric_limits<double>::infinity());
+  }
+  const double norm = std::sqrt(pp_->sum_over_stages(stage_norm * stage_norm));
+  const double coef = max_norm / (norm + 1e-6);
+  if (coef < 1)
+    for (auto& g : grads) g.mul_(coef);
+  return norm;
 }
 
 StepStats Trainer::train_step(int64_t step, const Batch& global_batch) {
@@ -147,6 +176,7 @@ StepStats Trainer::train_step(int64_t step, const Batch& global_batch) {
   }
   model_->train();
   optimizer_->zero_grad();
+  if (pp_) return pipeline_step(stats, global_batch);
   auto logits = model_->forward(dp_slice(global_batch.inputs));
   auto loss = models::loss_and_backward(logits, dp_slice(global_batch.targets));
   if (mesh_ && !config_.fsdp) {  // FSDP's backward already reduce-scattered the gradients
@@ -159,6 +189,30 @@ StepStats Trainer::train_step(int64_t step, const Batch& global_batch) {
   optimizer_->step();
   stats.loss = mean_over_dp(loss.item<double>());
   return stats;
+}
+
+StepStats Trainer::pipeline_step(StepStats stats, const Batch& global_batch) {
+  const PipelinePart::StepResult r = pp_->step(global_batch);
+  if (config_.tp > 1) models::reduce_partial_grads(pp_->stage());
+  const double max_norm =
+      config_.grad_clip > 0 ? config_.grad_clip : std::numeric_limits<double>::infinity();
+  stats.grad_norm = clip_grad_norm(max_norm);
+  optimizer_->step();
+  stats.loss = r.loss;
+  stats.bubble = r.bubble;
+  return stats;
+}
+
+Trainer Trainer::gather_to_one_device() {
+  TORCH_CHECK(pp_, "gather_to_one_device is for pipelined trainers (--pp)");
+  Trainer one(one_device(config_), std::nullopt);
+  pp_->gather_into(*optimizer_, *one.model_, *one.optimizer_);
+  return one;
+}
+
+void Trainer::load_from_one_device(Trainer& one) {
+  TORCH_CHECK(pp_, "load_from_one_device is for pipelined trainers (--pp)");
+  pp_->scatter_from(*one.model_, *one.optimizer_, *optimizer_);
 }
 
 namespace {
@@ -194,10 +248,16 @@ double Trainer::evaluate(const BatchSampler& val, int64_t n_batches) {
   double total = 0;
   for (int64_t k = 0; k < n_batches; ++k) {
     const Batch b = val.get(k);
+    if (pp_) {  // the loss on the last stage, then on every rank
+      const at::Tensor logits = pp_->forward(b.inputs);
+      if (logits.defined()) total += models::token_cross_entropy(logits, b.targets).item<double>();
+      continue;
+    }
     auto logits = model_->forward(dp_slice(b.inputs));
     total += models::token_cross_entropy(logits, dp_slice(b.targets)).item<double>();
   }
   model_->train();
+  if (pp_) return pp_->from_last_stage(total / static_cast<double>(n_batches));
   return mean_over_dp(total / static_cast<double>(n_batches));
 }
 
@@ -214,12 +274,18 @@ std::vector<int64_t> Trainer::generate(const std::vector<int64_t>& prompt, int64
     const int64_t n = std::min<int64_t>(static_cast<int64_t>(tokens.size()), window);
     auto input = at::zeros({1, window}, at::kLong);
     std::copy(tokens.end() - n, tokens.end(), input.data_ptr<int64_t>());
-    auto logits = model_->forward(input);
-    if (is_dtensor(logits)) logits = full_tensor(logits);
-    auto last = logits.select(1, n - 1).squeeze(0).to(at::kDouble);
-    last = last.narrow(0, 0, 256);  // only bytes are decodable
-    auto probs = at::softmax(last / temperature, 0);
-    tokens.push_back(at::multinomial(probs, 1, false, gen).item<int64_t>());
+    // Under --pp the last stage samples and tells the others.
+    auto logits = pp_ ? pp_->forward(input) : model_->forward(input);
+    int64_t token = 0;
+    if (logits.defined()) {
+      if (is_dtensor(logits)) logits = full_tensor(logits);
+      auto last = logits.select(1, n - 1).squeeze(0).to(at::kDouble);
+      last = last.narrow(0, 0, 256);  // only bytes are decodable
+      auto probs = at::softmax(last / temperature, 0);
+      token = at::multinomial(probs, 1, false, gen).item<int64_t>();
+    }
+    if (pp_) token = static_cast<int64_t>(pp_->from_last_stage(static_cast<double>(token)));
+    tokens.push_back(token);
   }
   model_->train();
   return {tokens.begin() + static_cast<std::ptrdiff_t>(prompt.size()), tokens.end()};

@@ -6,6 +6,8 @@
 #include <torch/optim/adamw.h>
 
 #include <cstdint>
+#include <limits>
+#include <memory>
 #include <optional>
 
 #include "corpus.h"
@@ -19,11 +21,17 @@ struct StepStats {
   double loss = 0;       // mean over the global batch, equal on every rank
   double grad_norm = 0;  // global L2 norm before clipping
   double lr = 0;
+  // --pp: the share of the pipeline schedule's step the stages spent not computing (waiting on
+  // receives, sends and the tied-gradient swap), their mean; NaN without --pp.
+  double bubble = std::numeric_limits<double>::quiet_NaN();
 };
+
+class PipelinePart;
 
 class Trainer {
  public:
-  // `mesh`: all ranks as [tp] or [dp, tp] (dims named "dp", "tp"); nullopt: plain LibTorch.
+  // `mesh`: all ranks as [tp], [dp, tp] or, with config.pp > 1, [pp, tp] (dims named "dp",
+  // "pp", "tp"); nullopt: plain LibTorch.
   Trainer(const RunConfig& config, std::optional<DeviceMesh> mesh);
 
   // One optimizer step on `global_batch` (this rank's dp slice of it is used) at 0-based
@@ -38,10 +46,17 @@ class Trainer {
   std::vector<int64_t> generate(const std::vector<int64_t>& prompt, int64_t n_tokens,
                                 double temperature, uint64_t seed);
 
+  // The whole model; under --pp only this rank's stage of it is trained (see pipelined()).
   models::TransformerImpl& model() { return *model_; }
   torch::optim::AdamW& optimizer() { return *optimizer_; }
   const RunConfig& config() const { return config_; }
   bool distributed() const { return mesh_.has_value(); }
+  bool pipelined() const { return pp_ != nullptr; }
+
+  // --pp checkpoints (collective): the whole model and its AdamW state, under the whole model's
+  // names, in a plain one-device Trainer on every rank; and back from one.
+  Trainer gather_to_one_device();
+  void load_from_one_device(Trainer& one);
 
   // Bytes this rank holds for the parameters, their gradients and AdamW's two moments (this
   // rank's shards under TP or FSDP), counted from the tensors after a step.
@@ -56,6 +71,10 @@ class Trainer {
   double clip_sharded_grad_norm(double max_norm);  // the same for FSDP's gradient shards
   double mean_over_dp(double v) const;
 
+  // --pp: train_step's work, and the gradient norm over the stages.
+  StepStats pipeline_step(StepStats stats, const Batch& global_batch);
+  double clip_pipeline_grad_norm(double max_norm);
+
   RunConfig config_;
   std::optional<DeviceMesh> mesh_;
   models::Transformer model_{nullptr};
@@ -64,6 +83,7 @@ class Trainer {
   // FSDP: per entry of params_, whether TP replicates it (or there is no TP): its gradient is
   // equal on the tp ranks and counts once in the norm.
   std::vector<bool> tp_replicated_;
+  std::shared_ptr<PipelinePart> pp_;  // --pp: this rank's stage, its schedule
 };
 
 }  // namespace dtensor::train

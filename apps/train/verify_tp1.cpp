@@ -13,10 +13,7 @@
 namespace dtensor::train {
 
 Trainer make_reference_trainer(const RunConfig& config, const std::string& resume_from) {
-  RunConfig one = config;
-  one.world_size = one.dp = one.tp = 1;
-  one.fsdp = false;
-  Trainer reference(one, std::nullopt);
+  Trainer reference(one_device(config), std::nullopt);
   if (!resume_from.empty()) {
     checkpoint::load_checkpoint(resume_from, reference.model(), &reference.optimizer());
   }

@@ -257,3 +257,38 @@ TEST(TrainRun, BadPlanFileFailsOnceNamingTheFileAndTheEntry) {
   EXPECT_EQ(r.exit_code, 2) << r.output;
   EXPECT_CONTAINS(r.output, "--plan " + dir.file("missing.json") + ": cannot open the file");
 }
+
+// --pp 2 on 4 ranks (TP=2 inside the stages): the header shows the layout, every progress line
+// the measured bubble next to the formula, and --verify-tp1 passes in float64 (1e-9). Its
+// checkpoint resumes at another layout (--pp 2 alone, 1F1B) to the one-device losses.
+TEST(TrainRun, PipelineStagesTrainResumeAndMatchOneDevice) {
+  TempDir dir;
+  const auto r = train(4, {"--pp",           "2", "--schedule", "gpipe",
+                           "--microbatches", "2", "--dtype",    "float64",
+                           "--steps",        "4", "--stop-at",  "2",
+                           "--ckpt-every",   "2", "--progress", "lines",
+                           "--log-every",    "1", "--out",      dir.file("run"),
+                           "--verify-tp1"});
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("PP=2 x TP=2 (blocks per stage 1 + 1; schedule gpipe, 2 micro-batches"),
+            std::string::npos)
+      << r.output;
+  EXPECT_NE(r.output.find("bubble (pp-1)/(M+pp-1) = 33%"), std::string::npos) << r.output;
+  EXPECT_EQ(count(r.output, "(formula 33%)"), 2u) << r.output;  // steps 1 and 2
+  EXPECT_NE(r.output.find("loss PP=2 x TP=2"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("verify-tp1: PASSED"), std::string::npos) << r.output;
+  EXPECT_NE(read_file(dir.file("run/config.json")).find("\"pp\": 2"), std::string::npos);
+
+  const auto resumed = train(2, {"--pp", "2", "--dtype", "float64", "--steps", "4", "--resume",
+                                 "--out", dir.file("run"), "--verify-tp1"});
+  ASSERT_EQ(resumed.exit_code, 0) << resumed.output;
+  EXPECT_NE(resumed.output.find("schedule 1f1b"), std::string::npos) << resumed.output;
+  EXPECT_NE(resumed.output.find("(step 2)"), std::string::npos) << resumed.output;
+  EXPECT_NE(resumed.output.find("verify-tp1: PASSED"), std::string::npos) << resumed.output;
+  EXPECT_EQ(read_metrics_csv(dir.file("run/metrics.csv")).size(), 4u);
+
+  const auto refused = train(4, {"--pp", "2", "--dp-shard", "2"});
+  EXPECT_EQ(refused.exit_code, 2) << refused.output;
+  EXPECT_EQ(count(refused.output, "--pp 2 cannot be combined with --dp or --dp-shard"), 1u)
+      << refused.output;
+}

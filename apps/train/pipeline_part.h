@@ -1,0 +1,68 @@
+#pragma once
+// dtensor_train --pp: this rank's pipeline stage of the Llama model
+// (dtensor/models/llama_pipeline.h) with tensor parallelism inside it (no sequence
+// parallelism), its schedule, the forward-only passes of evaluation and generation, and the
+// exchange of the whole model's state with a plain one-device Trainer for checkpoints. A
+// Trainer holds one when pipelined.
+#include <ATen/core/Tensor.h>
+#include <torch/optim/adamw.h>
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "corpus.h"
+#include "dtensor/mesh/device_mesh.h"
+#include "dtensor/models/llama_pipeline.h"
+#include "dtensor/pp/pipeline.h"
+#include "run_config.h"
+
+namespace dtensor::train {
+
+class PipelinePart {
+ public:
+  // Splits `whole` (initialised alike on every rank) over the "pp" dimension of `mesh`
+  // ([pp, tp], dims named "pp", "tp") and parallelizes the stage over "tp".
+  PipelinePart(models::TransformerImpl& whole, const RunConfig& config, const DeviceMesh& mesh);
+
+  models::LlamaStageImpl& stage() { return *stage_; }
+  const pp::PipelineStage& pipe() const { return *pipe_; }
+  // The last stage's copy of a tied embedding: its gradient equals the first stage's after the
+  // step, so the global gradient norm counts it once (on the first stage).
+  bool is_tied_copy(const at::Tensor& param) const;
+
+  struct StepResult {
+    double loss = 0;    // mean over the batch, on every rank
+    double bubble = 0;  // mean over the stages of the share of the schedule's step spent idle
+  };
+  // One forward and backward pass of the schedule over `batch` (gradients accumulate).
+  StepResult step(const Batch& batch);
+
+  // Sum of `v` over the stages (one all_reduce on the pp group).
+  double sum_over_stages(double v);
+  // The last stage's logits for `tokens`, without gradients (undefined on the other stages).
+  at::Tensor forward(const at::Tensor& tokens);
+  // The last stage's `v` on every stage.
+  double from_last_stage(double v);
+
+  // Checkpoints. The names are the whole model's (layers.K with the global K). gather_into
+  // fills `full` (a plain one-device model) and `full_opt` (AdamW built on it alike) with the
+  // whole model's parameters and AdamW state, on every rank; scatter_from copies this stage's
+  // part of them into the stage's parameters and `own_opt`.
+  void gather_into(torch::optim::AdamW& own_opt, models::TransformerImpl& full,
+                   torch::optim::AdamW& full_opt);
+  void scatter_from(models::TransformerImpl& full, torch::optim::AdamW& full_opt,
+                    torch::optim::AdamW& own_opt);
+
+ private:
+  // The stage that holds the whole model's parameter `name`.
+  int64_t owner_of(const std::string& name) const;
+
+  RunConfig config_;
+  models::LlamaStage stage_{nullptr};
+  std::unique_ptr<pp::PipelineStage> pipe_;
+  std::unique_ptr<pp::Schedule> schedule_;
+};
+
+}  // namespace dtensor::train

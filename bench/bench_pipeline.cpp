@@ -1,0 +1,244 @@
+// bench_pipeline: pipeline parallelism on 2 CPU ranks (one thread each) for one model: step
+// time and measured bubble of GPipe and 1F1B at pp=2 with M = 1, 2, 4, 8 micro-batches next to
+// the schedules' formula (pp-1)/(M+pp-1), and the step time of (pp=2, tp=1) against
+// (pp=1, tp=2) on the same model and batch.
+//
+//   build/bench/bench_pipeline [--preset demo] [--batch 8] [--seq 128] [--steps 5]
+//
+// Alone it starts itself on 2 local ranks (loopback); under a launcher (RANK set) it runs as
+// those ranks. A step is the schedule's forward and backward over the batch and AdamW's step;
+// its time is the slowest rank's, the median over --steps after one warm-up step. The measured
+// bubble is, per stage, the share of the schedule's step not spent computing (waiting on
+// receives, on sends, on the tied-gradient swap), averaged over the two stages (the mean, not
+// the max; the max is printed too). The last line is machine-readable:
+//   RESULT bubble_gpipe_m1=<> ... bubble_1f1b_m8=<> formula_m1=<> ... step_ms_gpipe_m1=<> ...
+//          pp2_ms=<1F1B, M=4> tp2_ms=<> pp2_vs_tp2=<pp2_ms / tp2_ms>
+#include <ATen/ATen.h>
+#include <ATen/CPUGeneratorImpl.h>
+#include <torch/optim/adamw.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <csignal>
+#include <cstdio>
+#include <cstdlib>
+#include <string>
+#include <vector>
+
+#include "cli/cli.h"
+#include "dtensor/comm/backend.h"
+#include "dtensor/dtensor.h"
+#include "dtensor/models/llama_pipeline.h"
+#include "launch/local_ranks.h"
+
+namespace {
+
+constexpr const char* kUsage = R"(usage: bench_pipeline [options]
+
+Pipeline parallelism on 2 CPU ranks: step time and measured bubble of GPipe and 1F1B at pp=2
+with M = 1, 2, 4, 8 micro-batches against (pp-1)/(M+pp-1), and (pp=2, tp=1) against
+(pp=1, tp=2) on the same model. Alone it starts itself on 2 local ranks.
+The last line is:
+  RESULT bubble_gpipe_m4=<> formula_m4=<> ... pp2_ms=<> tp2_ms=<> pp2_vs_tp2=<>
+
+options:
+  --preset NAME   tiny | demo | bench (default demo)
+  --batch N       sequences per step, divisible by 8 (default 8)
+  --seq N         sequence length (default 128)
+  --steps N       timed steps per configuration, after one warm-up step (default 5)
+  --help          print this help
+)";
+
+using Clock = std::chrono::steady_clock;
+using namespace dtensor;
+
+struct Options {
+  std::string preset = "demo";
+  int64_t batch = 8, seq = 128, steps = 5;
+};
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+double all_reduce(double v, ReduceOp op) {
+  return comm::all_reduce(at::scalar_tensor(v, at::kDouble), op, *comm::world_group())
+      .item<double>();
+}
+
+struct Measured {
+  double step_ms = 0;
+  double bubble_mean = 0, bubble_max = 0;  // over the stages
+};
+
+// `step` once to warm up, then opt.steps times; the slowest rank's time per step.
+template <typename Step>
+std::vector<double> time_steps(const Options& opt, Step&& step) {
+  step();
+  std::vector<double> ms;
+  for (int64_t i = 0; i < opt.steps; ++i) {
+    comm::barrier();
+    const auto t0 = Clock::now();
+    step();
+    ms.push_back(all_reduce(std::chrono::duration<double, std::milli>(Clock::now() - t0).count(),
+                            ReduceOp::Max));
+  }
+  return ms;
+}
+
+Measured run_pipeline(const Options& opt, const models::LlamaConfig& config, const at::Tensor& x,
+                      const at::Tensor& y, bool gpipe, int64_t m) {
+  auto mesh = init_device_mesh("cpu", {2, 1}, {"pp", "tp"});
+  models::Transformer whole(config);
+  whole->init_weights(0);
+  auto stage = models::split_llama_stage(*whole, mesh);
+  auto pipe = models::make_llama_pipeline_stage(stage, mesh);
+  auto loss = [](const at::Tensor& out, const at::Tensor& target) {
+    return models::token_cross_entropy(out, target);
+  };
+  std::unique_ptr<pp::Schedule> schedule;
+  if (gpipe) {
+    schedule = std::make_unique<pp::ScheduleGPipe>(*pipe, m, loss);
+  } else {
+    schedule = std::make_unique<pp::Schedule1F1B>(*pipe, m, loss);
+  }
+  torch::optim::AdamW adam(stage->parameters(), torch::optim::AdamWOptions(1e-4));
+  std::vector<double> idle;
+  const auto ms = time_steps(opt, [&] {
+    adam.zero_grad();
+    schedule->step(x, y);
+    adam.step();
+    const auto& t = schedule->last_timing();
+    idle.push_back(1 - t.compute_s / t.total_s);
+  });
+  idle.erase(idle.begin());  // the warm-up step
+  Measured r;
+  r.step_ms = median(ms);
+  const double mine = median(idle);
+  r.bubble_mean = all_reduce(mine, ReduceOp::Sum) / 2;
+  r.bubble_max = all_reduce(mine, ReduceOp::Max);
+  return r;
+}
+
+double run_tp2(const Options& opt, const models::LlamaConfig& config, const at::Tensor& x,
+               const at::Tensor& y) {
+  auto mesh = init_device_mesh("cpu", {2}, {"tp"});
+  models::Transformer model(config);
+  model->init_weights(0);
+  models::TensorParallelOptions tp;
+  tp.sequence_parallel = true;
+  tp.loss_parallel = true;
+  models::apply_tensor_parallel(*model, mesh, tp);
+  torch::optim::AdamW adam(model->parameters(), torch::optim::AdamWOptions(1e-4));
+  return median(time_steps(opt, [&] {
+    adam.zero_grad();
+    models::loss_and_backward(model->forward(x), y);
+    models::reduce_partial_grads(*model);
+    adam.step();
+  }));
+}
+
+// Starts this program on 2 local ranks and returns the first failing exit code (or 0).
+int launch_two_ranks(char** argv) {
+  namespace launch = dtensor::launch;
+  const int port = launch::free_port();
+  std::vector<std::string> args{"/proc/self/exe"};
+  for (char** a = argv + 1; *a; ++a) args.emplace_back(*a);
+  launch::Children children;
+  children.forward_termination_signals();
+  for (int rank = 0; rank < 2; ++rank) {
+    launch::ChildSetup setup;
+    setup.env = launch::rank_env(rank, 2, port);
+    setup.env.push_back({"OMP_NUM_THREADS", "1"});
+    setup.die_with_parent = true;
+    children.add(launch::spawn_program(args, setup).pid);
+  }
+  launch::Children::WaitOptions wait;
+  wait.stop_signal = SIGTERM;
+  wait.grace = std::chrono::milliseconds(2000);
+  for (const auto& o : children.wait_all(wait)) {
+    if (launch::exit_code_of(o.status) != 0) return launch::exit_code_of(o.status);
+  }
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Options opt;
+  CLI::App app("", "bench_pipeline");
+  app.add_option("--preset", opt.preset)->check(cli::one_of({"tiny", "demo", "bench"}));
+  app.add_option("--batch", opt.batch)->check(cli::integer(8));
+  app.add_option("--seq", opt.seq)->check(cli::integer(1));
+  app.add_option("--steps", opt.steps)->check(cli::integer(1));
+  const bool worker = std::getenv("RANK") != nullptr;
+  if (auto code = cli::parse(app, argc, argv, kUsage, /*quiet=*/worker)) return *code;
+  if (opt.batch % 8 != 0) {
+    std::fprintf(stderr, "bench_pipeline: --batch %lld must be divisible by 8 (M up to 8)\n",
+                 static_cast<long long>(opt.batch));
+    return 2;
+  }
+  if (!worker) return launch_two_ranks(argv);
+
+  comm::init_process_group();
+  at::set_num_threads(1);
+  const bool rank0 = comm::get_rank() == 0;
+  TORCH_CHECK(comm::get_world_size() == 2, "bench_pipeline runs on 2 ranks, got ",
+              comm::get_world_size());
+  auto config = models::LlamaConfig::preset(opt.preset);
+  config.max_seq_len = opt.seq;
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(1);
+  const at::Tensor tokens =
+      at::randint(config.vocab_size, {opt.batch, opt.seq + 1}, gen, at::kLong);
+  const at::Tensor x = tokens.narrow(1, 0, opt.seq).contiguous();
+  const at::Tensor y = tokens.narrow(1, 1, opt.seq).contiguous();
+
+  if (rank0) {
+    std::printf(
+        "bench_pipeline: preset %s (%lld layers, dim %lld, %.2fM parameters), batch %lld x "
+        "%lld tokens, 2 CPU ranks x 1 thread, %s, median of %lld steps\n\n",
+        opt.preset.c_str(), static_cast<long long>(config.n_layers),
+        static_cast<long long>(config.dim), static_cast<double>(config.num_parameters()) / 1e6,
+        static_cast<long long>(opt.batch), static_cast<long long>(opt.seq),
+        comm::cpu_backend_name().c_str(), static_cast<long long>(opt.steps));
+    std::printf("%-10s %4s %10s %14s %13s %9s\n", "schedule", "M", "step ms", "bubble (mean)",
+                "bubble (max)", "formula");
+  }
+  std::string result;
+  char buf[256];
+  double pp2_ms = 0;
+  for (bool gpipe : {true, false}) {
+    const std::string name = gpipe ? "gpipe" : "1f1b";
+    for (int64_t m : {1, 2, 4, 8}) {
+      const Measured r = run_pipeline(opt, config, x, y, gpipe, m);
+      const double formula = 1.0 / static_cast<double>(m + 1);
+      if (!gpipe && m == 4) pp2_ms = r.step_ms;
+      if (!rank0) continue;
+      std::printf("%-10s %4lld %10.1f %13.1f%% %12.1f%% %8.1f%%\n", name.c_str(),
+                  static_cast<long long>(m), r.step_ms, 100 * r.bubble_mean, 100 * r.bubble_max,
+                  100 * formula);
+      std::fflush(stdout);
+      std::snprintf(buf, sizeof buf, "bubble_%s_m%lld=%.4f step_ms_%s_m%lld=%.2f ", name.c_str(),
+                    static_cast<long long>(m), r.bubble_mean, name.c_str(),
+                    static_cast<long long>(m), r.step_ms);
+      result += buf;
+      if (gpipe) {
+        std::snprintf(buf, sizeof buf, "formula_m%lld=%.4f ", static_cast<long long>(m), formula);
+        result += buf;
+      }
+    }
+  }
+  const double tp2_ms = run_tp2(opt, config, x, y);
+  if (rank0) {
+    std::printf(
+        "\n(pp=2, tp=1) 1F1B M=4: %.1f ms/step; (pp=1, tp=2) sequence + loss parallel: "
+        "%.1f ms/step; ratio %.2f\n",
+        pp2_ms, tp2_ms, pp2_ms / tp2_ms);
+    std::snprintf(buf, sizeof buf, "pp2_ms=%.2f tp2_ms=%.2f pp2_vs_tp2=%.3f", pp2_ms, tp2_ms,
+                  pp2_ms / tp2_ms);
+    std::printf("RESULT %s%s\n", result.c_str(), buf);
+  }
+  return 0;
+}
