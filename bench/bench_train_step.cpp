@@ -178,7 +178,9 @@ class Worker {
         dtensor::fsdp::fully_shard(*model_, *mesh_, {false});
       } else {
         mesh_ = dtensor::init_device_mesh("cpu", {dtensor::comm::get_world_size()});
-        models::apply_tensor_parallel(*model_, *mesh_, {.overlap_comm = kind == "tp-overlap"});
+        models::TensorParallelOptions options;
+        options.overlap_comm = kind == "tp-overlap";
+        models::apply_tensor_parallel(*model_, *mesh_, options);
       }
     }
     for (const auto& p : model_->parameters()) dtensor_params_ += dtensor::is_dtensor(p);
@@ -484,29 +486,19 @@ std::vector<Variant> start_variants(const Options& opt, const char* self,
   variants[kTp1].label = "(b) dtensor TP=1";
   variants[kTp1].procs.push_back(
       spawn(cpp_worker("tp"), rank_env(0, 1, launch::free_port()), true));
-  variants[kTp2Gloo].label = "(c) dtensor TP=2 Gloo";
-  const int port2 = launch::free_port();
-  auto gloo_env = [&](int rank) {
-    auto env = rank_env(rank, 2, port2);
-    env.emplace_back("DTENSOR_BACKEND", "gloo");
-    return env;
+  // Two ranks of worker `kind` over Gloo, on a port of their own.
+  auto gloo_pair = [&](int index, const std::string& label, const std::string& kind) {
+    variants[index].label = label;
+    const int port = launch::free_port();
+    for (int r = 0; r < 2; ++r) {
+      auto env = rank_env(r, 2, port);
+      env.emplace_back("DTENSOR_BACKEND", "gloo");
+      variants[index].procs.push_back(spawn(cpp_worker(kind), env, r == 0));
+    }
   };
-  for (int r = 0; r < 2; ++r)
-    variants[kTp2Gloo].procs.push_back(spawn(cpp_worker("tp"), gloo_env(r), r == 0));
-  variants[kTp2GlooOverlap].label = "(f) TP=2 Gloo overlap";
-  const int port_overlap = launch::free_port();
-  for (int r = 0; r < 2; ++r) {
-    auto env = rank_env(r, 2, port_overlap);
-    env.emplace_back("DTENSOR_BACKEND", "gloo");
-    variants[kTp2GlooOverlap].procs.push_back(spawn(cpp_worker("tp-overlap"), env, r == 0));
-  }
-  variants[kFsdp2Gloo].label = "(e) dtensor FSDP=2 Gloo";
-  const int port_fsdp = launch::free_port();
-  for (int r = 0; r < 2; ++r) {
-    auto env = rank_env(r, 2, port_fsdp);
-    env.emplace_back("DTENSOR_BACKEND", "gloo");
-    variants[kFsdp2Gloo].procs.push_back(spawn(cpp_worker("fsdp"), env, r == 0));
-  }
+  gloo_pair(kTp2Gloo, "(c) dtensor TP=2 Gloo", "tp");
+  gloo_pair(kTp2GlooOverlap, "(f) TP=2 Gloo overlap", "tp-overlap");
+  gloo_pair(kFsdp2Gloo, "(e) dtensor FSDP=2 Gloo", "fsdp");
   variants[kTp2Mpi].label = "(c') dtensor TP=2 MPI";
   variants[kTp2MpiOverlap].label = "(f') TP=2 MPI overlap";
   for (const auto& [index, kind] :
