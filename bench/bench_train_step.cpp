@@ -6,19 +6,22 @@
 //   (e)  fsdp2   dtensor-cpp FSDP (fully_shard) on 2 ranks (dp=2, tp=1), Gloo: each rank
 //                half of the batch
 //   (c') tp2     dtensor-cpp TP on 2 ranks, MPI (shared memory; ranks started by mpirun)
+//   (f), (f')    (c) and (c') with overlap_comm (tp/overlap.h): collectives overlapped with
+//                the matmuls, bitwise the same losses
 //   (d)  py-tp2  PyTorch's own Python TP on 2 ranks, Gloo (bench/pytorch_tp_train_step.py)
 //
 //   build/bench/bench_train_step      scripts/bench train_step      (--help for the options)
 //
 // Every variant is a long-lived worker process (two for the 2-rank ones) with the same initial
 // parameters and token batches, read from one safetensors file this program writes. The
-// controller hands out blocks of steps in rounds, a b c c' d then d c' c b a, so that each runs
-// first half of the time; a block's time is the slowest rank's. Ratios are medians of per-round
-// ratios, which cancels the slow phases of a busy machine far better than a ratio of medians.
-// The last line is:
+// controller hands out blocks of steps in rounds, a b c f e c' f' d then the reverse, so that each
+// runs first half of the time; a block's time is the slowest rank's. Ratios are medians of
+// per-round ratios, which cancels the slow phases of a busy machine far better than a ratio of
+// medians. The last line is:
 //   RESULT tp1_overhead_pct=<(b - a) / a * 100> speedup_vs_pytorch_tp2=<(d) / (c)>
 //          tp2_vs_tp1_plain=<a / the faster of c, c'> tp2_vs_tp1_plain_gloo=<a / c>
 //          tp2_vs_tp1_plain_mpi=<a / c'> fsdp2_vs_tp2_gloo=<c / e>
+//          overlap_speedup=<c / f> overlap_speedup_mpi=<c' / f'>
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <fcntl.h>
@@ -61,12 +64,13 @@ preset (~29M parameters) as (a) plain LibTorch, (b) dtensor TP on a 1-rank mesh,
 TP on 2 ranks over Gloo, (c') the same over MPI (started by mpirun, when the build has MPI)
 (d) PyTorch's Python TP on 2 ranks over Gloo (the same model, plan — sequence parallel
 and loss parallel — initial parameters and data) and (e) dtensor FSDP (dp=2, tp=1) on 2 ranks
-over Gloo, each rank on half of the batch, one intra-op thread per rank, interleaved in
-rounds. Prints ms/step and tokens/s per variant, the first and last losses of each
+over Gloo, each rank on half of the batch, (f) and (f') (c) and (c') with overlap_comm, one
+intra-op thread per rank, interleaved in rounds. Prints ms/step and tokens/s per variant, the first and last losses of each
 variant, and as its last line:
   RESULT tp1_overhead_pct=<(b-a)/a*100> speedup_vs_pytorch_tp2=<(d)/(c)>
          tp2_vs_tp1_plain=<a/(faster of c, c')> tp2_vs_tp1_plain_gloo=<a/c>
          tp2_vs_tp1_plain_mpi=<a/c'> fsdp2_vs_tp2_gloo=<c/e>
+         overlap_speedup=<c/f> overlap_speedup_mpi=<c'/f'>
 
 options:
   --preset NAME          model preset (default bench; tiny, demo for a quick look)
@@ -87,7 +91,17 @@ options:
 )";
 
 // The variants, in the order they run in a round.
-enum VariantIndex { kPlain, kTp1, kTp2Gloo, kFsdp2Gloo, kTp2Mpi, kPy, kVariants };
+enum VariantIndex {
+  kPlain,
+  kTp1,
+  kTp2Gloo,
+  kTp2GlooOverlap,
+  kFsdp2Gloo,
+  kTp2Mpi,
+  kTp2MpiOverlap,
+  kPy,
+  kVariants
+};
 
 struct Options {
   std::string preset = "bench";
@@ -99,7 +113,7 @@ struct Options {
   bool pytorch = true;
   bool mpi = true;
   // Worker side.
-  std::string worker;  // "", "plain", "tp" or "fsdp"
+  std::string worker;  // "", "plain", "tp", "tp-overlap" or "fsdp"
   std::string inputs;
 };
 
@@ -164,7 +178,9 @@ class Worker {
         dtensor::fsdp::fully_shard(*model_, *mesh_, {false});
       } else {
         mesh_ = dtensor::init_device_mesh("cpu", {dtensor::comm::get_world_size()});
-        models::apply_tensor_parallel(*model_, *mesh_);
+        models::TensorParallelOptions options;
+        options.overlap_comm = kind == "tp-overlap";
+        models::apply_tensor_parallel(*model_, *mesh_, options);
       }
     }
     for (const auto& p : model_->parameters()) dtensor_params_ += dtensor::is_dtensor(p);
@@ -470,24 +486,24 @@ std::vector<Variant> start_variants(const Options& opt, const char* self,
   variants[kTp1].label = "(b) dtensor TP=1";
   variants[kTp1].procs.push_back(
       spawn(cpp_worker("tp"), rank_env(0, 1, launch::free_port()), true));
-  variants[kTp2Gloo].label = "(c) dtensor TP=2 Gloo";
-  const int port2 = launch::free_port();
-  auto gloo_env = [&](int rank) {
-    auto env = rank_env(rank, 2, port2);
-    env.emplace_back("DTENSOR_BACKEND", "gloo");
-    return env;
+  // Two ranks of worker `kind` over Gloo, on a port of their own.
+  auto gloo_pair = [&](int index, const std::string& label, const std::string& kind) {
+    variants[index].label = label;
+    const int port = launch::free_port();
+    for (int r = 0; r < 2; ++r) {
+      auto env = rank_env(r, 2, port);
+      env.emplace_back("DTENSOR_BACKEND", "gloo");
+      variants[index].procs.push_back(spawn(cpp_worker(kind), env, r == 0));
+    }
   };
-  for (int r = 0; r < 2; ++r)
-    variants[kTp2Gloo].procs.push_back(spawn(cpp_worker("tp"), gloo_env(r), r == 0));
-  variants[kFsdp2Gloo].label = "(e) dtensor FSDP=2 Gloo";
-  const int port_fsdp = launch::free_port();
-  for (int r = 0; r < 2; ++r) {
-    auto env = rank_env(r, 2, port_fsdp);
-    env.emplace_back("DTENSOR_BACKEND", "gloo");
-    variants[kFsdp2Gloo].procs.push_back(spawn(cpp_worker("fsdp"), env, r == 0));
-  }
+  gloo_pair(kTp2Gloo, "(c) dtensor TP=2 Gloo", "tp");
+  gloo_pair(kTp2GlooOverlap, "(f) TP=2 Gloo overlap", "tp-overlap");
+  gloo_pair(kFsdp2Gloo, "(e) dtensor FSDP=2 Gloo", "fsdp");
   variants[kTp2Mpi].label = "(c') dtensor TP=2 MPI";
-  if (dtensor::comm::has_mpi() && opt.mpi) {
+  variants[kTp2MpiOverlap].label = "(f') TP=2 MPI overlap";
+  for (const auto& [index, kind] :
+       {std::pair{kTp2Mpi, "tp"}, std::pair{kTp2MpiOverlap, "tp-overlap"}}) {
+    if (!dtensor::comm::has_mpi() || !opt.mpi) break;
     // mpirun starts both ranks (bound to a core each); rank 0 reads our commands.
     std::vector<std::string> argv = {MPIEXEC_PATH, "-np", "2"};
     if (::geteuid() == 0) argv.push_back("--allow-run-as-root");
@@ -498,10 +514,10 @@ std::vector<Variant> start_variants(const Options& opt, const char* self,
       argv.push_back("-x");
       argv.push_back(var);
     }
-    auto worker = cpp_worker("tp");
+    auto worker = cpp_worker(kind);
     worker[0] = std::filesystem::read_symlink("/proc/self/exe").string();  // not mpirun's self
     argv.insert(argv.end(), worker.begin(), worker.end());
-    variants[kTp2Mpi].procs.push_back(spawn(argv, one_thread, true));
+    variants[index].procs.push_back(spawn(argv, one_thread, true));
   }
   variants[kPy].label = "(d) PyTorch TP=2 Gloo";
   if (opt.pytorch) {
@@ -536,13 +552,14 @@ void print_intro(const Options& opt, const models::LlamaConfig& config) {
       "rounds of %d step(s) per variant\n",
       opt.warmup, opt.rounds, opt.steps);
   std::printf(
-      "rounds alternate a b c e c' d / d c' e c b a; ms/step = median over rounds of the slowest "
+      "rounds alternate a b c f e c' f' d / d f' c' e f c b a; ms/step = median over rounds of the "
+      "slowest "
       "rank's block time / steps\n\n");
   std::fflush(stdout);
 }
 
-// Warm-up, then the rounds: a b c e c' d / d c' e c b a, so that each variant runs first half of
-// the time.
+// Warm-up, then the rounds: a b c f e c' f' d / d f' c' e f c b a, so that each variant runs first
+// half of the time.
 void run_rounds(const Options& opt, std::vector<Variant>& variants) {
   for (auto& v : variants) {
     if (auto b = v.run(opt.warmup)) v.warmup_losses = b->losses;
@@ -571,7 +588,8 @@ void print_report(const Options& opt, const std::vector<Variant>& variants) {
     return median(rs);
   };
   const Variant &a = variants[kPlain], &b = variants[kTp1], &c = variants[kTp2Gloo],
-                &m = variants[kTp2Mpi], &d = variants[kPy], &e = variants[kFsdp2Gloo];
+                &m = variants[kTp2Mpi], &d = variants[kPy], &e = variants[kFsdp2Gloo],
+                &f = variants[kTp2GlooOverlap], &fm = variants[kTp2MpiOverlap];
 
   std::printf("%-24s %10s %10s %9s %9s %9s %9s %11s\n", "variant", "ms/step", "tokens/s",
               "vs plain", "forward", "backward", "optim", "DTensor ops");
@@ -645,12 +663,29 @@ void print_report(const Options& opt, const std::vector<Variant>& variants) {
   const double fsdp_vs_tp = e.rounds.empty() ? std::nan("") : ratio(c, e);
   std::printf("FSDP dp=2 tokens/s over TP=2's (median over rounds of c/e, Gloo): %sx\n",
               fmt(fsdp_vs_tp, 3).c_str());
+  // TP=2 with overlap_comm: the plain TP=2 step time over the overlapped one, per engine.
+  const double overlap_gloo = f.rounds.empty() ? std::nan("") : ratio(c, f);
+  const double overlap_mpi = fm.rounds.empty() || m.rounds.empty() ? std::nan("") : ratio(m, fm);
+  std::printf(
+      "TP=2 with overlap_comm, speedup over without (median over rounds of c/f, c'/f'): "
+      "Gloo %sx, MPI %sx\n",
+      fmt(overlap_gloo, 3).c_str(), fmt(overlap_mpi, 3).c_str());
+  if (!f.all_losses.empty()) {
+    // Losses travel as float32 with 9 significant digits: equal text is the same float.
+    bool same = f.all_losses.size() == c.all_losses.size();
+    for (size_t i = 0; same && i < f.all_losses.size(); ++i)
+      same = f.all_losses[i] == c.all_losses[i];
+    std::printf("losses of (f) and (c) %s\n", same ? "bitwise equal" : "DIFFER");
+  }
+  auto or_nan = [](double v) { return std::isnan(v) ? std::string("nan") : fmt(v, 3); };
   std::printf(
       "RESULT tp1_overhead_pct=%.2f speedup_vs_pytorch_tp2=%s tp2_vs_tp1_plain=%.3f "
-      "tp2_vs_tp1_plain_gloo=%.3f tp2_vs_tp1_plain_mpi=%s fsdp2_vs_tp2_gloo=%s\n",
+      "tp2_vs_tp1_plain_gloo=%.3f tp2_vs_tp1_plain_mpi=%s fsdp2_vs_tp2_gloo=%s "
+      "overlap_speedup=%s overlap_speedup_mpi=%s\n",
       overhead, d.rounds.empty() ? "nan" : fmt(speedup, 3).c_str(), vs_plain, vs_plain_gloo,
       std::isnan(vs_plain_mpi) ? "nan" : fmt(vs_plain_mpi, 3).c_str(),
-      std::isnan(fsdp_vs_tp) ? "nan" : fmt(fsdp_vs_tp, 3).c_str());
+      std::isnan(fsdp_vs_tp) ? "nan" : fmt(fsdp_vs_tp, 3).c_str(), or_nan(overlap_gloo).c_str(),
+      or_nan(overlap_mpi).c_str());
   std::fflush(stdout);
 }
 
@@ -705,7 +740,7 @@ int main(int argc, char** argv) {
   bool quick = false;
   app.add_flag("--quick", quick)->disable_flag_override();
   // The controller starts itself as the workers with these.
-  app.add_option("--worker", opt.worker)->check(cli::one_of({"plain", "tp", "fsdp"}));
+  app.add_option("--worker", opt.worker)->check(cli::one_of({"plain", "tp", "tp-overlap", "fsdp"}));
   app.add_option("--inputs", opt.inputs)->check(cli::non_empty());
   if (auto code = cli::parse(app, argc, argv, kUsage)) return *code;
   if (quick) {  // a smoke test; options given explicitly win

@@ -66,6 +66,8 @@ evaluation and output:
 parallelism and numerics:
   --no-sequence-parallel keep activations replicated between blocks
   --no-loss-parallel     gather the logits instead of a vocab-parallel cross entropy
+  --overlap-comm         overlap each block's sequence-parallel all-gathers and
+                         reduce-scatters with its matmuls (same results, bitwise)
   --plan FILE            the TP plan from a JSON file instead of the built-in one (then the
                          two options above do not apply): module paths (wildcards allowed)
                          to styles as PyTorch writes them, applied in file order, e.g.
@@ -152,6 +154,7 @@ void add_parallel_options(CLI::App& app, TrainOptions& o) {
       ->disable_flag_override();
   app.add_flag_callback("--no-loss-parallel", [&o] { o.loss_parallel = false; })
       ->disable_flag_override();
+  app.add_flag_callback("--overlap-comm", [&o] { o.overlap_comm = true; })->disable_flag_override();
   app.add_option("--plan", o.plan_path)->check(cli::non_empty());
   app.add_option("--dp", o.dp)->check(cli::integer(1));
   app.add_option("--dp-shard", o.dp_shard)->check(cli::integer(1));

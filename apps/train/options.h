@@ -44,6 +44,8 @@ struct TrainOptions {
   // Parallelism and numerics.
   bool sequence_parallel = true;
   bool loss_parallel = true;
+  // Overlap the sequence-parallel collectives with the matmuls (--overlap-comm).
+  bool overlap_comm = false;
   std::string plan_path;  // a TP plan as JSON instead of the built-in Llama plan (plan_file.h)
   int64_t dp = 1;
   int64_t dp_shard = 1;     // FSDP degree (fully_shard over that many ranks); 1: off

@@ -113,6 +113,11 @@ RunConfig resolve_run_config(const TrainOptions& o, int64_t world_size) {
   c.verify_rtol = o.verify_rtol.value_or(c.dtype == c10::kDouble ? 1e-9 : 1e-4);
   c.sequence_parallel = o.sequence_parallel;
   c.loss_parallel = o.loss_parallel;
+  c.overlap_comm = o.overlap_comm;
+  if (o.overlap_comm && (!o.plan_path.empty() || !o.sequence_parallel))
+    bad(std::string("--overlap-comm overlaps the built-in plan's sequence-parallel collectives; "
+                    "drop it, or drop ") +
+        (o.plan_path.empty() ? "--no-sequence-parallel" : "--plan"));
   c.ac = o.ac;
   if (o.pp == 1 && (o.schedule || o.microbatches))
     bad("--schedule and --microbatches apply to pipeline parallelism: add --pp N (N > 1)");

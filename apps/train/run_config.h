@@ -36,6 +36,7 @@ struct RunConfig {
   bool fsdp = false;  // --dp-shard: the dp ranks shard the parameters (fully_shard)
   bool sequence_parallel = true;
   bool loss_parallel = true;
+  bool overlap_comm = false;     // --overlap-comm
   std::string ac = "none";       // activation checkpointing mode (dtensor/ac/checkpoint.h)
   std::optional<PlanFile> plan;  // --plan: used instead of the built-in Llama plan
   double verify_rtol = 1e-4;

@@ -36,6 +36,7 @@ Trainer::Trainer(const RunConfig& config, std::optional<DeviceMesh> mesh)
       models::TensorParallelOptions tp;
       tp.sequence_parallel = config_.sequence_parallel;
       tp.loss_parallel = config_.loss_parallel;
+      tp.overlap_comm = config_.overlap_comm;
       models::apply_tensor_parallel(*model_, tp_mesh, tp);
     }
   }

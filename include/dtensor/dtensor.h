@@ -44,6 +44,7 @@
 #include "dtensor/tp/loss_parallel.h"
 #include "dtensor/tp/module_hooks.h"
 #include "dtensor/tp/module_tracker.h"
+#include "dtensor/tp/overlap.h"
 #include "dtensor/tp/parallel_style.h"
 #include "dtensor/tp/parallelize_module.h"
 #include "dtensor/tp/parse_style.h"

@@ -9,12 +9,18 @@
 #include "dtensor/core/api.h"
 #include "dtensor/core/dtensor_impl.h"
 #include "dtensor/tp/loss_parallel.h"
+#include "dtensor/tp/overlap.h"
 #include "llama_meta.h"
 #include "rotary.h"
 
 namespace dtensor::models {
 
 namespace {
+
+// Without overlap, autograd sums the input gradients of wq, wk and wv as (v + k) + q: the value
+// path's backward finishes first (its nodes were created last), then the key's. The overlapped
+// projections sum in the same order so that their results are bitwise the same.
+const std::vector<int64_t> kQkvGradSumOrder{2, 1, 0};
 
 // x: (B, S, H, head_dim), rope: (S, head_dim/2, 2), like torchtitan's apply_rotary_emb.
 at::Tensor apply_rotary(const at::Tensor& x, const at::Tensor& rope) {
@@ -86,7 +92,15 @@ FeedForwardImpl::FeedForwardImpl(int64_t dim, int64_t hidden_dim) {
 }
 
 at::Tensor FeedForwardImpl::forward(const at::Tensor& x) {
-  return call_forward([this](const at::Tensor& x) { return w2(at::silu(w1(x)) * w3(x)); }, x);
+  return call_forward(
+      [this](const at::Tensor& x) {
+        if (!overlap) return w2(at::silu(w1(x)) * w3(x));
+        const auto h =
+            tp::all_gather_matmul(x, {w1->weight, w3->weight}, overlap->mesh, overlap->chunks);
+        return tp::matmul_reduce_scatter(at::silu(h[0]) * h[1], w2->weight, overlap->mesh,
+                                         overlap->chunks);
+      },
+      x);
 }
 
 AttentionImpl::AttentionImpl(const LlamaConfig& config)
@@ -103,11 +117,19 @@ AttentionImpl::AttentionImpl(const LlamaConfig& config)
 at::Tensor AttentionImpl::forward(const at::Tensor& x, const at::Tensor& rope) {
   return call_forward(
       [this](const at::Tensor& x, const at::Tensor& rope) {
-        const int64_t bs = x.size(0), seqlen = x.size(1);
+        at::Tensor q, k, v;
+        if (overlap) {
+          const auto qkv = tp::all_gather_matmul(x, {wq->weight, wk->weight, wv->weight},
+                                                 overlap->mesh, overlap->chunks, kQkvGradSumOrder);
+          q = qkv[0], k = qkv[1], v = qkv[2];
+        } else {
+          q = wq(x), k = wk(x), v = wv(x);
+        }
+        const int64_t bs = q.size(0), seqlen = q.size(1);
         // -1: the heads this rank holds (all of them without TP).
-        auto xq = wq(x).view({bs, seqlen, -1, head_dim});
-        auto xk = wk(x).view({bs, seqlen, -1, head_dim});
-        auto xv = wv(x).view({bs, seqlen, -1, head_dim});
+        auto xq = q.view({bs, seqlen, -1, head_dim});
+        auto xk = k.view({bs, seqlen, -1, head_dim});
+        auto xv = v.view({bs, seqlen, -1, head_dim});
         xq = apply_rotary(xq, rope);
         xk = apply_rotary(xk, rope);
         const int64_t nq = xq.size(2), nkv = xk.size(2);
@@ -118,7 +140,10 @@ at::Tensor AttentionImpl::forward(const at::Tensor& x, const at::Tensor& rope) {
         auto out = at::scaled_dot_product_attention(xq.transpose(1, 2), xk.transpose(1, 2),
                                                     xv.transpose(1, 2), /*attn_mask=*/{},
                                                     /*dropout_p=*/0.0, /*is_causal=*/true);
-        return wo(out.transpose(1, 2).contiguous().view({bs, seqlen, -1}));
+        out = out.transpose(1, 2).contiguous().view({bs, seqlen, -1});
+        if (overlap)
+          return tp::matmul_reduce_scatter(out, wo->weight, overlap->mesh, overlap->chunks);
+        return wo(out);
       },
       x, rope);
 }

@@ -131,7 +131,7 @@ DeviceMesh tp_mesh_of(const DeviceMesh& device_mesh) {
 }
 
 tp::ParallelizePlan llama_plan(const LlamaConfig& config, int64_t tp, bool sp, bool lp,
-                               const PlanParts& parts) {
+                               const PlanParts& parts, bool overlap = false) {
   using namespace tp;
   const bool kv_sharded = config.kv_heads() % tp == 0;
   auto kv_style = [&]() -> Style {
@@ -169,18 +169,23 @@ tp::ParallelizePlan llama_plan(const LlamaConfig& config, int64_t tp, bool sp, b
     if (sp) plan.emplace_back("layers.*.attention_norm", SequenceParallel());
     // One conversion of the block input for wq, wk and wv together (without SP too: their
     // three input gradients then meet in one all_reduce instead of three).
-    plan.emplace_back(
-        "layers.*.attention",
-        PrepareModuleInput({.input_layouts = Layouts{between, std::nullopt},
-                            .desired_input_layouts = Layouts{Replicate(), std::nullopt}}));
+    // With overlap the projections gather their sequence-sharded input themselves.
+    if (!overlap) {
+      plan.emplace_back(
+          "layers.*.attention",
+          PrepareModuleInput({.input_layouts = Layouts{between, std::nullopt},
+                              .desired_input_layouts = Layouts{Replicate(), std::nullopt}}));
+    }
     plan.emplace_back("layers.*.attention.wq", ColwiseParallel());
     plan.emplace_back("layers.*.attention.wk", kv_style());
     plan.emplace_back("layers.*.attention.wv", kv_style());
     plan.emplace_back("layers.*.attention.wo", RowwiseParallel({.output_layouts = between}));
     if (sp) plan.emplace_back("layers.*.ffn_norm", SequenceParallel());
-    plan.emplace_back("layers.*.feed_forward",
-                      PrepareModuleInput({.input_layouts = Layouts{between},
-                                          .desired_input_layouts = Layouts{Replicate()}}));
+    if (!overlap) {
+      plan.emplace_back("layers.*.feed_forward",
+                        PrepareModuleInput({.input_layouts = Layouts{between},
+                                            .desired_input_layouts = Layouts{Replicate()}}));
+    }
     plan.emplace_back("layers.*.feed_forward.w1", ColwiseParallel());
     plan.emplace_back("layers.*.feed_forward.w2", RowwiseParallel({.output_layouts = between}));
     plan.emplace_back("layers.*.feed_forward.w3", ColwiseParallel());
@@ -197,11 +202,35 @@ void apply_tensor_parallel(TransformerImpl& model, const DeviceMesh& device_mesh
   const LlamaConfig& config = model.config();
   config.validate_tp(mesh.size());
   const bool sp = options.sequence_parallel, lp = options.loss_parallel;
+  if (options.overlap_comm) {
+    TORCH_CHECK(
+        sp,
+        "apply_tensor_parallel: overlap_comm overlaps the sequence-parallel all-gathers and "
+        "reduce-scatters, so it needs sequence_parallel=true (got false); set "
+        "overlap_comm=false or enable sequence parallelism");
+    TORCH_CHECK(config.kv_heads() % mesh.size() == 0,
+                "apply_tensor_parallel: overlap_comm needs "
+                "wk/wv ColwiseParallel, i.e. n_kv_heads divisible by tp; got n_kv_heads=",
+                config.kv_heads(), " and tp=", mesh.size(),
+                ". Set overlap_comm=false or use a tp "
+                "degree that divides n_kv_heads");
+    TORCH_CHECK(options.overlap_chunks >= 1,
+                "apply_tensor_parallel: overlap_chunks must be at least 1, got ",
+                options.overlap_chunks);
+  }
   PlanParts parts;
   parts.head_shares_embedding = config.tie_embeddings;
   parts.layers = config.n_layers > 0;
-  tp::parallelize_module(model, mesh, llama_plan(config, mesh.size(), sp, lp, parts),
+  tp::parallelize_module(model, mesh,
+                         llama_plan(config, mesh.size(), sp, lp, parts, options.overlap_comm),
                          options.src_data_rank);
+  if (options.overlap_comm) {
+    for (const auto& layer : *model.layers) {
+      auto& block = *layer->as<TransformerBlock>();
+      block.attention->overlap = OverlapComm{mesh, options.overlap_chunks};
+      block.feed_forward->overlap = OverlapComm{mesh, options.overlap_chunks};
+    }
+  }
   if (config.tie_embeddings) model.tie_output_to_embedding();
   model.set_tp_state({mesh, sp, lp});
 }
@@ -215,6 +244,9 @@ void apply_tensor_parallel(LlamaStageImpl& stage, const DeviceMesh& device_mesh,
   config.validate_tp(mesh.size());
   // Sequence parallelism would leave sequence-sharded DTensors at the stage boundaries.
   const bool lp = options.loss_parallel;
+  TORCH_CHECK(!options.overlap_comm, "apply_tensor_parallel: pipeline stage ", stage.stage_index(),
+              ": overlap_comm needs sequence parallelism, which pipeline "
+              "stages do not use; set overlap_comm=false");
   PlanParts parts;
   parts.embedding = !stage.tok_embeddings.is_empty();
   parts.head = !stage.output.is_empty();

@@ -400,6 +400,16 @@ TEST(TrainRunConfig, PresetDefaultsOverridesAndTpChecks) {
   expect_error({"--preset", "tiny", "--dp", "3"}, 4, "--dp 3 does not divide");
   expect_error({"--preset", "tiny", "--batch-size", "3", "--dp", "2"}, 2, "not divisible by --dp");
   expect_error({"--preset", "tiny", "--warmup", "50"}, 1, "--warmup 50 is longer than the run");
+  // --overlap-comm overlaps the built-in plan's sequence-parallel collectives only.
+  expect_error({"--preset", "tiny", "--overlap-comm", "--no-sequence-parallel"}, 2,
+               "--overlap-comm overlaps the built-in plan's sequence-parallel collectives; drop "
+               "it, or drop --no-sequence-parallel");
+  {
+    auto overlap = parse({"--preset", "tiny", "--overlap-comm"}, code);
+    ASSERT_TRUE(overlap);
+    EXPECT_TRUE(resolve_run_config(*overlap, 2).overlap_comm);
+    EXPECT_FALSE(resolve_run_config(*o, 2).overlap_comm);
+  }
   TempDir dir;
   std::ofstream(dir.file("bad.json")) << "{\"dimm\": 3}";
   expect_error({"--config", dir.file("bad.json")}, 1, "dimm");

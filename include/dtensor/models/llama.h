@@ -86,6 +86,14 @@ struct LlamaConfig {
   void validate_tp(int64_t tp) const;
 };
 
+/// Set on the attention and feed-forward modules by apply_tensor_parallel with overlap_comm:
+/// their projections then run through tp::all_gather_matmul and tp::matmul_reduce_scatter
+/// (dtensor/tp/overlap.h) on `mesh`, cutting the sequence into up to `chunks` pieces.
+struct OverlapComm {
+  DeviceMesh mesh;     ///< The TP mesh (1-D).
+  int64_t chunks = 2;  ///< Pieces of the sequence shard (see tp::overlap_chunks).
+};
+
 /// SwiGLU: w2(silu(w1(x)) * w3(x)).
 class FeedForwardImpl : public dtensor::nn::Module {
  public:
@@ -95,6 +103,7 @@ class FeedForwardImpl : public dtensor::nn::Module {
   at::Tensor forward(const at::Tensor& x);
 
   dtensor::nn::Linear w1{nullptr}, w2{nullptr}, w3{nullptr};  ///< The three projections.
+  std::optional<OverlapComm> overlap;  ///< Set by apply_tensor_parallel with overlap_comm.
 };
 /// Module holder of FeedForwardImpl.
 TORCH_MODULE(FeedForward);
@@ -113,6 +122,7 @@ class AttentionImpl : public dtensor::nn::Module {
   int64_t n_heads, n_kv_heads, head_dim;  ///< Query heads, KV heads (before TP) and head size.
   /// Query, key, value and output projections.
   dtensor::nn::Linear wq{nullptr}, wk{nullptr}, wv{nullptr}, wo{nullptr};
+  std::optional<OverlapComm> overlap;  ///< Set by apply_tensor_parallel with overlap_comm.
 };
 /// Module holder of AttentionImpl.
 TORCH_MODULE(Attention);
@@ -199,6 +209,17 @@ struct TensorParallelOptions {
   /// rank initialised the whole model from the same seed), with no communication; a group rank
   /// scatters/broadcasts its values instead.
   std::optional<int64_t> src_data_rank;
+  /// Overlap the sequence-parallel collectives of each block with its matmuls
+  /// (dtensor/tp/overlap.h): the input all-gather of wq/wk/wv and w1/w3 runs in pieces, each
+  /// multiplied while the next is gathered; wo and w2 reduce-scatter piece by piece while the
+  /// next is multiplied; in backward the input gradient's reduce-scatter runs during the weight
+  /// gradients. Bitwise the same results as without it. Needs sequence_parallel and
+  /// n_kv_heads % tp == 0. Per block it issues pieces all-gathers and pieces reduce-scatters for
+  /// each of attention and feed-forward forward instead of one (pieces =
+  /// tp::overlap_chunks(seqlen / tp, overlap_chunks)); backward counts are unchanged.
+  bool overlap_comm = false;
+  /// The most pieces the sequence shard is cut into with overlap_comm.
+  int64_t overlap_chunks = 2;
 };
 
 /// Parallelizes `model` over `mesh` (1-D, or the dimension named "tp" of an N-D mesh) with the
