@@ -44,6 +44,9 @@ void resolve_pipeline(const TrainOptions& o, int64_t world_size, RunConfig& c) {
   if (!o.plan_path.empty())
     bad("--plan does not apply to --pp: each stage uses the built-in plan without sequence "
         "parallelism");
+  if (o.overlap_comm)
+    bad("--overlap-comm does not apply to --pp: each stage runs tensor parallelism without "
+        "sequence parallelism, whose collectives are what it overlaps");
   if (world_size % o.pp != 0) {
     bad(pp + " does not divide the " + std::to_string(world_size) +
         " ranks of this launch (ranks form a pp x tp mesh)");

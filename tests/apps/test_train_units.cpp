@@ -470,6 +470,8 @@ TEST(TrainRunConfig, PipelineLayoutAndRefusals) {
   expect_error({"--preset", "tiny", "--pp", "4"}, 4, "the model has 2 layers");
   expect_error({"--preset", "tiny", "--pp", "3"}, 4, "--pp 3 does not divide the 4 ranks");
   expect_error({"--preset", "tiny", "--pp", "2", "--plan", "x.json"}, 2, "--plan does not apply");
+  expect_error({"--preset", "tiny", "--pp", "2", "--overlap-comm"}, 2,
+               "--overlap-comm does not apply to --pp");
   expect_error({"--preset", "tiny", "--microbatches", "2"}, 2, "add --pp N");
   EXPECT_FALSE(parse({"--pp", "2", "--schedule", "zigzag"}, code));
   EXPECT_EQ(code, 2);
