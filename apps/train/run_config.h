@@ -37,6 +37,7 @@ struct RunConfig {
   bool sequence_parallel = true;
   bool loss_parallel = true;
   std::string ac = "none";       // activation checkpointing mode (dtensor/ac/checkpoint.h)
+  bool bf16 = false;  // --mixed-precision bf16: FSDP gathers and computes in bfloat16
   std::optional<PlanFile> plan;  // --plan: used instead of the built-in Llama plan
   double verify_rtol = 1e-4;
 

@@ -16,6 +16,7 @@ Trainer make_reference_trainer(const RunConfig& config, const std::string& resum
   RunConfig one = config;
   one.world_size = one.dp = one.tp = 1;
   one.fsdp = false;
+  one.bf16 = false;  // the float32 reference of a bf16 run
   Trainer reference(one, std::nullopt);
   if (!resume_from.empty()) {
     checkpoint::load_checkpoint(resume_from, reference.model(), &reference.optimizer());
