@@ -108,8 +108,9 @@ RunConfig resolve_run_config(const TrainOptions& o, int64_t world_size) {
     if (c.dtype != c10::kFloat)
       bad("--mixed-precision bf16 keeps float32 parameters: use --dtype float32, not " + o.dtype);
     c.bf16 = true;
-    // bfloat16 keeps 8 bits of mantissa: the one-device float32 check differs by about 1%.
-    if (!o.verify_rtol) c.verify_rtol = 5e-2;
+    // bfloat16 keeps 8 significant bits: losses move by up to ~1e-3 relative from float32's
+    // (4.6e-4 measured on the tiny preset over 6 steps), so the one-device check allows 1%.
+    if (!o.verify_rtol) c.verify_rtol = 1e-2;
   }
   if (world_size % c.dp != 0) {
     bad((c.fsdp ? "--dp-shard " : "--dp ") + std::to_string(c.dp) + " does not divide the " +

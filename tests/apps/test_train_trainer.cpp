@@ -199,7 +199,7 @@ TEST(TrainTrainer, MixedPrecisionBf16StaysNearFloat32) {
   o.mixed_precision = "bf16";
   const RunConfig bf16 = resolve_run_config(o, 2);
   EXPECT_TRUE(bf16.bf16);
-  EXPECT_EQ(bf16.verify_rtol, 5e-2);
+  EXPECT_EQ(bf16.verify_rtol, 1e-2);
   o.mixed_precision = "none";
   const RunConfig fp32 = resolve_run_config(o, 2);
   EXPECT_FALSE(fp32.bf16);
