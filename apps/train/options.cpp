@@ -78,7 +78,8 @@ parallelism and numerics:
   --dp-shard N           fully sharded data parallelism (FSDP) over N ranks: each rank holds
                          1/N of the parameters, gradients and AdamW state (of its TP share)
                          and gathers a block's parameters while it runs; ranks form a
-                         dp_shard x tp mesh (not with --dp, --plan or checkpoints yet)
+                         dp_shard x tp mesh (not with --dp or --plan); checkpoints hold
+                         the global tensors and resume at any --dp-shard/--dp/TP layout
   --pp N                 pipeline parallelism: the blocks split over N stages (the first
                          also holds the embedding, the last the norm and output head), TP
                          without sequence parallelism inside each; ranks form a pp x tp mesh
@@ -89,6 +90,9 @@ parallelism and numerics:
                          stages of the share of a step spent waiting) and (pp-1)/(M+pp-1)
   --ac MODE              activation checkpointing: none (default) | full (every block
                          recomputes its forward in backward) | selective (every other block)
+  --mixed-precision M    none (default) | bf16: with --dp-shard, parameters and AdamW state
+                         stay float32 while the all-gathers and the compute run in bfloat16;
+                         gradients are reduce-scattered in float32 (needs --dtype float32)
   --dtype T              float32 | float64 (default float32)
   --threads N            intra-op threads per rank (default 1)
   --verify-tp1           afterwards re-run the same steps on one device with plain LibTorch
@@ -162,6 +166,7 @@ void add_parallel_options(CLI::App& app, TrainOptions& o) {
   add_optional(app, "--schedule", o.schedule)->check(cli::one_of({"gpipe", "1f1b"}));
   add_optional(app, "--microbatches", o.microbatches)->check(cli::integer(1));
   app.add_option("--ac", o.ac)->check(cli::one_of({"none", "full", "selective"}));
+  app.add_option("--mixed-precision", o.mixed_precision)->check(cli::one_of({"none", "bf16"}));
   app.add_option("--dtype", o.dtype)->check(cli::one_of({"float32", "float64"}));
   app.add_option("--threads", o.threads)->check(cli::integer(1));
   app.add_flag_callback("--verify-tp1", [&o] { o.verify_tp1 = true; })->disable_flag_override();

@@ -50,6 +50,7 @@ struct TrainOptions {
   int64_t dp = 1;
   int64_t dp_shard = 1;     // FSDP degree (fully_shard over that many ranks); 1: off
   std::string ac = "none";  // activation checkpointing: none | full | selective
+  std::string mixed_precision = "none";  // none | bf16 (with --dp-shard)
   std::string dtype = "float32";
   int64_t threads = 1;
 

@@ -139,12 +139,18 @@ RunConfig resolve_run_config(const TrainOptions& o, int64_t world_size) {
     }
     if (!o.plan_path.empty())
       bad("--plan is a tensor-parallel plan; it does not apply to --dp-shard");
-    if (o.ckpt_every > 0 || o.final_ckpt || o.resume) {
-      bad("checkpoints (--ckpt-every, --save-final, --resume) do not support --dp-shard yet: "
-          "each rank holds only its shard of the parameters");
-    }
     c.dp = o.dp_shard;
     c.fsdp = true;
+  }
+  if (o.mixed_precision == "bf16") {
+    if (!c.fsdp)
+      bad("--mixed-precision bf16 is FSDP's: it needs --dp-shard N (N >= 2)");
+    if (c.dtype != c10::kFloat)
+      bad("--mixed-precision bf16 keeps float32 parameters: use --dtype float32, not " + o.dtype);
+    c.bf16 = true;
+    // bfloat16 keeps 8 significant bits: losses move by up to ~1e-3 relative from float32's
+    // (4.6e-4 measured on the tiny preset over 6 steps), so the one-device check allows 1%.
+    if (!o.verify_rtol) c.verify_rtol = 1e-2;
   }
   if (world_size % c.dp != 0) {
     bad((c.fsdp ? "--dp-shard " : "--dp ") + std::to_string(c.dp) + " does not divide the " +
@@ -190,8 +196,9 @@ std::string RunConfig::to_json() const {
      << ", \"eval_every\": " << eval_every << ", \"eval_batches\": " << eval_batches
      << ", \"dtype\": \"" << (dtype == c10::kDouble ? "float64" : "float32") << "\""
      << ", \"world_size\": " << world_size << ", \"dp\": " << dp << ", \"tp\": " << tp
-     << ", \"fsdp\": " << (fsdp ? "true" : "false") << ", \"pp\": " << pp << ", \"pp_schedule\": \""
-     << pp_schedule << "\", \"microbatches\": " << microbatches
+     << ", \"fsdp\": " << (fsdp ? "true" : "false")
+     << (bf16 ? ", \"mixed_precision\": \"bf16\"" : "") << ", \"pp\": " << pp
+     << ", \"pp_schedule\": \"" << pp_schedule << "\", \"microbatches\": " << microbatches
      << ", \"sequence_parallel\": " << (sequence_parallel ? "true" : "false")
      << ", \"loss_parallel\": " << (loss_parallel ? "true" : "false");
   if (plan) js << ", \"plan\": " << std::quoted(plan->path);

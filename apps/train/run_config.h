@@ -38,6 +38,7 @@ struct RunConfig {
   bool loss_parallel = true;
   bool overlap_comm = false;     // --overlap-comm
   std::string ac = "none";       // activation checkpointing mode (dtensor/ac/checkpoint.h)
+  bool bf16 = false;  // --mixed-precision bf16: FSDP gathers and computes in bfloat16
   std::optional<PlanFile> plan;  // --plan: used instead of the built-in Llama plan
   double verify_rtol = 1e-4;
 

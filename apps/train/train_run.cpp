@@ -114,6 +114,9 @@ std::string parallel_line(const RunConfig& c, int64_t threads) {
         << (c.loss_parallel ? "loss parallel" : "gathered logits") << ")";
     }
     if (c.ac != "none") s << ", AC " << c.ac;
+    if (c.bf16)
+      s << ", mixed precision bf16 (float32 parameters and AdamW state, bfloat16 all-gathers and "
+           "compute, float32 reduce-scatters)";
     s << " on " << c.world_size << " CPU ranks, " << threads << " thread"
       << (threads > 1 ? "s" : "") << " each, " << (c.dtype == c10::kDouble ? "float64" : "float32")
       << ", collectives on " << dtensor::comm::cpu_backend_name();

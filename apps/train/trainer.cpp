@@ -51,8 +51,16 @@ Trainer::Trainer(const RunConfig& config, std::optional<DeviceMesh> mesh)
     // (forward, then backward); the root (embedding, final norm, output) keeps them from its
     // forward to its backward, which starts right away.
     const DeviceMesh dp_mesh = mesh_->ndim() == 1 ? *mesh_ : (*mesh_)["dp"];
-    for (auto& block : *model_->layers) fsdp::fully_shard(*block, dp_mesh, {true});
-    fsdp::fully_shard(*model_, dp_mesh, {false});
+    fsdp::FullyShardOptions block_options;
+    block_options.reshard_after_forward = true;
+    if (config_.bf16) {  // torchtitan's policy: compute in bfloat16, reduce in float32
+      block_options.param_dtype = at::kBFloat16;
+      block_options.reduce_dtype = at::kFloat;
+    }
+    fsdp::FullyShardOptions root_options = block_options;
+    root_options.reshard_after_forward = false;
+    for (auto& block : *model_->layers) fsdp::fully_shard(*block, dp_mesh, block_options);
+    fsdp::fully_shard(*model_, dp_mesh, root_options);
     for (const auto& p : unique_named_parameters(*model_))
       tp_replicated_.push_back(replicated.count(p.key()) > 0);
   }
@@ -74,6 +82,11 @@ Trainer::Trainer(const RunConfig& config, std::optional<DeviceMesh> mesh)
   groups.emplace_back(decay, std::make_unique<torch::optim::AdamWOptions>(options));
   groups.emplace_back(no_decay, std::make_unique<torch::optim::AdamWOptions>(no_decay_options));
   optimizer_ = std::make_unique<torch::optim::AdamW>(std::move(groups), options);
+}
+
+// Mixed precision: the loss in float32 (as torchtitan computes it), from bfloat16 logits.
+at::Tensor Trainer::float_logits(const at::Tensor& logits) const {
+  return config_.bf16 ? logits.to(at::kFloat) : logits;
 }
 
 at::Tensor Trainer::dp_slice(const at::Tensor& t) const {
@@ -178,7 +191,7 @@ StepStats Trainer::train_step(int64_t step, const Batch& global_batch) {
   model_->train();
   optimizer_->zero_grad();
   if (pp_) return pipeline_step(stats, global_batch);
-  auto logits = model_->forward(dp_slice(global_batch.inputs));
+  auto logits = float_logits(model_->forward(dp_slice(global_batch.inputs)));
   auto loss = models::loss_and_backward(logits, dp_slice(global_batch.targets));
   if (mesh_ && !config_.fsdp) {  // FSDP's backward already reduce-scattered the gradients
     models::reduce_partial_grads(*model_);
@@ -254,7 +267,7 @@ double Trainer::evaluate(const BatchSampler& val, int64_t n_batches) {
       if (logits.defined()) total += models::token_cross_entropy(logits, b.targets).item<double>();
       continue;
     }
-    auto logits = model_->forward(dp_slice(b.inputs));
+    auto logits = float_logits(model_->forward(dp_slice(b.inputs)));
     total += models::token_cross_entropy(logits, dp_slice(b.targets)).item<double>();
   }
   model_->train();

@@ -98,4 +98,7 @@ at::Tensor taped(const std::string& what, const std::function<at::Tensor()>& iss
 }
 
 }  // namespace detail
+
+bool collectives_taped() { return detail::tape_open(); }
+
 }  // namespace dtensor::comm

@@ -8,14 +8,18 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <functional>
 #include <iterator>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <unordered_map>
 #include <unordered_set>
 #include <vector>
 
+#include "dtensor/checkpoint/sharded_layout.h"
+#include "dtensor/comm/collective_tape.h"
 #include "dtensor/comm/collectives.h"
 #include "dtensor/comm/process_group.h"
 #include "dtensor/core/api.h"
@@ -32,6 +36,10 @@ namespace {
 struct ShardEntry {
   c10::weak_intrusive_ptr<c10::TensorImpl> impl;
   ShardInfo info;
+  // How the shard maps to the global tensor, for checkpoints.
+  std::shared_ptr<comm::ProcessGroup> pg;
+  int64_t chunk_rows = 0;
+  std::shared_ptr<const DTensorSpec> tp_spec;
 };
 std::mutex& shards_mu() {
   static std::mutex mu;
@@ -72,16 +80,69 @@ struct UnitState {
   int64_t dp = 1;
   int64_t segment = 0;  // elements of one rank's flat buffer
   bool reshard_after_forward = false;
+  bool prefetch = true;
+  std::optional<at::ScalarType> param_dtype, reduce_dtype;
   std::vector<ParamSlot> params;
+
+  at::ScalarType shard_dtype() const { return params[0].shard.scalar_type(); }
+  at::ScalarType gather_dtype() const { return param_dtype.value_or(shard_dtype()); }
+  // FSDP2's default: gradients are reduced in the dtype they arrive in (param_dtype).
+  at::ScalarType grad_reduce_dtype() const { return reduce_dtype.value_or(gather_dtype()); }
 };
+
+// This rank's flat segment: every shard, in param_dtype, at its offset.
+at::Tensor pack_shards(const UnitState& st) {
+  at::Tensor flat = at::zeros({st.segment}, st.params[0].shard.options().dtype(st.gather_dtype()));
+  for (const auto& p : st.params)
+    flat.narrow(0, p.offset, p.shard.numel()).copy_(p.shard.detach().reshape({-1}));
+  return flat;
+}
 
 // All ranks' shards of the unit: one all-gather of this rank's flat segment, as [dp, segment].
 at::Tensor all_gather_shards(const UnitState& st) {
-  at::Tensor flat = at::zeros({st.segment}, st.params[0].shard.options());
-  for (const auto& p : st.params)
-    flat.narrow(0, p.offset, p.shard.numel()).copy_(p.shard.detach().reshape({-1}));
-  return comm::all_gather_into_tensor(flat, 0, *st.pg).view({st.dp, st.segment});
+  return comm::all_gather_into_tensor(pack_shards(st), 0, *st.pg).view({st.dp, st.segment});
 }
+
+// The same all-gather started now and waited for later (a prefetch).
+comm::PendingResult all_gather_shards_async(const UnitState& st) {
+  return comm::all_gather_into_tensor_async(pack_shards(st), 0, *st.pg);
+}
+
+// A unit between calls: the unit whose forward came next last time, and the all-gather of this
+// unit started ahead of its forward by the unit before it.
+struct UnitRuntime {
+  std::shared_ptr<const UnitState> st;
+  std::mutex mu;
+  std::weak_ptr<UnitRuntime> next;  // learned from the previous forward
+  std::optional<comm::PendingResult> prefetched;
+  std::vector<int64_t> prefetched_versions;  // of the shards when the prefetch started
+
+  // Starts the forward all-gather now (no-op when one is in flight).
+  void prefetch() {
+    std::lock_guard<std::mutex> l(mu);
+    if (prefetched) return;
+    at::NoGradGuard no_grad;
+    prefetched = all_gather_shards_async(*st);
+    prefetched_versions = shard_versions();
+  }
+
+  // The prefetched gather as [dp, segment], or undefined when there is none or the shards
+  // changed since it started (then it is stale, and the caller gathers afresh).
+  at::Tensor take_prefetched() {
+    std::lock_guard<std::mutex> l(mu);
+    if (!prefetched) return {};
+    at::Tensor gathered = prefetched->wait();
+    prefetched.reset();
+    if (shard_versions() != prefetched_versions) return {};
+    return gathered.view({st->dp, st->segment});
+  }
+
+  std::vector<int64_t> shard_versions() const {
+    std::vector<int64_t> v;
+    for (const auto& p : st->params) v.push_back(static_cast<int64_t>(p.shard._version()));
+    return v;
+  }
+};
 
 // Parameter i, whole, from the gathered buffer (a copy, or a view when dp is 1).
 at::Tensor unpack(const UnitState& st, const at::Tensor& gathered, size_t i) {
@@ -108,7 +169,16 @@ struct GatheredCall : torch::CustomClassHolder {
   std::vector<View> views;                                // one per parameter
   std::vector<std::pair<c10::Storage, size_t>> storages;  // distinct storages, full byte size
   bool freed = false;
-  std::mutex mu;  // backward hooks of one call may run on different engine threads
+  std::mutex mu;          // backward hooks of one call may run on different engine threads
+  at::Tensor prefetched;  // the forward's all-gather, when started ahead (consumed by forward)
+  // The backward all-gather, started ahead by the unit whose backward runs before this one's.
+  std::optional<comm::PendingResult> pending;
+  // Starts the regather of the unit whose forward ended just before this one's in the same
+  // outermost forward (its backward comes right after this one's); holds it weakly. Empty:
+  // none.
+  std::function<void()> prefetch_prev;
+  bool prefetch_backward = false;
+  bool prefetched_prev = false;
 
   explicit GatheredCall(std::shared_ptr<const UnitState> u) : unit(std::move(u)) {}
 
@@ -124,18 +194,44 @@ struct GatheredCall : torch::CustomClassHolder {
   // Drops the gathered values; the tensors keep their shapes over 0-byte storages.
   void free() {
     std::lock_guard<std::mutex> l(mu);
+    if (pending) {  // never consumed (no gradient reached the unit): finish it, drop it
+      pending->wait();
+      pending.reset();
+    }
     if (freed) return;
     for (auto& [s, nbytes] : storages) s.unsafeGetStorageImpl()->reset();
     freed = true;
   }
 
-  // Before the unit's backward: one all-gather, into the storages free() emptied.
+  // Starts the all-gather regather() needs now (no-op unless freed and none is in flight).
+  void prefetch_regather() {
+    std::lock_guard<std::mutex> l(mu);
+    if (!freed || pending) return;
+    at::NoGradGuard no_grad;
+    pending = all_gather_shards_async(*unit);
+  }
+
+  // Before the unit's backward: one all-gather (or the one prefetched), into the storages free()
+  // emptied; then the all-gather of the unit whose backward comes next is started.
   void regather() {
+    regather_own();
+    {
+      std::lock_guard<std::mutex> l(mu);
+      if (!prefetch_backward || !prefetch_prev || prefetched_prev || comm::collectives_taped())
+        return;
+      prefetched_prev = true;  // once: a later gradient of another output must not start more
+    }
+    prefetch_prev();
+  }
+
+  void regather_own() {
     std::lock_guard<std::mutex> l(mu);
     if (!freed) return;
     const UnitState& st = *unit;
     at::NoGradGuard no_grad;
-    const at::Tensor gathered = all_gather_shards(st);
+    const at::Tensor gathered =
+        pending ? pending->wait().view({st.dp, st.segment}) : all_gather_shards(st);
+    pending.reset();
     for (auto& [s, nbytes] : storages) {
       c10::StorageImpl* impl = s.unsafeGetStorageImpl();
       TORCH_CHECK(impl->allocator() != nullptr, "fully_shard(", st.unit_name,
@@ -163,7 +259,9 @@ struct GatherParams : torch::autograd::Function<GatherParams> {
     auto* call = static_cast<GatheredCall*>(call_capsule.toCapsule().get());
     const UnitState& st = *call->unit;
     TORCH_INTERNAL_ASSERT(shards.size() == st.params.size());
-    const at::Tensor gathered = all_gather_shards(st);
+    const at::Tensor gathered =
+        call->prefetched.defined() ? call->prefetched : all_gather_shards(st);
+    call->prefetched = at::Tensor();
     torch::autograd::variable_list out;
     out.reserve(st.params.size());
     for (size_t i = 0; i < st.params.size(); ++i) out.push_back(unpack(st, gathered, i));
@@ -176,7 +274,7 @@ struct GatherParams : torch::autograd::Function<GatherParams> {
                                                  torch::autograd::variable_list grads) {
     auto* call = static_cast<GatheredCall*>(ctx->saved_data["call"].toCapsule().get());
     const UnitState& st = *call->unit;
-    const auto opts = st.params[0].shard.options();
+    const auto opts = st.params[0].shard.options().dtype(st.grad_reduce_dtype());
     at::Tensor buf = at::zeros({st.dp, st.segment}, opts);
     for (size_t i = 0; i < st.params.size(); ++i) {
       const auto& p = st.params[i];
@@ -189,8 +287,10 @@ struct GatherParams : torch::autograd::Function<GatherParams> {
     // Every consumer of the gathered parameters has run its backward: free them (a second
     // backward through a retained graph gathers them again).
     call->free();
-    // Sum then divide: the mean over dp of the ranks' gradients, as data parallelism needs.
+    // Sum then divide: the mean over dp of the ranks' gradients, as data parallelism needs;
+    // in the shards' dtype (mixed precision reduces in reduce_dtype, divides in float32).
     at::Tensor mine = comm::reduce_scatter_tensor(buf.view({-1}), 0, ReduceOp::Sum, *st.pg)
+                          .to(st.shard_dtype())
                           .div_(static_cast<double>(st.dp));
     torch::autograd::variable_list out;
     out.reserve(st.params.size() + 1);
@@ -211,6 +311,33 @@ void for_each_tensor(const c10::IValue& v, F&& f) {
   } else if (v.isList()) {
     for (const c10::IValue& e : v.toListRef()) for_each_tensor(e, f);
   }
+}
+
+// Casts the floating-point tensors among the call's arguments (top level) to `dtype`, so that
+// a unit computing in param_dtype receives inputs of that dtype.
+void cast_floating_args(tp::ModuleCall& call, at::ScalarType dtype) {
+  auto cast = [dtype](c10::IValue& v) {
+    if (!v.isTensor()) return;
+    const at::Tensor& t = v.toTensor();
+    if (t.defined() && at::isFloatingType(t.scalar_type()) && t.scalar_type() != dtype)
+      v = t.to(dtype);
+  };
+  for (auto& a : call.args) cast(a);
+  for (auto& [k, v] : call.kwargs) cast(v);
+}
+
+// The units' forward calls on this thread: how deep in units, the unit started last and the
+// call whose forward ended last within the outermost unit's forward. A unit's forward that
+// starts while another runs follows the one started before it (forward prefetch), and a
+// unit's backward follows the backward of the unit whose forward ended right after its own.
+struct ForwardTrack {
+  int depth = 0;
+  std::weak_ptr<UnitRuntime> last_started;
+  std::optional<c10::weak_intrusive_ptr<GatheredCall>> last_done;
+};
+ForwardTrack& forward_track() {
+  thread_local ForwardTrack track;
+  return track;
 }
 
 void collect(torch::nn::Module& m, const std::string& prefix, UnitState& st,
@@ -261,6 +388,48 @@ ShardInfo shard_info(const at::Tensor& param) {
   return e->info;
 }
 
+namespace {
+
+// A shard's global tensor and back, for checkpoints: the rows of the (tp-local) tensor are
+// gathered over dp, then a TP parameter's local tensors over tp.
+std::optional<checkpoint::ShardedLayout> layout_of(const at::Tensor& param) {
+  std::optional<ShardEntry> entry;
+  {
+    std::lock_guard<std::mutex> l(shards_mu());
+    const ShardEntry* found = find_shard(param);
+    if (!found) return std::nullopt;
+    entry.emplace(*found);
+  }
+  const ShardEntry& e = *entry;
+  checkpoint::ShardedLayout layout;
+  std::vector<int64_t> local_shape = param.sizes().vec();
+  local_shape[0] = e.info.full_rows;
+  layout.global_shape = e.tp_spec ? e.tp_spec->shape() : local_shape;
+  layout.gather = [e, local_shape](const at::Tensor& local) {
+    std::vector<int64_t> padded_shape = local_shape;
+    padded_shape[0] = e.chunk_rows;
+    at::Tensor padded = at::zeros(padded_shape, local.options());
+    padded.narrow(0, 0, local.size(0)).copy_(local);
+    at::Tensor rows = comm::all_gather_into_tensor(padded, 0, *e.pg).narrow(0, 0, e.info.full_rows);
+    if (!e.tp_spec) return rows;
+    const DTensorSpec& s = *e.tp_spec;
+    return full_tensor(from_local(rows.contiguous(), s.mesh(), s.placements(),
+                                  FromLocalOptions{.shape = s.shape(), .stride = s.stride()}));
+  };
+  const int64_t shard_rows = param.size(0);
+  layout.part = [e, shard_rows](const at::Tensor& global) {
+    at::Tensor part = global;
+    if (e.tp_spec) {
+      const LocalShard mine = e.tp_spec->local_shard();
+      for (int64_t d = 0; d < part.dim(); ++d) part = part.narrow(d, mine.offset[d], mine.shape[d]);
+    }
+    return part.narrow(0, e.info.row_offset, shard_rows);
+  };
+  return layout;
+}
+
+}  // namespace
+
 void fully_shard(torch::nn::Module& unit, const DeviceMesh& dp_mesh, FullyShardOptions options) {
   const std::string uname = unit.name();
   TORCH_CHECK(dp_mesh.ndim() == 1, "fully_shard(", uname,
@@ -273,12 +442,20 @@ void fully_shard(torch::nn::Module& unit, const DeviceMesh& dp_mesh, FullyShardO
               "): the unit has no forward hooks; derive it from dtensor::nn::Module (or use a "
               "dtensor::nn layer) so fully_shard can gather its parameters before forward");
 
+  static std::once_flag layout_registered;
+  std::call_once(layout_registered, [] { checkpoint::register_sharded_layout(layout_of); });
   prune_dead_shards();
   auto st = std::make_shared<UnitState>();
   st->unit_name = uname;
   st->pg = dp_mesh.get_group(0);
   st->dp = dp_mesh.size();
   st->reshard_after_forward = options.reshard_after_forward;
+  st->prefetch = options.prefetch;
+  st->param_dtype = options.param_dtype;
+  st->reduce_dtype = options.reduce_dtype;
+  for (auto dt : {options.param_dtype, options.reduce_dtype})
+    TORCH_CHECK(!dt || at::isFloatingType(*dt), "fully_shard(", uname,
+                "): param_dtype and reduce_dtype must be floating-point dtypes, got ", *dt);
   const int64_t rank = dp_mesh.get_local_rank();
   std::unordered_set<const c10::TensorImpl*> seen;
   collect(unit, "", *st, seen);
@@ -302,20 +479,40 @@ void fully_shard(torch::nn::Module& unit, const DeviceMesh& dp_mesh, FullyShardO
   {
     std::lock_guard<std::mutex> l(shards_mu());
     for (size_t i = 0; i < st->params.size(); ++i)
-      shards().insert_or_assign(st->params[i].shard.unsafeGetTensorImpl(),
-                                ShardEntry{c10::weak_intrusive_ptr<c10::TensorImpl>(
-                                               st->params[i].shard.getIntrusivePtr()),
-                                           infos[i]});
+      shards().insert_or_assign(
+          st->params[i].shard.unsafeGetTensorImpl(),
+          ShardEntry{
+              c10::weak_intrusive_ptr<c10::TensorImpl>(st->params[i].shard.getIntrusivePtr()),
+              infos[i], st->pg, st->params[i].chunk_rows, st->params[i].tp_spec});
   }
 
   // The call between the pre-hook and the hook of one forward (not in UnitState: a call holds
   // the state, and the state holding a call would make a cycle).
   auto current = std::make_shared<c10::intrusive_ptr<GatheredCall>>();
   std::shared_ptr<const UnitState> cst = st;
-  hooked->register_forward_pre_hook([cst, current](torch::nn::Module&, tp::ModuleCall&) {
+  auto runtime = std::make_shared<UnitRuntime>();
+  runtime->st = cst;
+  hooked->register_forward_pre_hook([cst, current, runtime](torch::nn::Module&,
+                                                            tp::ModuleCall& module_call) {
+    if (cst->param_dtype) cast_floating_args(module_call, *cst->param_dtype);
+    ForwardTrack& track = forward_track();
+    if (track.depth == 0) track.last_done.reset();  // an outermost forward begins
+    if (track.depth > 0)
+      if (auto last = track.last_started.lock(); last && last != runtime) {
+        std::lock_guard<std::mutex> l(last->mu);
+        last->next = runtime;
+      }
+    track.last_started = runtime;
+    ++track.depth;
+    // Inside a recorded or replayed region (a checkpointed module's forward and its
+    // recompute) every gather must be issued where it was recorded: no prefetching there.
+    const bool may_prefetch = cst->prefetch && !comm::collectives_taped();
     std::vector<at::Tensor> shard_list;
     for (const auto& p : cst->params) shard_list.push_back(p.shard);
     auto call = c10::make_intrusive<GatheredCall>(cst);
+    call->prefetch_backward = cst->prefetch;
+    at::Tensor prefetched = runtime->take_prefetched();
+    if (may_prefetch) call->prefetched = prefetched;
     *current = call;
     auto full = GatherParams::apply(
         c10::IValue::make_capsule(c10::intrusive_ptr<torch::CustomClassHolder>(call)),
@@ -330,6 +527,15 @@ void fully_shard(torch::nn::Module& unit, const DeviceMesh& dp_mesh, FullyShardO
                                        FromLocalOptions{.shape = s->shape(), .stride = s->stride()})
                           : full[i]);
     }
+    // The next unit's all-gather runs while this unit computes.
+    if (may_prefetch) {
+      std::shared_ptr<UnitRuntime> next;
+      {
+        std::lock_guard<std::mutex> l(runtime->mu);
+        next = runtime->next.lock();
+      }
+      if (next) next->prefetch();
+    }
   });
   // After forward the modules list the shards again (the autograd graph keeps the gathered
   // tensors it needs for backward), so parameters() and the optimizer see the leaves. With
@@ -340,7 +546,14 @@ void fully_shard(torch::nn::Module& unit, const DeviceMesh& dp_mesh, FullyShardO
         for (const auto& p : cst->params) replace_parameter(*p.owner, p.name, p.shard);
         c10::intrusive_ptr<GatheredCall> call = std::move(*current);
         *current = {};
+        ForwardTrack& track = forward_track();
+        if (track.depth > 0) --track.depth;
         if (!call) return;
+        if (track.last_done)
+          call->prefetch_prev = [prev = *track.last_done] {
+            if (c10::intrusive_ptr<GatheredCall> p = prev.lock()) p->prefetch_regather();
+          };
+        track.last_done = c10::weak_intrusive_ptr<GatheredCall>(call);
         if (c10::GradMode::is_enabled()) {
           for_each_tensor(output, [&](const at::Tensor& t) {
             if (t.defined() && t.requires_grad())

@@ -457,3 +457,217 @@ TEST(FullyShard, MemoryPerRankDp2) {
 TEST(FullyShard, MemoryPerRankDp4) {
   run_ranks(4, [](int) { expect_memory_divided(4); });
 }
+
+// ---- prefetch ----
+
+namespace {
+
+int64_t count_records(const CommDebugMode& comm, CommType type, bool backward) {
+  int64_t n = 0;
+  for (const auto& r : comm.records()) n += r.type == type && r.backward == backward;
+  return n;
+}
+
+struct PrefetchRun {
+  std::vector<at::Tensor> losses;
+  Params params;  // after the steps, with their gradients
+  std::vector<std::vector<std::pair<CommType, int64_t>>> comms;  // per step: type, bytes, sorted
+  // Per step and block: forward all-gathers issued when the block's body starts, and backward
+  // all-gathers issued when the gradient reaches the block's output.
+  std::vector<std::vector<int64_t>> gathers_at_forward, gathers_at_backward;
+};
+
+// Three AdamW steps of the tiny Llama with every block and the root fully_shard'ed with
+// `prefetch`; counts the all-gathers issued when each block starts its forward and backward.
+PrefetchRun run_prefetch(const DeviceMesh& mesh, bool prefetch, bool reshard) {
+  const auto config = tiny();
+  Transformer model = make_model(config);
+  fsdp::FullyShardOptions opts{.reshard_after_forward = reshard, .prefetch = prefetch};
+  for (auto& block : *model->layers) fsdp::fully_shard(*block, mesh, opts);
+  fsdp::fully_shard(*model, mesh, opts);
+  torch::optim::AdamW opt(model->parameters(), torch::optim::AdamWOptions(1e-2));
+  PrefetchRun run;
+  at::manual_seed(5);  // the same batches in every run
+  CommDebugMode* active = nullptr;
+  std::vector<int64_t>*at_forward = nullptr, *at_backward = nullptr;
+  // Registered after fully_shard's hooks, so they run after them.
+  for (size_t i = 0; i < model->layers->size(); ++i) {
+    auto* h = dynamic_cast<tp::HookedModule*>(model->layers[i].get());
+    h->register_forward_pre_hook([&, i](torch::nn::Module&, tp::ModuleCall&) {
+      (*at_forward)[i] = count_records(*active, CommType::all_gather_into_tensor, false);
+    });
+    h->register_forward_hook([&, i](torch::nn::Module&, const tp::ModuleCall&, c10::IValue& out) {
+      out.toTensor().register_hook([&, i](const at::Tensor&) {
+        (*at_backward)[i] = count_records(*active, CommType::all_gather_into_tensor, true);
+      });
+    });
+  }
+  const int64_t rank = mesh.get_local_rank();
+  for (int step = 0; step < 3; ++step) {
+    auto tokens = at::randint(config.vocab_size, {2 * mesh.size(), 8}, at::kLong);
+    auto targets = at::randint(config.vocab_size, {2 * mesh.size(), 8}, at::kLong);
+    run.gathers_at_forward.emplace_back(config.n_layers, -1);
+    run.gathers_at_backward.emplace_back(config.n_layers, -1);
+    at_forward = &run.gathers_at_forward.back();
+    at_backward = &run.gathers_at_backward.back();
+    opt.zero_grad();
+    CommDebugMode comm;
+    active = &comm;
+    run.losses.push_back(loss_and_backward(model->forward(tokens.narrow(0, 2 * rank, 2)),
+                                           targets.narrow(0, 2 * rank, 2)));
+    comm.exit();
+    run.comms.emplace_back();
+    for (const auto& r : comm.records()) run.comms.back().emplace_back(r.type, r.bytes);
+    // Prefetch issues the same collectives, some earlier: compare them as a set.
+    std::sort(run.comms.back().begin(), run.comms.back().end());
+    opt.step();
+  }
+  for (const auto& [name, p] : params_of(*model)) {
+    run.params.emplace(name, p.detach().clone());
+    run.params.emplace(name + ".grad", p.grad().clone());
+  }
+  return run;
+}
+
+}  // namespace
+
+// With prefetch, a block's forward all-gather is issued while the block before it starts (from
+// the second step, once the order is known), and in backward the next block's gather while
+// the gradient reaches this block; the collectives (how many of each type and size) and every
+// bit of the results equal the run without prefetch.
+TEST(FullyShard, PrefetchIssuesGathersAheadWithTheSameResults) {
+  run_ranks(2, [](int) {
+    auto mesh = init_device_mesh("cpu", {2}, {"dp"});
+    const int64_t n = tiny().n_layers;
+    for (bool reshard : {true, false}) {
+      SCOPED_TRACE(reshard ? "reshard_after_forward" : "no reshard_after_forward");
+      const PrefetchRun off = run_prefetch(mesh, false, reshard);
+      const PrefetchRun on = run_prefetch(mesh, true, reshard);
+      for (size_t s = 0; s < off.losses.size(); ++s) {
+        SCOPED_TRACE("step " + std::to_string(s));
+        EXPECT_TRUE(at::equal(on.losses[s], off.losses[s]));
+        EXPECT_EQ(on.comms[s], off.comms[s]);
+        for (int64_t i = 0; i < n; ++i) {
+          SCOPED_TRACE("block " + std::to_string(i));
+          // The root's gather, then blocks 0..i (and i + 1 when prefetched).
+          EXPECT_EQ(off.gathers_at_forward[s][i], i + 2);
+          const bool ahead = s > 0 && i + 1 < n;
+          EXPECT_EQ(on.gathers_at_forward[s][i], i + 2 + (ahead ? 1 : 0));
+          // Backward (reshard only): the root's regather, then blocks n-1..i (and i - 1).
+          const int64_t back = reshard ? 1 + (n - i) : 0;
+          EXPECT_EQ(off.gathers_at_backward[s][i], back);
+          EXPECT_EQ(on.gathers_at_backward[s][i], back + (reshard && i > 0 ? 1 : 0));
+        }
+      }
+      for (const auto& [name, t] : off.params) {
+        SCOPED_TRACE(name);
+        EXPECT_TRUE(at::equal(on.params.at(name), t));
+      }
+    }
+  });
+}
+
+// ---- mixed precision ----
+
+namespace {
+
+struct PrecisionRun {
+  std::vector<double> losses;
+  Params params;
+  std::vector<CommRecord> records;              // of the last step
+  std::vector<at::ScalarType> gathered_dtypes;  // of the parameters the modules ran on
+};
+
+// Three AdamW steps of the float32 tiny Llama, fully_shard'ed with `opts`.
+PrecisionRun run_precision(const DeviceMesh& mesh, fsdp::FullyShardOptions opts) {
+  const auto config = tiny();
+  Transformer model(config);
+  model->init_weights(11);  // float32
+  for (auto& block : *model->layers) fsdp::fully_shard(*block, mesh, opts);
+  fsdp::fully_shard(*model, mesh, opts);
+  const auto in_use = record_parameters_in_use(*model);
+  torch::optim::AdamW opt(model->parameters(), torch::optim::AdamWOptions(1e-3));
+  PrecisionRun run;
+  at::manual_seed(5);  // the same batches in every run
+  const int64_t rank = mesh.get_local_rank();
+  for (int step = 0; step < 3; ++step) {
+    auto tokens = at::randint(config.vocab_size, {4, 16}, at::kLong);
+    auto targets = at::randint(config.vocab_size, {4, 16}, at::kLong);
+    opt.zero_grad();
+    CommDebugMode comm;
+    auto logits = model->forward(tokens.narrow(0, 2 * rank, 2));
+    auto loss = loss_and_backward(logits.to(at::kFloat), targets.narrow(0, 2 * rank, 2));
+    comm.exit();
+    run.losses.push_back(comm::all_reduce(loss, ReduceOp::Sum, mesh.group(0)).item<double>() /
+                         mesh.size());
+    run.records = comm.records();
+    opt.step();
+  }
+  for (const at::Tensor& p : *in_use) run.gathered_dtypes.push_back(p.scalar_type());
+  for (const auto& [name, p] : params_of(*model)) {
+    EXPECT_EQ(p.scalar_type(), at::kFloat) << name;
+    EXPECT_EQ(p.grad().scalar_type(), at::kFloat) << name;
+    const auto& s =
+        static_cast<const torch::optim::AdamWParamState&>(*opt.state().at(p.unsafeGetTensorImpl()));
+    EXPECT_EQ(s.exp_avg().scalar_type(), at::kFloat) << name;
+    EXPECT_EQ(s.exp_avg_sq().scalar_type(), at::kFloat) << name;
+    run.params.emplace(name, p.detach().clone());
+  }
+  return run;
+}
+
+int64_t count_records_of(const std::vector<CommRecord>& records, CommType type) {
+  return std::count_if(records.begin(), records.end(),
+                       [type](const CommRecord& r) { return r.type == type; });
+}
+
+int64_t bytes_of(const std::vector<CommRecord>& records, CommType type) {
+  int64_t total = 0;
+  for (const auto& r : records) total += r.type == type ? r.bytes : 0;
+  return total;
+}
+
+}  // namespace
+
+// param_dtype bf16 (reduce_dtype float32, or unset: bf16): the modules run on bfloat16
+// parameters, the shards, their gradients and AdamW's moments stay float32, the collectives
+// are the same ones with half the all-gathered bytes (and half the reduce-scattered ones when
+// reducing in bf16), and three steps stay near the float32 run.
+TEST(FullyShard, MixedPrecisionBf16GathersHalfTheBytesAndStaysNearFloat32) {
+  run_ranks(2, [](int) {
+    auto mesh = init_device_mesh("cpu", {2}, {"dp"});
+    const PrecisionRun fp32 = run_precision(mesh, {.reshard_after_forward = true});
+    for (auto reduce :
+         {std::optional<at::ScalarType>(at::kFloat), std::optional<at::ScalarType>()}) {
+      SCOPED_TRACE(reduce ? "reduce_dtype float32" : "reduce_dtype unset (bf16)");
+      const PrecisionRun bf16 = run_precision(
+          mesh,
+          {.reshard_after_forward = true, .param_dtype = at::kBFloat16, .reduce_dtype = reduce});
+      for (auto dt : fp32.gathered_dtypes) EXPECT_EQ(dt, at::kFloat);
+      ASSERT_FALSE(bf16.gathered_dtypes.empty());
+      for (auto dt : bf16.gathered_dtypes) EXPECT_EQ(dt, at::kBFloat16);
+      ASSERT_EQ(bf16.records.size(), fp32.records.size());
+      for (CommType t : {CommType::all_gather_into_tensor, CommType::reduce_scatter_tensor})
+        EXPECT_EQ(count_records_of(bf16.records, t), count_records_of(fp32.records, t)) << t;
+      const int64_t gathered = bytes_of(fp32.records, CommType::all_gather_into_tensor);
+      EXPECT_GT(gathered, 0);
+      EXPECT_EQ(2 * bytes_of(bf16.records, CommType::all_gather_into_tensor), gathered);
+      const int64_t reduced = bytes_of(fp32.records, CommType::reduce_scatter_tensor);
+      EXPECT_EQ(bytes_of(bf16.records, CommType::reduce_scatter_tensor) * (reduce ? 1 : 2),
+                reduced);
+      // bfloat16 keeps 8 significant bits (relative rounding 2^-9); the logits pass through a
+      // few dozen rounded operations whose errors partly cancel, so the loss (about 4.2 = ln 66)
+      // stays within 1%. AdamW moves each weight by at most lr per step whatever the gradient's
+      // scale, so after 3 steps the weights differ by at most 2 * 3 * lr, and by far less on
+      // average, where bf16 gradients keep the sign of the float32 ones.
+      for (size_t s = 0; s < fp32.losses.size(); ++s)
+        EXPECT_NEAR(bf16.losses[s], fp32.losses[s], 1e-2 * fp32.losses[s]) << "step " << s;
+      for (const auto& [name, p] : fp32.params) {
+        SCOPED_TRACE(name);
+        const at::Tensor diff = (bf16.params.at(name) - p).abs();
+        EXPECT_LE(diff.max().item<double>(), 6e-3 * 1.01);
+        EXPECT_LE(diff.mean().item<double>(), 1e-3);
+      }
+    }
+  });
+}

@@ -40,6 +40,10 @@ class CollectiveTape {
   std::vector<Entry> entries_;
 };
 
+/// Whether this thread records or replays collectives now (a RecordCollectives or
+/// ReplayCollectives is alive): code that may issue collectives early must then not.
+bool collectives_taped();
+
 /// Records the collectives this thread issues into `tape` until destroyed.
 class RecordCollectives {
  public:

@@ -29,10 +29,18 @@
 //   apply_tensor_parallel(*model, mesh["tp"]);  then fully_shard each block and the root on
 //   mesh["dp"] as above
 //
+// Checkpoints (dtensor/checkpoint/checkpoint.h) see the shards' global tensors: save_checkpoint
+// writes each parameter and its optimizer state whole under the parameter's name, and
+// load_checkpoint gives each rank its rows, so a checkpoint moves between any (dp, tp) layouts
+// and one device.
+//
 // Limitations: DTensor parameters must live on a 1-D mesh; tied parameters are refused; the
 // unit's backward must start from its outputs (a gathered parameter that leaves
 // the unit other than through its outputs is not gathered again for backward).
+#include <c10/core/ScalarType.h>
 #include <torch/nn/module.h>
+
+#include <optional>
 
 #include "dtensor/mesh/device_mesh.h"
 
@@ -43,6 +51,20 @@ struct FullyShardOptions {
   /// Free the gathered parameters after the unit's forward and gather them again before its
   /// backward (less memory, one more all-gather); false keeps them until backward.
   bool reshard_after_forward = false;
+  /// Mixed precision (PyTorch FSDP2's MixedPrecisionPolicy): the dtype the parameters are
+  /// all-gathered in and the unit computes in (e.g. at::kBFloat16; the unit's floating-point
+  /// arguments are cast to it). The shards, their .grad and the optimizer state keep the
+  /// parameters' dtype. nullopt: the parameters' dtype.
+  std::optional<at::ScalarType> param_dtype;
+  /// The dtype the gradients are reduce-scattered in; the result lands on the shards' .grad in
+  /// the shards' dtype. nullopt: the gradients' own dtype (param_dtype when that is set).
+  std::optional<at::ScalarType> reduce_dtype;
+  /// Overlap the all-gathers with compute: the unit's forward starts the all-gather of the unit
+  /// whose forward came next in the previous forward call (so from the second call on), and
+  /// its backward starts the regather of the unit whose backward comes next (with
+  /// reshard_after_forward). The same collectives, in the same order on every rank, and the
+  /// same values; at most two units' parameters are gathered at once.
+  bool prefetch = true;
 };
 
 /// Shards the parameters of `unit` not already owned by a fully_shard'ed submodule over the
