@@ -174,8 +174,11 @@ class Worker {
       if (fsdp_) {
         // torchtitan's layout: blocks resharded after forward, the root not.
         mesh_ = dtensor::init_device_mesh("cpu", {dtensor::comm::get_world_size()}, {"dp"});
-        for (auto& block : *model_->layers) dtensor::fsdp::fully_shard(*block, *mesh_, {true});
-        dtensor::fsdp::fully_shard(*model_, *mesh_, {false});
+        dtensor::fsdp::FullyShardOptions block_options, root_options;
+        block_options.reshard_after_forward = true;
+        for (auto& block : *model_->layers)
+          dtensor::fsdp::fully_shard(*block, *mesh_, block_options);
+        dtensor::fsdp::fully_shard(*model_, *mesh_, root_options);
       } else {
         mesh_ = dtensor::init_device_mesh("cpu", {dtensor::comm::get_world_size()});
         models::TensorParallelOptions options;
@@ -190,10 +193,21 @@ class Worker {
   }
 
   int rank() const { return tp_ ? dtensor::comm::get_rank() : 0; }
+  // Through the rendezvous store rather than a collective: a rank waiting in an MPI broadcast
+  // spins on its core, which slowed every variant that ran meanwhile (the other MPI pair's most).
   int broadcast_from_rank0(int value) {
     if (!tp_ || dtensor::comm::get_world_size() == 1) return value;
-    at::Tensor t = at::tensor({static_cast<int64_t>(value)}, at::kLong);
-    return static_cast<int>(dtensor::comm::broadcast(t, 0, *world_).item<int64_t>());
+    const auto& store = world_->store();
+    const std::string key =
+        "bench_train_step/" + world_->name() + "/command/" + std::to_string(commands_++);
+    if (rank() == 0) {
+      const std::string text = std::to_string(value);
+      store->set(key, std::vector<uint8_t>(text.begin(), text.end()));
+      return value;
+    }
+    store->wait({key}, std::chrono::hours(24));  // the controller may pause between rounds
+    const std::vector<uint8_t> text = store->get(key);
+    return std::stoi(std::string(text.begin(), text.end()));
   }
   int64_t num_parameters() const { return config_.num_parameters(); }
   int64_t dtensor_params() const { return dtensor_params_; }
@@ -271,6 +285,7 @@ class Worker {
   std::optional<torch::optim::AdamW> optimizer_;
   int64_t step_count_ = 0;
   int64_t dtensor_params_ = 0;
+  int64_t commands_ = 0;
 };
 
 // The next command's step count on every rank: 0 to quit. Only rank 0 reads the controller's

@@ -39,6 +39,7 @@
 #include "dtensor/ops/kernel_collectives.h"
 #include "dtensor/ops/rule_utils.h"
 #include "dtensor/pp/pipeline.h"
+#include "dtensor/pp/sequential_stage.h"
 #include "dtensor/text/bpe_tokenizer.h"
 #include "dtensor/tp/compat.h"
 #include "dtensor/tp/forward_wrapper.h"

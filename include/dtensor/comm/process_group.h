@@ -72,6 +72,8 @@ class ProcessGroup {
   void set_mesh_dim(int d) { mesh_dim_ = d; }  ///< Sets mesh_dim().
   /// Collective timeout of this group.
   std::chrono::milliseconds timeout() const { return timeout_; }
+  /// The rendezvous store the group's members share (its keys are not prefixed).
+  const c10::intrusive_ptr<c10d::Store>& store() const { return store_; }
 
   /// The c10d backend for tensors on `device_type`, created on first use (all members of the
   /// group reach it together because collectives are SPMD).
