@@ -177,7 +177,6 @@ struct GatheredCall : torch::CustomClassHolder {
   // outermost forward (its backward comes right after this one's); holds it weakly. Empty:
   // none.
   std::function<void()> prefetch_prev;
-  bool prefetch_backward = false;
   bool prefetched_prev = false;
 
   explicit GatheredCall(std::shared_ptr<const UnitState> u) : unit(std::move(u)) {}
@@ -217,8 +216,7 @@ struct GatheredCall : torch::CustomClassHolder {
     regather_own();
     {
       std::lock_guard<std::mutex> l(mu);
-      if (!prefetch_backward || !prefetch_prev || prefetched_prev || comm::collectives_taped())
-        return;
+      if (!unit->prefetch || !prefetch_prev || prefetched_prev || comm::collectives_taped()) return;
       prefetched_prev = true;  // once: a later gradient of another output must not start more
     }
     prefetch_prev();
@@ -510,7 +508,6 @@ void fully_shard(torch::nn::Module& unit, const DeviceMesh& dp_mesh, FullyShardO
     std::vector<at::Tensor> shard_list;
     for (const auto& p : cst->params) shard_list.push_back(p.shard);
     auto call = c10::make_intrusive<GatheredCall>(cst);
-    call->prefetch_backward = cst->prefetch;
     at::Tensor prefetched = runtime->take_prefetched();
     if (may_prefetch) call->prefetched = prefetched;
     *current = call;
