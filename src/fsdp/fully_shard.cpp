@@ -426,47 +426,36 @@ std::optional<checkpoint::ShardedLayout> layout_of(const at::Tensor& param) {
   return layout;
 }
 
-}  // namespace
-
-void fully_shard(torch::nn::Module& unit, const DeviceMesh& dp_mesh, FullyShardOptions options) {
+// The checks fully_shard makes before touching the unit; returns the unit's hooks.
+tp::HookedModule& checked_unit(torch::nn::Module& unit, const DeviceMesh& dp_mesh,
+                               const FullyShardOptions& options) {
   const std::string uname = unit.name();
   TORCH_CHECK(dp_mesh.ndim() == 1, "fully_shard(", uname,
               "): expected a 1-D data-parallel mesh, got ", dp_mesh.str(), " with ", dp_mesh.ndim(),
               " dims; pass the dp sub-mesh, e.g. mesh[\"dp\"]");
   TORCH_CHECK(dp_mesh.contains_this_rank(), "fully_shard(", uname, "): this rank is not in ",
               dp_mesh.str(), "; every rank must pass the dp mesh it belongs to");
+  for (auto dt : {options.param_dtype, options.reduce_dtype})
+    TORCH_CHECK(!dt || at::isFloatingType(*dt), "fully_shard(", uname,
+                "): param_dtype and reduce_dtype must be floating-point dtypes, got ", *dt);
   auto* hooked = dynamic_cast<tp::HookedModule*>(&unit);
   TORCH_CHECK(hooked, "fully_shard(", uname,
               "): the unit has no forward hooks; derive it from dtensor::nn::Module (or use a "
               "dtensor::nn layer) so fully_shard can gather its parameters before forward");
+  return *hooked;
+}
 
-  static std::once_flag layout_registered;
-  std::call_once(layout_registered, [] { checkpoint::register_sharded_layout(layout_of); });
-  prune_dead_shards();
-  auto st = std::make_shared<UnitState>();
-  st->unit_name = uname;
-  st->pg = dp_mesh.get_group(0);
-  st->dp = dp_mesh.size();
-  st->reshard_after_forward = options.reshard_after_forward;
-  st->prefetch = options.prefetch;
-  st->param_dtype = options.param_dtype;
-  st->reduce_dtype = options.reduce_dtype;
-  for (auto dt : {options.param_dtype, options.reduce_dtype})
-    TORCH_CHECK(!dt || at::isFloatingType(*dt), "fully_shard(", uname,
-                "): param_dtype and reduce_dtype must be floating-point dtypes, got ", *dt);
-  const int64_t rank = dp_mesh.get_local_rank();
-  std::unordered_set<const c10::TensorImpl*> seen;
-  collect(unit, "", *st, seen);
-  if (st->params.empty()) return;  // nothing left to shard (every parameter in child units)
-
+// Cuts each collected parameter to this rank's rows (torch.chunk: full chunks first, so
+// trailing ranks may hold fewer or no rows), lays the shards out in one flat segment and lists
+// them in the shard registry.
+void shard_parameters(UnitState& st, int64_t rank) {
   std::vector<ShardInfo> infos;
-  for (auto& p : st->params) {
+  for (auto& p : st.params) {
     const int64_t rows = p.full_shape[0];
-    p.chunk_rows = (rows + st->dp - 1) / st->dp;
+    p.chunk_rows = (rows + st.dp - 1) / st.dp;
     p.row_numel = rows == 0 ? 0 : p.shard.numel() / rows;
-    p.offset = st->segment;
-    st->segment += p.chunk_rows * p.row_numel;
-    // torch.chunk: full chunks first, so trailing ranks may hold fewer (or no) rows.
+    p.offset = st.segment;
+    st.segment += p.chunk_rows * p.row_numel;
     const int64_t begin = std::min(rows, rank * p.chunk_rows);
     const int64_t end = std::min(rows, begin + p.chunk_rows);
     const bool rg = p.shard.requires_grad();
@@ -474,90 +463,121 @@ void fully_shard(torch::nn::Module& unit, const DeviceMesh& dp_mesh, FullyShardO
     replace_parameter(*p.owner, p.name, p.shard);
     infos.push_back(ShardInfo{rows, begin});
   }
-  {
-    std::lock_guard<std::mutex> l(shards_mu());
-    for (size_t i = 0; i < st->params.size(); ++i)
-      shards().insert_or_assign(
-          st->params[i].shard.unsafeGetTensorImpl(),
-          ShardEntry{
-              c10::weak_intrusive_ptr<c10::TensorImpl>(st->params[i].shard.getIntrusivePtr()),
-              infos[i], st->pg, st->params[i].chunk_rows, st->params[i].tp_spec});
-  }
+  std::lock_guard<std::mutex> l(shards_mu());
+  for (size_t i = 0; i < st.params.size(); ++i)
+    shards().insert_or_assign(
+        st.params[i].shard.unsafeGetTensorImpl(),
+        ShardEntry{c10::weak_intrusive_ptr<c10::TensorImpl>(st.params[i].shard.getIntrusivePtr()),
+                   infos[i], st.pg, st.params[i].chunk_rows, st.params[i].tp_spec});
+}
 
-  // The call between the pre-hook and the hook of one forward (not in UnitState: a call holds
-  // the state, and the state holding a call would make a cycle).
+// The call between the pre-hook and the hook of one forward (not in UnitState: a call holds
+// the state, and the state holding a call would make a cycle).
+using CurrentCall = std::shared_ptr<c10::intrusive_ptr<GatheredCall>>;
+
+// Before the unit's forward: gathers (or takes the prefetched) full parameters, puts them in
+// the modules, and starts the next unit's gather.
+void before_forward(const std::shared_ptr<const UnitState>& cst, const CurrentCall& current,
+                    const std::shared_ptr<UnitRuntime>& runtime, tp::ModuleCall& module_call) {
+  if (cst->param_dtype) cast_floating_args(module_call, *cst->param_dtype);
+  ForwardTrack& track = forward_track();
+  if (track.depth == 0) track.last_done.reset();  // an outermost forward begins
+  if (track.depth > 0)
+    if (auto last = track.last_started.lock(); last && last != runtime) {
+      std::lock_guard<std::mutex> l(last->mu);
+      last->next = runtime;
+    }
+  track.last_started = runtime;
+  ++track.depth;
+  // Inside a recorded or replayed region (a checkpointed module's forward and its
+  // recompute) every gather must be issued where it was recorded: no prefetching there.
+  const bool may_prefetch = cst->prefetch && !comm::collectives_taped();
+  std::vector<at::Tensor> shard_list;
+  for (const auto& p : cst->params) shard_list.push_back(p.shard);
+  auto call = c10::make_intrusive<GatheredCall>(cst);
+  at::Tensor prefetched = runtime->take_prefetched();
+  if (may_prefetch) call->prefetched = prefetched;
+  *current = call;
+  auto full = GatherParams::apply(
+      c10::IValue::make_capsule(c10::intrusive_ptr<torch::CustomClassHolder>(call)),
+      at::TensorList(shard_list));
+  for (size_t i = 0; i < cst->params.size(); ++i) {
+    const ParamSlot& p = cst->params[i];
+    const DTensorSpec* s = p.tp_spec.get();
+    // from_local's backward moves the gradient back to the parameter's placements (a
+    // Partial one is summed over tp) before the reduce-scatter over dp.
+    replace_parameter(*p.owner, p.name,
+                      s ? from_local(full[i], s->mesh(), s->placements(),
+                                     FromLocalOptions{.shape = s->shape(), .stride = s->stride()})
+                        : full[i]);
+  }
+  // The next unit's all-gather runs while this unit computes.
+  if (may_prefetch) {
+    std::shared_ptr<UnitRuntime> next;
+    {
+      std::lock_guard<std::mutex> l(runtime->mu);
+      next = runtime->next.lock();
+    }
+    if (next) next->prefetch();
+  }
+}
+
+// After forward the modules list the shards again (the autograd graph keeps the gathered
+// tensors it needs for backward), so parameters() and the optimizer see the leaves. With
+// reshard_after_forward the gathered values are freed now and gathered again when the first
+// gradient reaches one of the unit's outputs, i.e. before any of the unit's backward runs.
+void after_forward(const UnitState& st, const CurrentCall& current, c10::IValue& output) {
+  for (const auto& p : st.params) replace_parameter(*p.owner, p.name, p.shard);
+  c10::intrusive_ptr<GatheredCall> call = std::move(*current);
+  *current = {};
+  ForwardTrack& track = forward_track();
+  if (track.depth > 0) --track.depth;
+  if (!call) return;
+  if (track.last_done)
+    call->prefetch_prev = [prev = *track.last_done] {
+      if (c10::intrusive_ptr<GatheredCall> p = prev.lock()) p->prefetch_regather();
+    };
+  track.last_done = c10::weak_intrusive_ptr<GatheredCall>(call);
+  if (c10::GradMode::is_enabled()) {
+    for_each_tensor(output, [&](const at::Tensor& t) {
+      if (t.defined() && t.requires_grad())
+        t.register_hook([call](const at::Tensor&) { call->regather(); });
+    });
+  }
+  if (st.reshard_after_forward) call->free();
+}
+
+}  // namespace
+
+void fully_shard(torch::nn::Module& unit, const DeviceMesh& dp_mesh, FullyShardOptions options) {
+  tp::HookedModule& hooked = checked_unit(unit, dp_mesh, options);
+  static std::once_flag layout_registered;
+  std::call_once(layout_registered, [] { checkpoint::register_sharded_layout(layout_of); });
+  prune_dead_shards();
+  auto st = std::make_shared<UnitState>();
+  st->unit_name = unit.name();
+  st->pg = dp_mesh.get_group(0);
+  st->dp = dp_mesh.size();
+  st->reshard_after_forward = options.reshard_after_forward;
+  st->prefetch = options.prefetch;
+  st->param_dtype = options.param_dtype;
+  st->reduce_dtype = options.reduce_dtype;
+  std::unordered_set<const c10::TensorImpl*> seen;
+  collect(unit, "", *st, seen);
+  if (st->params.empty()) return;  // nothing left to shard (every parameter in child units)
+  shard_parameters(*st, dp_mesh.get_local_rank());
+
   auto current = std::make_shared<c10::intrusive_ptr<GatheredCall>>();
   std::shared_ptr<const UnitState> cst = st;
   auto runtime = std::make_shared<UnitRuntime>();
   runtime->st = cst;
-  hooked->register_forward_pre_hook([cst, current, runtime](torch::nn::Module&,
-                                                            tp::ModuleCall& module_call) {
-    if (cst->param_dtype) cast_floating_args(module_call, *cst->param_dtype);
-    ForwardTrack& track = forward_track();
-    if (track.depth == 0) track.last_done.reset();  // an outermost forward begins
-    if (track.depth > 0)
-      if (auto last = track.last_started.lock(); last && last != runtime) {
-        std::lock_guard<std::mutex> l(last->mu);
-        last->next = runtime;
-      }
-    track.last_started = runtime;
-    ++track.depth;
-    // Inside a recorded or replayed region (a checkpointed module's forward and its
-    // recompute) every gather must be issued where it was recorded: no prefetching there.
-    const bool may_prefetch = cst->prefetch && !comm::collectives_taped();
-    std::vector<at::Tensor> shard_list;
-    for (const auto& p : cst->params) shard_list.push_back(p.shard);
-    auto call = c10::make_intrusive<GatheredCall>(cst);
-    at::Tensor prefetched = runtime->take_prefetched();
-    if (may_prefetch) call->prefetched = prefetched;
-    *current = call;
-    auto full = GatherParams::apply(
-        c10::IValue::make_capsule(c10::intrusive_ptr<torch::CustomClassHolder>(call)),
-        at::TensorList(shard_list));
-    for (size_t i = 0; i < cst->params.size(); ++i) {
-      const ParamSlot& p = cst->params[i];
-      const DTensorSpec* s = p.tp_spec.get();
-      // from_local's backward moves the gradient back to the parameter's placements (a
-      // Partial one is summed over tp) before the reduce-scatter over dp.
-      replace_parameter(*p.owner, p.name,
-                        s ? from_local(full[i], s->mesh(), s->placements(),
-                                       FromLocalOptions{.shape = s->shape(), .stride = s->stride()})
-                          : full[i]);
-    }
-    // The next unit's all-gather runs while this unit computes.
-    if (may_prefetch) {
-      std::shared_ptr<UnitRuntime> next;
-      {
-        std::lock_guard<std::mutex> l(runtime->mu);
-        next = runtime->next.lock();
-      }
-      if (next) next->prefetch();
-    }
-  });
-  // After forward the modules list the shards again (the autograd graph keeps the gathered
-  // tensors it needs for backward), so parameters() and the optimizer see the leaves. With
-  // reshard_after_forward the gathered values are freed now and gathered again when the first
-  // gradient reaches one of the unit's outputs, i.e. before any of the unit's backward runs.
-  hooked->register_forward_hook(
+  hooked.register_forward_pre_hook(
+      [cst, current, runtime](torch::nn::Module&, tp::ModuleCall& module_call) {
+        before_forward(cst, current, runtime, module_call);
+      });
+  hooked.register_forward_hook(
       [cst, current](torch::nn::Module&, const tp::ModuleCall&, c10::IValue& output) {
-        for (const auto& p : cst->params) replace_parameter(*p.owner, p.name, p.shard);
-        c10::intrusive_ptr<GatheredCall> call = std::move(*current);
-        *current = {};
-        ForwardTrack& track = forward_track();
-        if (track.depth > 0) --track.depth;
-        if (!call) return;
-        if (track.last_done)
-          call->prefetch_prev = [prev = *track.last_done] {
-            if (c10::intrusive_ptr<GatheredCall> p = prev.lock()) p->prefetch_regather();
-          };
-        track.last_done = c10::weak_intrusive_ptr<GatheredCall>(call);
-        if (c10::GradMode::is_enabled()) {
-          for_each_tensor(output, [&](const at::Tensor& t) {
-            if (t.defined() && t.requires_grad())
-              t.register_hook([call](const at::Tensor&) { call->regather(); });
-          });
-        }
-        if (cst->reshard_after_forward) call->free();
+        after_forward(*cst, current, output);
       });
 }
 
