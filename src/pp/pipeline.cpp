@@ -57,6 +57,43 @@ void guarded(const PipelineStage& stage, const std::string& where, F&& f) {
 
 at::Tensor local_of(const at::Tensor& t) { return is_dtensor(t) ? local_tensor(t) : t; }
 
+// Receives a micro-batch's activation from stage `src`. The first one is preceded by its dtype
+// and shape, which `like` keeps for the later ones.
+at::Tensor recv_activation(std::optional<at::Tensor>& like, const at::TensorOptions& options,
+                           int src, comm::ProcessGroup& pg, int tag) {
+  if (!like) {
+    at::Tensor meta =
+        comm::recv(at::empty({2 + kMaxDims}, options.dtype(at::kLong)), src, pg, kShapeTag).cpu();
+    const auto* v = meta.data_ptr<int64_t>();
+    std::vector<int64_t> sizes(v + 2, v + 2 + v[1]);
+    like = at::empty(sizes, options.dtype(static_cast<at::ScalarType>(v[0])));
+  }
+  return comm::recv(*like, src, pg, tag);
+}
+
+// Starts sending a micro-batch's activation to stage `dst`; the counterpart of recv_activation.
+comm::PendingResult send_activation(const at::Tensor& out, std::optional<at::Tensor>& like, int dst,
+                                    comm::ProcessGroup& pg, int tag) {
+  TORCH_CHECK(!is_dtensor(out),
+              "the stage output crossing to the next stage is a DTensor; stage boundaries "
+              "carry plain tensors: apply tensor parallelism without sequence parallelism so "
+              "that activations between blocks are replicated local tensors");
+  if (!like) {
+    TORCH_CHECK(out.dim() <= kMaxDims, "stage outputs have at most ", kMaxDims, " dims, got ",
+                out.dim());
+    std::vector<int64_t> meta{static_cast<int64_t>(out.scalar_type()), out.dim()};
+    for (int64_t d = 0; d < kMaxDims; ++d) meta.push_back(d < out.dim() ? out.size(d) : 0);
+    comm::send(at::tensor(meta, at::kLong).to(out.device()), dst, pg, kShapeTag);
+    like = at::empty(out.sizes(), out.options());
+  }
+  TORCH_CHECK(out.sizes() == like->sizes() && out.scalar_type() == like->scalar_type(),
+              "the stage output is ", out.scalar_type(), out.sizes(), " but the first step's was ",
+              like->scalar_type(), like->sizes(),
+              ": the pipeline exchanges activation shapes once; keep the micro-batch shape "
+              "fixed or build a new PipelineStage");
+  return comm::isend(out.detach(), dst, pg, tag);
+}
+
 }  // namespace
 
 std::optional<DeviceMesh> get_pp_mesh(const DeviceMesh& mesh) {
@@ -173,16 +210,8 @@ at::Tensor Schedule::step(const at::Tensor& inputs, const at::Tensor& targets) {
     if (stage_.is_first()) {
       x = in_mb[i];
     } else {
-      if (!stage_.input_like_) {
-        at::Tensor meta = comm::recv(at::empty({2 + kMaxDims}, device_options.dtype(at::kLong)),
-                                     static_cast<int>(s - 1), pg, kShapeTag)
-                              .cpu();
-        const auto* v = meta.data_ptr<int64_t>();
-        std::vector<int64_t> sizes(v + 2, v + 2 + v[1]);
-        stage_.input_like_ =
-            at::empty(sizes, device_options.dtype(static_cast<at::ScalarType>(v[0])));
-      }
-      x = comm::recv(*stage_.input_like_, static_cast<int>(s - 1), pg, forward_tag(i));
+      x = recv_activation(stage_.input_like_, device_options, static_cast<int>(s - 1), pg,
+                          forward_tag(i));
       x.requires_grad_(true);
     }
     const auto t0 = Clock::now();
@@ -197,27 +226,8 @@ at::Tensor Schedule::step(const at::Tensor& inputs, const at::Tensor& targets) {
     micro[i].input = x;
     micro[i].output = out;
     if (stage_.is_last()) return;
-    TORCH_CHECK(!is_dtensor(out),
-                "the stage output crossing to the next stage is a DTensor; stage boundaries "
-                "carry plain tensors: apply tensor parallelism without sequence parallelism so "
-                "that activations between blocks are replicated local tensors");
-    if (!stage_.output_like_) {
-      TORCH_CHECK(out.dim() <= kMaxDims, "stage outputs have at most ", kMaxDims, " dims, got ",
-                  out.dim());
-      std::vector<int64_t> meta{static_cast<int64_t>(out.scalar_type()), out.dim()};
-      for (int64_t d = 0; d < kMaxDims; ++d) meta.push_back(d < out.dim() ? out.size(d) : 0);
-      comm::send(at::tensor(meta, at::kLong).to(device_options.device()), static_cast<int>(s + 1),
-                 pg, kShapeTag);
-      stage_.output_like_ = at::empty(out.sizes(), out.options());
-    }
-    TORCH_CHECK(out.sizes() == stage_.output_like_->sizes() &&
-                    out.scalar_type() == stage_.output_like_->scalar_type(),
-                "the stage output is ", out.scalar_type(), out.sizes(),
-                " but the first step's was ", stage_.output_like_->scalar_type(),
-                stage_.output_like_->sizes(),
-                ": the pipeline exchanges activation shapes once; keep the micro-batch shape "
-                "fixed or build a new PipelineStage");
-    sends.push_back(comm::isend(out.detach(), static_cast<int>(s + 1), pg, forward_tag(i)));
+    sends.push_back(
+        send_activation(out, stage_.output_like_, static_cast<int>(s + 1), pg, forward_tag(i)));
   };
 
   auto backward = [&](int64_t i) {
