@@ -28,6 +28,8 @@ PresetDefaults defaults_for(const std::string& preset) {
   return {60, 8, 3e-3};
 }
 
+[[noreturn]] void bad(const std::string& msg) { throw std::invalid_argument(msg); }
+
 std::string num(double v) {
   char buf[32];
   std::snprintf(buf, sizeof buf, "%.17g", v);
@@ -36,7 +38,6 @@ std::string num(double v) {
 
 // --pp N: world = pp x tp; the combinations the pipeline trainer does not implement are refused.
 void resolve_pipeline(const TrainOptions& o, int64_t world_size, RunConfig& c) {
-  auto bad = [](const std::string& msg) { throw std::invalid_argument(msg); };
   const std::string pp = "--pp " + std::to_string(o.pp);
   if (o.dp > 1 || o.dp_shard > 1) {
     bad(pp + " cannot be combined with --dp or --dp-shard yet: ranks form a pp x tp mesh");
@@ -66,11 +67,8 @@ void resolve_pipeline(const TrainOptions& o, int64_t world_size, RunConfig& c) {
   c.sequence_parallel = false;
 }
 
-}  // namespace
-
-RunConfig resolve_run_config(const TrainOptions& o, int64_t world_size) {
-  auto bad = [](const std::string& msg) { throw std::invalid_argument(msg); };
-  RunConfig c;
+// The model: a preset or a config file, then the flags that override its fields.
+void resolve_model(const TrainOptions& o, RunConfig& c) {
   c.preset = o.preset;
   c.model_source = o.config_path.empty() ? "preset " + o.preset : o.config_path;
   c.model = o.config_path.empty() ? models::LlamaConfig::preset(o.preset)
@@ -88,7 +86,10 @@ RunConfig resolve_run_config(const TrainOptions& o, int64_t world_size) {
   }
   c.model.validate();
   c.seq_len = c.model.max_seq_len;
+}
 
+// Steps, batch, learning-rate schedule, optimizer, evaluation and precision.
+void resolve_training(const TrainOptions& o, RunConfig& c) {
   const auto d = defaults_for(o.preset);
   c.steps = o.steps.value_or(d.steps);
   c.stop_at = std::min(c.steps, o.stop_at.value_or(c.steps));
@@ -114,6 +115,10 @@ RunConfig resolve_run_config(const TrainOptions& o, int64_t world_size) {
   c.eval_batches = o.eval_batches;
   c.dtype = o.dtype == "float64" ? c10::kDouble : c10::kFloat;
   c.verify_rtol = o.verify_rtol.value_or(c.dtype == c10::kDouble ? 1e-9 : 1e-4);
+}
+
+// The TP plan's options, pipeline stages and the data-parallel degree (plain or FSDP).
+void resolve_parallelism(const TrainOptions& o, int64_t world_size, RunConfig& c) {
   c.sequence_parallel = o.sequence_parallel;
   c.loss_parallel = o.loss_parallel;
   c.overlap_comm = o.overlap_comm;
@@ -143,8 +148,7 @@ RunConfig resolve_run_config(const TrainOptions& o, int64_t world_size) {
     c.fsdp = true;
   }
   if (o.mixed_precision == "bf16") {
-    if (!c.fsdp)
-      bad("--mixed-precision bf16 is FSDP's: it needs --dp-shard N (N >= 2)");
+    if (!c.fsdp) bad("--mixed-precision bf16 is FSDP's: it needs --dp-shard N (N >= 2)");
     if (c.dtype != c10::kFloat)
       bad("--mixed-precision bf16 keeps float32 parameters: use --dtype float32, not " + o.dtype);
     c.bf16 = true;
@@ -174,6 +178,15 @@ RunConfig resolve_run_config(const TrainOptions& o, int64_t world_size) {
         " TP ranks, but --seq-len is " + std::to_string(c.seq_len) + ": use a multiple of " +
         std::to_string(c.tp) + " or --no-sequence-parallel");
   }
+}
+
+}  // namespace
+
+RunConfig resolve_run_config(const TrainOptions& o, int64_t world_size) {
+  RunConfig c;
+  resolve_model(o, c);
+  resolve_training(o, c);
+  resolve_parallelism(o, world_size, c);
   return c;
 }
 
