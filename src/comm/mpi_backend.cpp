@@ -604,6 +604,51 @@ class MpiBackend : public c10d::Backend {
     if (op.op_ == c10d::ReduceOp::AVG && (root < 0 || root == rank_)) t.div_(size_);
   }
 
+  // Open MPI picks its reduce-scatter algorithm by message size, and with more than two ranks
+  // the algorithms add a float element's terms in different orders: a tensor reduce-scattered
+  // in pieces (tp::matmul_reduce_scatter) would then differ in the last bits from the same
+  // tensor reduce-scattered whole. Two terms add alike in either order (a + b == b + a), and
+  // MIN/MAX and integers are exact.
+  bool needs_fixed_order(const at::Tensor& in, const c10d::ReduceOp& op) const {
+    return size_ > 2 && at::isFloatingType(in.scalar_type()) &&
+           (op.op_ == c10d::ReduceOp::SUM || op.op_ == c10d::ReduceOp::AVG ||
+            op.op_ == c10d::ReduceOp::PRODUCT);
+  }
+
+  // Reduce-scatter whose every element is combined in rank order 0, 1, ..., n-1 whatever the
+  // tensor's size: each rank receives all ranks' chunks for it (one all-to-all, the bytes a
+  // ring reduce-scatter moves) and combines them itself.
+  void reduce_scatter_in_rank_order(const at::Tensor& in, const at::Tensor& out,
+                                    const std::vector<int>& counts, const c10d::ReduceOp& op) {
+    const int mine = counts[rank_];
+    const int64_t esize = static_cast<int64_t>(in.element_size());
+    std::vector<int> send_counts(size_), send_displs(size_), recv_counts(size_, 0),
+        recv_displs(size_, 0);
+    int64_t offset = 0;
+    for (int r = 0; r < size_; ++r) {
+      send_counts[r] = count_of(static_cast<size_t>(counts[r] * esize), "reduce_scatter chunk");
+      send_displs[r] = count_of(static_cast<size_t>(offset * esize), "reduce_scatter offset");
+      offset += counts[r];
+      recv_counts[r] = count_of(static_cast<size_t>(mine * esize), "reduce_scatter chunk");
+      recv_displs[r] =
+          count_of(static_cast<size_t>(int64_t{r} * mine * esize), "reduce_scatter offset");
+    }
+    at::Tensor parts = at::empty({size_, mine}, in.options());
+    check_mpi(
+        MPI_Alltoallv(in.data_ptr(), send_counts.data(), send_displs.data(), MPI_BYTE,
+                      parts.data_ptr(), recv_counts.data(), recv_displs.data(), MPI_BYTE, comm_),
+        "MPI_Alltoallv");
+    at::Tensor acc = out.view({-1});
+    acc.copy_(parts[0]);
+    for (int r = 1; r < size_; ++r) {
+      if (op.op_ == c10d::ReduceOp::PRODUCT) {
+        acc.mul_(parts[r]);
+      } else {
+        acc.add_(parts[r]);
+      }
+    }
+  }
+
   // `in` holds every rank's chunk back to back (chunk r has counts[r] elements).
   void reduce_scatter_into(const at::Tensor& in, const at::Tensor& out,
                            const std::vector<int>& counts, const c10d::ReduceOp& op) {
@@ -617,7 +662,9 @@ class MpiBackend : public c10d::Backend {
     const MPI_Op mop = mpi_op(op, in.scalar_type(), "reduce_scatter");
     const bool even =
         std::all_of(counts.begin(), counts.end(), [&](int c) { return c == counts[0]; });
-    if (even) {
+    if (needs_fixed_order(in, op)) {
+      reduce_scatter_in_rank_order(in, out, counts, op);
+    } else if (even) {
       check_mpi(
           MPI_Reduce_scatter_block(in.data_ptr(), out.data_ptr(), counts[0], type, mop, comm_),
           "MPI_Reduce_scatter_block");

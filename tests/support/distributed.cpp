@@ -230,6 +230,15 @@ void run_in_mpi_job(int rank, const std::function<void(int)>& body, const RunOpt
 
 bool in_mpi_job() { return env_int("OMPI_COMM_WORLD_SIZE").has_value(); }
 
+std::vector<int> world_sizes_to_run(const std::vector<int>& sizes) {
+  if (!in_mpi_job()) return sizes;
+  const int job = *env_int("OMPI_COMM_WORLD_SIZE");
+  std::vector<int> out;
+  for (int n : sizes)
+    if (n == job) out.push_back(n);
+  return out;
+}
+
 std::vector<RankOutcome> run_ranks_collect(int world_size, const std::function<void(int)>& body,
                                            const RunOptions& options) {
   if (in_mpi_job()) {

@@ -5,10 +5,17 @@
 // together run the 2- and 4-rank tests on the MPI backend (ctest does: tests/CMakeLists.txt).
 #include <gtest/gtest.h>
 
+#include <vector>
+
 namespace dtensor::testing {
 
 // True when mpirun started this process (OMPI_COMM_WORLD_SIZE is set).
 bool in_mpi_job();
+
+// The world sizes among `sizes` this process can run: all of them with forked ranks, only the
+// job's own size under mpirun (a test looping over sizes would otherwise be marked skipped by
+// the first size the job does not have, hiding the results of the one it does).
+std::vector<int> world_sizes_to_run(const std::vector<int>& sizes);
 
 }  // namespace dtensor::testing
 

@@ -10,6 +10,7 @@
 #include "dtensor/tp/overlap.h"
 #include "support/distributed.h"
 #include "support/errors.h"
+#include "support/mpi_job.h"
 
 using namespace dtensor;
 using namespace dtensor::testing;
@@ -67,7 +68,9 @@ Result run_pair(const DeviceMesh& mesh, const Data& d, bool overlap, int64_t chu
 }  // namespace
 
 TEST(Overlap, PairIsBitwiseTheDTensorPathWithPiecesOfCollectives) {
-  for (int n : {2, 3, 4}) {
+  const auto sizes = world_sizes_to_run({2, 3, 4});
+  if (sizes.empty()) GTEST_SKIP() << "runs with 2, 3 or 4 ranks";
+  for (int n : sizes) {
     run_ranks(n, [](int) {
       auto mesh = init_device_mesh("cpu", {comm::get_world_size()});
       const int64_t n = mesh.size();

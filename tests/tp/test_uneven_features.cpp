@@ -6,10 +6,12 @@
 
 #include "dtensor/dtensor.h"
 #include "support/distributed.h"
+#include "support/mpi_job.h"
 
 using namespace dtensor;
 using namespace dtensor::tp;
 using dtensor::testing::run_ranks;
+using dtensor::testing::world_sizes_to_run;
 
 namespace {
 
@@ -29,7 +31,9 @@ TORCH_MODULE(TwoLayer);
 }  // namespace
 
 TEST(UnevenFeatures, ColwiseThenRowwiseOverAnUnevenHiddenSizeMatchesOneDevice) {
-  for (int world : {3, 4}) {
+  const auto sizes = world_sizes_to_run({3, 4});
+  if (sizes.empty()) GTEST_SKIP() << "runs with 3 or 4 ranks";
+  for (int world : sizes) {
     run_ranks(world, [world](int) {
       auto mesh = init_device_mesh("cpu", {world}, {"tp"});
       at::manual_seed(0);
