@@ -186,20 +186,16 @@ std::optional<TrainOptions> parse_args(int argc, char** argv, int& exit_code, bo
     exit_code = *code;
     return std::nullopt;
   }
-  if (o.min_lr && o.lr && *o.min_lr > *o.lr) {
-    exit_code = cli::usage_error(app,
-                                 "--min-lr (" + std::to_string(*o.min_lr) +
-                                     ") is larger than --lr (" + std::to_string(*o.lr) + ")",
-                                 quiet);
-    return std::nullopt;
-  }
-  if (o.warmup && o.steps && *o.warmup > *o.steps) {
-    exit_code = cli::usage_error(app,
-                                 "--warmup (" + std::to_string(*o.warmup) +
-                                     ") is longer than --steps (" + std::to_string(*o.steps) + ")",
-                                 quiet);
-    return std::nullopt;
-  }
+  auto refuse = [&](const std::string& why) {
+    exit_code = cli::usage_error(app, why, quiet);
+    return std::optional<TrainOptions>();
+  };
+  if (o.min_lr && o.lr && *o.min_lr > *o.lr)
+    return refuse("--min-lr (" + std::to_string(*o.min_lr) + ") is larger than --lr (" +
+                  std::to_string(*o.lr) + ")");
+  if (o.warmup && o.steps && *o.warmup > *o.steps)
+    return refuse("--warmup (" + std::to_string(*o.warmup) + ") is longer than --steps (" +
+                  std::to_string(*o.steps) + ")");
   return o;
 }
 

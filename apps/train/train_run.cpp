@@ -158,9 +158,9 @@ class TrainingRun {
         cfg_(std::move(cfg)),
         rank0_(env.rank == 0),
         wall_start_(wall_start),
-        file_text_(o.data_path.empty() ? std::string() : read_text_file(o.data_path)),
-        split_(split_tokens(tokenizer_.encode(o.data_path.empty() ? default_corpus() : file_text_),
-                            o.val_fraction, cfg_.seq_len)),
+        split_(split_tokens(
+            tokenizer_.encode(o.data_path.empty() ? default_corpus() : read_text_file(o.data_path)),
+            o.val_fraction, cfg_.seq_len)),
         train_batches_(&split_.train, cfg_.batch_size, cfg_.seq_len, cfg_.seed, kTrainStream),
         val_batches_(&split_.val, cfg_.batch_size, cfg_.seq_len, cfg_.seed, kValStream),
         trainer_(cfg_, join_ranks(env, cfg_)),
@@ -423,7 +423,6 @@ class TrainingRun {
   const Clock::time_point wall_start_;
   // Data: identical on every rank, so no rank needs to send batches to another.
   const ByteTokenizer tokenizer_{};
-  const std::string file_text_;
   const TokenSplit split_;
   const BatchSampler train_batches_, val_batches_;
   Trainer trainer_;

@@ -130,10 +130,6 @@ const std::string& param_name(const ParamNames& names, const at::Tensor& param) 
   return it->second;
 }
 
-std::string optimizer_type(const torch::optim::Optimizer& optimizer) {
-  return kind_name(kind_of(optimizer));
-}
-
 std::vector<StateTensor> state_tensors(const torch::optim::Optimizer& optimizer,
                                        const ParamNames& names) {
   const Kind kind = kind_of(optimizer);

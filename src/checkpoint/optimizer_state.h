@@ -19,9 +19,6 @@ using ParamNames = std::unordered_map<const void*, std::string>;
 // The parameter's name, or an error saying the optimizer holds a tensor the module lacks.
 const std::string& param_name(const ParamNames& names, const at::Tensor& param);
 
-// "Adam", "AdamW" or "SGD"; throws for other optimizers.
-std::string optimizer_type(const torch::optim::Optimizer& optimizer);
-
 struct StateTensor {
   std::string param;  // parameter name
   std::string key;    // "exp_avg", ...; "step" is a 0-d int64 tensor

@@ -58,8 +58,6 @@ std::unique_ptr<OpInfo> build(const c10::OperatorHandle& op) {
   auto info = std::make_unique<OpInfo>();
   const auto& schema = op.schema();
   info->name = qualified_name(op);
-  info->decomposable = op.hasKernelForDispatchKey(c10::DispatchKey::CompositeExplicitAutograd) &&
-                       !op.hasKernelForDispatchKey(c10::DispatchKey::CPU);
   info->num_args = schema.arguments().size();
   info->num_returns = schema.returns().size();
   for (const auto& a : schema.arguments()) info->static_arg.push_back(!is_value_like(a.type()));
@@ -109,12 +107,6 @@ std::string qualified_name(const c10::OperatorHandle& op) {
   return n.overload_name.empty() ? n.name : n.name + "." + n.overload_name;
 }
 
-const Rule* find_rule(const std::string& name) {
-  std::lock_guard<std::mutex> l(mu());
-  auto it = rules().find(name);
-  return it == rules().end() ? nullptr : &it->second->rule;
-}
-
 void register_rule(const std::string& qualified_name, Rule rule, std::vector<int> static_args) {
   std::lock_guard<std::mutex> l(mu());
   auto& slot = rules()[qualified_name];
@@ -151,7 +143,10 @@ void register_rule(std::initializer_list<const char*> names, const Rule& rule,
   for (const char* n : names) register_rule(n, rule, static_args);
 }
 
-bool has_rule(const std::string& qualified_name) { return find_rule(qualified_name) != nullptr; }
+bool has_rule(const std::string& qualified_name) {
+  std::lock_guard<std::mutex> l(mu());
+  return rules().count(qualified_name) != 0;
+}
 
 std::vector<std::string> registered_rule_names() {
   std::lock_guard<std::mutex> l(mu());

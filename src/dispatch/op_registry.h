@@ -20,7 +20,6 @@ struct OpInfo {
   std::string name;  // "aten::add.Tensor"
   const Rule* rule = nullptr;
   std::vector<const ContextRule*> context_rules;  // checked first while their bits are set
-  bool decomposable = false;  // has a CompositeExplicitAutograd kernel and no CPU kernel
   size_t num_args = 0;
   size_t num_returns = 0;
   // Arguments whose value is part of the cache key (ints, bools, int lists, strings, dtypes):
@@ -33,7 +32,6 @@ struct OpInfo {
 
 // Looked up by operator; thread-local fast path over a shared table.
 const OpInfo& op_info(const c10::OperatorHandle& op);
-const Rule* find_rule(const std::string& name);
 std::string qualified_name(const c10::OperatorHandle& op);
 
 }  // namespace dtensor::dispatch

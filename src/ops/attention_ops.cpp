@@ -294,18 +294,10 @@ Layout cudnn_cuda(const OpCall& call) {
 
 // _scaled_dot_product_cudnn_attention_backward(grad_out, q, k, v, out, logsumexp,
 // philox_seed, philox_offset, attn_bias, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p,
-// is_causal, *, scale) -> (grad_q, grad_k, grad_v)
+// is_causal, *, scale) -> (grad_q, grad_k, grad_v): flash's layout plus the attn_bias.
 Layout cudnn_cuda_backward(const OpCall& call) {
-  Layout L;
-  L.query = 1;
-  L.key = 2;
-  L.follow_args = {0, 1, 2, 3, 4, 5};
+  Layout L = flash_cuda_backward(call);
   L.mask_arg = 8;
-  L.returns = {Role::Follow, Role::Follow, Role::Follow};
-  for (int a : {1, 2, 3}) {
-    const auto& t = required_arg(call, a);
-    L.meta.push_back(meta_like(t, t.shape()));
-  }
   return L;
 }
 

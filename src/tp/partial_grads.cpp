@@ -19,10 +19,6 @@ struct Group {
   std::vector<at::Tensor> params;
 };
 
-bool has_shard(c10::ArrayRef<Placement> p) {
-  return std::any_of(p.begin(), p.end(), [](const Placement& x) { return x.is_shard(); });
-}
-
 }  // namespace
 
 int64_t reduce_partial_grads(const std::vector<at::Tensor>& params) {
@@ -36,11 +32,10 @@ int64_t reduce_partial_grads(const std::vector<at::Tensor>& params) {
     if (!g.defined() || !is_dtensor(g)) continue;
     const auto& spec = *dtensor_impl(g)->spec();
     const auto& pl = spec.placements();
-    if (std::none_of(pl.begin(), pl.end(), [](const Placement& x) { return x.is_partial(); }))
-      continue;
+    if (!spec.has_partial()) continue;
     ++reduced;
     // Sharded gradients keep their layout; only shard-free ones flatten into a shared buffer.
-    if (has_shard(pl)) {
+    if (spec.has_shard()) {
       p.mutable_grad() = redistribute(g, clear_partial(pl));
       continue;
     }

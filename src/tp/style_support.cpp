@@ -132,8 +132,10 @@ FromLocalOptions linear_input_shape(const at::Tensor& local, const Placement& la
   shape.back() = linear->options.in_features();
   return {.shape = shape, .stride = default_strides(shape)};
 }
-}  // namespace
 
+// The first positional input of a Colwise/Rowwise module: a plain tensor becomes a DTensor with
+// `input_layout`; then, if the declared layout differs from `desired`, it is redistributed
+// (async). An incoming DTensor's own placements are not checked, as in PyTorch.
 void prepare_first_input(ModuleCall& call, const DeviceMesh& mesh, Placement input_layout,
                          Placement desired, const char* style, const torch::nn::Module& module) {
   TORCH_CHECK(!call.args.empty() && call.args[0].isTensor(), style, " on ",
@@ -147,6 +149,8 @@ void prepare_first_input(ModuleCall& call, const DeviceMesh& mesh, Placement inp
   call.args[0] = std::move(input);
 }
 
+// The output of a Colwise/Rowwise module: redistributed (async) to `output_layout` when its
+// placement differs; the local shard when `use_local_output`.
 void prepare_single_output(c10::IValue& output, Placement output_layout, bool use_local_output,
                            const char* style, const torch::nn::Module& module) {
   TORCH_CHECK(output.isTensor() && is_dtensor(output.toTensor()), style, " on ",
@@ -161,6 +165,8 @@ void prepare_single_output(c10::IValue& output, Placement output_layout, bool us
     out = redistribute(out, {output_layout}, {.async_op = true});
   output = use_local_output ? to_local(out) : out;
 }
+
+}  // namespace
 
 c10::IValue prepare_value(const c10::IValue& value, const DeviceMesh& mesh,
                           const std::optional<Placement>& layout,

@@ -52,16 +52,6 @@ ParamLayout colwise_layout(bool embedding);
 // divides it among the Partial sums); Embedding Shard(0) (vocab rows).
 ParamLayout rowwise_layout(bool linear);
 
-// The first positional input of a Colwise/Rowwise module: a plain tensor becomes a DTensor with
-// `input_layout`; then, if the declared layout differs from `desired`, it is redistributed
-// (async). An incoming DTensor's own placements are not checked, as in PyTorch.
-void prepare_first_input(ModuleCall& call, const DeviceMesh& mesh, Placement input_layout,
-                         Placement desired, const char* style, const torch::nn::Module& module);
-// The output of a Colwise/Rowwise module: redistributed (async) to `output_layout` when its
-// placement differs; the local shard when `use_local_output`.
-void prepare_single_output(c10::IValue& output, Placement output_layout, bool use_local_output,
-                           const char* style, const torch::nn::Module& module);
-
 // What ColwiseParallel and RowwiseParallel share. `input_desired` is what the module computes
 // on; `plain_output` is what it returns without hooks (Colwise: Shard(-1), Rowwise: the Partial
 // sum, which its consumer reduces exactly as a Replicate output hook would).
