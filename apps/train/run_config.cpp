@@ -194,6 +194,7 @@ RunConfig one_device(const RunConfig& config) {
   RunConfig one = config;
   one.world_size = one.dp = one.tp = one.pp = 1;
   one.fsdp = false;
+  one.bf16 = false;  // FSDP's mixed precision: one device runs (and checks against) float32
   return one;
 }
 

@@ -13,9 +13,7 @@
 namespace dtensor::train {
 
 Trainer make_reference_trainer(const RunConfig& config, const std::string& resume_from) {
-  RunConfig one = one_device(config);
-  one.bf16 = false;  // the float32 reference of a bf16 run
-  Trainer reference(one, std::nullopt);
+  Trainer reference(one_device(config), std::nullopt);
   if (!resume_from.empty()) {
     checkpoint::load_checkpoint(resume_from, reference.model(), &reference.optimizer());
   }

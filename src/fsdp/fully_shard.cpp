@@ -477,8 +477,9 @@ using CurrentCall = std::shared_ptr<c10::intrusive_ptr<GatheredCall>>;
 
 // Before the unit's forward: gathers (or takes the prefetched) full parameters, puts them in
 // the modules, and starts the next unit's gather.
-void before_forward(const std::shared_ptr<const UnitState>& cst, const CurrentCall& current,
-                    const std::shared_ptr<UnitRuntime>& runtime, tp::ModuleCall& module_call) {
+void before_forward(const std::shared_ptr<UnitRuntime>& runtime, const CurrentCall& current,
+                    tp::ModuleCall& module_call) {
+  const std::shared_ptr<const UnitState>& cst = runtime->st;
   if (cst->param_dtype) cast_floating_args(module_call, *cst->param_dtype);
   ForwardTrack& track = forward_track();
   if (track.depth == 0) track.last_done.reset();  // an outermost forward begins
@@ -495,6 +496,7 @@ void before_forward(const std::shared_ptr<const UnitState>& cst, const CurrentCa
   std::vector<at::Tensor> shard_list;
   for (const auto& p : cst->params) shard_list.push_back(p.shard);
   auto call = c10::make_intrusive<GatheredCall>(cst);
+  // Taken even where it may not be used, so that a gather in flight is finished first.
   at::Tensor prefetched = runtime->take_prefetched();
   if (may_prefetch) call->prefetched = prefetched;
   *current = call;
@@ -572,8 +574,8 @@ void fully_shard(torch::nn::Module& unit, const DeviceMesh& dp_mesh, FullyShardO
   auto runtime = std::make_shared<UnitRuntime>();
   runtime->st = cst;
   hooked.register_forward_pre_hook(
-      [cst, current, runtime](torch::nn::Module&, tp::ModuleCall& module_call) {
-        before_forward(cst, current, runtime, module_call);
+      [runtime, current](torch::nn::Module&, tp::ModuleCall& module_call) {
+        before_forward(runtime, current, module_call);
       });
   hooked.register_forward_hook(
       [cst, current](torch::nn::Module&, const tp::ModuleCall&, c10::IValue& output) {
