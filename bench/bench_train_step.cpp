@@ -21,11 +21,12 @@
 //   RESULT tp1_overhead_pct=<(b - a) / a * 100> speedup_vs_pytorch_tp2=<(d) / (c)>
 //          tp2_vs_tp1_plain=<a / the faster of c, c'> tp2_vs_tp1_plain_gloo=<a / c>
 //          tp2_vs_tp1_plain_mpi=<a / c'> fsdp2_vs_tp2_gloo=<c / e>
-//          overlap_speedup=<c / f> overlap_speedup_mpi=<c' / f'>
+//          overlap_speedup=<c / f> overlap_speedup_mpi=<c' / f'> busy=<--busy>
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <fcntl.h>
 #include <signal.h>
+#include <sys/prctl.h>
 #include <torch/optim/adamw.h>
 #include <unistd.h>
 
@@ -70,7 +71,7 @@ variant, and as its last line:
   RESULT tp1_overhead_pct=<(b-a)/a*100> speedup_vs_pytorch_tp2=<(d)/(c)>
          tp2_vs_tp1_plain=<a/(faster of c, c')> tp2_vs_tp1_plain_gloo=<a/c>
          tp2_vs_tp1_plain_mpi=<a/c'> fsdp2_vs_tp2_gloo=<c/e>
-         overlap_speedup=<c/f> overlap_speedup_mpi=<c'/f'>
+         overlap_speedup=<c/f> overlap_speedup_mpi=<c'/f'> busy=<--busy>
 
 options:
   --preset NAME          model preset (default bench; tiny, demo for a quick look)
@@ -85,6 +86,9 @@ options:
   --pytorch-script PATH  default bench/pytorch_tp_train_step.py
   --no-pytorch           skip (d)
   --no-mpi               skip (c')
+  --busy N               a busy machine: N processes spinning on the CPU beside the variants
+                         for the whole run (default 0)
+  --busy-nice K          their nice value (default 0: the variants' own priority)
   --quick                --preset tiny --seq 32 --warmup 1 --steps 1 --rounds 2 (for those
                          not given): a smoke test
   --help                 print this help
@@ -112,6 +116,7 @@ struct Options {
   std::string script = "bench/pytorch_tp_train_step.py";
   bool pytorch = true;
   bool mpi = true;
+  int busy = 0, busy_nice = 0;  // busy loops beside the variants, and their nice value
   // Worker side.
   std::string worker;  // "", "plain", "tp", "tp-overlap" or "fsdp"
   std::string inputs;
@@ -566,11 +571,28 @@ void print_intro(const Options& opt, const models::LlamaConfig& config) {
       "one intra-op thread per rank; Gloo on 127.0.0.1; %d warm-up step(s), then %d "
       "rounds of %d step(s) per variant\n",
       opt.warmup, opt.rounds, opt.steps);
+  if (opt.busy > 0) {
+    std::printf("busy machine: %d process(es) spinning beside the variants at nice %d\n", opt.busy,
+                opt.busy_nice);
+  }
   std::printf(
       "rounds alternate a b c f e c' f' d / d f' c' e f c b a; ms/step = median over rounds of the "
       "slowest "
       "rank's block time / steps\n\n");
   std::fflush(stdout);
+}
+
+// A process that only spins on the CPU at nice value `nice`, until killed or until the
+// controller exits: another program's work on the machine.
+pid_t start_busy_loop(int nice) {
+  const pid_t pid = ::fork();
+  if (pid < 0) die(std::string("fork: ") + std::strerror(errno));
+  if (pid > 0) return pid;
+  ::prctl(PR_SET_PDEATHSIG, SIGKILL);
+  errno = 0;
+  if (nice != 0 && ::nice(nice) == -1 && errno != 0) ::_exit(1);
+  volatile uint64_t spins = 0;
+  for (;;) spins = spins + 1;
 }
 
 // Warm-up, then the rounds: a b c f e c' f' d / d f' c' e f c b a, so that each variant runs first
@@ -696,11 +718,11 @@ void print_report(const Options& opt, const std::vector<Variant>& variants) {
   std::printf(
       "RESULT tp1_overhead_pct=%.2f speedup_vs_pytorch_tp2=%s tp2_vs_tp1_plain=%.3f "
       "tp2_vs_tp1_plain_gloo=%.3f tp2_vs_tp1_plain_mpi=%s fsdp2_vs_tp2_gloo=%s "
-      "overlap_speedup=%s overlap_speedup_mpi=%s\n",
+      "overlap_speedup=%s overlap_speedup_mpi=%s busy=%d\n",
       overhead, d.rounds.empty() ? "nan" : fmt(speedup, 3).c_str(), vs_plain, vs_plain_gloo,
       std::isnan(vs_plain_mpi) ? "nan" : fmt(vs_plain_mpi, 3).c_str(),
       std::isnan(fsdp_vs_tp) ? "nan" : fmt(fsdp_vs_tp, 3).c_str(), or_nan(overlap_gloo).c_str(),
-      or_nan(overlap_mpi).c_str());
+      or_nan(overlap_mpi).c_str(), opt.busy);
   std::fflush(stdout);
 }
 
@@ -722,7 +744,11 @@ int run_controller(const Options& opt, const char* self) {
 
   std::vector<Variant> variants = start_variants(opt, self, inputs);
   print_intro(opt, config);
+  dtensor::launch::Children busy_loops;
+  for (int i = 0; i < opt.busy; ++i) busy_loops.add(start_busy_loop(opt.busy_nice));
   run_rounds(opt, variants);
+  busy_loops.signal_running(SIGKILL);
+  busy_loops.wait_all({});
   for (auto& v : variants) v.quit();
   g_children.wait_all({});
   std::filesystem::remove_all(dir);
@@ -752,6 +778,8 @@ int main(int argc, char** argv) {
   app.add_option("--pytorch-script", opt.script)->check(cli::non_empty());
   app.add_flag_callback("--no-pytorch", [&] { opt.pytorch = false; })->disable_flag_override();
   app.add_flag_callback("--no-mpi", [&] { opt.mpi = false; })->disable_flag_override();
+  app.add_option("--busy", opt.busy)->check(cli::integer(0, 64));
+  app.add_option("--busy-nice", opt.busy_nice)->check(cli::integer(0, 19));
   bool quick = false;
   app.add_flag("--quick", quick)->disable_flag_override();
   // The controller starts itself as the workers with these.
