@@ -54,10 +54,33 @@ struct WorldState {
   std::shared_ptr<ProcessGroup> world;
   int64_t group_counter = 0;
   int64_t generation = 0;  // how many times this process joined (keys stay unique)
+  std::string prefix;      // this join's store keys
+  bool hosts_store = false;
   // Stops the watchdog before exit tears down what it uses.
   ~WorldState() {
-    if (initialized) detail::health_stop(/*clean=*/false);
+    if (!initialized) return;
+    detail::health_stop(/*clean=*/false);
+    leave_job();
   }
+  // Counts this rank out of the job. The rank hosting the store then waits (a bounded time) for
+  // every rank to have done so: a rank still running would otherwise find the store gone in
+  // its watchdog, and TCPStore logs that with a stack trace.
+  void leave_job() {
+    if (!store || detail::health_poisoned()) return;
+    try {
+      const std::string key = prefix + "left";
+      store->add(key, 1);
+      const auto until = std::chrono::steady_clock::now() +
+                         std::min<std::chrono::milliseconds>(options.timeout, kLeaveWait);
+      while (hosts_store && store->add(key, 0) < env.world_size &&
+             std::chrono::steady_clock::now() < until) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(10));
+      }
+    } catch (...) {
+      // The store is gone already: nobody is left to wait for.
+    }
+  }
+  static constexpr std::chrono::milliseconds kLeaveWait{10000};
 };
 
 using Clock = std::chrono::steady_clock;
@@ -324,6 +347,7 @@ void init_process_group(const InitOptions& options_in) {
         " s (a rank never started, crashed before joining, or the port is taken): ", ex.what());
   }
   const std::string prefix = "dtensor/g" + std::to_string(s.generation++) + "/";
+  s.prefix = prefix;
   try {
     rendezvous(*store, e, prefix, deadline, options.timeout, so.isServer);
   } catch (const c10::Error&) {
@@ -339,6 +363,7 @@ void init_process_group(const InitOptions& options_in) {
   s.options = options;
   s.backend = engine;
   s.store = store;
+  s.hosts_store = so.isServer;
   std::vector<int> all(e.world_size);
   for (int i = 0; i < e.world_size; ++i) all[i] = i;
   s.world = std::make_shared<ProcessGroup>("world", all, e.rank,
@@ -357,7 +382,10 @@ bool is_initialized() {
 void destroy_process_group() {
   auto& s = state();
   std::lock_guard<std::mutex> lock(s.mu);
-  if (s.initialized) detail::health_stop(/*clean=*/true);
+  if (s.initialized) {
+    detail::health_stop(/*clean=*/true);
+    s.leave_job();
+  }
   s.world.reset();
   s.store.reset();
   s.initialized = false;

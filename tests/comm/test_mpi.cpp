@@ -13,10 +13,12 @@
 #include <cstdio>
 #include <cstdlib>
 #include <string>
+#include <thread>
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 
 #include "dtensor/comm/backend.h"
 #include "dtensor/dtensor.h"
+#include "launch/local_ranks.h"
 #include "support/distributed.h"
 #include "support/errors.h"
 #include "support/mpi_job.h"
@@ -305,6 +307,17 @@ TEST(MpiFaultJob, RankStopsOrDiesInsideAllReduce) {
             {.comm_timeout = std::chrono::seconds(4)});
 }
 
+// A job whose rank 1 outlives rank 0, the rank hosting the store, by half a second: with or
+// without destroy_process_group. MpiExit below starts it.
+TEST(MpiExitJob, Rank1FinishesAfterTheStoreHost) {
+  const char* how = std::getenv("DTENSOR_EXIT_JOB");
+  if (!how || !dtensor::testing::in_mpi_job()) GTEST_SKIP() << "started by MpiExit";
+  comm::init_process_group();  // rank 0 hosts the store: no test harness, no launcher store
+  comm::all_reduce(at::ones({4}), ReduceOp::Sum, *comm::world_group());
+  if (comm::get_rank() == 1) std::this_thread::sleep_for(std::chrono::milliseconds(500));
+  if (std::string(how) == "destroy") comm::destroy_process_group();
+}
+
 namespace {
 
 struct JobResult {
@@ -313,17 +326,17 @@ struct JobResult {
   std::string output;
 };
 
-// Runs the fault job under mpirun, output (both streams) captured.
-JobResult run_fault_job(const std::string& fault) {
+// Runs this executable's test `filter` as a 2-rank mpirun job with `env` set, output (both
+// streams) captured.
+JobResult run_job(const std::string& env, const std::string& filter) {
   const auto t0 = std::chrono::steady_clock::now();
   char self[4096] = {0};
   const ssize_t n = ::readlink("/proc/self/exe", self, sizeof(self) - 1);
   if (n <= 0) return {};
-  const std::string cmd = "DTENSOR_MPI_FAULT=" + fault +
+  const std::string cmd = env +
                           " DTENSOR_BACKEND=mpi OMP_NUM_THREADS=1 timeout -s KILL 60 " MPIEXEC_PATH
                           " --allow-run-as-root --oversubscribe -np 2 " +
-                          std::string(self) +
-                          " --gtest_filter=MpiFaultJob.RankStopsOrDiesInsideAllReduce 2>&1";
+                          std::string(self) + " --gtest_color=no --gtest_filter=" + filter + " 2>&1";
   JobResult r;
   FILE* p = ::popen(cmd.c_str(), "r");
   char buf[4096];
@@ -332,6 +345,10 @@ JobResult run_fault_job(const std::string& fault) {
   r.status = ::pclose(p);
   r.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   return r;
+}
+
+JobResult run_fault_job(const std::string& fault) {
+  return run_job("DTENSOR_MPI_FAULT=" + fault, "MpiFaultJob.RankStopsOrDiesInsideAllReduce");
 }
 
 }  // namespace
@@ -360,4 +377,20 @@ TEST(MpiFaults, KilledRankEndsTheJobNamingRankAndCollective) {
   EXPECT_CONTAINS(r.output, "noticed that process rank 1");
   EXPECT_CONTAINS(r.output, "dtensor: rank 0: all_reduce float32[1024]");
   EXPECT_CONTAINS(r.output, "was ended by the launcher (SIGTERM) inside the MPI call");
+}
+
+// The rank hosting the store waits at its exit until every rank has left, so that no rank's
+// watchdog finds the store gone (TCPStore then logs a warning with a stack trace).
+TEST(MpiExit, ARankFinishingAfterTheStoreHostExitsQuietly) {
+  SKIP_IN_MPI_JOB();
+  if (!comm::has_mpi()) GTEST_SKIP() << "this build has no MPI";
+  for (const std::string how : {"destroy", "exit"}) {
+    const int port = dtensor::launch::free_port();
+    const JobResult r = run_job(
+        "DTENSOR_EXIT_JOB=" + how + " MASTER_ADDR=127.0.0.1 MASTER_PORT=" + std::to_string(port),
+        "MpiExitJob.Rank1FinishesAfterTheStoreHost");
+    EXPECT_EQ(r.status, 0) << how << ":\n" << r.output;
+    EXPECT_CONTAINS(r.output, "[  PASSED  ] 1 test");
+    EXPECT_EQ(r.output.find("TCPStore"), std::string::npos) << how << ":\n" << r.output;
+  }
 }
