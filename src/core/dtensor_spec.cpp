@@ -2,6 +2,7 @@
 
 #include <c10/util/Exception.h>
 
+#include <algorithm>
 #include <sstream>
 
 namespace dtensor {
@@ -35,24 +36,15 @@ DTensorSpec::DTensorSpec(DeviceMesh mesh, c10::ArrayRef<Placement> placements, T
 }
 
 bool DTensorSpec::is_replicated() const {
-  for (const auto& p : placements_) {
-    if (!p.is_replicate()) return false;
-  }
-  return true;
+  return std::ranges::all_of(placements_, &Placement::is_replicate);
 }
 
 bool DTensorSpec::has_partial() const {
-  for (const auto& p : placements_) {
-    if (p.is_partial()) return true;
-  }
-  return false;
+  return std::ranges::any_of(placements_, &Placement::is_partial);
 }
 
 bool DTensorSpec::has_shard() const {
-  for (const auto& p : placements_) {
-    if (p.is_shard()) return true;
-  }
-  return false;
+  return std::ranges::any_of(placements_, [](const Placement& p) { return p.is_shard(); });
 }
 
 int64_t DTensorSpec::num_shards() const {
