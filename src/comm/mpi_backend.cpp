@@ -115,29 +115,19 @@ bool reduces_in_float(const at::Tensor& t) {
 }
 
 MPI_Datatype mpi_type(c10::ScalarType s, const char* op) {
-  switch (s) {
-    case at::kFloat:
-      return MPI_FLOAT;
-    case at::kDouble:
-      return MPI_DOUBLE;
-    case at::kChar:
-      return MPI_INT8_T;
-    case at::kByte:
-      return MPI_UINT8_T;
-    case at::kShort:
-      return MPI_INT16_T;
-    case at::kInt:
-      return MPI_INT32_T;
-    case at::kLong:
-      return MPI_INT64_T;
-    case at::kBool:
-      return MPI_C_BOOL;
-    case at::kComplexFloat:
-      return MPI_C_FLOAT_COMPLEX;
-    case at::kComplexDouble:
-      return MPI_C_DOUBLE_COMPLEX;
-    default:
-      break;
+  static const std::pair<c10::ScalarType, MPI_Datatype> kTypes[] = {
+      {at::kFloat, MPI_FLOAT},
+      {at::kDouble, MPI_DOUBLE},
+      {at::kChar, MPI_INT8_T},
+      {at::kByte, MPI_UINT8_T},
+      {at::kShort, MPI_INT16_T},
+      {at::kInt, MPI_INT32_T},
+      {at::kLong, MPI_INT64_T},
+      {at::kBool, MPI_C_BOOL},
+      {at::kComplexFloat, MPI_C_FLOAT_COMPLEX},
+      {at::kComplexDouble, MPI_C_DOUBLE_COMPLEX}};
+  for (const auto& [dtype, type] : kTypes) {
+    if (dtype == s) return type;
   }
   TORCH_CHECK(false, "dtensor: MPI backend: ", op, " cannot reduce ", c10::toString(s),
               " tensors; convert them to a supported dtype (float, double, integer, bool)");
