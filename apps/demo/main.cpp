@@ -78,12 +78,6 @@ std::string shard_sizes(int64_t n, int64_t k) {
   return s + "]";
 }
 
-std::string shape_str(c10::IntArrayRef sizes) {
-  std::ostringstream os;
-  os << sizes;
-  return os.str();
-}
-
 // "all_gather_into_tensor x1": the collectives one step issued, without the c10d prefix.
 std::string describe(const dtensor::CommCounts& counts) {
   std::string s;
@@ -154,7 +148,7 @@ class Walk {
     std::ostringstream time;
     time << std::fixed << std::setprecision(3) << ms;
     say(std::left, std::setw(3), count_, std::setw(5), mesh_name, std::setw(14), from,
-        std::setw(14), got, std::setw(15), shape_str(dtensor::local_tensor(out).sizes()),
+        std::setw(14), got, std::setw(15), c10::str(dtensor::local_tensor(out).sizes()),
         std::setw(28), describe(counts.get_comm_counts()), std::right, std::setw(10), bytes,
         std::setw(10), time.str(), "  ", ok ? "OK" : "FAIL");
     return out;
