@@ -1,9 +1,9 @@
 #include "dtensor/core/dtensor_spec.h"
 
 #include <c10/util/Exception.h>
+#include <c10/util/StringUtil.h>
 
 #include <algorithm>
-#include <sstream>
 
 namespace dtensor {
 
@@ -85,10 +85,8 @@ bool DTensorSpec::operator==(const DTensorSpec& o) const {
 }
 
 std::string DTensorSpec::str() const {
-  std::ostringstream os;
-  os << "Spec(" << to_string(placements_) << "; shape=" << c10::IntArrayRef(meta_.shape)
-     << "; dtype=" << c10::toString(meta_.dtype) << ")";
-  return os.str();
+  return c10::str("Spec(", to_string(placements_), "; shape=", c10::IntArrayRef(meta_.shape),
+                  "; dtype=", c10::toString(meta_.dtype), ")");
 }
 
 }  // namespace dtensor
