@@ -243,14 +243,10 @@ std::string CommDebugMode::module_table() const {
 }
 
 std::string format_comm_counts(const CommCounts& counts) {
-  std::string s = "{";
-  bool first = true;
-  for (const auto& [t, n] : counts) {
-    if (!first) s += ", ";
-    first = false;
-    s += std::string(comm_type_name(t)) + ": " + std::to_string(n);
-  }
-  return s + "}";
+  std::string s;
+  for (const auto& [t, n] : counts)
+    s += (s.empty() ? "" : ", ") + std::string(comm_type_name(t)) + ": " + std::to_string(n);
+  return "{" + s + "}";
 }
 
 ModuleScope::ModuleScope(const std::string& fqn) { tl_module_stack.push_back(fqn); }
