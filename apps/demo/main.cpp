@@ -70,12 +70,10 @@ std::optional<Options> parse_args(int argc, char** argv, int& exit_code) {
 
 // "[3, 3, 3, 1]": how Shard splits `n` over `k` ranks (torch.chunk rule).
 std::string shard_sizes(int64_t n, int64_t k) {
-  std::string s = "[";
-  for (int64_t r = 0; r < k; ++r) {
-    if (r) s += ", ";
-    s += std::to_string(dtensor::chunk_range(n, k, r).size);
-  }
-  return s + "]";
+  std::string s;
+  for (int64_t r = 0; r < k; ++r)
+    s += (r ? ", " : "") + std::to_string(dtensor::chunk_range(n, k, r).size);
+  return "[" + s + "]";
 }
 
 // "all_gather_into_tensor x1": the collectives one step issued, without the c10d prefix.
