@@ -25,6 +25,8 @@
 #include <mutex>
 #include <torch/csrc/distributed/c10d/Types.hpp>
 #include <torch/csrc/distributed/c10d/Work.hpp>
+#include <tuple>
+#include <utility>
 
 #include "health.h"
 #endif
@@ -134,25 +136,15 @@ MPI_Datatype mpi_type(c10::ScalarType s, const char* op) {
 }
 
 MPI_Op mpi_op(const c10d::ReduceOp& op, c10::ScalarType s, const char* name) {
-  const bool logical = s == at::kBool;  // MPI reduces C bools only with logical operators
-  switch (op.op_) {
-    case c10d::ReduceOp::SUM:
-    case c10d::ReduceOp::AVG:  // summed, then divided by the group size
-      return logical ? MPI_LOR : MPI_SUM;
-    case c10d::ReduceOp::PRODUCT:
-      return logical ? MPI_LAND : MPI_PROD;
-    case c10d::ReduceOp::MIN:
-      return logical ? MPI_LAND : MPI_MIN;
-    case c10d::ReduceOp::MAX:
-      return logical ? MPI_LOR : MPI_MAX;
-    case c10d::ReduceOp::BAND:
-      return logical ? MPI_LAND : MPI_BAND;
-    case c10d::ReduceOp::BOR:
-      return logical ? MPI_LOR : MPI_BOR;
-    case c10d::ReduceOp::BXOR:
-      return logical ? MPI_LXOR : MPI_BXOR;
-    default:
-      break;
+  // (c10d op, MPI op, MPI op for bools: MPI reduces C bools only with logical operators). AVG is
+  // summed, then divided by the group size.
+  static const std::tuple<c10d::ReduceOp::RedOpType, MPI_Op, MPI_Op> kOps[] = {
+      {c10d::ReduceOp::SUM, MPI_SUM, MPI_LOR},       {c10d::ReduceOp::AVG, MPI_SUM, MPI_LOR},
+      {c10d::ReduceOp::PRODUCT, MPI_PROD, MPI_LAND}, {c10d::ReduceOp::MIN, MPI_MIN, MPI_LAND},
+      {c10d::ReduceOp::MAX, MPI_MAX, MPI_LOR},       {c10d::ReduceOp::BAND, MPI_BAND, MPI_LAND},
+      {c10d::ReduceOp::BOR, MPI_BOR, MPI_LOR},       {c10d::ReduceOp::BXOR, MPI_BXOR, MPI_LXOR}};
+  for (const auto& [type, arithmetic, logical] : kOps) {
+    if (type == op.op_) return s == at::kBool ? logical : arithmetic;
   }
   TORCH_CHECK(false, "dtensor: MPI backend: ", name, " does not support reduce op ",
               static_cast<int>(op.op_), " (SUM, AVG, PRODUCT, MIN, MAX, BAND, BOR, BXOR are)");
