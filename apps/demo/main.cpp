@@ -70,18 +70,10 @@ std::optional<Options> parse_args(int argc, char** argv, int& exit_code) {
 
 // "[3, 3, 3, 1]": how Shard splits `n` over `k` ranks (torch.chunk rule).
 std::string shard_sizes(int64_t n, int64_t k) {
-  std::string s = "[";
-  for (int64_t r = 0; r < k; ++r) {
-    if (r) s += ", ";
-    s += std::to_string(dtensor::chunk_range(n, k, r).size);
-  }
-  return s + "]";
-}
-
-std::string shape_str(c10::IntArrayRef sizes) {
-  std::ostringstream os;
-  os << sizes;
-  return os.str();
+  std::string s;
+  for (int64_t r = 0; r < k; ++r)
+    s += (r ? ", " : "") + std::to_string(dtensor::chunk_range(n, k, r).size);
+  return "[" + s + "]";
 }
 
 // "all_gather_into_tensor x1": the collectives one step issued, without the c10d prefix.
@@ -154,7 +146,7 @@ class Walk {
     std::ostringstream time;
     time << std::fixed << std::setprecision(3) << ms;
     say(std::left, std::setw(3), count_, std::setw(5), mesh_name, std::setw(14), from,
-        std::setw(14), got, std::setw(15), shape_str(dtensor::local_tensor(out).sizes()),
+        std::setw(14), got, std::setw(15), c10::str(dtensor::local_tensor(out).sizes()),
         std::setw(28), describe(counts.get_comm_counts()), std::right, std::setw(10), bytes,
         std::setw(10), time.str(), "  ", ok ? "OK" : "FAIL");
     return out;

@@ -212,18 +212,11 @@ class Launcher {
     give_up_at_ = Clock::now() + std::chrono::seconds(2);
   }
 
-  bool all_reaped() const {
-    for (const Rank& r : ranks_) {
-      if (!r.reaped) return false;
-    }
-    return true;
-  }
+  bool all_reaped() const { return std::ranges::all_of(ranks_, &Rank::reaped); }
 
   bool any_pipe_open() const {
-    for (const Rank& r : ranks_) {
-      if (r.fds[0] >= 0 || r.fds[1] >= 0) return true;
-    }
-    return false;
+    return std::ranges::any_of(ranks_,
+                               [](const Rank& r) { return r.fds[0] >= 0 || r.fds[1] >= 0; });
   }
 
   void reap() {
@@ -356,9 +349,8 @@ class Launcher {
         while (::waitpid(-1, nullptr, WNOHANG) > 0) {
         }
         signal_groups(0);
-        bool any = false;
-        for (const Rank& r : ranks_) any = any || !r.group_gone;
-        if (!any || Clock::now() >= until) return !any;
+        const bool gone = std::ranges::all_of(ranks_, &Rank::group_gone);
+        if (gone || Clock::now() >= until) return gone;
         std::this_thread::sleep_for(std::chrono::milliseconds(20));
       }
     };

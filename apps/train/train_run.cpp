@@ -11,6 +11,7 @@
 #include <fstream>
 #include <iostream>
 #include <limits>
+#include <numeric>
 #include <optional>
 #include <sstream>
 #include <stdexcept>
@@ -308,10 +309,7 @@ class TrainingRun {
 
     // Rate and ETA from the recent steps: the first ones are slower (allocations, caches).
     const size_t recent = std::min<size_t>(step_seconds_.size(), 10);
-    double recent_s = 0;
-    for (size_t i = step_seconds_.size() - recent; i < step_seconds_.size(); ++i) {
-      recent_s += step_seconds_[i];
-    }
+    const double recent_s = std::accumulate(step_seconds_.end() - recent, step_seconds_.end(), 0.0);
     const double mean_step = recent_s / static_cast<double>(recent);
     const double rate = static_cast<double>(cfg_.tokens_per_step()) / mean_step;
     const double eta = mean_step * static_cast<double>(cfg_.stop_at - step - 1);

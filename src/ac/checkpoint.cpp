@@ -7,6 +7,7 @@
 #include <torch/csrc/autograd/autograd.h>
 #include <torch/csrc/autograd/custom_function.h>
 
+#include <iterator>
 #include <mutex>
 #include <optional>
 #include <unordered_map>
@@ -19,15 +20,11 @@
 namespace dtensor::ac {
 
 const char* ac_mode_name(ACMode mode) {
-  switch (mode) {
-    case ACMode::none:
-      return "none";
-    case ACMode::full:
-      return "full";
-    case ACMode::selective:
-      return "selective";
-  }
-  return "?";
+  // Indexed by ACMode, in its declaration order.
+  static constexpr const char* kNames[] = {"none", "full", "selective"};
+  static_assert(std::size(kNames) == static_cast<size_t>(ACMode::selective) + 1);
+  const auto i = static_cast<size_t>(mode);
+  return i < std::size(kNames) ? kNames[i] : "?";
 }
 
 ACMode parse_ac_mode(const std::string& name) {

@@ -6,6 +6,7 @@
 #include <torch/optim/adamw.h>
 #include <torch/optim/sgd.h>
 
+#include <iterator>
 #include <nlohmann/json.hpp>
 
 namespace dtensor::checkpoint::detail {
@@ -25,15 +26,10 @@ Kind kind_of(const torch::optim::Optimizer& o) {
 }
 
 const char* kind_name(Kind k) {
-  switch (k) {
-    case Kind::Adam:
-      return "Adam";
-    case Kind::AdamW:
-      return "AdamW";
-    case Kind::SGD:
-      return "SGD";
-  }
-  return "";
+  // Indexed by Kind, in its declaration order.
+  static constexpr const char* kNames[] = {"Adam", "AdamW", "SGD"};
+  static_assert(std::size(kNames) == static_cast<size_t>(Kind::SGD) + 1);
+  return kNames[static_cast<size_t>(k)];
 }
 
 // Adam and AdamW have the same state and options fields in distinct types.

@@ -1,5 +1,6 @@
 #include "cli/cli.h"
 
+#include <algorithm>
 #include <charconv>
 #include <cmath>
 #include <cstdio>
@@ -85,9 +86,7 @@ CLI::Validator one_of(std::vector<std::string> choices) {
   for (const auto& c : choices) list += (list.empty() ? "" : ", ") + c;
   return CLI::Validator(
       [choices, list](std::string& text) -> std::string {
-        for (const auto& c : choices) {
-          if (text == c) return "";
-        }
+        if (std::ranges::find(choices, text) != choices.end()) return "";
         return "expects one of " + list + ", got " + in_quotes(text);
       },
       "{" + list + "}", "one_of");

@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <functional>
 #include <iomanip>
+#include <iterator>
 #include <sstream>
 #include <unordered_map>
 
@@ -49,25 +50,18 @@ std::string short_name(CommType t) {
 std::atomic<int> CommDebugMode::active_count_{0};
 
 const char* comm_type_name(CommType t) {
-  switch (t) {
-    case CommType::all_reduce:
-      return "c10d_functional.all_reduce";
-    case CommType::all_gather_into_tensor:
-      return "c10d_functional.all_gather_into_tensor";
-    case CommType::reduce_scatter_tensor:
-      return "c10d_functional.reduce_scatter_tensor";
-    case CommType::all_to_all_single:
-      return "c10d_functional.all_to_all_single";
-    case CommType::broadcast:
-      return "c10d_functional.broadcast";
-    case CommType::scatter:
-      return "c10d.scatter_";
-    case CommType::send:
-      return "c10d.send";
-    case CommType::recv:
-      return "c10d.recv_";
-  }
-  return "?";
+  // Indexed by CommType, in its declaration order.
+  static constexpr const char* kNames[] = {"c10d_functional.all_reduce",
+                                           "c10d_functional.all_gather_into_tensor",
+                                           "c10d_functional.reduce_scatter_tensor",
+                                           "c10d_functional.all_to_all_single",
+                                           "c10d_functional.broadcast",
+                                           "c10d.scatter_",
+                                           "c10d.send",
+                                           "c10d.recv_"};
+  static_assert(std::size(kNames) == static_cast<size_t>(CommType::recv) + 1);
+  const auto i = static_cast<size_t>(t);
+  return i < std::size(kNames) ? kNames[i] : "?";
 }
 
 std::ostream& operator<<(std::ostream& os, CommType t) { return os << comm_type_name(t); }
@@ -249,14 +243,10 @@ std::string CommDebugMode::module_table() const {
 }
 
 std::string format_comm_counts(const CommCounts& counts) {
-  std::string s = "{";
-  bool first = true;
-  for (const auto& [t, n] : counts) {
-    if (!first) s += ", ";
-    first = false;
-    s += std::string(comm_type_name(t)) + ": " + std::to_string(n);
-  }
-  return s + "}";
+  std::string s;
+  for (const auto& [t, n] : counts)
+    s += (s.empty() ? "" : ", ") + std::string(comm_type_name(t)) + ": " + std::to_string(n);
+  return "{" + s + "}";
 }
 
 ModuleScope::ModuleScope(const std::string& fqn) { tl_module_stack.push_back(fqn); }

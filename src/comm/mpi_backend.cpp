@@ -25,6 +25,8 @@
 #include <mutex>
 #include <torch/csrc/distributed/c10d/Types.hpp>
 #include <torch/csrc/distributed/c10d/Work.hpp>
+#include <tuple>
+#include <utility>
 
 #include "health.h"
 #endif
@@ -115,54 +117,34 @@ bool reduces_in_float(const at::Tensor& t) {
 }
 
 MPI_Datatype mpi_type(c10::ScalarType s, const char* op) {
-  switch (s) {
-    case at::kFloat:
-      return MPI_FLOAT;
-    case at::kDouble:
-      return MPI_DOUBLE;
-    case at::kChar:
-      return MPI_INT8_T;
-    case at::kByte:
-      return MPI_UINT8_T;
-    case at::kShort:
-      return MPI_INT16_T;
-    case at::kInt:
-      return MPI_INT32_T;
-    case at::kLong:
-      return MPI_INT64_T;
-    case at::kBool:
-      return MPI_C_BOOL;
-    case at::kComplexFloat:
-      return MPI_C_FLOAT_COMPLEX;
-    case at::kComplexDouble:
-      return MPI_C_DOUBLE_COMPLEX;
-    default:
-      break;
+  static const std::pair<c10::ScalarType, MPI_Datatype> kTypes[] = {
+      {at::kFloat, MPI_FLOAT},
+      {at::kDouble, MPI_DOUBLE},
+      {at::kChar, MPI_INT8_T},
+      {at::kByte, MPI_UINT8_T},
+      {at::kShort, MPI_INT16_T},
+      {at::kInt, MPI_INT32_T},
+      {at::kLong, MPI_INT64_T},
+      {at::kBool, MPI_C_BOOL},
+      {at::kComplexFloat, MPI_C_FLOAT_COMPLEX},
+      {at::kComplexDouble, MPI_C_DOUBLE_COMPLEX}};
+  for (const auto& [dtype, type] : kTypes) {
+    if (dtype == s) return type;
   }
   TORCH_CHECK(false, "dtensor: MPI backend: ", op, " cannot reduce ", c10::toString(s),
               " tensors; convert them to a supported dtype (float, double, integer, bool)");
 }
 
 MPI_Op mpi_op(const c10d::ReduceOp& op, c10::ScalarType s, const char* name) {
-  const bool logical = s == at::kBool;  // MPI reduces C bools only with logical operators
-  switch (op.op_) {
-    case c10d::ReduceOp::SUM:
-    case c10d::ReduceOp::AVG:  // summed, then divided by the group size
-      return logical ? MPI_LOR : MPI_SUM;
-    case c10d::ReduceOp::PRODUCT:
-      return logical ? MPI_LAND : MPI_PROD;
-    case c10d::ReduceOp::MIN:
-      return logical ? MPI_LAND : MPI_MIN;
-    case c10d::ReduceOp::MAX:
-      return logical ? MPI_LOR : MPI_MAX;
-    case c10d::ReduceOp::BAND:
-      return logical ? MPI_LAND : MPI_BAND;
-    case c10d::ReduceOp::BOR:
-      return logical ? MPI_LOR : MPI_BOR;
-    case c10d::ReduceOp::BXOR:
-      return logical ? MPI_LXOR : MPI_BXOR;
-    default:
-      break;
+  // (c10d op, MPI op, MPI op for bools: MPI reduces C bools only with logical operators). AVG is
+  // summed, then divided by the group size.
+  static const std::tuple<c10d::ReduceOp::RedOpType, MPI_Op, MPI_Op> kOps[] = {
+      {c10d::ReduceOp::SUM, MPI_SUM, MPI_LOR},       {c10d::ReduceOp::AVG, MPI_SUM, MPI_LOR},
+      {c10d::ReduceOp::PRODUCT, MPI_PROD, MPI_LAND}, {c10d::ReduceOp::MIN, MPI_MIN, MPI_LAND},
+      {c10d::ReduceOp::MAX, MPI_MAX, MPI_LOR},       {c10d::ReduceOp::BAND, MPI_BAND, MPI_LAND},
+      {c10d::ReduceOp::BOR, MPI_BOR, MPI_LOR},       {c10d::ReduceOp::BXOR, MPI_BXOR, MPI_LXOR}};
+  for (const auto& [type, arithmetic, logical] : kOps) {
+    if (type == op.op_) return s == at::kBool ? logical : arithmetic;
   }
   TORCH_CHECK(false, "dtensor: MPI backend: ", name, " does not support reduce op ",
               static_cast<int>(op.op_), " (SUM, AVG, PRODUCT, MIN, MAX, BAND, BOR, BXOR are)");

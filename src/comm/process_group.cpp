@@ -1,6 +1,7 @@
 #include "dtensor/comm/process_group.h"
 
 #include <c10/util/Exception.h>
+#include <c10/util/StringUtil.h>
 #include <fcntl.h>
 #include <netdb.h>
 #include <poll.h>
@@ -413,22 +414,16 @@ std::shared_ptr<ProcessGroup> new_group(const std::vector<int>& global_ranks, in
   auto& s = initialized_state();
   std::lock_guard<std::mutex> lock(s.mu);
   const int64_t id = s.group_counter++;
+  int my = -1;
   for (size_t i = 0; i < global_ranks.size(); ++i) {
     TORCH_CHECK(global_ranks[i] >= 0 && global_ranks[i] < s.env.world_size, "dtensor: group rank ",
                 global_ranks[i], " is outside the world of ", s.env.world_size, " ranks");
     TORCH_CHECK(i == 0 || global_ranks[i] > global_ranks[i - 1],
                 "dtensor: group ranks must be sorted and unique");
-  }
-  int my = -1;
-  for (size_t i = 0; i < global_ranks.size(); ++i) {
     if (global_ranks[i] == s.env.rank) my = static_cast<int>(i);
   }
   if (my < 0) return nullptr;
-  std::string name = "group" + std::to_string(id) + "[";
-  for (size_t i = 0; i < global_ranks.size(); ++i) {
-    name += (i ? "," : "") + std::to_string(global_ranks[i]);
-  }
-  name += "]";
+  const std::string name = "group" + std::to_string(id) + "[" + c10::Join(",", global_ranks) + "]";
   return std::make_shared<ProcessGroup>(name, global_ranks, my,
                                         c10::make_intrusive<c10d::PrefixStore>(name, s.store),
                                         s.options.timeout, s.options.gloo_host, mesh_dim);

@@ -1,8 +1,9 @@
 #include "dtensor/core/dtensor_spec.h"
 
 #include <c10/util/Exception.h>
+#include <c10/util/StringUtil.h>
 
-#include <sstream>
+#include <algorithm>
 
 namespace dtensor {
 
@@ -35,24 +36,15 @@ DTensorSpec::DTensorSpec(DeviceMesh mesh, c10::ArrayRef<Placement> placements, T
 }
 
 bool DTensorSpec::is_replicated() const {
-  for (const auto& p : placements_) {
-    if (!p.is_replicate()) return false;
-  }
-  return true;
+  return std::ranges::all_of(placements_, &Placement::is_replicate);
 }
 
 bool DTensorSpec::has_partial() const {
-  for (const auto& p : placements_) {
-    if (p.is_partial()) return true;
-  }
-  return false;
+  return std::ranges::any_of(placements_, &Placement::is_partial);
 }
 
 bool DTensorSpec::has_shard() const {
-  for (const auto& p : placements_) {
-    if (p.is_shard()) return true;
-  }
-  return false;
+  return std::ranges::any_of(placements_, [](const Placement& p) { return p.is_shard(); });
 }
 
 int64_t DTensorSpec::num_shards() const {
@@ -93,10 +85,8 @@ bool DTensorSpec::operator==(const DTensorSpec& o) const {
 }
 
 std::string DTensorSpec::str() const {
-  std::ostringstream os;
-  os << "Spec(" << to_string(placements_) << "; shape=" << c10::IntArrayRef(meta_.shape)
-     << "; dtype=" << c10::toString(meta_.dtype) << ")";
-  return os.str();
+  return c10::str("Spec(", to_string(placements_), "; shape=", c10::IntArrayRef(meta_.shape),
+                  "; dtype=", c10::toString(meta_.dtype), ")");
 }
 
 }  // namespace dtensor

@@ -45,12 +45,9 @@ std::string Placement::repr() const {
 }
 
 std::string to_string(c10::ArrayRef<Placement> placements) {
-  std::string s = "(";
-  for (size_t i = 0; i < placements.size(); ++i) {
-    if (i) s += ", ";
-    s += placements[i].str();
-  }
-  return s + ")";
+  std::string s;
+  for (size_t i = 0; i < placements.size(); ++i) s += (i ? ", " : "") + placements[i].str();
+  return "(" + s + ")";
 }
 
 std::ostream& operator<<(std::ostream& os, const Placement& p) { return os << p.str(); }

@@ -12,6 +12,7 @@
 #include <sys/prctl.h>
 #endif
 
+#include <algorithm>
 #include <cerrno>
 #include <cstdio>
 #include <cstdlib>
@@ -213,12 +214,7 @@ std::vector<Children::Outcome> Children::wait_all(const WaitOptions& o) {
   }
   bool failure_seen = false;
   auto stop_at = Clock::time_point::max();  // when to stop the others after a failure
-  auto running = [&] {
-    size_t n = 0;
-    for (size_t i = 0; i < pids_.size(); ++i) n += reaped_[i] ? 0 : 1;
-    return n;
-  };
-  while (running() > 0) {
+  while (std::ranges::find(reaped_, false) != reaped_.end()) {  // some child is still running
     bool progress = false;
     for (size_t i = 0; i < pids_.size(); ++i) {
       if (reaped_[i]) continue;

@@ -269,11 +269,7 @@ std::string DeviceMesh::str() const {
   };
   rec(0, 0);
   if (has_dim_names()) {
-    os << ", mesh_dim_names=(";
-    for (size_t i = 0; i < impl_->names.size(); ++i) {
-      os << (i ? ", " : "") << "'" << impl_->names[i] << "'";
-    }
-    os << (impl_->names.size() == 1 ? ",)" : ")");
+    os << ", mesh_dim_names=(" << join(impl_->names) << (impl_->names.size() == 1 ? ",)" : ")");
   }
   os << ")";
   return os.str();

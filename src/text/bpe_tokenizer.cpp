@@ -563,8 +563,7 @@ std::string BpeTokenizer::decode(const std::vector<int64_t>& ids, bool skip_spec
   std::string bytes;
   for (int64_t id : ids) {
     const std::string token = id_to_token(id);
-    const auto a = t.added_by_id.find(id);
-    if (a != t.added_by_id.end() && t.added[a->second].special && skip_special_tokens) continue;
+    if (skip_special_tokens && is_special(id)) continue;
     // A token all of whose characters are byte-level ones stands for those bytes; any other
     // (an added token such as "<|eot_id|>" is all ASCII, so it maps too) for its own UTF-8.
     std::string decoded;

@@ -270,8 +270,8 @@ class Parser {
 
   static Style build(const std::string& name,
                      const std::vector<std::pair<std::string, Value>>& args) {
-    using Setter = std::function<void(const Value&)>;
-    std::map<std::string, Setter> setters;
+    // Per argument name: stores its value (the name is passed on for error messages).
+    std::map<std::string, std::function<void(const std::string&, const Value&)>> setters;
     std::function<Style()> make;
     std::vector<std::string> required;
 
@@ -284,26 +284,25 @@ class Parser {
     const std::string& s = name;
     if (name == "ColwiseParallel" || name == "RowwiseParallel") {
       const bool col = name == "ColwiseParallel";
-      setters["input_layouts"] = [&](const Value& v) {
-        (col ? colwise.input_layouts : rowwise.input_layouts) = as_single(s, "input_layouts", v);
+      setters["input_layouts"] = [&](const std::string& arg, const Value& v) {
+        (col ? colwise.input_layouts : rowwise.input_layouts) = as_single(s, arg, v);
       };
-      setters["output_layouts"] = [&](const Value& v) {
-        (col ? colwise.output_layouts : rowwise.output_layouts) = as_single(s, "output_layouts", v);
+      setters["output_layouts"] = [&](const std::string& arg, const Value& v) {
+        (col ? colwise.output_layouts : rowwise.output_layouts) = as_single(s, arg, v);
       };
-      setters["use_local_output"] = [&](const Value& v) {
-        (col ? colwise.use_local_output : rowwise.use_local_output) =
-            as_bool(s, "use_local_output", v);
+      setters["use_local_output"] = [&](const std::string& arg, const Value& v) {
+        (col ? colwise.use_local_output : rowwise.use_local_output) = as_bool(s, arg, v);
       };
       make = [&, col]() -> Style {
         if (col) return ColwiseParallel(colwise);
         return RowwiseParallel(rowwise);
       };
     } else if (name == "SequenceParallel") {
-      setters["sequence_dim"] = [&](const Value& v) {
-        sequence.sequence_dim = as_int(s, "sequence_dim", v);
+      setters["sequence_dim"] = [&](const std::string& arg, const Value& v) {
+        sequence.sequence_dim = as_int(s, arg, v);
       };
-      setters["use_local_output"] = [&](const Value& v) {
-        sequence.use_local_output = as_bool(s, "use_local_output", v);
+      setters["use_local_output"] = [&](const std::string& arg, const Value& v) {
+        sequence.use_local_output = as_bool(s, arg, v);
       };
       make = [&]() -> Style { return SequenceParallel(sequence); };
     } else if (name == "PrepareModuleInput" || name == "PrepareModuleInputOutput" ||
@@ -311,39 +310,38 @@ class Parser {
       const bool in = name != "PrepareModuleOutput";
       const bool out = name != "PrepareModuleInput";
       if (in) {
-        setters["input_layouts"] = [&](const Value& v) {
-          prepare.input_layouts = as_optional_layouts(s, "input_layouts", v);
+        setters["input_layouts"] = [&](const std::string& arg, const Value& v) {
+          prepare.input_layouts = as_optional_layouts(s, arg, v);
         };
-        setters["desired_input_layouts"] = [&](const Value& v) {
-          prepare.desired_input_layouts = as_optional_layouts(s, "desired_input_layouts", v);
+        setters["desired_input_layouts"] = [&](const std::string& arg, const Value& v) {
+          prepare.desired_input_layouts = as_optional_layouts(s, arg, v);
         };
-        setters["input_kwarg_layouts"] = [&](const Value& v) {
-          prepare.input_kwarg_layouts = as_kwarg_layouts(s, "input_kwarg_layouts", v);
+        setters["input_kwarg_layouts"] = [&](const std::string& arg, const Value& v) {
+          prepare.input_kwarg_layouts = as_kwarg_layouts(s, arg, v);
         };
-        setters["desired_input_kwarg_layouts"] = [&](const Value& v) {
-          prepare.desired_input_kwarg_layouts =
-              as_kwarg_layouts(s, "desired_input_kwarg_layouts", v);
+        setters["desired_input_kwarg_layouts"] = [&](const std::string& arg, const Value& v) {
+          prepare.desired_input_kwarg_layouts = as_kwarg_layouts(s, arg, v);
         };
       }
       if (out) {
-        setters["output_layouts"] = [&](const Value& v) {
-          prepare.output_layouts = as_layouts(s, "output_layouts", v);
+        setters["output_layouts"] = [&](const std::string& arg, const Value& v) {
+          prepare.output_layouts = as_layouts(s, arg, v);
         };
-        setters["desired_output_layouts"] = [&](const Value& v) {
-          prepare.desired_output_layouts = as_layouts(s, "desired_output_layouts", v);
+        setters["desired_output_layouts"] = [&](const std::string& arg, const Value& v) {
+          prepare.desired_output_layouts = as_layouts(s, arg, v);
         };
         required = {"output_layouts", "desired_output_layouts"};
       }
       if (in && out) {
-        setters["use_local_input"] = [&](const Value& v) {
-          prepare.use_local_input = as_bool(s, "use_local_input", v);
+        setters["use_local_input"] = [&](const std::string& arg, const Value& v) {
+          prepare.use_local_input = as_bool(s, arg, v);
         };
       }
-      setters["use_local_output"] = [&](const Value& v) {
+      setters["use_local_output"] = [&](const std::string& arg, const Value& v) {
         if (in && !out)
-          use_local_input_output = as_bool(s, "use_local_output", v);
+          use_local_input_output = as_bool(s, arg, v);
         else
-          prepare.use_local_output = as_bool(s, "use_local_output", v);
+          prepare.use_local_output = as_bool(s, arg, v);
       };
       make = [&, in, out]() -> Style {
         if (in && out) return PrepareModuleInputOutput(prepare);
@@ -383,7 +381,7 @@ class Parser {
     }
     for (const std::string& arg : required)
       TORCH_CHECK(seen.count(arg), "parse_style: ", name, " requires the argument ", arg);
-    for (const auto& [arg, v] : args) setters.at(arg)(v);
+    for (const auto& [arg, v] : args) setters.at(arg)(arg, v);
     return make();
   }
 

@@ -18,12 +18,9 @@ std::string py_bool(bool b) { return b ? "True" : "False"; }
 std::string py_layout(const std::optional<Placement>& p) { return p ? p->repr() : "None"; }
 
 std::string py_tuple(const Layouts& layouts) {
-  std::string s = "(";
-  for (size_t i = 0; i < layouts.size(); ++i) {
-    if (i) s += ", ";
-    s += py_layout(layouts[i]);
-  }
-  return s + (layouts.size() == 1 ? ",)" : ")");
+  std::string s;
+  for (size_t i = 0; i < layouts.size(); ++i) s += (i ? ", " : "") + py_layout(layouts[i]);
+  return "(" + s + (layouts.size() == 1 ? ",)" : ")");
 }
 
 std::string py_optional_tuple(const std::optional<Layouts>& layouts) {
@@ -32,16 +29,12 @@ std::string py_optional_tuple(const std::optional<Layouts>& layouts) {
 
 std::string py_dict(const std::optional<KwargLayouts>& layouts) {
   // PyTorch stores a missing kwarg dict as {} and prints it so.
-  std::string s = "{";
+  std::string s;
   if (layouts) {
-    bool first = true;
-    for (const auto& [name, layout] : *layouts) {
-      if (!first) s += ", ";
-      first = false;
-      s += "'" + name + "': " + py_layout(layout);
-    }
+    for (const auto& [name, layout] : *layouts)
+      s += (s.empty() ? "" : ", ") + ("'" + name + "': " + py_layout(layout));
   }
-  return s + "}";
+  return "{" + s + "}";
 }
 
 std::string module_type_name(const torch::nn::Module& module) {
