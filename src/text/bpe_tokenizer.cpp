@@ -558,7 +558,6 @@ std::vector<int64_t> BpeTokenizer::encode(std::string_view text, bool add_specia
 }
 
 std::string BpeTokenizer::decode(const std::vector<int64_t>& ids, bool skip_special_tokens) const {
-  const Impl& t = *impl_;
   const ByteMap& map = byte_map();
   std::string bytes;
   for (int64_t id : ids) {
