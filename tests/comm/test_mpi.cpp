@@ -336,7 +336,8 @@ JobResult run_job(const std::string& env, const std::string& filter) {
   const std::string cmd = env +
                           " DTENSOR_BACKEND=mpi OMP_NUM_THREADS=1 timeout -s KILL 60 " MPIEXEC_PATH
                           " --allow-run-as-root --oversubscribe -np 2 " +
-                          std::string(self) + " --gtest_color=no --gtest_filter=" + filter + " 2>&1";
+                          std::string(self) + " --gtest_color=no --gtest_filter=" + filter +
+                          " 2>&1";
   JobResult r;
   FILE* p = ::popen(cmd.c_str(), "r");
   char buf[4096];
