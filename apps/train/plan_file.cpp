@@ -68,7 +68,7 @@ void apply_plan_file(models::TransformerImpl& model, const DeviceMesh& tp_mesh,
   if (model.config().tie_embeddings) model.tie_output_to_embedding();
   // Whether the logits come back vocab-sharded is up to the plan's "output" entry;
   // token_cross_entropy handles either.
-  model.set_tp_state({tp_mesh, plan.sequence_parallel, /*loss_parallel=*/false});
+  model.set_tp_state({tp_mesh, plan.sequence_parallel, /*loss_parallel=*/false, std::nullopt});
 }
 
 }  // namespace dtensor::train

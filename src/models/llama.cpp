@@ -226,9 +226,22 @@ at::Tensor TransformerImpl::forward(const at::Tensor& tokens) {
         const at::Tensor& local = is_dtensor(h) ? local_tensor(h) : h;
         auto rope_table = rope(seqlen, local.options());
         for (const auto& layer : *layers) h = layer->as<TransformerBlock>()->forward(h, rope_table);
+        if (tp_state_ && tp_state_->overlap) return overlapped_head(norm(h));
         return output(norm(h));
       },
       tokens);
+}
+
+// The output head with its input all-gather in pieces: the local matmul ColwiseParallel (or
+// the tied head's input/output conversions) would run, so the logits are bitwise the same,
+// vocab-sharded under loss parallel and gathered whole otherwise.
+at::Tensor TransformerImpl::overlapped_head(const at::Tensor& x) {
+  const TensorParallelState& tp = *tp_state_;
+  const at::Tensor local =
+      tp::all_gather_matmul(x, {output->weight}, tp.overlap->mesh, tp.overlap->chunks)[0];
+  const at::Tensor logits = from_local(local, tp.mesh, {Shard(local.dim() - 1)});
+  if (tp.loss_parallel) return logits;
+  return to_local(redistribute(logits, {Replicate()}));
 }
 
 void TransformerImpl::init_weights(uint64_t seed) {

@@ -232,7 +232,9 @@ void apply_tensor_parallel(TransformerImpl& model, const DeviceMesh& device_mesh
     }
   }
   if (config.tie_embeddings) model.tie_output_to_embedding();
-  model.set_tp_state({mesh, sp, lp});
+  std::optional<OverlapComm> head_overlap;
+  if (options.overlap_comm) head_overlap = OverlapComm{mesh, options.overlap_chunks};
+  model.set_tp_state({mesh, sp, lp, head_overlap});
 }
 
 void apply_tensor_parallel(LlamaStageImpl& stage, const DeviceMesh& device_mesh,

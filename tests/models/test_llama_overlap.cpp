@@ -33,6 +33,11 @@ LlamaConfig tiny(int64_t n_kv_heads) {
   return c;
 }
 
+LlamaConfig tied(LlamaConfig c) {
+  c.tie_embeddings = true;
+  return c;
+}
+
 struct Case {
   LlamaConfig config;
   bool loss_parallel = true;
@@ -133,6 +138,9 @@ TEST(LlamaOverlap, TrainingIsBitwiseTheSameAsWithoutOverlap) {
                                 {.config = tiny(4), .dtype = dtype, .seqlen = 16, .chunks = 4});
         expect_bitwise_training(
             mesh, {.config = tiny(4), .loss_parallel = false, .dtype = dtype, .chunks = 1});
+        expect_bitwise_training(mesh, {.config = tiny(4), .loss_parallel = false, .dtype = dtype});
+        // The output head is the embedding's weight: its gather too runs in pieces.
+        expect_bitwise_training(mesh, {.config = tied(tiny(4)), .dtype = dtype});
         if (tp == 2) {
           expect_bitwise_training(mesh, {.config = tiny(2), .dtype = dtype});
           expect_bitwise_training(mesh,
@@ -143,7 +151,7 @@ TEST(LlamaOverlap, TrainingIsBitwiseTheSameAsWithoutOverlap) {
   }
 }
 
-// With P pieces per sequence shard, per step on L blocks: forward 2L*P all-gathers (+1 for the
+// With P pieces per sequence shard, per step on L blocks: forward 2L*P all-gathers (+P for the
 // head, +1 more gathering the logits without loss parallelism) and 2L*P + 1 reduce-scatters
 // (+1: the embedding); backward 2L + 1 of each, as without overlap; one all-reduce for the
 // norms' pending gradients; the vocab-parallel loss 3 all-reduces. P = 1 is the plan's own count.
@@ -169,7 +177,7 @@ TEST(LlamaOverlap, TrainingStepIssuesTheStatedCollectives) {
               auto logits = m->forward(tokens);
               EXPECT_EQ(
                   format_comm_counts(comm.get_comm_counts()),
-                  format_comm_counts({{RS, 2 * L * P + 1}, {AG, 2 * L * P + 1 + (lp ? 0 : 1)}}))
+                  format_comm_counts({{RS, 2 * L * P + 1}, {AG, (2 * L + 1) * P + (lp ? 0 : 1)}}))
                   << "forward";
               comm.enter();
               auto loss = token_cross_entropy(logits, targets);

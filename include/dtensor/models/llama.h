@@ -180,6 +180,9 @@ class TransformerImpl : public dtensor::nn::Module {
     DeviceMesh mesh;         ///< The TP mesh (1-D).
     bool sequence_parallel;  ///< Whether the plan shards the sequence.
     bool loss_parallel;      ///< Whether the logits stay vocab-sharded.
+    /// Set with overlap_comm: the output head gathers its sequence-sharded input piece by
+    /// piece through tp::all_gather_matmul, as the blocks' projections do.
+    std::optional<OverlapComm> overlap;
   };
   /// Set after apply_tensor_parallel; nullopt before.
   const std::optional<TensorParallelState>& tp_state() const { return tp_state_; }
@@ -189,6 +192,8 @@ class TransformerImpl : public dtensor::nn::Module {
   void tie_output_to_embedding();
 
  private:
+  at::Tensor overlapped_head(const at::Tensor& x);
+
   LlamaConfig config_;
   at::Tensor rope_table_;  // (max_seq_len, head_dim/2, 2) float64; not a buffer, never sharded
   std::optional<TensorParallelState> tp_state_;
@@ -210,12 +215,13 @@ struct TensorParallelOptions {
   /// scatters/broadcasts its values instead.
   std::optional<int64_t> src_data_rank;
   /// Overlap the sequence-parallel collectives of each block with its matmuls
-  /// (dtensor/tp/overlap.h): the input all-gather of wq/wk/wv and w1/w3 runs in pieces, each
-  /// multiplied while the next is gathered; wo and w2 reduce-scatter piece by piece while the
-  /// next is multiplied; in backward the input gradient's reduce-scatter runs during the weight
-  /// gradients. Bitwise the same results as without it. Needs sequence_parallel and
-  /// n_kv_heads % tp == 0. Per block it issues pieces all-gathers and pieces reduce-scatters for
-  /// each of attention and feed-forward forward instead of one (pieces =
+  /// (dtensor/tp/overlap.h): the input all-gather of wq/wk/wv, w1/w3 and the output head runs
+  /// in pieces, each multiplied while the next is gathered; wo and w2 reduce-scatter piece by
+  /// piece while the next is multiplied; in backward the input gradient's reduce-scatter runs
+  /// during the weight gradients. Bitwise the same results as without it. Needs
+  /// sequence_parallel and n_kv_heads % tp == 0. Forward, per block, it issues pieces
+  /// all-gathers and pieces reduce-scatters for each of attention and feed-forward instead of
+  /// one, and the head pieces all-gathers instead of one (pieces =
   /// tp::overlap_chunks(seqlen / tp, overlap_chunks)); backward counts are unchanged.
   bool overlap_comm = false;
   /// The most pieces the sequence shard is cut into with overlap_comm.
