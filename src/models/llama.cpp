@@ -226,7 +226,7 @@ at::Tensor TransformerImpl::forward(const at::Tensor& tokens) {
         const at::Tensor& local = is_dtensor(h) ? local_tensor(h) : h;
         auto rope_table = rope(seqlen, local.options());
         for (const auto& layer : *layers) h = layer->as<TransformerBlock>()->forward(h, rope_table);
-        if (tp_state_ && tp_state_->overlap) return overlapped_head(norm(h));
+        if (tp_state_ && tp_state_->overlap_chunks) return overlapped_head(norm(h));
         return output(norm(h));
       },
       tokens);
@@ -238,7 +238,7 @@ at::Tensor TransformerImpl::forward(const at::Tensor& tokens) {
 at::Tensor TransformerImpl::overlapped_head(const at::Tensor& x) {
   const TensorParallelState& tp = *tp_state_;
   const at::Tensor local =
-      tp::all_gather_matmul(x, {output->weight}, tp.overlap->mesh, tp.overlap->chunks)[0];
+      tp::all_gather_matmul(x, {output->weight}, tp.mesh, *tp.overlap_chunks)[0];
   const at::Tensor logits = from_local(local, tp.mesh, {Shard(local.dim() - 1)});
   if (tp.loss_parallel) return logits;
   return to_local(redistribute(logits, {Replicate()}));

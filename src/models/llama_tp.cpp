@@ -232,9 +232,9 @@ void apply_tensor_parallel(TransformerImpl& model, const DeviceMesh& device_mesh
     }
   }
   if (config.tie_embeddings) model.tie_output_to_embedding();
-  std::optional<OverlapComm> head_overlap;
-  if (options.overlap_comm) head_overlap = OverlapComm{mesh, options.overlap_chunks};
-  model.set_tp_state({mesh, sp, lp, head_overlap});
+  std::optional<int64_t> head_chunks;
+  if (options.overlap_comm) head_chunks = options.overlap_chunks;
+  model.set_tp_state({mesh, sp, lp, head_chunks});
 }
 
 void apply_tensor_parallel(LlamaStageImpl& stage, const DeviceMesh& device_mesh,

@@ -180,9 +180,9 @@ class TransformerImpl : public dtensor::nn::Module {
     DeviceMesh mesh;         ///< The TP mesh (1-D).
     bool sequence_parallel;  ///< Whether the plan shards the sequence.
     bool loss_parallel;      ///< Whether the logits stay vocab-sharded.
-    /// Set with overlap_comm: the output head gathers its sequence-sharded input piece by
-    /// piece through tp::all_gather_matmul, as the blocks' projections do.
-    std::optional<OverlapComm> overlap;
+    /// Set with overlap_comm (to overlap_chunks): the output head gathers its sequence-sharded
+    /// input piece by piece through tp::all_gather_matmul on `mesh`, as the blocks do.
+    std::optional<int64_t> overlap_chunks;
   };
   /// Set after apply_tensor_parallel; nullopt before.
   const std::optional<TensorParallelState>& tp_state() const { return tp_state_; }
