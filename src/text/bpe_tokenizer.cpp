@@ -201,7 +201,8 @@ void BpeTokenizer::Impl::parse_added_tokens(const json& a) {
     tok.match = tok.normalized && normalizer ? normalizer(tok.content) : tok.content;
     (tok.normalized ? has_normalized_added : has_raw_added) = true;
     if (static_cast<size_t>(tok.id) >= id_to_token.size()) id_to_token.resize(tok.id + 1);
-    id_to_token[tok.id] = tok.content;
+    // HF's id_to_token gives a normalized token's normalized form.
+    id_to_token[tok.id] = tok.match;
     added_by_id[tok.id] = added.size();
     added.push_back(std::move(tok));
   }
