@@ -8,8 +8,10 @@
 #include <algorithm>
 #include <array>
 #include <fstream>
+#include <functional>
 #include <limits>
 #include <nlohmann/json.hpp>
+#include <queue>
 #include <sstream>
 #include <stdexcept>
 #include <unordered_map>
@@ -33,6 +35,46 @@ struct AddedToken {
   std::string content;
   bool special, lstrip, rstrip, normalized;
   std::string match;  // what is searched for: the content, normalized if `normalized`
+};
+
+// The added tokens as a byte trie, for the leftmost-longest match HF's Aho-Corasick finds:
+// a text is scanned once, not once per token (Gemma 3 has thousands).
+class TokenTrie {
+ public:
+  void insert(const std::string& s, size_t token) {
+    size_t node = 0;
+    for (char c : s) {
+      const uint64_t k = key(node, c);
+      auto it = edges_.find(k);
+      if (it == edges_.end()) {
+        it = edges_.emplace(k, ends_.size()).first;
+        ends_.push_back(kNone);
+      }
+      node = it->second;
+    }
+    if (ends_[node] == kNone) ends_[node] = token;  // the first of equal contents wins
+  }
+  /// The longest token that starts at text[pos], as (token, length); token kNone if none.
+  std::pair<size_t, size_t> longest_at(std::string_view text, size_t pos) const {
+    std::pair<size_t, size_t> best{kNone, 0};
+    size_t node = 0;
+    for (size_t i = pos; i < text.size(); ++i) {
+      const auto it = edges_.find(key(node, text[i]));
+      if (it == edges_.end()) break;
+      node = it->second;
+      if (ends_[node] != kNone) best = {ends_[node], i + 1 - pos};
+    }
+    return best;
+  }
+  bool empty() const { return edges_.empty(); }
+  static constexpr size_t kNone = std::numeric_limits<size_t>::max();
+
+ private:
+  static uint64_t key(size_t node, char c) {
+    return (static_cast<uint64_t>(node) << 8) | static_cast<unsigned char>(c);
+  }
+  std::unordered_map<uint64_t, size_t> edges_;
+  std::vector<size_t> ends_{kNone};  // node -> token index; node 0 is the root
 };
 
 // A piece of text between added tokens, or an added token; `offset` is where it starts.
@@ -68,7 +110,7 @@ struct BpeTokenizer::Impl {
   std::array<int64_t, 256> byte_ids{};  // the id of "<0xAB>", -1 if absent
   std::vector<AddedToken> added;
   std::unordered_map<int64_t, size_t> added_by_id;
-  bool has_raw_added = false, has_normalized_added = false;
+  TokenTrie raw_added, normalized_added;  // by what they match: raw or normalized text
   Normalizer normalizer;
   PreTokenizer pre_tokenizer;
   Decoder decoder;
@@ -88,6 +130,7 @@ struct BpeTokenizer::Impl {
                    std::vector<Segment>& out) const;
   void encode_text(std::string_view text, bool at_start, std::vector<int64_t>& out) const;
   void bpe(const std::string& word, std::vector<int64_t>& out) const;
+  void merge_all(const std::vector<int64_t>& syms, std::vector<int64_t>& out) const;
 };
 
 void BpeTokenizer::Impl::parse_model(const json& m) {
@@ -199,7 +242,8 @@ void BpeTokenizer::Impl::parse_added_tokens(const json& a) {
     if (tok.id < 0 || tok.content.empty()) at.fail("has a negative id or no content");
     if (flag(t, "single_word", false)) at["single_word"].unsupported(t.at("single_word"), "false");
     tok.match = tok.normalized && normalizer ? normalizer(tok.content) : tok.content;
-    (tok.normalized ? has_normalized_added : has_raw_added) = true;
+    if (!tok.match.empty())
+      (tok.normalized ? normalized_added : raw_added).insert(tok.match, added.size());
     if (static_cast<size_t>(tok.id) >= id_to_token.size()) id_to_token.resize(tok.id + 1);
     // HF's id_to_token gives a normalized token's normalized form.
     id_to_token[tok.id] = tok.match;
@@ -226,21 +270,13 @@ void BpeTokenizer::Impl::parse(const json& j) {
 // match, the longest at that position; lstrip/rstrip tokens take the whitespace beside them.
 void BpeTokenizer::Impl::split_added(std::string_view text, size_t offset, bool normalized,
                                      std::vector<Segment>& out) const {
+  const TokenTrie& trie = normalized ? normalized_added : raw_added;
   size_t start = 0;
-  while (start < text.size()) {
-    size_t best_pos = std::string_view::npos;
-    const AddedToken* best = nullptr;
-    for (const auto& a : added) {
-      if (a.normalized != normalized || a.match.empty()) continue;
-      const size_t pos = text.find(a.match, start);
-      if (pos == std::string_view::npos) continue;
-      if (pos < best_pos || (pos == best_pos && a.match.size() > best->match.size())) {
-        best_pos = pos;
-        best = &a;
-      }
-    }
-    if (best == nullptr) break;
-    size_t begin = best_pos, end = best_pos + best->match.size();
+  for (size_t pos = 0; pos < text.size(); ++pos) {
+    const auto [index, length] = trie.longest_at(text, pos);
+    if (index == TokenTrie::kNone) continue;
+    const AddedToken* best = &added[index];
+    size_t begin = pos, end = pos + length;
     if (best->lstrip) {
       while (begin > start && whitespace_at(text, previous_char(text, begin)))
         begin = previous_char(text, begin);
@@ -252,6 +288,7 @@ void BpeTokenizer::Impl::split_added(std::string_view text, size_t offset, bool 
     if (begin > start) out.push_back({text.substr(start, begin - start), offset + start, nullptr});
     out.push_back({{}, offset + begin, best});
     start = end;
+    pos = end - 1;
   }
   if (start < text.size()) out.push_back({text.substr(start), offset + start, nullptr});
 }
@@ -262,7 +299,7 @@ void BpeTokenizer::Impl::encode_text(std::string_view text, bool at_start,
                                      std::vector<int64_t>& out) const {
   const std::string normalized = normalizer ? normalizer(text) : std::string(text);
   std::vector<Segment> segments;
-  if (has_normalized_added) {
+  if (!normalized_added.empty()) {
     split_added(normalized, 0, true, segments);
   } else {
     segments.push_back({normalized, 0, nullptr});
@@ -320,23 +357,59 @@ void BpeTokenizer::Impl::bpe(const std::string& word, std::vector<int64_t>& out)
     unk_pending = true;
   }
   if (unk_pending) syms.push_back(unk());
-  while (syms.size() > 1) {
-    int64_t best_rank = std::numeric_limits<int64_t>::max(), best_id = -1;
-    size_t best = 0;
-    for (size_t i = 0; i + 1 < syms.size(); ++i) {
-      const auto it =
-          merges.find((static_cast<uint64_t>(syms[i]) << 32) | static_cast<uint64_t>(syms[i + 1]));
-      if (it != merges.end() && it->second.first < best_rank) {
-        best_rank = it->second.first;
-        best_id = it->second.second;
-        best = i;
-      }
-    }
-    if (best_id < 0) break;
-    syms[best] = best_id;
-    syms.erase(syms.begin() + static_cast<std::ptrdiff_t>(best) + 1);
+  merge_all(syms, out);
+}
+
+// Merges `syms` by rank as HF's Word::merge_all does: a heap of candidate pairs, lowest rank
+// first and leftmost among equals; a popped pair whose symbols have since changed is stale and
+// skipped. O(n log n), because a SentencePiece-style file with no pre-tokenizer (Llama 2) or
+// one that splits nothing (Gemma) hands the model a whole text as one word.
+void BpeTokenizer::Impl::merge_all(const std::vector<int64_t>& syms,
+                                   std::vector<int64_t>& out) const {
+  const size_t n = syms.size();
+  std::vector<int64_t> id(syms);
+  std::vector<size_t> prev(n), next(n);
+  std::vector<bool> alive(n, true);
+  constexpr size_t kNone = std::numeric_limits<size_t>::max();
+  for (size_t i = 0; i < n; ++i) {
+    prev[i] = i == 0 ? kNone : i - 1;
+    next[i] = i + 1 < n ? i + 1 : kNone;
   }
-  out.insert(out.end(), syms.begin(), syms.end());
+  struct Candidate {
+    int64_t rank;
+    size_t pos;
+    int64_t merged;
+    bool operator>(const Candidate& o) const {
+      return rank != o.rank ? rank > o.rank : pos > o.pos;
+    }
+  };
+  std::priority_queue<Candidate, std::vector<Candidate>, std::greater<>> heap;
+  const auto merge_of = [&](size_t left) -> const std::pair<int64_t, int64_t>* {
+    const auto it = merges.find((static_cast<uint64_t>(id[left]) << 32) |
+                                static_cast<uint64_t>(id[next[left]]));
+    return it == merges.end() ? nullptr : &it->second;
+  };
+  const auto push = [&](size_t left) {
+    if (left == kNone || next[left] == kNone) return;
+    if (const auto* m = merge_of(left)) heap.push({m->first, left, m->second});
+  };
+  for (size_t i = 0; i + 1 < n; ++i) push(i);
+  while (!heap.empty()) {
+    const Candidate c = heap.top();
+    heap.pop();
+    if (!alive[c.pos] || next[c.pos] == kNone) continue;
+    const auto* m = merge_of(c.pos);
+    if (m == nullptr || m->second != c.merged) continue;  // stale
+    const size_t right = next[c.pos];
+    id[c.pos] = c.merged;
+    alive[right] = false;
+    next[c.pos] = next[right];
+    if (next[right] != kNone) prev[next[right]] = c.pos;
+    push(prev[c.pos]);
+    push(c.pos);
+  }
+  for (size_t i = 0; i < n; ++i)
+    if (alive[i]) out.push_back(id[i]);
 }
 
 BpeTokenizer::BpeTokenizer(std::shared_ptr<const Impl> impl) : impl_(std::move(impl)) {}
@@ -372,7 +445,7 @@ std::vector<int64_t> BpeTokenizer::encode(std::string_view text, bool add_specia
   if (bad != std::string_view::npos)
     t.fail("encode: the text is not valid UTF-8 at byte " + std::to_string(bad));
   std::vector<Segment> segments;
-  if (t.has_raw_added) {
+  if (!t.raw_added.empty()) {
     t.split_added(text, 0, false, segments);
   } else if (!text.empty()) {
     segments.push_back({text, 0, nullptr});
