@@ -1,6 +1,7 @@
 #include "decoder.h"
 
 #include <memory>
+#include <optional>
 #include <utility>
 
 #include "byte_level.h"
