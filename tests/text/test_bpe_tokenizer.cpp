@@ -16,6 +16,7 @@
 
 #include "dtensor/text/bpe_tokenizer.h"
 #include "support/errors.h"
+#include "support/temp_dir.h"
 
 using dtensor::testing::message_of;
 using dtensor::text::BpeTokenizer;
@@ -123,6 +124,21 @@ TEST(BpeTokenizer, UnknownCharactersWithoutFuseUnk) {
   const int64_t unk = *tok.token_to_id("<unk>");
   const auto ids = tok.encode("\xE6\xBC\xA2\xE6\xBC\xA2");  // two CJK characters
   EXPECT_EQ(std::count(ids.begin(), ids.end(), unk), 2);
+}
+
+TEST(BpeTokenizer, UnsupportedComponentOfAFileNamesItsPathKeyAndValue) {
+  // A Gemma file whose normalizer became SentencePiece's precompiled charsmap (T5's kind).
+  json j = json::parse(read(kDir + "/gemma_tokenizer.json"));
+  j["normalizer"] = {
+      {"type", "Sequence"},
+      {"normalizers",
+       {{{"type", "Precompiled"}, {"precompiled_charsmap", "AAAA"}}, j["normalizer"]}}};
+  dtensor::testing::TempDir dir;
+  const std::string path = dir.file("tokenizer.json");
+  std::ofstream(path) << j.dump();
+  EXPECT_CONTAINS(
+      message_of([&] { BpeTokenizer::from_file(path); }),
+      "tokenizer '" + path + "': normalizer.normalizers[0].type \"Precompiled\" is not supported");
 }
 
 TEST(BpeTokenizer, TokensAndSpecials) {
