@@ -1,21 +1,28 @@
-// Byte-level BPE as HF `tokenizers` runs it: added tokens are split out first, every other
-// piece is pre-tokenized (regex splits, then bytes mapped to printable characters), each
-// pre-token is merged by merge rank, and the post-processor's template adds special tokens.
+// BPE as HF `tokenizers` runs it: added tokens are split out of the raw text first, the rest is
+// normalized (and split again on added tokens that match normalized text), pre-tokenized into
+// words, and each word is merged by merge rank, with SentencePiece's byte fallback; the
+// post-processor's template adds special tokens. Decoding maps ids to tokens and runs the
+// decoder chain.
 #include "dtensor/text/bpe_tokenizer.h"
-
-#define PCRE2_CODE_UNIT_WIDTH 8
-#include <pcre2.h>
 
 #include <algorithm>
 #include <array>
 #include <fstream>
+#include <functional>
 #include <limits>
 #include <nlohmann/json.hpp>
+#include <queue>
 #include <sstream>
 #include <stdexcept>
 #include <unordered_map>
 #include <utility>
 #include <variant>
+
+#include "decoder.h"
+#include "normalizer.h"
+#include "pre_tokenizer.h"
+#include "tokenizer_json.h"
+#include "utf8.h"
 
 namespace dtensor::text {
 
@@ -23,195 +30,72 @@ namespace {
 
 using nlohmann::json;
 
-// The pattern ByteLevel's use_regex applies (GPT-2's).
-constexpr const char* kGpt2Pattern =
-    R"('s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+)";
-
-void append_utf8(std::string& out, uint32_t cp) {
-  if (cp < 0x80) {
-    out += static_cast<char>(cp);
-  } else if (cp < 0x800) {
-    out += static_cast<char>(0xC0 | (cp >> 6));
-    out += static_cast<char>(0x80 | (cp & 0x3F));
-  } else if (cp < 0x10000) {
-    out += static_cast<char>(0xE0 | (cp >> 12));
-    out += static_cast<char>(0x80 | ((cp >> 6) & 0x3F));
-    out += static_cast<char>(0x80 | (cp & 0x3F));
-  } else {
-    out += static_cast<char>(0xF0 | (cp >> 18));
-    out += static_cast<char>(0x80 | ((cp >> 12) & 0x3F));
-    out += static_cast<char>(0x80 | ((cp >> 6) & 0x3F));
-    out += static_cast<char>(0x80 | (cp & 0x3F));
-  }
-}
-
-// Length of the well-formed UTF-8 sequence at s[i] (Unicode's table 3-7), or 0 if there is
-// none; `valid_prefix` gets how many of its bytes are a valid start (a maximal subpart).
-size_t utf8_sequence(std::string_view s, size_t i, size_t* valid_prefix = nullptr) {
-  const auto b = [&](size_t k) { return static_cast<unsigned char>(s[i + k]); };
-  const unsigned char c = b(0);
-  size_t len = 0;
-  unsigned char lo = 0x80, hi = 0xBF;
-  if (c < 0x80) return 1;
-  if (c >= 0xC2 && c <= 0xDF) {
-    len = 2;
-  } else if (c >= 0xE0 && c <= 0xEF) {
-    len = 3;
-    if (c == 0xE0) lo = 0xA0;
-    if (c == 0xED) hi = 0x9F;
-  } else if (c >= 0xF0 && c <= 0xF4) {
-    len = 4;
-    if (c == 0xF0) lo = 0x90;
-    if (c == 0xF4) hi = 0x8F;
-  }
-  size_t ok = len == 0 ? 0 : 1;
-  for (size_t k = 1; k < len && i + k < s.size(); ++k) {
-    const unsigned char ck = b(k);
-    if (ck < (k == 1 ? lo : 0x80) || ck > (k == 1 ? hi : 0xBF)) break;
-    ++ok;
-  }
-  if (valid_prefix != nullptr) *valid_prefix = std::max<size_t>(ok, 1);
-  return ok == len ? len : 0;
-}
-
-// Rust's String::from_utf8_lossy: each maximal invalid subpart becomes one U+FFFD.
-std::string utf8_lossy(std::string_view bytes) {
-  std::string out;
-  out.reserve(bytes.size());
-  for (size_t i = 0; i < bytes.size();) {
-    size_t prefix = 1;
-    const size_t n = utf8_sequence(bytes, i, &prefix);
-    if (n > 0) {
-      out.append(bytes.substr(i, n));
-      i += n;
-    } else {
-      out += "\xEF\xBF\xBD";
-      i += prefix;
-    }
-  }
-  return out;
-}
-
-// The UTF-8 characters of `s` (which is valid UTF-8).
-std::vector<std::string_view> utf8_chars(std::string_view s) {
-  std::vector<std::string_view> out;
-  for (size_t i = 0; i < s.size();) {
-    const size_t n = std::max<size_t>(utf8_sequence(s, i), 1);
-    out.push_back(s.substr(i, n));
-    i += n;
-  }
-  return out;
-}
-
-uint32_t decode_one(std::string_view c) {
-  const auto u = [&](size_t k) { return static_cast<uint32_t>(static_cast<unsigned char>(c[k])); };
-  switch (c.size()) {
-    case 1:
-      return u(0);
-    case 2:
-      return ((u(0) & 0x1F) << 6) | (u(1) & 0x3F);
-    case 3:
-      return ((u(0) & 0x0F) << 12) | ((u(1) & 0x3F) << 6) | (u(2) & 0x3F);
-    default:
-      return ((u(0) & 0x07) << 18) | ((u(1) & 0x3F) << 12) | ((u(2) & 0x3F) << 6) | (u(3) & 0x3F);
-  }
-}
-
-bool is_whitespace(uint32_t cp) {
-  return (cp >= 0x09 && cp <= 0x0D) || cp == 0x20 || cp == 0x85 || cp == 0xA0 || cp == 0x1680 ||
-         (cp >= 0x2000 && cp <= 0x200A) || cp == 0x2028 || cp == 0x2029 || cp == 0x202F ||
-         cp == 0x205F || cp == 0x3000;
-}
-
-// GPT-2's map from bytes to printable characters: printable Latin-1 bytes map to themselves,
-// the others to U+0100 onwards in byte order.
-struct ByteMap {
-  std::array<std::string, 256> to_char;
-  std::unordered_map<uint32_t, uint8_t> to_byte;
-  ByteMap() {
-    uint32_t next = 256;
-    for (uint32_t b = 0; b < 256; ++b) {
-      const bool printable = (b >= 33 && b <= 126) || (b >= 161 && b <= 172) || b >= 174;
-      const uint32_t cp = printable ? b : next++;
-      append_utf8(to_char[b], cp);
-      to_byte.emplace(cp, static_cast<uint8_t>(b));
-    }
-  }
-};
-
-const ByteMap& byte_map() {
-  static const ByteMap map;
-  return map;
-}
-
-// A compiled PCRE2 pattern in UTF + Unicode-properties mode.
-class Regex {
- public:
-  Regex(const std::string& pattern, const std::string& where) {
-    int code = 0;
-    PCRE2_SIZE offset = 0;
-    code_ = pcre2_compile(reinterpret_cast<PCRE2_SPTR>(pattern.data()), pattern.size(),
-                          PCRE2_UTF | PCRE2_UCP, &code, &offset, nullptr);
-    if (code_ == nullptr) {
-      std::array<PCRE2_UCHAR, 256> buf{};
-      pcre2_get_error_message(code, buf.data(), buf.size());
-      throw std::invalid_argument(where + ": cannot compile the regex /" + pattern +
-                                  "/ at offset " + std::to_string(offset) + ": " +
-                                  reinterpret_cast<const char*>(buf.data()));
-    }
-    pcre2_jit_compile(code_, PCRE2_JIT_COMPLETE);  // optional speed-up; falls back silently
-  }
-  ~Regex() { pcre2_code_free(code_); }
-  Regex(const Regex&) = delete;
-  Regex& operator=(const Regex&) = delete;
-
-  // Splits `s` into matches and the text between them (HF's Isolated behavior): every byte
-  // lands in exactly one non-empty piece.
-  void split_isolated(std::string_view s, std::vector<std::string_view>& out) const {
-    pcre2_match_data* md = pcre2_match_data_create_from_pattern(code_, nullptr);
-    size_t pos = 0, last = 0;
-    while (pos <= s.size()) {
-      const int rc = pcre2_match(code_, reinterpret_cast<PCRE2_SPTR>(s.data()), s.size(), pos,
-                                 PCRE2_NO_UTF_CHECK, md, nullptr);
-      if (rc == PCRE2_ERROR_NOMATCH) break;
-      if (rc < 0) {
-        pcre2_match_data_free(md);
-        throw std::invalid_argument("tokenizer: regex matching failed with PCRE2 error " +
-                                    std::to_string(rc));
-      }
-      const PCRE2_SIZE* ov = pcre2_get_ovector_pointer(md);
-      const size_t b = ov[0], e = ov[1];
-      if (e == b) {  // an empty match: step over one character
-        if (b >= s.size()) break;
-        pos = b + std::max<size_t>(utf8_sequence(s, b), 1);
-        continue;
-      }
-      if (b > last) out.push_back(s.substr(last, b - last));
-      out.push_back(s.substr(b, e - b));
-      last = pos = e;
-    }
-    if (last < s.size()) out.push_back(s.substr(last));
-    pcre2_match_data_free(md);
-  }
-
- private:
-  pcre2_code* code_ = nullptr;
-};
-
-std::string escape_regex(const std::string& literal) {
-  std::string out;
-  for (char c : literal) {
-    if (std::string_view("\\^$.|?*+()[]{}").find(c) != std::string_view::npos) out += '\\';
-    out += c;
-  }
-  return out;
-}
-
 struct AddedToken {
   int64_t id;
   std::string content;
-  bool special, lstrip, rstrip;
+  bool special, lstrip, rstrip, normalized;
+  std::string match;  // what is searched for: the content, normalized if `normalized`
 };
+
+// The added tokens as a byte trie, for the leftmost-longest match HF's Aho-Corasick finds:
+// a text is scanned once, not once per token (Gemma 3 has thousands).
+class TokenTrie {
+ public:
+  void insert(const std::string& s, size_t token) {
+    size_t node = 0;
+    for (char c : s) {
+      const uint64_t k = key(node, c);
+      auto it = edges_.find(k);
+      if (it == edges_.end()) {
+        it = edges_.emplace(k, ends_.size()).first;
+        ends_.push_back(kNone);
+      }
+      node = it->second;
+    }
+    if (ends_[node] == kNone) ends_[node] = token;  // the first of equal contents wins
+  }
+  /// The longest token that starts at text[pos], as (token, length); token kNone if none.
+  std::pair<size_t, size_t> longest_at(std::string_view text, size_t pos) const {
+    std::pair<size_t, size_t> best{kNone, 0};
+    size_t node = 0;
+    for (size_t i = pos; i < text.size(); ++i) {
+      const auto it = edges_.find(key(node, text[i]));
+      if (it == edges_.end()) break;
+      node = it->second;
+      if (ends_[node] != kNone) best = {ends_[node], i + 1 - pos};
+    }
+    return best;
+  }
+  bool empty() const { return edges_.empty(); }
+  static constexpr size_t kNone = std::numeric_limits<size_t>::max();
+
+ private:
+  static uint64_t key(size_t node, char c) {
+    return (static_cast<uint64_t>(node) << 8) | static_cast<unsigned char>(c);
+  }
+  std::unordered_map<uint64_t, size_t> edges_;
+  std::vector<size_t> ends_{kNone};  // node -> token index; node 0 is the root
+};
+
+// A piece of text between added tokens, or an added token; `offset` is where it starts.
+struct Segment {
+  std::string_view text;
+  size_t offset;
+  const AddedToken* token;
+};
+
+// The start of the character before s[i] (s is valid UTF-8, i > 0).
+size_t previous_char(std::string_view s, size_t i) {
+  do {
+    --i;
+  } while (i > 0 && (static_cast<unsigned char>(s[i]) & 0xC0) == 0x80);
+  return i;
+}
+
+bool whitespace_at(std::string_view s, size_t i) {
+  const size_t n = std::max<size_t>(utf8_sequence(s, i), 1);
+  return is_whitespace(code_point(s.substr(i, n)));
+}
 
 }  // namespace
 
@@ -221,15 +105,18 @@ struct BpeTokenizer::Impl {
   std::vector<std::string> id_to_token;  // model vocab and added tokens
   // (left id, right id) -> (rank, merged id)
   std::unordered_map<uint64_t, std::pair<int64_t, int64_t>> merges;
-  bool ignore_merges = false;
-  std::optional<int64_t> unk_id;
+  bool ignore_merges = false, byte_fallback = false, fuse_unk = false;
+  std::optional<std::string> unk_token;
+  std::array<int64_t, 256> byte_ids{};  // the id of "<0xAB>", -1 if absent
   std::vector<AddedToken> added;
   std::unordered_map<int64_t, size_t> added_by_id;
-  std::vector<std::unique_ptr<Regex>> splits;  // Split pre-tokenizers, in order
-  bool prefix_space = false;
-  std::unique_ptr<Regex> byte_level_regex;                  // ByteLevel with use_regex
+  TokenTrie raw_added, normalized_added;  // by what they match: raw or normalized text
+  Normalizer normalizer;
+  PreTokenizer pre_tokenizer;
+  Decoder decoder;
   std::vector<std::variant<int64_t, int>> template_single;  // a special id, or the sequence (0)
 
+  JsonKey key(const std::string& k) const { return JsonKey(source, k); }
   std::string where() const { return "tokenizer '" + source + "'"; }
   [[noreturn]] void fail(const std::string& what) const {
     throw std::invalid_argument(where() + ": " + what);
@@ -237,126 +124,85 @@ struct BpeTokenizer::Impl {
 
   void parse(const json& j);
   void parse_model(const json& m);
-  void parse_pre_tokenizer(const json& p, bool& byte_level_seen);
-  void parse_post_processor(const json& p);
-  void encode_piece(std::string_view text, std::vector<int64_t>& out) const;
+  void parse_added_tokens(const json& a);
+  void parse_post_processor(const json& p, const JsonKey& at);
+  void split_added(std::string_view text, size_t offset, bool normalized,
+                   std::vector<Segment>& out) const;
+  void encode_text(std::string_view text, bool at_start, std::vector<int64_t>& out) const;
   void bpe(const std::string& word, std::vector<int64_t>& out) const;
+  void merge_all(const std::vector<int64_t>& syms, std::vector<int64_t>& out) const;
 };
 
-namespace {
-
-std::string type_of(const json& j) {
-  const auto it = j.find("type");
-  return it != j.end() && it->is_string() ? it->get<std::string>() : std::string("?");
-}
-
-bool flag(const json& j, const char* key, bool fallback) {
-  const auto it = j.find(key);
-  return it == j.end() || it->is_null() ? fallback : it->get<bool>();
-}
-
-}  // namespace
-
 void BpeTokenizer::Impl::parse_model(const json& m) {
-  if (!m.is_object() || type_of(m) != "BPE") {
-    fail("model type \"" + (m.is_object() ? type_of(m) : std::string("none")) +
-         "\" is not supported; only byte-level \"BPE\" is");
-  }
-  for (const char* key : {"continuing_subword_prefix", "end_of_word_suffix"}) {
-    const auto it = m.find(key);
+  const JsonKey at = key("model");
+  if (!m.is_object()) at.fail("must be an object");
+  if (type_of(m) != "BPE") at["type"].unsupported(m.value("type", json("?")), "BPE");
+  for (const char* k : {"continuing_subword_prefix", "end_of_word_suffix"}) {
+    const auto it = m.find(k);
     if (it != m.end() && !it->is_null() && !it->get<std::string>().empty())
-      fail(std::string("model.") + key + " is not supported (byte-level BPE does not use it)");
+      at[k].unsupported(*it, "\"\" or null (the decoders built here do not remove it)");
   }
-  if (flag(m, "byte_fallback", false)) fail("model.byte_fallback is not supported");
   const auto dropout = m.find("dropout");
   if (dropout != m.end() && !dropout->is_null() && dropout->get<double>() != 0.0)
-    fail("model.dropout is not supported (encoding would not be deterministic)");
+    at["dropout"].unsupported(*dropout, "null or 0 (encoding must be deterministic)");
   ignore_merges = flag(m, "ignore_merges", false);
+  byte_fallback = flag(m, "byte_fallback", false);
+  fuse_unk = flag(m, "fuse_unk", false);
 
-  const json& v = m.at("vocab");
-  if (!v.is_object()) fail("model.vocab must be an object {token: id}");
-  for (const auto& [token, id] : v.items()) {
+  const auto v = m.find("vocab");
+  if (v == m.end() || !v->is_object()) at["vocab"].fail("must be an object {token: id}");
+  for (const auto& [token, id] : v->items()) {
     const int64_t i = id.get<int64_t>();
-    if (i < 0) fail("model.vocab: token \"" + token + "\" has a negative id");
+    if (i < 0) at["vocab"].fail("gives token \"" + token + "\" a negative id");
     vocab.emplace(token, i);
     if (static_cast<size_t>(i) >= id_to_token.size()) id_to_token.resize(i + 1);
     id_to_token[i] = token;
   }
+  byte_ids.fill(-1);
+  for (int b = 0; b < 256; ++b) {
+    static const char* hex = "0123456789ABCDEF";
+    const std::string name = std::string("<0x") + hex[b >> 4] + hex[b & 15] + ">";
+    const auto it = vocab.find(name);
+    if (it != vocab.end()) byte_ids[b] = it->second;
+  }
   const auto id_of = [&](const std::string& t, size_t rank) {
     const auto it = vocab.find(t);
-    if (it == vocab.end())
-      fail("merge " + std::to_string(rank) + " uses \"" + t + "\", which is not in the vocab");
+    if (it == vocab.end()) at["merges"][rank].fail("uses \"" + t + "\", which is not in the vocab");
     return it->second;
   };
-  const json& ms = m.at("merges");
-  if (!ms.is_array()) fail("model.merges must be an array");
-  for (size_t rank = 0; rank < ms.size(); ++rank) {
-    const json& e = ms[rank];
+  const auto ms = m.find("merges");
+  if (ms == m.end() || !ms->is_array()) at["merges"].fail("must be an array");
+  for (size_t rank = 0; rank < ms->size(); ++rank) {
+    const json& e = (*ms)[rank];
     std::string a, b;
     if (e.is_string()) {  // "a b"
       const std::string s = e.get<std::string>();
       const size_t sp = s.find(' ');
       if (sp == std::string::npos || s.find(' ', sp + 1) != std::string::npos)
-        fail("merge " + std::to_string(rank) + " \"" + s + "\" is not two tokens \"a b\"");
+        at["merges"][rank].fail("\"" + s + "\" is not two tokens \"a b\"");
       a = s.substr(0, sp);
       b = s.substr(sp + 1);
     } else if (e.is_array() && e.size() == 2 && e[0].is_string() && e[1].is_string()) {
       a = e[0].get<std::string>();
       b = e[1].get<std::string>();
     } else {
-      fail("merge " + std::to_string(rank) + " is neither \"a b\" nor [\"a\", \"b\"]");
+      at["merges"][rank].fail("is neither \"a b\" nor [\"a\", \"b\"]");
     }
-    const uint64_t key =
+    const uint64_t k =
         (static_cast<uint64_t>(id_of(a, rank)) << 32) | static_cast<uint64_t>(id_of(b, rank));
     // The first (lowest-ranked) occurrence of a pair wins.
-    merges.emplace(key, std::make_pair(static_cast<int64_t>(rank), id_of(a + b, rank)));
+    merges.emplace(k, std::make_pair(static_cast<int64_t>(rank), id_of(a + b, rank)));
   }
   const auto unk = m.find("unk_token");
-  if (unk != m.end() && !unk->is_null()) {
-    const auto it = vocab.find(unk->get<std::string>());
-    if (it != vocab.end()) unk_id = it->second;
-  }
+  if (unk != m.end() && !unk->is_null()) unk_token = unk->get<std::string>();
 }
 
-void BpeTokenizer::Impl::parse_pre_tokenizer(const json& p, bool& byte_level_seen) {
-  const std::string type = type_of(p);
-  if (type == "Sequence") {
-    for (const auto& q : p.at("pretokenizers")) parse_pre_tokenizer(q, byte_level_seen);
-    return;
-  }
-  if (byte_level_seen)
-    fail("pre_tokenizer: \"" + type +
-         "\" after ByteLevel is not supported (ByteLevel must come last)");
-  if (type == "Split") {
-    const std::string behavior = p.value("behavior", std::string("Isolated"));
-    if (behavior != "Isolated")
-      fail("pre_tokenizer Split: behavior \"" + behavior + "\" is not supported, only Isolated");
-    if (flag(p, "invert", false)) fail("pre_tokenizer Split: invert is not supported");
-    const json& pat = p.at("pattern");
-    std::string regex;
-    if (pat.contains("Regex")) {
-      regex = pat.at("Regex").get<std::string>();
-    } else if (pat.contains("String")) {
-      regex = escape_regex(pat.at("String").get<std::string>());
-    } else {
-      fail("pre_tokenizer Split: pattern must be {\"Regex\": ...} or {\"String\": ...}");
-    }
-    splits.push_back(std::make_unique<Regex>(regex, where() + ", pre_tokenizer Split"));
-  } else if (type == "ByteLevel") {
-    byte_level_seen = true;
-    prefix_space = flag(p, "add_prefix_space", false);
-    if (flag(p, "use_regex", true))
-      byte_level_regex = std::make_unique<Regex>(kGpt2Pattern, where() + ", ByteLevel");
-  } else {
-    fail("pre_tokenizer \"" + type + "\" is not supported; supported: Sequence, Split, ByteLevel");
-  }
-}
-
-void BpeTokenizer::Impl::parse_post_processor(const json& p) {
+void BpeTokenizer::Impl::parse_post_processor(const json& p, const JsonKey& at) {
   if (p.is_null()) return;
   const std::string type = type_of(p);
   if (type == "Sequence") {
-    for (const auto& q : p.at("processors")) parse_post_processor(q);
+    const auto& ps = p.at("processors");
+    for (size_t i = 0; i < ps.size(); ++i) parse_post_processor(ps[i], at["processors"][i]);
   } else if (type == "ByteLevel") {
     // Adjusts offsets only; ids are unchanged.
   } else if (type == "TemplateProcessing") {
@@ -367,53 +213,112 @@ void BpeTokenizer::Impl::parse_post_processor(const json& p) {
       } else if (piece.contains("SpecialToken")) {
         const std::string name = piece.at("SpecialToken").at("id").get<std::string>();
         if (!specials.contains(name))
-          fail("post_processor: template token \"" + name + "\" is not in special_tokens");
+          at["single"].fail("uses \"" + name + "\", which is not in special_tokens");
         for (const auto& id : specials.at(name).at("ids"))
           template_single.emplace_back(id.get<int64_t>());
       } else {
-        fail("post_processor: a template piece is neither Sequence nor SpecialToken");
+        at["single"].fail("has a piece that is neither Sequence nor SpecialToken");
       }
     }
   } else {
-    fail("post_processor \"" + type +
-         "\" is not supported; supported: TemplateProcessing, ByteLevel, Sequence");
+    at["type"].unsupported(p.value("type", json("?")), "TemplateProcessing, ByteLevel, Sequence");
+  }
+}
+
+void BpeTokenizer::Impl::parse_added_tokens(const json& a) {
+  if (!a.is_array()) return;
+  for (size_t i = 0; i < a.size(); ++i) {
+    const json& t = a[i];
+    const JsonKey at = key("added_tokens")[i];
+    AddedToken tok{t.at("id").get<int64_t>(),
+                   t.at("content").get<std::string>(),
+                   flag(t, "special", false),
+                   flag(t, "lstrip", false),
+                   flag(t, "rstrip", false),
+                   false,
+                   {}};
+    // HF's default: special tokens match the raw text, others the normalized text.
+    tok.normalized = flag(t, "normalized", !tok.special);
+    if (tok.id < 0 || tok.content.empty()) at.fail("has a negative id or no content");
+    if (flag(t, "single_word", false)) at["single_word"].unsupported(t.at("single_word"), "false");
+    tok.match = tok.normalized && normalizer ? normalizer(tok.content) : tok.content;
+    if (!tok.match.empty())
+      (tok.normalized ? normalized_added : raw_added).insert(tok.match, added.size());
+    if (static_cast<size_t>(tok.id) >= id_to_token.size()) id_to_token.resize(tok.id + 1);
+    // HF's id_to_token gives a normalized token's normalized form.
+    id_to_token[tok.id] = tok.match;
+    added_by_id[tok.id] = added.size();
+    added.push_back(std::move(tok));
   }
 }
 
 void BpeTokenizer::Impl::parse(const json& j) {
   if (!j.is_object()) fail("not a JSON object");
+  const auto component = [&](const char* k) {
+    const auto it = j.find(k);
+    return it == j.end() ? json() : *it;
+  };
   parse_model(j.at("model"));
-  const auto norm = j.find("normalizer");
-  if (norm != j.end() && !norm->is_null())
-    fail("normalizer \"" + type_of(*norm) + "\" is not supported (byte-level files have none)");
-  bool byte_level = false;
-  const auto pre = j.find("pre_tokenizer");
-  if (pre != j.end() && !pre->is_null()) parse_pre_tokenizer(*pre, byte_level);
-  if (!byte_level) fail("the pre_tokenizer has no ByteLevel step: not a byte-level BPE tokenizer");
-  const auto dec = j.find("decoder");
-  if (dec != j.end() && !dec->is_null() && type_of(*dec) != "ByteLevel")
-    fail("decoder \"" + type_of(*dec) + "\" is not supported, only ByteLevel");
-  const auto post = j.find("post_processor");
-  if (post != j.end()) parse_post_processor(*post);
+  normalizer = make_normalizer(component("normalizer"), key("normalizer"));
+  pre_tokenizer = make_pre_tokenizer(component("pre_tokenizer"), key("pre_tokenizer"));
+  decoder = make_decoder(component("decoder"), key("decoder"));
+  parse_post_processor(component("post_processor"), key("post_processor"));
+  parse_added_tokens(component("added_tokens"));
+}
 
-  const auto at = j.find("added_tokens");
-  if (at != j.end() && at->is_array()) {
-    for (const auto& t : *at) {
-      AddedToken a{t.at("id").get<int64_t>(), t.at("content").get<std::string>(),
-                   flag(t, "special", false), flag(t, "lstrip", false), flag(t, "rstrip", false)};
-      if (a.id < 0 || a.content.empty()) fail("an added token has a negative id or no content");
-      if (flag(t, "single_word", false))
-        fail("added token \"" + a.content + "\": single_word is not supported");
-      if (static_cast<size_t>(a.id) >= id_to_token.size()) id_to_token.resize(a.id + 1);
-      id_to_token[a.id] = a.content;
-      added_by_id[a.id] = added.size();
-      added.push_back(std::move(a));
+// Added tokens (those matching raw or normalized text, as `normalized` says): the leftmost
+// match, the longest at that position; lstrip/rstrip tokens take the whitespace beside them.
+void BpeTokenizer::Impl::split_added(std::string_view text, size_t offset, bool normalized,
+                                     std::vector<Segment>& out) const {
+  const TokenTrie& trie = normalized ? normalized_added : raw_added;
+  size_t start = 0;
+  for (size_t pos = 0; pos < text.size(); ++pos) {
+    const auto [index, length] = trie.longest_at(text, pos);
+    if (index == TokenTrie::kNone) continue;
+    const AddedToken* best = &added[index];
+    size_t begin = pos, end = pos + length;
+    if (best->lstrip) {
+      while (begin > start && whitespace_at(text, previous_char(text, begin)))
+        begin = previous_char(text, begin);
     }
+    if (best->rstrip) {
+      while (end < text.size() && whitespace_at(text, end))
+        end += std::max<size_t>(utf8_sequence(text, end), 1);
+    }
+    if (begin > start) out.push_back({text.substr(start, begin - start), offset + start, nullptr});
+    out.push_back({{}, offset + begin, best});
+    start = end;
+    pos = end - 1;
+  }
+  if (start < text.size()) out.push_back({text.substr(start), offset + start, nullptr});
+}
+
+// Text between raw-matched added tokens: normalize, split out normalized added tokens,
+// pre-tokenize, BPE each word.
+void BpeTokenizer::Impl::encode_text(std::string_view text, bool at_start,
+                                     std::vector<int64_t>& out) const {
+  const std::string normalized = normalizer ? normalizer(text) : std::string(text);
+  std::vector<Segment> segments;
+  if (!normalized_added.empty()) {
+    split_added(normalized, 0, true, segments);
+  } else {
+    segments.push_back({normalized, 0, nullptr});
+  }
+  for (const Segment& s : segments) {
+    if (s.token != nullptr) {
+      out.push_back(s.token->id);
+      continue;
+    }
+    if (s.text.empty()) continue;
+    std::vector<PreToken> words{{std::string(s.text), at_start && s.offset == 0}};
+    if (pre_tokenizer) pre_tokenizer(words);
+    for (const PreToken& w : words) bpe(w.text, out);
   }
 }
 
-// Merges one pre-token (already in byte-level characters) by merge rank, lowest first and
-// leftmost among equal ranks, as HF's BPE does.
+// HF's BPE::merge_word: characters to ids (a character outside the vocab becomes its
+// <0xAB> byte tokens with byte_fallback, else the unk token, runs of unknowns fused into one
+// with fuse_unk), then merges by rank, lowest first and leftmost among equals.
 void BpeTokenizer::Impl::bpe(const std::string& word, std::vector<int64_t>& out) const {
   if (ignore_merges) {
     const auto it = vocab.find(word);
@@ -423,62 +328,88 @@ void BpeTokenizer::Impl::bpe(const std::string& word, std::vector<int64_t>& out)
     }
   }
   std::vector<int64_t> syms;
+  bool unk_pending = false;
+  int64_t unk_id = -1;
+  const auto unk = [&] {
+    if (unk_id >= 0) return unk_id;
+    const auto it = vocab.find(*unk_token);
+    if (it == vocab.end())
+      fail("model.unk_token \"" + *unk_token + "\" is needed but is not in model.vocab");
+    return unk_id = it->second;
+  };
   for (std::string_view c : utf8_chars(word)) {
     const auto it = vocab.find(std::string(c));
     if (it != vocab.end()) {
+      if (unk_pending) syms.push_back(unk());
+      unk_pending = false;
       syms.push_back(it->second);
-    } else if (unk_id) {
-      syms.push_back(*unk_id);  // HF drops characters outside the vocab without an unk token
+      continue;
     }
-  }
-  while (syms.size() > 1) {
-    int64_t best_rank = std::numeric_limits<int64_t>::max(), best_id = -1;
-    size_t best = 0;
-    for (size_t i = 0; i + 1 < syms.size(); ++i) {
-      const auto it =
-          merges.find((static_cast<uint64_t>(syms[i]) << 32) | static_cast<uint64_t>(syms[i + 1]));
-      if (it != merges.end() && it->second.first < best_rank) {
-        best_rank = it->second.first;
-        best_id = it->second.second;
-        best = i;
-      }
+    if (byte_fallback && std::all_of(c.begin(), c.end(), [&](char b) {
+          return byte_ids[static_cast<unsigned char>(b)] >= 0;
+        })) {
+      // As in HF, an unknown character still pending is placed after these bytes.
+      for (char b : c) syms.push_back(byte_ids[static_cast<unsigned char>(b)]);
+      continue;
     }
-    if (best_id < 0) break;
-    syms[best] = best_id;
-    syms.erase(syms.begin() + static_cast<std::ptrdiff_t>(best) + 1);
+    if (!unk_token) continue;  // HF drops characters outside the vocab without an unk token
+    if (unk_pending && !fuse_unk) syms.push_back(unk());
+    unk_pending = true;
   }
-  out.insert(out.end(), syms.begin(), syms.end());
+  if (unk_pending) syms.push_back(unk());
+  merge_all(syms, out);
 }
 
-// Text between added tokens: the Split regexes, then ByteLevel (prefix space, its own regex,
-// bytes to characters), then BPE per pre-token.
-void BpeTokenizer::Impl::encode_piece(std::string_view text, std::vector<int64_t>& out) const {
-  std::vector<std::string_view> pieces{text}, next;
-  for (const auto& re : splits) {
-    next.clear();
-    for (std::string_view p : pieces) re->split_isolated(p, next);
-    pieces.swap(next);
+// Merges `syms` by rank as HF's Word::merge_all does: a heap of candidate pairs, lowest rank
+// first and leftmost among equals; a popped pair whose symbols have since changed is stale and
+// skipped. O(n log n), because a SentencePiece-style file with no pre-tokenizer (Llama 2) or
+// one that splits nothing (Gemma) hands the model a whole text as one word.
+void BpeTokenizer::Impl::merge_all(const std::vector<int64_t>& syms,
+                                   std::vector<int64_t>& out) const {
+  const size_t n = syms.size();
+  std::vector<int64_t> id(syms);
+  std::vector<size_t> prev(n), next(n);
+  std::vector<bool> alive(n, true);
+  constexpr size_t kNone = std::numeric_limits<size_t>::max();
+  for (size_t i = 0; i < n; ++i) {
+    prev[i] = i == 0 ? kNone : i - 1;
+    next[i] = i + 1 < n ? i + 1 : kNone;
   }
-  const ByteMap& map = byte_map();
-  std::string spaced, word;
-  for (std::string_view p : pieces) {
-    if (prefix_space && (p.empty() || p.front() != ' ')) {
-      spaced = " ";
-      spaced += p;
-      p = spaced;
+  struct Candidate {
+    int64_t rank;
+    size_t pos;
+    int64_t merged;
+    bool operator>(const Candidate& o) const {
+      return rank != o.rank ? rank > o.rank : pos > o.pos;
     }
-    std::vector<std::string_view> words;
-    if (byte_level_regex) {
-      byte_level_regex->split_isolated(p, words);
-    } else {
-      words.push_back(p);
-    }
-    for (std::string_view w : words) {
-      word.clear();
-      for (char c : w) word += map.to_char[static_cast<unsigned char>(c)];
-      bpe(word, out);
-    }
+  };
+  std::priority_queue<Candidate, std::vector<Candidate>, std::greater<>> heap;
+  const auto merge_of = [&](size_t left) -> const std::pair<int64_t, int64_t>* {
+    const auto it = merges.find((static_cast<uint64_t>(id[left]) << 32) |
+                                static_cast<uint64_t>(id[next[left]]));
+    return it == merges.end() ? nullptr : &it->second;
+  };
+  const auto push = [&](size_t left) {
+    if (left == kNone || next[left] == kNone) return;
+    if (const auto* m = merge_of(left)) heap.push({m->first, left, m->second});
+  };
+  for (size_t i = 0; i + 1 < n; ++i) push(i);
+  while (!heap.empty()) {
+    const Candidate c = heap.top();
+    heap.pop();
+    if (!alive[c.pos] || next[c.pos] == kNone) continue;
+    const auto* m = merge_of(c.pos);
+    if (m == nullptr || m->second != c.merged) continue;  // stale
+    const size_t right = next[c.pos];
+    id[c.pos] = c.merged;
+    alive[right] = false;
+    next[c.pos] = next[right];
+    if (next[right] != kNone) prev[next[right]] = c.pos;
+    push(prev[c.pos]);
+    push(c.pos);
   }
+  for (size_t i = 0; i < n; ++i)
+    if (alive[i]) out.push_back(id[i]);
 }
 
 BpeTokenizer::BpeTokenizer(std::shared_ptr<const Impl> impl) : impl_(std::move(impl)) {}
@@ -510,41 +441,23 @@ BpeTokenizer BpeTokenizer::from_file(const std::string& path) {
 
 std::vector<int64_t> BpeTokenizer::encode(std::string_view text, bool add_special_tokens) const {
   const Impl& t = *impl_;
-  for (size_t i = 0; i < text.size();) {
-    const size_t n = utf8_sequence(text, i);
-    if (n == 0)
-      throw std::invalid_argument(t.where() + ": encode: the text is not valid UTF-8 at byte " +
-                                  std::to_string(i));
-    i += n;
+  const size_t bad = utf8_invalid_at(text);
+  if (bad != std::string_view::npos)
+    t.fail("encode: the text is not valid UTF-8 at byte " + std::to_string(bad));
+  std::vector<Segment> segments;
+  if (!t.raw_added.empty()) {
+    t.split_added(text, 0, false, segments);
+  } else if (!text.empty()) {
+    segments.push_back({text, 0, nullptr});
   }
   std::vector<int64_t> ids;
-  // Added tokens first: the leftmost match, the longest at that position; lstrip/rstrip
-  // tokens take the whitespace beside them.
-  size_t start = 0;
-  while (start < text.size()) {
-    size_t best_pos = std::string_view::npos;
-    const AddedToken* best = nullptr;
-    for (const auto& a : t.added) {
-      const size_t pos = text.find(a.content, start);
-      if (pos == std::string_view::npos) continue;
-      if (pos < best_pos || (pos == best_pos && a.content.size() > best->content.size())) {
-        best_pos = pos;
-        best = &a;
-      }
+  for (const Segment& s : segments) {
+    if (s.token != nullptr) {
+      ids.push_back(s.token->id);
+    } else {
+      t.encode_text(s.text, s.offset == 0, ids);
     }
-    if (best == nullptr) break;
-    size_t begin = best_pos, end = best_pos + best->content.size();
-    if (best->lstrip) {
-      while (begin > start && is_whitespace(static_cast<unsigned char>(text[begin - 1]))) --begin;
-    }
-    if (best->rstrip) {
-      while (end < text.size() && is_whitespace(static_cast<unsigned char>(text[end]))) ++end;
-    }
-    if (begin > start) t.encode_piece(text.substr(start, begin - start), ids);
-    ids.push_back(best->id);
-    start = end;
   }
-  if (start < text.size()) t.encode_piece(text.substr(start), ids);
   if (!add_special_tokens || t.template_single.empty()) return ids;
   std::vector<int64_t> out;
   for (const auto& piece : t.template_single) {
@@ -558,26 +471,19 @@ std::vector<int64_t> BpeTokenizer::encode(std::string_view text, bool add_specia
 }
 
 std::string BpeTokenizer::decode(const std::vector<int64_t>& ids, bool skip_special_tokens) const {
-  const ByteMap& map = byte_map();
-  std::string bytes;
+  std::vector<std::string> tokens;
+  tokens.reserve(ids.size());
   for (int64_t id : ids) {
-    const std::string token = id_to_token(id);
-    if (skip_special_tokens && is_special(id)) continue;
-    // A token all of whose characters are byte-level ones stands for those bytes; any other
-    // (an added token such as "<|eot_id|>" is all ASCII, so it maps too) for its own UTF-8.
-    std::string decoded;
-    bool mapped = true;
-    for (std::string_view c : utf8_chars(token)) {
-      const auto it = map.to_byte.find(decode_one(c));
-      if (it == map.to_byte.end()) {
-        mapped = false;
-        break;
-      }
-      decoded += static_cast<char>(it->second);
-    }
-    bytes += mapped ? decoded : token;
+    std::string token = id_to_token(id);
+    if (!(skip_special_tokens && is_special(id))) tokens.push_back(std::move(token));
   }
-  return utf8_lossy(bytes);
+  std::string out;
+  if (!impl_->decoder) {  // HF joins the tokens with spaces when there is no decoder
+    for (size_t i = 0; i < tokens.size(); ++i) out += (i > 0 ? " " : "") + tokens[i];
+    return out;
+  }
+  for (const std::string& piece : impl_->decoder(std::move(tokens))) out += piece;
+  return out;
 }
 
 int64_t BpeTokenizer::vocab_size() const { return static_cast<int64_t>(impl_->id_to_token.size()); }

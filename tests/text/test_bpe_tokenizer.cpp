@@ -1,7 +1,10 @@
-// The byte-level BPE tokenizer against HF `tokenizers`: the ids and decoded text HF produced for
-// every line of the fixture corpus (tests/fixtures/hf/make_fixtures.py), for a Llama-3-style file
-// (Split regex + ByteLevel, [a, b] merges, ignore_merges, a BOS template) and a GPT-2-style one
-// (ByteLevel's own regex, "a b" merges); and clear errors for what it does not support.
+// The BPE tokenizer against HF `tokenizers`: the ids and decoded text HF produced for every test
+// line, for a Llama-3-style file (Split regex + ByteLevel, [a, b] merges, ignore_merges, a BOS
+// template) and a GPT-2-style one (ByteLevel's own regex, "a b" merges) from
+// tests/fixtures/hf/make_fixtures.py; for the Qwen2/Qwen3, Gemma and Llama-2/Mistral families
+// (SentencePiece-style BPE with byte_fallback) and two files of the remaining components, on text
+// from installed packages, Unicode-heavy and NFD lines included
+// (tests/fixtures/hf/make_tokenizer_families.py); and clear errors for what it does not support.
 #include <gtest/gtest.h>
 
 #include <fstream>
@@ -13,6 +16,7 @@
 
 #include "dtensor/text/bpe_tokenizer.h"
 #include "support/errors.h"
+#include "support/temp_dir.h"
 
 using dtensor::testing::message_of;
 using dtensor::text::BpeTokenizer;
@@ -59,6 +63,84 @@ INSTANTIATE_TEST_SUITE_P(Files, MatchesHF,
                            return info.param == "tokenizer.json" ? "llama3" : "gpt2";
                          });
 
+// Every line exactly as HF: encode with and without the template, decode with and without
+// skip_special_tokens. No round trip is asserted: NFC, Strip and Lowercase change the text.
+class FamilyMatchesHF : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(FamilyMatchesHF, EveryTestLine) {
+  const std::string file = GetParam() + "_tokenizer.json";
+  const auto tok = BpeTokenizer::from_file(kDir + "/" + file);
+  const json ref = json::parse(read(kDir + "/tokenizer_families_reference.json")).at(file);
+  EXPECT_EQ(tok.vocab_size(), ref.at("vocab_size").get<int64_t>());
+  size_t n = 0;
+  for (const auto& line : ref.at("lines")) {
+    const auto text = line.at("text").get<std::string>();
+    SCOPED_TRACE(file + ": " + json(text).dump());
+    const auto ids = line.at("ids").get<std::vector<int64_t>>();
+    EXPECT_EQ(tok.encode(text), ids);
+    EXPECT_EQ(tok.encode(text, /*add_special_tokens=*/true),
+              line.at("ids_with_special").get<std::vector<int64_t>>());
+    EXPECT_EQ(tok.decode(ids), line.at("decoded").get<std::string>());
+    EXPECT_EQ(tok.decode(ids, /*skip_special_tokens=*/true),
+              line.at("decoded_skip_special").get<std::string>());
+    ++n;
+  }
+  EXPECT_GT(n, 50u);
+}
+
+INSTANTIATE_TEST_SUITE_P(Families, FamilyMatchesHF,
+                         ::testing::Values("qwen2", "gemma", "llama_spm", "llama2_legacy",
+                                           "components_spm", "components_byte_level"),
+                         [](const auto& info) { return info.param; });
+
+TEST(BpeTokenizer, QwenNormalizesToNFC) {
+  const auto tok = BpeTokenizer::from_file(kDir + "/qwen2_tokenizer.json");
+  // "Café" with a combining acute accent (NFD) and with the precomposed é (NFC).
+  EXPECT_EQ(tok.encode("Cafe\xCC\x81"), tok.encode("Caf\xC3\xA9"));
+  EXPECT_EQ(tok.decode(tok.encode("Cafe\xCC\x81")), "Caf\xC3\xA9");
+}
+
+TEST(BpeTokenizer, ByteFallbackForCharactersOutsideTheVocab) {
+  for (const char* file : {"gemma_tokenizer.json", "llama2_legacy_tokenizer.json"}) {
+    SCOPED_TRACE(file);
+    const auto tok = BpeTokenizer::from_file(kDir + "/" + file);
+    const std::string han = "\xE6\xBC\xA2";  // U+6F22, not in the trained vocabulary
+    ASSERT_FALSE(tok.token_to_id(han).has_value());
+    const auto b = [&](const char* name) { return *tok.token_to_id(name); };
+    const std::vector<int64_t> bytes{b("<0xE6>"), b("<0xBC>"), b("<0xA2>")};
+    const auto ids = tok.encode(han);
+    ASSERT_GE(ids.size(), 3u);
+    EXPECT_EQ(std::vector<int64_t>(ids.end() - 3, ids.end()), bytes);
+    EXPECT_EQ(tok.decode(bytes), han);
+    // A cut sequence: one U+FFFD per byte (ByteFallback), not per maximal subpart.
+    EXPECT_EQ(tok.decode({b("<0xE6>"), b("<0xBC>")}), "\xEF\xBF\xBD\xEF\xBF\xBD");
+  }
+}
+
+TEST(BpeTokenizer, UnknownCharactersWithoutFuseUnk) {
+  // components_spm has byte tokens for ASCII only and fuse_unk false: each unknown character
+  // is one <unk>.
+  const auto tok = BpeTokenizer::from_file(kDir + "/components_spm_tokenizer.json");
+  const int64_t unk = *tok.token_to_id("<unk>");
+  const auto ids = tok.encode("\xE6\xBC\xA2\xE6\xBC\xA2");  // two CJK characters
+  EXPECT_EQ(std::count(ids.begin(), ids.end(), unk), 2);
+}
+
+TEST(BpeTokenizer, UnsupportedComponentOfAFileNamesItsPathKeyAndValue) {
+  // A Gemma file whose normalizer became SentencePiece's precompiled charsmap (T5's kind).
+  json j = json::parse(read(kDir + "/gemma_tokenizer.json"));
+  j["normalizer"] = {
+      {"type", "Sequence"},
+      {"normalizers",
+       {{{"type", "Precompiled"}, {"precompiled_charsmap", "AAAA"}}, j["normalizer"]}}};
+  dtensor::testing::TempDir dir;
+  const std::string path = dir.file("tokenizer.json");
+  std::ofstream(path) << j.dump();
+  EXPECT_CONTAINS(
+      message_of([&] { BpeTokenizer::from_file(path); }),
+      "tokenizer '" + path + "': normalizer.normalizers[0].type \"Precompiled\" is not supported");
+}
+
 TEST(BpeTokenizer, TokensAndSpecials) {
   const auto tok = BpeTokenizer::from_file(kDir + "/tokenizer.json");
   const auto bos = tok.token_to_id("<|begin_of_text|>");
@@ -97,28 +179,40 @@ TEST(BpeTokenizer, Errors) {
   };
   EXPECT_CONTAINS(with([](json&) {}), "(no error)");
   EXPECT_CONTAINS(with([](json& j) { j["model"]["type"] = "WordPiece"; }),
-                  "tokenizer 'edited.json': model type \"WordPiece\" is not supported");
-  EXPECT_CONTAINS(with([](json& j) {
-                    j["normalizer"] = {{"type", "NFC"}};
-                  }),
-                  "normalizer \"NFC\" is not supported");
+                  "tokenizer 'edited.json': model.type \"WordPiece\" is not supported; "
+                  "supported: BPE");
+  EXPECT_CONTAINS(with([](json& j) { j["model"]["continuing_subword_prefix"] = "##"; }),
+                  "model.continuing_subword_prefix \"##\" is not supported");
+  EXPECT_CONTAINS(with([](json& j) { j["model"]["dropout"] = 0.1; }),
+                  "model.dropout 0.1 is not supported");
   EXPECT_CONTAINS(with([](json& j) {
                     j["pre_tokenizer"] = {{"type", "Whitespace"}};
                   }),
-                  "pre_tokenizer \"Whitespace\" is not supported");
-  EXPECT_CONTAINS(with([](json& j) { j["pre_tokenizer"] = nullptr; }), "no ByteLevel step");
+                  "pre_tokenizer.type \"Whitespace\" is not supported; supported: Split, "
+                  "ByteLevel, Metaspace, Sequence");
+  EXPECT_CONTAINS(with([](json& j) {
+                    j["pre_tokenizer"]["pretokenizers"][1] = {{"type", "Digits"}};
+                  }),
+                  "pre_tokenizer.pretokenizers[1].type \"Digits\" is not supported");
   EXPECT_CONTAINS(with([](json& j) {
                     j["decoder"] = {{"type", "WordPiece"}};
                   }),
-                  "decoder \"WordPiece\" is not supported");
+                  "decoder.type \"WordPiece\" is not supported");
+  EXPECT_CONTAINS(with([](json& j) {
+                    j["post_processor"] = {{"type", "RobertaProcessing"}};
+                  }),
+                  "post_processor.type \"RobertaProcessing\" is not supported");
+  EXPECT_CONTAINS(with([](json& j) { j["added_tokens"][0]["single_word"] = true; }),
+                  "added_tokens[0].single_word true is not supported");
   EXPECT_CONTAINS(with([](json& j) {
                     j["model"]["merges"][0] = {"zzz-not-a-token", "a"};
                   }),
-                  "merge 0 uses \"zzz-not-a-token\", which is not in the vocab");
+                  "model.merges[0] uses \"zzz-not-a-token\", which is not in the vocab");
   EXPECT_CONTAINS(with([](json& j) {
                     j["pre_tokenizer"]["pretokenizers"][0]["pattern"]["Regex"] = "(unclosed";
                   }),
-                  "cannot compile the regex /(unclosed/");
+                  "tokenizer 'edited.json': pre_tokenizer.pretokenizers[0].pattern: cannot "
+                  "compile the regex /(unclosed/");
   EXPECT_CONTAINS(message_of([] { BpeTokenizer::from_json("{not json", "broken.json"); }),
                   "tokenizer 'broken.json': not valid JSON");
 }

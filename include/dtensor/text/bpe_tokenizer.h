@@ -1,19 +1,22 @@
 #pragma once
-// A byte-level BPE tokenizer read from a Hugging Face `tokenizer.json`, encoding and decoding as
-// HF `tokenizers` does, for the files Llama 3 and GPT-2 style models ship:
+// A BPE tokenizer read from a Hugging Face `tokenizer.json`, encoding and decoding as HF
+// `tokenizers` does, for the files Llama 3, GPT-2, Qwen2/Qwen3 (byte-level BPE with an NFC
+// normalizer), Gemma and Llama-2/Mistral (SentencePiece-style BPE with byte_fallback) ship:
 //
-//   auto tok = dtensor::text::BpeTokenizer::from_file("Llama-3.2-1B/tokenizer.json");
+//   auto tok = dtensor::text::BpeTokenizer::from_file("Qwen3-0.6B/tokenizer.json");
 //   std::vector<int64_t> ids = tok.encode("Hello world", /*add_special_tokens=*/true);
 //   std::string text = tok.decode(ids, /*skip_special_tokens=*/true);
 //
-// Supported: model "BPE" (vocab; merges as "a b" strings or [a, b] pairs; ignore_merges;
-// unk_token), added tokens (split out of the text before anything else, lstrip/rstrip), no
-// normalizer, pre-tokenizers "Split" (a regex or string, behavior Isolated) followed by
-// "ByteLevel" (add_prefix_space, use_regex with GPT-2's pattern), post-processors
-// "TemplateProcessing" (single sequences) and "ByteLevel", decoder "ByteLevel". Anything else is
-// refused when the file is read, naming the file and the component. Regexes run with PCRE2 in
-// Unicode mode (\p{L}, \p{N}, \s as Unicode classes). Independent of LibTorch. Errors throw
-// std::invalid_argument (bad file or unsupported component) or std::out_of_range (bad id).
+// Supported: normalizers NFC/NFD/NFKC/NFKD, Lowercase, Strip, Replace, Prepend, Sequence;
+// pre-tokenizers Split (every behavior), ByteLevel, Metaspace, Sequence; model "BPE" (merges as
+// "a b" strings or [a, b] pairs, ignore_merges, byte_fallback, unk_token, fuse_unk); decoders
+// ByteLevel, Replace, ByteFallback, Fuse, Strip, Metaspace, Sequence; post-processors
+// TemplateProcessing (single sequences), ByteLevel, Sequence; added tokens (split out of the raw
+// or the normalized text as their `normalized` flag says, lstrip/rstrip). Anything else is
+// refused when the file is read, naming the file, the JSON key and its value (docs/ARCHITECTURE.md,
+// "Tokenizers"). Regexes run with PCRE2 in Unicode mode, normalization forms with utf8proc.
+// Independent of LibTorch. Errors throw std::invalid_argument (bad file, unsupported component,
+// text that is not UTF-8) or std::out_of_range (bad id).
 #include <cstdint>
 #include <memory>
 #include <optional>
