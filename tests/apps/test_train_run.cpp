@@ -287,8 +287,23 @@ TEST(TrainRun, PipelineStagesTrainResumeAndMatchOneDevice) {
   EXPECT_NE(resumed.output.find("verify-tp1: PASSED"), std::string::npos) << resumed.output;
   EXPECT_EQ(read_metrics_csv(dir.file("run/metrics.csv")).size(), 4u);
 
-  const auto refused = train(4, {"--pp", "2", "--dp-shard", "2"});
-  EXPECT_EQ(refused.exit_code, 2) << refused.output;
-  EXPECT_EQ(count(refused.output, "--pp 2 cannot be combined with --dp or --dp-shard"), 1u)
-      << refused.output;
+  // With FSDP inside the stages (pp x dp_shard on 4 ranks) and the interleaved schedule.
+  const auto sharded = train(4, {"--preset",       "tiny",
+                                 "--pp",           "2",
+                                 "--dp-shard",     "2",
+                                 "--schedule",     "interleaved",
+                                 "--layers",       "4",
+                                 "--microbatches", "2",
+                                 "--dtype",        "float64",
+                                 "--steps",        "2",
+                                 "--progress",     "lines",
+                                 "--log-every",    "1",
+                                 "--out",          dir.file("sharded"),
+                                 "--verify-tp1"});
+  ASSERT_EQ(sharded.exit_code, 0) << sharded.output;
+  EXPECT_CONTAINS(sharded.output,
+                  "PP=2 x FSDP=2 x TP=1 (blocks per stage 1 + 1 + 1 + 1; schedule interleaved (2 "
+                  "stages per rank, round-robin), 2 micro-batches of 1");
+  EXPECT_CONTAINS(sharded.output, "bubble (pp-1)/(vM+pp-1) = 20%");
+  EXPECT_CONTAINS(sharded.output, "verify-tp1: PASSED");
 }
