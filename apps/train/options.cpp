@@ -82,8 +82,9 @@ parallelism and numerics:
                          the global tensors and resume at any --dp-shard/--dp/TP layout
   --pp N                 pipeline parallelism: the blocks split over N stages (the first
                          also holds the embedding, the last the norm and output head), TP
-                         without sequence parallelism inside each; ranks form a pp x tp mesh
-                         (not with --dp, --dp-shard or --plan)
+                         without sequence parallelism inside each; ranks form a pp x tp
+                         mesh, pp x dp_shard x tp with --dp-shard (FSDP inside each stage,
+                         one reduce-scatter per step); not with --dp or --plan
   --schedule S           pipeline schedule: gpipe | 1f1b | interleaved (default 1f1b)
   --virtual-stages V     interleaved: each rank runs V stages of V x N (round-robin; default 2)
   --microbatches M       micro-batches per step; must divide --batch-size (default: N of
