@@ -7,7 +7,8 @@
 // on the whole batch (float64, 1e-9). Per step, every rank issues exactly one all-gather and
 // one reduce-scatter per FSDP unit on its dp group (the schedule defers the gradient sync to
 // each stage's last micro-batch, and the units keep their gathered parameters meanwhile), and
-// the point-to-point messages of the pipeline alone.
+// the point-to-point messages of the pipeline alone; the TP all_reduces summed over the stages
+// of a pp group are the whole model's under the same plan, M times.
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 #include <torch/optim/adamw.h>
@@ -143,6 +144,7 @@ void expect_layout_matches(int64_t pp, int64_t dp, int64_t tp) {
           ASSERT_TRUE(ref_params.count(name));
           EXPECT_TRUE(close_to_scale(local_of(p), mine_of(p, ref_params.at(name)), 0.0));
         }
+        CommCounts counts;
         for (int step = 0; step < 3; ++step) {
           SCOPED_TRACE("step " + std::to_string(step));
           auto tokens = at::randint(config.vocab_size, {kBatch, kSeq}, at::kLong);
@@ -155,7 +157,7 @@ void expect_layout_matches(int64_t pp, int64_t dp, int64_t tp) {
                                        targets.narrow(0, dp_rank * rows, rows));
           for (auto& st : b.stages) reduce_partial_grads(*st);
           debug.exit();
-          const auto counts = debug.get_comm_counts();
+          counts = debug.get_comm_counts();
           // One all-gather and one reduce-scatter per unit and step (dp > 1: a 1-rank group's
           // collectives are not issued).
           if (dp > 1) {
@@ -193,6 +195,27 @@ void expect_layout_matches(int64_t pp, int64_t dp, int64_t tp) {
                 << "parameter after the step";
           }
         }
+        // TP's collectives (all_reduce only without sequence parallelism; FSDP's are
+        // all-gathers and reduce-scatters) summed over the stages of a pp group: the whole model
+        // under the same plan on one micro-batch, M times (AC's recomputes replay them).
+        const int64_t mine = count(counts, CommType::all_reduce);
+        const int64_t total = comm::all_reduce(at::tensor({mine}, at::kLong), ReduceOp::Sum,
+                                               mesh.group(mesh.dim_index("pp")))
+                                  .item<int64_t>();
+        int64_t expected = 0;
+        if (tp > 1) {
+          Transformer whole(config);
+          whole->to(at::kDouble);
+          apply_tensor_parallel(*whole, mesh, {.sequence_parallel = false, .loss_parallel = true});
+          auto tokens = at::randint(config.vocab_size, {rows / kMicrobatches, kSeq}, at::kLong);
+          CommDebugMode debug;
+          loss_and_backward(whole->forward(tokens), tokens);
+          reduce_partial_grads(*whole);
+          debug.exit();
+          expected = kMicrobatches * count(debug.get_comm_counts(), CommType::all_reduce);
+          EXPECT_GT(expected, 0);
+        }
+        EXPECT_EQ(total, expected) << "TP all_reduces over the stages of a pp group";
       }
     }
   });
