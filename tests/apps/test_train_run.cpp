@@ -287,15 +287,19 @@ TEST(TrainRun, PipelineStagesTrainResumeAndMatchOneDevice) {
   EXPECT_NE(resumed.output.find("verify-tp1: PASSED"), std::string::npos) << resumed.output;
   EXPECT_EQ(read_metrics_csv(dir.file("run/metrics.csv")).size(), 4u);
 
-  // With FSDP inside the stages (pp x dp_shard on 4 ranks) and the interleaved schedule.
+  // With FSDP inside the stages (pp x dp_shard on 4 ranks) and the interleaved schedule; its
+  // checkpoint (FSDP shards gathered) resumes at (pp, tp) = (2, 1) with 1F1B and takes the
+  // steps one device takes without stopping.
   const auto sharded = train(4, {"--preset",       "tiny",
+                                 "--stop-at",      "2",
+                                 "--ckpt-every",   "2",
                                  "--pp",           "2",
                                  "--dp-shard",     "2",
                                  "--schedule",     "interleaved",
                                  "--layers",       "4",
                                  "--microbatches", "2",
                                  "--dtype",        "float64",
-                                 "--steps",        "2",
+                                 "--steps",        "4",
                                  "--progress",     "lines",
                                  "--log-every",    "1",
                                  "--out",          dir.file("sharded"),
@@ -306,4 +310,18 @@ TEST(TrainRun, PipelineStagesTrainResumeAndMatchOneDevice) {
                   "stages per rank, round-robin), 2 micro-batches of 1");
   EXPECT_CONTAINS(sharded.output, "bubble (pp-1)/(vM+pp-1) = 20%");
   EXPECT_CONTAINS(sharded.output, "verify-tp1: PASSED");
+  const auto moved =
+      train(2, {"--preset", "tiny", "--layers", "4", "--pp", "2", "--dtype", "float64", "--steps",
+                "4", "--resume", "--out", dir.file("sharded")});
+  ASSERT_EQ(moved.exit_code, 0) << moved.output;
+  const auto straight = train(1, {"--preset", "tiny", "--layers", "4", "--dtype", "float64",
+                                  "--steps", "4", "--out", dir.file("straight")});
+  ASSERT_EQ(straight.exit_code, 0) << straight.output;
+  const auto resumed_rows = read_metrics_csv(dir.file("sharded/metrics.csv"));
+  const auto straight_rows = read_metrics_csv(dir.file("straight/metrics.csv"));
+  ASSERT_EQ(resumed_rows.size(), 4u) << moved.output;
+  ASSERT_EQ(straight_rows.size(), 4u) << straight.output;
+  for (size_t i = 0; i < 4; ++i)
+    EXPECT_NEAR(resumed_rows[i].loss, straight_rows[i].loss, 1e-9 * straight_rows[i].loss)
+        << "step " << i + 1;
 }
