@@ -1,6 +1,7 @@
 // bench_pipeline: pipeline parallelism on 2 CPU ranks (one thread each) for one model: step
-// time and measured bubble of GPipe and 1F1B at pp=2 with M = 1, 2, 4, 8 micro-batches next to
-// the schedules' formula (pp-1)/(M+pp-1), and the step time of (pp=2, tp=1) against
+// time and measured bubble of GPipe, 1F1B and interleaved 1F1B (v = 2 stages per rank) at pp=2
+// with M = 1, 2, 4, 8 micro-batches next to the schedules' formula (pp-1)/(vM+pp-1), and the
+// step time of (pp=2, tp=1) against
 // (pp=1, tp=2) on the same model and batch.
 //
 //   build/bench/bench_pipeline [--preset demo] [--batch 8] [--seq 128] [--steps 5]
@@ -11,7 +12,8 @@
 // bubble is, per stage, the share of the schedule's step not spent computing (waiting on
 // receives, on sends, on the tied-gradient swap), averaged over the two stages (the mean, not
 // the max; the max is printed too). The last line is machine-readable:
-//   RESULT bubble_gpipe_m1=<> ... bubble_1f1b_m8=<> formula_m1=<> ... step_ms_gpipe_m1=<> ...
+//   RESULT bubble_gpipe_m1=<> ... bubble_interleaved_m8=<> formula_m1=<> ...
+//          formula_interleaved_m1=<> ... step_ms_gpipe_m1=<> ...
 //          pp2_ms=<1F1B, M=4> tp2_ms=<> pp2_vs_tp2=<pp2_ms / tp2_ms>
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
@@ -36,8 +38,9 @@ namespace {
 
 constexpr const char* kUsage = R"(usage: bench_pipeline [options]
 
-Pipeline parallelism on 2 CPU ranks: step time and measured bubble of GPipe and 1F1B at pp=2
-with M = 1, 2, 4, 8 micro-batches against (pp-1)/(M+pp-1), and (pp=2, tp=1) against
+Pipeline parallelism on 2 CPU ranks: step time and measured bubble of GPipe, 1F1B and
+interleaved 1F1B (2 stages per rank) at pp=2 with M = 1, 2, 4, 8 micro-batches against
+(pp-1)/(vM+pp-1), and (pp=2, tp=1) against
 (pp=1, tp=2) on the same model. Alone it starts itself on 2 local ranks.
 The last line is:
   RESULT bubble_gpipe_m4=<> formula_m4=<> ... pp2_ms=<> tp2_ms=<> pp2_vs_tp2=<>
@@ -89,22 +92,31 @@ std::vector<double> time_steps(const Options& opt, Step&& step) {
 }
 
 Measured run_pipeline(const Options& opt, const models::LlamaConfig& config, const at::Tensor& x,
-                      const at::Tensor& y, bool gpipe, int64_t m) {
+                      const at::Tensor& y, const std::string& kind, int64_t m) {
   auto mesh = init_device_mesh("cpu", {2, 1}, {"pp", "tp"});
   models::Transformer whole(config);
   whole->init_weights(0);
-  auto stage = models::split_llama_stage(*whole, mesh);
-  auto pipe = models::make_llama_pipeline_stage(stage, mesh);
+  auto stages = models::split_llama_stages(*whole, mesh, kind == "interleaved" ? 2 : 1);
+  std::vector<std::unique_ptr<pp::PipelineStage>> pipes;
+  std::vector<pp::PipelineStage*> ptrs;
+  std::vector<at::Tensor> params;
+  for (auto& stage : stages) {
+    pipes.push_back(models::make_llama_pipeline_stage(stage, mesh));
+    ptrs.push_back(pipes.back().get());
+    for (const auto& p : stage->parameters()) params.push_back(p);
+  }
   auto loss = [](const at::Tensor& out, const at::Tensor& target) {
     return models::token_cross_entropy(out, target);
   };
   std::unique_ptr<pp::Schedule> schedule;
-  if (gpipe) {
-    schedule = std::make_unique<pp::ScheduleGPipe>(*pipe, m, loss);
+  if (kind == "gpipe") {
+    schedule = std::make_unique<pp::ScheduleGPipe>(*ptrs[0], m, loss);
+  } else if (kind == "1f1b") {
+    schedule = std::make_unique<pp::Schedule1F1B>(*ptrs[0], m, loss);
   } else {
-    schedule = std::make_unique<pp::Schedule1F1B>(*pipe, m, loss);
+    schedule = std::make_unique<pp::ScheduleInterleaved1F1B>(ptrs, m, loss);
   }
-  torch::optim::AdamW adam(stage->parameters(), torch::optim::AdamWOptions(1e-4));
+  torch::optim::AdamW adam(params, torch::optim::AdamWOptions(1e-4));
   std::vector<double> idle;
   const auto ms = time_steps(opt, [&] {
     adam.zero_grad();
@@ -203,20 +215,20 @@ int main(int argc, char** argv) {
         static_cast<long long>(config.dim), static_cast<double>(config.num_parameters()) / 1e6,
         static_cast<long long>(opt.batch), static_cast<long long>(opt.seq),
         comm::cpu_backend_name().c_str(), static_cast<long long>(opt.steps));
-    std::printf("%-10s %4s %10s %14s %13s %9s\n", "schedule", "M", "step ms", "bubble (mean)",
+    std::printf("%-12s %4s %10s %14s %13s %9s\n", "schedule", "M", "step ms", "bubble (mean)",
                 "bubble (max)", "formula");
   }
   std::string result;
   char buf[256];
   double pp2_ms = 0;
-  for (bool gpipe : {true, false}) {
-    const std::string name = gpipe ? "gpipe" : "1f1b";
+  for (const std::string name : {"gpipe", "1f1b", "interleaved"}) {
+    const bool gpipe = name == "gpipe", interleaved = name == "interleaved";
     for (int64_t m : {1, 2, 4, 8}) {
-      const Measured r = run_pipeline(opt, config, x, y, gpipe, m);
-      const double formula = 1.0 / static_cast<double>(m + 1);
-      if (!gpipe && m == 4) pp2_ms = r.step_ms;
+      const Measured r = run_pipeline(opt, config, x, y, name, m);
+      const double formula = pp::bubble_fraction(2, interleaved ? 2 : 1, m);
+      if (name == "1f1b" && m == 4) pp2_ms = r.step_ms;
       if (!rank0) continue;
-      std::printf("%-10s %4lld %10.1f %13.1f%% %12.1f%% %8.1f%%\n", name.c_str(),
+      std::printf("%-12s %4lld %10.1f %13.1f%% %12.1f%% %8.1f%%\n", name.c_str(),
                   static_cast<long long>(m), r.step_ms, 100 * r.bubble_mean, 100 * r.bubble_max,
                   100 * formula);
       std::fflush(stdout);
@@ -224,8 +236,9 @@ int main(int argc, char** argv) {
                     static_cast<long long>(m), r.bubble_mean, name.c_str(),
                     static_cast<long long>(m), r.step_ms);
       result += buf;
-      if (gpipe) {
-        std::snprintf(buf, sizeof buf, "formula_m%lld=%.4f ", static_cast<long long>(m), formula);
+      if (gpipe || interleaved) {
+        std::snprintf(buf, sizeof buf, "formula%s_m%lld=%.4f ", interleaved ? "_interleaved" : "",
+                      static_cast<long long>(m), formula);
         result += buf;
       }
     }

@@ -82,12 +82,14 @@ parallelism and numerics:
                          the global tensors and resume at any --dp-shard/--dp/TP layout
   --pp N                 pipeline parallelism: the blocks split over N stages (the first
                          also holds the embedding, the last the norm and output head), TP
-                         without sequence parallelism inside each; ranks form a pp x tp mesh
-                         (not with --dp, --dp-shard or --plan)
-  --schedule S           pipeline schedule: gpipe | 1f1b (default 1f1b)
+                         without sequence parallelism inside each; ranks form a pp x tp
+                         mesh, pp x dp_shard x tp with --dp-shard (FSDP inside each stage,
+                         one reduce-scatter per step); not with --dp or --plan
+  --schedule S           pipeline schedule: gpipe | 1f1b | interleaved (default 1f1b)
+  --virtual-stages V     interleaved: each rank runs V stages of V x N (round-robin; default 2)
   --microbatches M       micro-batches per step; must divide --batch-size (default: N of
                          --pp). The progress line shows the measured bubble (the mean over
-                         stages of the share of a step spent waiting) and (pp-1)/(M+pp-1)
+                         stages of the share of a step spent waiting) and (pp-1)/(VM+pp-1)
   --ac MODE              activation checkpointing: none (default) | full (every block
                          recomputes its forward in backward) | selective (every other block)
   --mixed-precision M    none (default) | bf16: with --dp-shard, parameters and AdamW state
@@ -163,7 +165,8 @@ void add_parallel_options(CLI::App& app, TrainOptions& o) {
   app.add_option("--dp", o.dp)->check(cli::integer(1));
   app.add_option("--dp-shard", o.dp_shard)->check(cli::integer(1));
   app.add_option("--pp", o.pp)->check(cli::integer(1));
-  add_optional(app, "--schedule", o.schedule)->check(cli::one_of({"gpipe", "1f1b"}));
+  add_optional(app, "--schedule", o.schedule)->check(cli::one_of({"gpipe", "1f1b", "interleaved"}));
+  add_optional(app, "--virtual-stages", o.virtual_stages)->check(cli::integer(1));
   add_optional(app, "--microbatches", o.microbatches)->check(cli::integer(1));
   app.add_option("--ac", o.ac)->check(cli::one_of({"none", "full", "selective"}));
   app.add_option("--mixed-precision", o.mixed_precision)->check(cli::one_of({"none", "bf16"}));

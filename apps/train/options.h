@@ -48,16 +48,17 @@ struct TrainOptions {
   bool overlap_comm = false;
   std::string plan_path;  // a TP plan as JSON instead of the built-in Llama plan (plan_file.h)
   int64_t dp = 1;
-  int64_t dp_shard = 1;     // FSDP degree (fully_shard over that many ranks); 1: off
-  std::string ac = "none";  // activation checkpointing: none | full | selective
+  int64_t dp_shard = 1;                  // FSDP degree (fully_shard over that many ranks); 1: off
+  std::string ac = "none";               // activation checkpointing: none | full | selective
   std::string mixed_precision = "none";  // none | bf16 (with --dp-shard)
   std::string dtype = "float32";
   int64_t threads = 1;
 
   // Pipeline parallelism: --pp stages, ranks form a pp x tp mesh; 1: off.
   int64_t pp = 1;
-  std::optional<std::string> schedule;  // gpipe | 1f1b (default 1f1b)
-  std::optional<int64_t> microbatches;  // per step (default: pp)
+  std::optional<std::string> schedule;    // gpipe | 1f1b (default 1f1b)
+  std::optional<int64_t> microbatches;    // per step (default: pp)
+  std::optional<int64_t> virtual_stages;  // stages per rank of --schedule interleaved (default 2)
 
   // After training, re-run the same steps on one device and compare the losses.
   bool verify_tp1 = false;

@@ -4,11 +4,14 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <map>
 
+#include "dtensor/checkpoint/sharded_layout.h"
 #include "dtensor/comm/collectives.h"
 #include "dtensor/core/api.h"
 #include "dtensor/core/distribute_module.h"
 #include "dtensor/core/dtensor_impl.h"
+#include "dtensor/fsdp/fully_shard.h"
 
 namespace dtensor::train {
 namespace {
@@ -17,10 +20,16 @@ namespace {
 // received; their own tag keeps them apart from the schedule's anyway.
 constexpr int kForwardOnlyTag = 32000;
 
-at::Tensor full_of(const at::Tensor& t) { return is_dtensor(t) ? full_tensor(t) : t; }
+// The global value of `t`, laid out like `param` (the parameter or its AdamW state): an FSDP
+// shard's rows are gathered over dp (and tp), a DTensor over its mesh.
+at::Tensor full_of(const at::Tensor& param, const at::Tensor& t) {
+  if (auto layout = checkpoint::sharded_layout_of(param)) return layout->gather(t);
+  return is_dtensor(t) ? full_tensor(t) : t;
+}
 
 // `full`, the global value of something laid out like `param`, as `param` holds it here.
 at::Tensor laid_out_like(const at::Tensor& param, const at::Tensor& full) {
+  if (auto layout = checkpoint::sharded_layout_of(param)) return layout->part(full).clone();
   if (!is_dtensor(param)) return full.clone();
   const auto& spec = spec_of(param);
   return distribute_tensor(full.clone(), spec.mesh(), spec.placements(), /*src_data_rank=*/{});
@@ -36,66 +45,107 @@ const torch::optim::AdamWParamState* adam_state(torch::optim::AdamW& opt, const 
 
 PipelinePart::PipelinePart(models::TransformerImpl& whole, const RunConfig& config,
                            const DeviceMesh& mesh)
-    : config_(config), stage_(models::split_llama_stage(whole, mesh)) {
-  if (config.tp > 1) {
-    models::TensorParallelOptions tp;
-    tp.sequence_parallel = false;  // activations cross the stage boundaries replicated
-    tp.loss_parallel = config.loss_parallel;
-    models::apply_tensor_parallel(*stage_, mesh, tp);
+    : config_(config),
+      stages_(models::split_llama_stages(whole, mesh, config.virtual_stages)),
+      chunks_(std::make_shared<torch::nn::Module>()) {
+  std::vector<pp::PipelineStage*> pipes;
+  for (size_t k = 0; k < stages_.size(); ++k) {
+    if (config.tp > 1) {
+      models::TensorParallelOptions tp;
+      tp.sequence_parallel = false;  // activations cross the stage boundaries replicated
+      tp.loss_parallel = config.loss_parallel;
+      models::apply_tensor_parallel(*stages_[k], mesh, tp);
+    }
+    if (config.fsdp) shard_over_dp(*stages_[k], mesh["dp"]);
+    chunks_->register_module(std::to_string(k), stages_[k].ptr());
+    pipes_.push_back(models::make_llama_pipeline_stage(stages_[k], mesh));
+    pipes.push_back(pipes_.back().get());
   }
-  pipe_ = models::make_llama_pipeline_stage(stage_, mesh);
   auto loss = [](const at::Tensor& out, const at::Tensor& target) {
     return models::token_cross_entropy(out, target);
   };
   if (config.pp_schedule == "gpipe") {
-    schedule_ = std::make_unique<pp::ScheduleGPipe>(*pipe_, config.microbatches, loss);
+    schedule_ = std::make_unique<pp::ScheduleGPipe>(*pipes[0], config.microbatches, loss);
+  } else if (config.pp_schedule == "interleaved") {
+    schedule_ = std::make_unique<pp::ScheduleInterleaved1F1B>(pipes, config.microbatches, loss);
   } else {
     TORCH_CHECK(config.pp_schedule == "1f1b", "unknown pipeline schedule '", config.pp_schedule,
-                "': expected gpipe or 1f1b");
-    schedule_ = std::make_unique<pp::Schedule1F1B>(*pipe_, config.microbatches, loss);
+                "': expected gpipe, 1f1b or interleaved");
+    schedule_ = std::make_unique<pp::Schedule1F1B>(*pipes[0], config.microbatches, loss);
   }
 }
 
+// torchtitan's FSDP layout inside a stage: every block a unit resharded after forward, the
+// stage itself (embedding, final norm, head) the root unit; after TP, before the
+// PipelineStage (which then defers the reduce-scatters to the last micro-batch).
+void PipelinePart::shard_over_dp(models::LlamaStageImpl& stage, const DeviceMesh& dp_mesh) {
+  std::unordered_set<std::string> replicated;  // by name: fully_shard makes plain shards
+  for (const auto& p : stage.named_parameters())
+    if (!is_dtensor(p.value()) || spec_of(p.value()).is_replicated()) replicated.insert(p.key());
+  fsdp::FullyShardOptions block_options;
+  block_options.reshard_after_forward = true;
+  for (const auto& item : *stage.layers)
+    fsdp::fully_shard(*item.value()->as<models::TransformerBlockImpl>(), dp_mesh, block_options);
+  fsdp::fully_shard(stage, dp_mesh);
+  for (const auto& p : stage.named_parameters())
+    if (replicated.count(p.key())) tp_replicated_.insert(p.value().unsafeGetTensorImpl());
+}
+
 bool PipelinePart::is_tied_copy(const at::Tensor& param) const {
-  return stage_->tied_across_stages() && param.is_same(stage_->output->weight);
+  for (const auto& st : stages_)
+    if (st->tied_across_stages() && param.is_same(st->output->weight)) return true;
+  return false;
+}
+
+std::vector<std::pair<std::string, at::Tensor>> PipelinePart::named_parameters() const {
+  std::vector<std::pair<std::string, at::Tensor>> out;
+  for (const auto& st : stages_)
+    for (const auto& item : st->named_parameters()) out.emplace_back(item.key(), item.value());
+  return out;
 }
 
 PipelinePart::StepResult PipelinePart::step(const Batch& batch) {
-  const at::Tensor loss = schedule_->step(pipe_->is_first() ? batch.inputs : at::Tensor(),
-                                          pipe_->is_last() ? batch.targets : at::Tensor());
+  const bool last = pipes_.back()->is_last();
+  const at::Tensor loss = schedule_->step(pipe().is_first() ? batch.inputs : at::Tensor(),
+                                          last ? batch.targets : at::Tensor());
   const pp::StepTiming& t = schedule_->last_timing();
   const double idle = t.total_s > 0 ? std::clamp(1 - t.compute_s / t.total_s, 0.0, 1.0) : 0.0;
   // One all_reduce carries both: the loss from the last stage, the idle shares from all.
-  at::Tensor v =
-      at::tensor(std::vector<double>{pipe_->is_last() ? loss.item<double>() : 0.0, idle});
-  v = comm::all_reduce(v, ReduceOp::Sum, pipe_->pp_mesh().group(0));
+  at::Tensor v = at::tensor(std::vector<double>{last ? loss.item<double>() : 0.0, idle});
+  v = comm::all_reduce(v, ReduceOp::Sum, pipe().pp_mesh().group(0));
   return {v[0].item<double>(), v[1].item<double>() / static_cast<double>(config_.pp)};
 }
 
 double PipelinePart::sum_over_stages(double v) {
-  return comm::all_reduce(at::full({1}, v, at::kDouble), ReduceOp::Sum, pipe_->pp_mesh().group(0))
+  return comm::all_reduce(at::full({1}, v, at::kDouble), ReduceOp::Sum, pipe().pp_mesh().group(0))
       .item<double>();
 }
 
 double PipelinePart::from_last_stage(double v) {
   return comm::broadcast(at::full({1}, v, at::kDouble), static_cast<int>(config_.pp - 1),
-                         pipe_->pp_mesh().group(0))
+                         pipe().pp_mesh().group(0))
       .item<double>();
 }
 
+// Stage by stage in order: the stages of one rank are v apart, so each hands its output to the
+// next rank (the last one to the first).
 at::Tensor PipelinePart::forward(const at::Tensor& tokens) {
   at::NoGradGuard no_grad;
-  auto& pg = pipe_->pp_mesh().group(0);
-  const int s = static_cast<int>(pipe_->stage_index());
-  at::Tensor h = tokens;
-  if (!pipe_->is_first()) {
-    h = comm::recv(at::empty({tokens.size(0), tokens.size(1), config_.model.dim},
-                             at::TensorOptions().dtype(config_.dtype)),
-                   s - 1, pg, kForwardOnlyTag);
+  auto& pg = pipe().pp_mesh().group(0);
+  at::Tensor h;
+  for (size_t k = 0; k < stages_.size(); ++k) {
+    const pp::PipelineStage& p = *pipes_[k];
+    const int64_t g = p.stage_index();
+    h = tokens;
+    if (!p.is_first()) {
+      h = comm::recv(at::empty({tokens.size(0), tokens.size(1), config_.model.dim},
+                               at::TensorOptions().dtype(config_.dtype)),
+                     static_cast<int>(p.rank_of(g - 1)), pg, kForwardOnlyTag);
+    }
+    h = stages_[k]->forward(h);
+    if (p.is_last()) return h;
+    comm::send(h.contiguous(), static_cast<int>(p.rank_of(g + 1)), pg, kForwardOnlyTag);
   }
-  at::Tensor out = stage_->forward(h);
-  if (pipe_->is_last()) return out;
-  comm::send(out.contiguous(), s + 1, pg, kForwardOnlyTag);
   return {};
 }
 
@@ -104,12 +154,13 @@ int64_t PipelinePart::owner_of(const std::string& name) const {
   if (name.rfind("tok_embeddings.", 0) == 0) return 0;
   if (name.rfind(layers, 0) != 0) return config_.pp - 1;  // norm, output
   const int64_t k = std::stoll(name.substr(layers.size(), name.find('.', layers.size())));
-  for (int64_t s = 0; s < config_.pp; ++s) {
-    auto [first, end] = pp::stage_layer_range(config_.model.n_layers, s, config_.pp);
-    if (k >= first && k < end) return s;
+  const int64_t stages = config_.pp * config_.virtual_stages;
+  for (int64_t s = 0; s < stages; ++s) {
+    auto [first, end] = pp::stage_layer_range(config_.model.n_layers, s, stages);
+    if (k >= first && k < end) return s % config_.pp;
   }
   TORCH_CHECK(false, "dtensor_train --pp: block ", k, " of parameter '", name,
-              "' is in no stage of ", config_.pp);
+              "' is in no stage of ", stages);
 }
 
 // Every stage in turn broadcasts its parameters and AdamW state (whole tensors, gathered over
@@ -118,7 +169,8 @@ int64_t PipelinePart::owner_of(const std::string& name) const {
 void PipelinePart::gather_into(torch::optim::AdamW& own_opt, models::TransformerImpl& full,
                                torch::optim::AdamW& full_opt) {
   at::NoGradGuard no_grad;
-  const auto own = stage_->named_parameters();
+  std::map<std::string, at::Tensor> own;
+  for (const auto& [name, p] : named_parameters()) own[name] = p;
   const auto whole = unique_named_parameters(full);
   const auto options = at::TensorOptions().dtype(config_.dtype);
   for (int64_t s = 0; s < config_.pp; ++s) {
@@ -130,15 +182,18 @@ void PipelinePart::gather_into(torch::optim::AdamW& own_opt, models::Transformer
       numel += 3 * item.value().numel() + 1;
     }
     at::Tensor flat;
-    if (s == pipe_->stage_index()) {
+    if (s == pipe().pp_mesh().get_local_rank()) {
       std::vector<at::Tensor> parts;
       for (const auto& [name, fp] : owned) {
-        const at::Tensor* p = own.find(name);
-        TORCH_CHECK(p, pipe_->label(), ": no parameter '", name, "' for the checkpoint");
+        auto it = own.find(name);
+        TORCH_CHECK(it != own.end(), pipe().label(), ": no parameter '", name,
+                    "' for the checkpoint");
+        const at::Tensor* p = &it->second;
         const auto* st = adam_state(own_opt, *p);
-        parts.push_back(full_of(*p).reshape(-1));
-        parts.push_back(st ? full_of(st->exp_avg()).reshape(-1) : at::zeros({fp.numel()}, options));
-        parts.push_back(st ? full_of(st->exp_avg_sq()).reshape(-1)
+        parts.push_back(full_of(*p, *p).reshape(-1));
+        parts.push_back(st ? full_of(*p, st->exp_avg()).reshape(-1)
+                           : at::zeros({fp.numel()}, options));
+        parts.push_back(st ? full_of(*p, st->exp_avg_sq()).reshape(-1)
                            : at::zeros({fp.numel()}, options));
         parts.push_back(at::full({1}, st ? static_cast<double>(st->step()) : 0.0, options));
       }
@@ -146,7 +201,7 @@ void PipelinePart::gather_into(torch::optim::AdamW& own_opt, models::Transformer
     } else {
       flat = at::empty({numel}, options);
     }
-    flat = comm::broadcast(flat, static_cast<int>(s), pipe_->pp_mesh().group(0));
+    flat = comm::broadcast(flat, static_cast<int>(s), pipe().pp_mesh().group(0));
     int64_t offset = 0;
     auto next = [&](const at::Tensor& like) {
       at::Tensor v = flat.narrow(0, offset, like.numel()).view(like.sizes());
@@ -171,12 +226,11 @@ void PipelinePart::scatter_from(models::TransformerImpl& full, torch::optim::Ada
                                 torch::optim::AdamW& own_opt) {
   at::NoGradGuard no_grad;
   const auto whole = unique_named_parameters(full);
-  for (const auto& item : stage_->named_parameters()) {
-    const at::Tensor& p = item.value();
+  for (const auto& [key, p] : named_parameters()) {
     // The last stage's copy of a tied embedding is the embedding.
-    const std::string name = is_tied_copy(p) ? "tok_embeddings.weight" : item.key();
+    const std::string name = is_tied_copy(p) ? "tok_embeddings.weight" : key;
     const at::Tensor* fp = whole.find(name);
-    TORCH_CHECK(fp, pipe_->label(), ": the whole model has no parameter '", name, "'");
+    TORCH_CHECK(fp, pipe().label(), ": the whole model has no parameter '", name, "'");
     at::Tensor value = laid_out_like(p, *fp);
     (is_dtensor(p) ? local_tensor(p) : p).copy_(is_dtensor(value) ? local_tensor(value) : value);
     const auto* fs = adam_state(full_opt, *fp);

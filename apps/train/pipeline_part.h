@@ -1,5 +1,6 @@
 #pragma once
-// dtensor_train --pp: this rank's pipeline stage of the Llama model
+// dtensor_train --pp: this rank's pipeline stages (one, or --virtual-stages of them
+// interleaved) of the Llama model
 // (dtensor/models/llama_pipeline.h) with tensor parallelism inside it (no sequence
 // parallelism), its schedule, the forward-only passes of evaluation and generation, and the
 // exchange of the whole model's state with a plain one-device Trainer for checkpoints. A
@@ -10,6 +11,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <unordered_set>
 #include <vector>
 
 #include "corpus.h"
@@ -26,8 +28,13 @@ class PipelinePart {
   // ([pp, tp], dims named "pp", "tp") and parallelizes the stage over "tp".
   PipelinePart(models::TransformerImpl& whole, const RunConfig& config, const DeviceMesh& mesh);
 
-  models::LlamaStageImpl& stage() { return *stage_; }
-  const pp::PipelineStage& pipe() const { return *pipe_; }
+  // This rank's stages, as submodules "0", "1", ... (its v virtual stages in order).
+  torch::nn::Module& stage() { return *chunks_; }
+  const pp::PipelineStage& pipe() const { return *pipes_.front(); }
+  // Whether the FSDP shard `param` (under --dp-shard) is of a parameter TP replicates.
+  bool tp_replicated(const at::Tensor& param) const {
+    return tp_replicated_.count(param.unsafeGetTensorImpl()) > 0;
+  }
   // The last stage's copy of a tied embedding: its gradient equals the first stage's after the
   // step, so the global gradient norm counts it once (on the first stage).
   bool is_tied_copy(const at::Tensor& param) const;
@@ -56,12 +63,17 @@ class PipelinePart {
                     torch::optim::AdamW& own_opt);
 
  private:
-  // The stage that holds the whole model's parameter `name`.
+  // The pp rank that holds the whole model's parameter `name`.
   int64_t owner_of(const std::string& name) const;
+  void shard_over_dp(models::LlamaStageImpl& stage, const DeviceMesh& dp_mesh);
+  // This rank's parameters by their names in the whole model.
+  std::vector<std::pair<std::string, at::Tensor>> named_parameters() const;
 
   RunConfig config_;
-  models::LlamaStage stage_{nullptr};
-  std::unique_ptr<pp::PipelineStage> pipe_;
+  std::vector<models::LlamaStage> stages_;
+  std::shared_ptr<torch::nn::Module> chunks_;
+  std::vector<std::unique_ptr<pp::PipelineStage>> pipes_;
+  std::unordered_set<const c10::TensorImpl*> tp_replicated_;
   std::unique_ptr<pp::Schedule> schedule_;
 };
 

@@ -39,8 +39,10 @@ std::string num(double v) {
 // --pp N: world = pp x tp; the combinations the pipeline trainer does not implement are refused.
 void resolve_pipeline(const TrainOptions& o, int64_t world_size, RunConfig& c) {
   const std::string pp = "--pp " + std::to_string(o.pp);
-  if (o.dp > 1 || o.dp_shard > 1) {
-    bad(pp + " cannot be combined with --dp or --dp-shard yet: ranks form a pp x tp mesh");
+  if (o.dp > 1) {
+    bad(pp +
+        " cannot be combined with --dp yet: use --dp-shard N (FSDP inside each stage); "
+        "ranks form a pp x dp_shard x tp mesh");
   }
   if (!o.plan_path.empty())
     bad("--plan does not apply to --pp: each stage uses the built-in plan without sequence "
@@ -50,15 +52,25 @@ void resolve_pipeline(const TrainOptions& o, int64_t world_size, RunConfig& c) {
         "sequence parallelism, whose collectives are what it overlaps");
   if (world_size % o.pp != 0) {
     bad(pp + " does not divide the " + std::to_string(world_size) +
-        " ranks of this launch (ranks form a pp x tp mesh)");
+        " ranks of this launch (ranks form a pp x dp_shard x tp mesh)");
   }
-  if (c.model.n_layers < o.pp) {
+  c.pp_schedule = o.schedule.value_or("1f1b");
+  if (o.virtual_stages && c.pp_schedule != "interleaved")
+    bad("--virtual-stages applies to --schedule interleaved");
+  c.virtual_stages = c.pp_schedule == "interleaved" ? o.virtual_stages.value_or(2) : 1;
+  if (c.model.n_layers < o.pp * c.virtual_stages) {
     bad(pp + " needs at least one block per stage, but the model has " +
-        std::to_string(c.model.n_layers) + " layers (--layers)");
+        std::to_string(c.model.n_layers) + " layers (--layers) for " +
+        std::to_string(o.pp * c.virtual_stages) + " stages");
   }
   c.pp = o.pp;
-  c.pp_schedule = o.schedule.value_or("1f1b");
   c.microbatches = o.microbatches.value_or(o.pp);
+  if (const int64_t rounds = std::max<int64_t>(1, c.microbatches / c.pp);
+      c.pp_schedule == "interleaved" && c.microbatches % rounds != 0) {
+    bad("--schedule interleaved runs micro-batches in rounds of about " + pp +
+        " ranks: use --microbatches a multiple of " + std::to_string(c.pp) + " or below " +
+        std::to_string(2 * c.pp));
+  }
   if (c.batch_size % c.microbatches != 0) {
     bad("--batch-size " + std::to_string(c.batch_size) + " does not split into --microbatches " +
         std::to_string(c.microbatches) + " equal micro-batches");
@@ -156,11 +168,18 @@ void resolve_parallelism(const TrainOptions& o, int64_t world_size, RunConfig& c
     // (4.6e-4 measured on the tiny preset over 6 steps), so the one-device check allows 1%.
     if (!o.verify_rtol) c.verify_rtol = 1e-2;
   }
-  if (world_size % c.dp != 0) {
+  if (c.bf16 && c.pp > 1) bad("--mixed-precision bf16 is not combined with --pp yet");
+  if (world_size % (c.dp * c.pp) != 0) {
     bad((c.fsdp ? "--dp-shard " : "--dp ") + std::to_string(c.dp) + " does not divide the " +
-        std::to_string(world_size) + " ranks of this launch");
+        std::to_string(world_size) + " ranks of this launch" +
+        (c.pp > 1 ? " with --pp " + std::to_string(c.pp) : ""));
   }
   c.tp = world_size / (c.dp * c.pp);
+  if (c.pp > 1 && c.batch_size % (c.dp * c.microbatches) != 0) {
+    bad("--batch-size " + std::to_string(c.batch_size) + " does not split into " +
+        std::to_string(c.dp) + " dp slices of --microbatches " + std::to_string(c.microbatches) +
+        " equal micro-batches");
+  }
   if (c.batch_size % c.dp != 0) {
     bad("--batch-size " + std::to_string(c.batch_size) + " is not divisible by " +
         (c.fsdp ? "--dp-shard " : "--dp ") + std::to_string(c.dp));
@@ -192,7 +211,7 @@ RunConfig resolve_run_config(const TrainOptions& o, int64_t world_size) {
 
 RunConfig one_device(const RunConfig& config) {
   RunConfig one = config;
-  one.world_size = one.dp = one.tp = one.pp = 1;
+  one.world_size = one.dp = one.tp = one.pp = one.virtual_stages = 1;
   one.fsdp = false;
   one.bf16 = false;  // FSDP's mixed precision: one device runs (and checks against) float32
   return one;
@@ -213,6 +232,7 @@ std::string RunConfig::to_json() const {
      << ", \"fsdp\": " << (fsdp ? "true" : "false")
      << (bf16 ? ", \"mixed_precision\": \"bf16\"" : "") << ", \"pp\": " << pp
      << ", \"pp_schedule\": \"" << pp_schedule << "\", \"microbatches\": " << microbatches
+     << ", \"virtual_stages\": " << virtual_stages
      << ", \"sequence_parallel\": " << (sequence_parallel ? "true" : "false")
      << ", \"loss_parallel\": " << (loss_parallel ? "true" : "false");
   if (plan) js << ", \"plan\": " << std::quoted(plan->path);

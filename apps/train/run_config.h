@@ -10,6 +10,7 @@
 #include <string>
 
 #include "dtensor/models/llama.h"
+#include "dtensor/pp/pipeline.h"
 #include "lr_schedule.h"
 #include "options.h"
 #include "plan_file.h"
@@ -38,20 +39,19 @@ struct RunConfig {
   bool loss_parallel = true;
   bool overlap_comm = false;     // --overlap-comm
   std::string ac = "none";       // activation checkpointing mode (dtensor/ac/checkpoint.h)
-  bool bf16 = false;  // --mixed-precision bf16: FSDP gathers and computes in bfloat16
+  bool bf16 = false;             // --mixed-precision bf16: FSDP gathers and computes in bfloat16
   std::optional<PlanFile> plan;  // --plan: used instead of the built-in Llama plan
   double verify_rtol = 1e-4;
 
   // --pp: pipeline stages (world_size = pp x tp then), their schedule and micro-batches.
   int64_t pp = 1;
-  std::string pp_schedule = "1f1b";  // gpipe | 1f1b
+  std::string pp_schedule = "1f1b";  // gpipe | 1f1b | interleaved
   int64_t microbatches = 1;
+  int64_t virtual_stages = 1;  // stages per rank (interleaved: --virtual-stages)
 
   int64_t tokens_per_step() const { return batch_size * seq_len; }
-  // The idle share of a step the schedule predicts: (pp - 1) / (M + pp - 1).
-  double bubble_formula() const {
-    return static_cast<double>(pp - 1) / static_cast<double>(microbatches + pp - 1);
-  }
+  // The idle share of a step the schedule predicts: (pp - 1) / (v M + pp - 1).
+  double bubble_formula() const { return pp::bubble_fraction(pp, virtual_stages, microbatches); }
   // The settings as one JSON object ({"model": ..., "train": ...}) for DIR/config.json.
   std::string to_json() const;
 };

@@ -84,14 +84,19 @@ std::string pp_name(const RunConfig& c) {
 
 std::string pipeline_line(const RunConfig& c, int64_t threads) {
   std::ostringstream s;
-  s << "PP=" << c.pp << " x TP=" << c.tp << " (blocks per stage ";
-  for (int64_t k = 0; k < c.pp; ++k) {
-    const auto [first, end] = pp::stage_layer_range(c.model.n_layers, k, c.pp);
+  s << "PP=" << c.pp << (c.fsdp ? " x FSDP=" + std::to_string(c.dp) : std::string())
+    << " x TP=" << c.tp << " (blocks per stage ";
+  const int64_t stages = c.pp * c.virtual_stages;
+  for (int64_t k = 0; k < stages; ++k) {
+    const auto [first, end] = pp::stage_layer_range(c.model.n_layers, k, stages);
     s << (k ? " + " : "") << end - first;
   }
-  s << "; schedule " << c.pp_schedule << ", " << c.microbatches << " micro-batch"
-    << (c.microbatches > 1 ? "es" : "") << " of " << c.batch_size / c.microbatches
-    << ", bubble (pp-1)/(M+pp-1) = " << fmt("%.0f%%", 100 * c.bubble_formula()) << ")";
+  s << "; schedule " << c.pp_schedule;
+  if (c.virtual_stages > 1) s << " (" << c.virtual_stages << " stages per rank, round-robin)";
+  s << ", " << c.microbatches << " micro-batch" << (c.microbatches > 1 ? "es" : "") << " of "
+    << c.batch_size / (c.dp * c.microbatches) << ", bubble (pp-1)/("
+    << (c.virtual_stages > 1 ? "v" : "") << "M+pp-1) = " << fmt("%.0f%%", 100 * c.bubble_formula())
+    << ")";
   if (c.tp > 1) {
     s << ", TP inside stages (no sequence parallel, "
       << (c.loss_parallel ? "loss parallel" : "gathered logits") << ")";
@@ -189,6 +194,8 @@ class TrainingRun {
       ::setenv("MASTER_PORT", "0", 1);
     }
     comm::init_process_group();
+    if (cfg.pp > 1 && cfg.fsdp)
+      return init_device_mesh("cpu", {cfg.pp, cfg.dp, cfg.tp}, {"pp", "dp", "tp"});
     if (cfg.pp > 1) return init_device_mesh("cpu", {cfg.pp, cfg.tp}, {"pp", "tp"});
     return cfg.dp > 1 ? init_device_mesh("cpu", {cfg.dp, cfg.tp}, {"dp", "tp"})
                       : init_device_mesh("cpu", {cfg.tp}, {"tp"});
@@ -364,8 +371,9 @@ class TrainingRun {
         print_row("bubble", fmt("%.1f%%", 100 * median(bubbles_)) +
                                 " of the pipeline step idle (median over steps of the mean over "
                                 "stages; " +
-                                cfg_.pp_schedule + " formula (pp-1)/(M+pp-1) = " +
-                                fmt("%.1f%%", 100 * cfg_.bubble_formula()) + ")");
+                                cfg_.pp_schedule + " formula (pp-1)/(" +
+                                (cfg_.virtual_stages > 1 ? "v" : "") +
+                                "M+pp-1) = " + fmt("%.1f%%", 100 * cfg_.bubble_formula()) + ")");
       }
     } else {
       print_row("steps", "none: the checkpoint is at step " + std::to_string(start_step_));

@@ -43,7 +43,7 @@ Trainer::Trainer(const RunConfig& config, std::optional<DeviceMesh> mesh)
   // Under --pp the stage's modules are what trains (shared with the whole model's).
   torch::nn::Module& trained = pp_ ? static_cast<torch::nn::Module&>(pp_->stage()) : *model_;
   ac::apply_ac<models::TransformerBlockImpl>(trained, ac::parse_ac_mode(config_.ac));
-  if (mesh_ && config_.fsdp) {
+  if (mesh_ && config_.fsdp && !pp_) {           // under --pp the PipelinePart shards its stages
     std::unordered_set<std::string> replicated;  // by name: fully_shard makes plain shards
     for (const auto& p : unique_named_parameters(*model_))
       if (!is_dtensor(p.value()) || spec_of(p.value()).is_replicated()) replicated.insert(p.key());
@@ -126,7 +126,8 @@ void Trainer::all_reduce_dp_grads() {
 }
 
 // FSDP: every rank holds a slice of each gradient (of its tp share under TP), so the squares
-// are summed over dp, and over tp for what TP shards; then the scaling of LibTorch's
+// are summed over dp, and over tp for what TP shards, and under --pp over the stages (the last
+// stage's copy of a tied embedding left out); then the scaling of LibTorch's
 // clip_grad_norm_.
 double Trainer::clip_sharded_grad_norm(double max_norm) {
   at::NoGradGuard no_grad;
@@ -136,13 +137,17 @@ double Trainer::clip_sharded_grad_norm(double max_norm) {
     const at::Tensor& g = params_[i].grad();
     if (!g.defined()) continue;
     grads.push_back(g);
-    squares.narrow(0, tp_replicated_[i] ? 1 : 0, 1).add_(g.to(at::kDouble).pow(2).sum());
+    if (pp_ && pp_->is_tied_copy(params_[i])) continue;  // counted on the first stage
+    const bool replicated = pp_ ? pp_->tp_replicated(params_[i]) : tp_replicated_[i];
+    squares.narrow(0, replicated ? 1 : 0, 1).add_(g.to(at::kDouble).pow(2).sum());
   }
   squares = comm::all_reduce(squares, ReduceOp::Sum, mesh_->group(mesh_->dim_index("dp")));
   at::Tensor sharded = squares.narrow(0, 0, 1).clone();
   if (config_.tp > 1)
     sharded = comm::all_reduce(sharded, ReduceOp::Sum, mesh_->group(mesh_->dim_index("tp")));
-  const double norm = std::sqrt(sharded.item<double>() + squares[1].item<double>());
+  double total = sharded.item<double>() + squares[1].item<double>();
+  if (pp_) total = pp_->sum_over_stages(total);  // each stage's shards once
+  const double norm = std::sqrt(total);
   const double coef = max_norm / (norm + 1e-6);
   if (coef < 1)
     for (auto& g : grads) g.mul_(coef);
@@ -206,13 +211,14 @@ StepStats Trainer::train_step(int64_t step, const Batch& global_batch) {
 }
 
 StepStats Trainer::pipeline_step(StepStats stats, const Batch& global_batch) {
-  const PipelinePart::StepResult r = pp_->step(global_batch);
+  const PipelinePart::StepResult r =
+      pp_->step({dp_slice(global_batch.inputs), dp_slice(global_batch.targets)});
   if (config_.tp > 1) models::reduce_partial_grads(pp_->stage());
   const double max_norm =
       config_.grad_clip > 0 ? config_.grad_clip : std::numeric_limits<double>::infinity();
   stats.grad_norm = clip_grad_norm(max_norm);
   optimizer_->step();
-  stats.loss = r.loss;
+  stats.loss = mean_over_dp(r.loss);
   stats.bubble = r.bubble;
   return stats;
 }

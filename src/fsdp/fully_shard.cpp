@@ -74,8 +74,43 @@ struct ParamSlot {
   std::shared_ptr<const DTensorSpec> tp_spec;
 };
 
+// Gradient synchronisation of a unit (set_requires_gradient_sync): while off, its backward
+// sums the unsharded gradients into grad_acc instead of reduce-scattering them, and its
+// all-gathered parameters are kept for the next forwards and regathers (valid while the shards
+// keep the versions they had when gathered).
+struct SyncState {
+  std::mutex mu;
+  bool requires_sync = true;
+  at::Tensor grad_acc;  // [dp, segment] in the reduce dtype, summed over the deferred backwards
+  at::Tensor kept;      // [dp, segment]: the all-gathered shards
+  std::vector<int64_t> kept_versions;
+};
+
+// The units fully_shard made, by module, for set_requires_gradient_sync. The weak reference
+// to the module tells a live entry from one whose module is gone (its address may be reused).
+struct UnitEntry {
+  std::weak_ptr<const torch::nn::Module> module;
+  bool owned = false;  // whether a shared_ptr owned the module (else only `sync` is checked)
+  std::weak_ptr<SyncState> sync;
+  bool live(const torch::nn::Module* at) const {
+    if (sync.expired()) return false;
+    if (!owned) return true;
+    const auto m = module.lock();
+    return m && m.get() == at;
+  }
+};
+std::mutex& units_mu() {
+  static std::mutex mu;
+  return mu;
+}
+std::unordered_map<const torch::nn::Module*, UnitEntry>& units() {
+  static std::unordered_map<const torch::nn::Module*, UnitEntry> m;
+  return m;
+}
+
 struct UnitState {
   std::string unit_name;
+  std::shared_ptr<SyncState> sync = std::make_shared<SyncState>();
   std::shared_ptr<comm::ProcessGroup> pg;
   int64_t dp = 1;
   int64_t segment = 0;  // elements of one rank's flat buffer
@@ -108,6 +143,41 @@ comm::PendingResult all_gather_shards_async(const UnitState& st) {
   return comm::all_gather_into_tensor_async(pack_shards(st), 0, *st.pg);
 }
 
+std::vector<int64_t> shard_versions(const UnitState& st) {
+  std::vector<int64_t> v;
+  for (const auto& p : st.params) v.push_back(static_cast<int64_t>(p.shard._version()));
+  return v;
+}
+
+// Whether the unit holds gathered parameters from a deferred-sync forward that are still valid;
+// call with st.sync->mu held.
+bool kept_valid(const UnitState& st) {
+  return st.sync->kept.defined() && st.sync->kept_versions == shard_versions(st);
+}
+
+// The unit's gathered parameters as [dp, segment]: the kept ones when valid, else `ready` (an
+// all-gather already done), else a new all-gather. Kept for later calls while gradient sync is
+// off. (With dp = 1 the parameters are views of the buffer and are freed with it: a copy.)
+at::Tensor gathered_shards(const UnitState& st, const at::Tensor& ready) {
+  std::lock_guard<std::mutex> l(st.sync->mu);
+  SyncState& s = *st.sync;
+  if (kept_valid(st)) return st.dp == 1 ? s.kept.clone() : s.kept;
+  at::Tensor gathered = ready.defined() ? ready : all_gather_shards(st);
+  if (s.requires_sync) {
+    s.kept = at::Tensor();
+    return gathered;
+  }
+  s.kept = st.dp == 1 ? gathered.clone() : gathered;
+  s.kept_versions = shard_versions(st);
+  return gathered;
+}
+
+// Whether a prefetch would gather what is kept anyway.
+bool has_kept(const UnitState& st) {
+  std::lock_guard<std::mutex> l(st.sync->mu);
+  return kept_valid(st);
+}
+
 // A unit between calls: the unit whose forward came next last time, and the all-gather of this
 // unit started ahead of its forward by the unit before it.
 struct UnitRuntime {
@@ -120,7 +190,7 @@ struct UnitRuntime {
   // Starts the forward all-gather now (no-op when one is in flight).
   void prefetch() {
     std::lock_guard<std::mutex> l(mu);
-    if (prefetched) return;
+    if (prefetched || has_kept(*st)) return;
     at::NoGradGuard no_grad;
     prefetched = all_gather_shards_async(*st);
     prefetched_versions = shard_versions();
@@ -137,11 +207,7 @@ struct UnitRuntime {
     return gathered.view({st->dp, st->segment});
   }
 
-  std::vector<int64_t> shard_versions() const {
-    std::vector<int64_t> v;
-    for (const auto& p : st->params) v.push_back(static_cast<int64_t>(p.shard._version()));
-    return v;
-  }
+  std::vector<int64_t> shard_versions() const { return fsdp::shard_versions(*st); }
 };
 
 // Parameter i, whole, from the gathered buffer (a copy, or a view when dp is 1).
@@ -205,7 +271,7 @@ struct GatheredCall : torch::CustomClassHolder {
   // Starts the all-gather regather() needs now (no-op unless freed and none is in flight).
   void prefetch_regather() {
     std::lock_guard<std::mutex> l(mu);
-    if (!freed || pending) return;
+    if (!freed || pending || has_kept(*unit)) return;
     at::NoGradGuard no_grad;
     pending = all_gather_shards_async(*unit);
   }
@@ -228,7 +294,7 @@ struct GatheredCall : torch::CustomClassHolder {
     const UnitState& st = *unit;
     at::NoGradGuard no_grad;
     const at::Tensor gathered =
-        pending ? pending->wait().view({st.dp, st.segment}) : all_gather_shards(st);
+        gathered_shards(st, pending ? pending->wait().view({st.dp, st.segment}) : at::Tensor());
     pending.reset();
     for (auto& [s, nbytes] : storages) {
       c10::StorageImpl* impl = s.unsafeGetStorageImpl();
@@ -257,8 +323,7 @@ struct GatherParams : torch::autograd::Function<GatherParams> {
     auto* call = static_cast<GatheredCall*>(call_capsule.toCapsule().get());
     const UnitState& st = *call->unit;
     TORCH_INTERNAL_ASSERT(shards.size() == st.params.size());
-    const at::Tensor gathered =
-        call->prefetched.defined() ? call->prefetched : all_gather_shards(st);
+    const at::Tensor gathered = gathered_shards(st, call->prefetched);
     call->prefetched = at::Tensor();
     torch::autograd::variable_list out;
     out.reserve(st.params.size());
@@ -285,6 +350,19 @@ struct GatherParams : torch::autograd::Function<GatherParams> {
     // Every consumer of the gathered parameters has run its backward: free them (a second
     // backward through a retained graph gathers them again).
     call->free();
+    {
+      // Deferred: accumulate, leave the shards' .grad alone. Else add what was deferred and
+      // reduce-scatter all of it once.
+      std::lock_guard<std::mutex> l(st.sync->mu);
+      SyncState& s = *st.sync;
+      if (!s.requires_sync) {
+        s.grad_acc = s.grad_acc.defined() ? s.grad_acc.add_(buf) : buf;
+        return torch::autograd::variable_list(st.params.size() + 1);
+      }
+      if (s.grad_acc.defined()) buf.add_(s.grad_acc);
+      s.grad_acc = at::Tensor();
+      s.kept = at::Tensor();
+    }
     // Sum then divide: the mean over dp of the ranks' gradients, as data parallelism needs;
     // in the shards' dtype (mixed precision reduces in reduce_dtype, divides in float32).
     at::Tensor mine = comm::reduce_scatter_tensor(buf.view({-1}), 0, ReduceOp::Sum, *st.pg)
@@ -568,6 +646,13 @@ void fully_shard(torch::nn::Module& unit, const DeviceMesh& dp_mesh, FullyShardO
   collect(unit, "", *st, seen);
   if (st->params.empty()) return;  // nothing left to shard (every parameter in child units)
   shard_parameters(*st, dp_mesh.get_local_rank());
+  {
+    std::lock_guard<std::mutex> l(units_mu());
+    for (auto it = units().begin(); it != units().end();)
+      it = it->second.live(it->first) ? std::next(it) : units().erase(it);
+    std::weak_ptr<const torch::nn::Module> self = unit.weak_from_this();
+    units()[&unit] = UnitEntry{self, !self.expired(), st->sync};
+  }
 
   auto current = std::make_shared<c10::intrusive_ptr<GatheredCall>>();
   std::shared_ptr<const UnitState> cst = st;
@@ -581,6 +666,25 @@ void fully_shard(torch::nn::Module& unit, const DeviceMesh& dp_mesh, FullyShardO
       [cst, current](torch::nn::Module&, const tp::ModuleCall&, c10::IValue& output) {
         after_forward(*cst, current, output);
       });
+}
+
+int64_t set_requires_gradient_sync(torch::nn::Module& module, bool requires_gradient_sync) {
+  std::vector<std::shared_ptr<SyncState>> found;
+  {
+    std::lock_guard<std::mutex> l(units_mu());
+    auto visit = [&](const torch::nn::Module& m) {
+      auto it = units().find(&m);
+      if (it == units().end() || !it->second.live(&m)) return;
+      if (auto sync = it->second.sync.lock()) found.push_back(std::move(sync));
+    };
+    visit(module);
+    for (const auto& m : module.modules(/*include_self=*/false)) visit(*m);
+  }
+  for (const auto& sync : found) {
+    std::lock_guard<std::mutex> l(sync->mu);
+    sync->requires_sync = requires_gradient_sync;
+  }
+  return static_cast<int64_t>(found.size());
 }
 
 }  // namespace dtensor::fsdp

@@ -4,6 +4,7 @@
 #include <ATen/ATen.h>
 
 #include "dtensor/core/dtensor_impl.h"
+#include "dtensor/fsdp/fully_shard.h"
 
 namespace dtensor::models {
 
@@ -80,14 +81,30 @@ LlamaStage split_llama_stage(TransformerImpl& whole, const DeviceMesh& mesh) {
   return LlamaStage(whole, pp_mesh->get_local_rank(), pp);
 }
 
+std::vector<LlamaStage> split_llama_stages(TransformerImpl& whole, const DeviceMesh& mesh,
+                                           int64_t virtual_stages) {
+  auto pp_mesh = pp::get_pp_mesh(mesh);
+  TORCH_CHECK(pp_mesh, "split_llama_stages needs a mesh with a dimension named \"pp\", got ",
+              mesh.str());
+  TORCH_CHECK(virtual_stages >= 1, "split_llama_stages: virtual_stages must be >= 1, got ",
+              virtual_stages);
+  const int64_t pp = pp_mesh->size();
+  std::vector<LlamaStage> out;
+  for (int64_t k = 0; k < virtual_stages; ++k)
+    out.emplace_back(whole, k * pp + pp_mesh->get_local_rank(), virtual_stages * pp);
+  return out;
+}
+
 std::unique_ptr<pp::PipelineStage> make_llama_pipeline_stage(LlamaStage stage,
                                                              const DeviceMesh& mesh) {
   auto pipe = std::make_unique<pp::PipelineStage>(
-      [stage](const at::Tensor& x) mutable { return stage->forward(x); }, mesh);
-  TORCH_CHECK(
-      pipe->stage_index() == stage->stage_index() && pipe->num_stages() == stage->num_stages(),
-      "make_llama_pipeline_stage: the stage was split as stage ", stage->stage_index(), " of ",
-      stage->num_stages(), " but this rank is ", pipe->label(), " of ", mesh.str());
+      [stage](const at::Tensor& x) mutable { return stage->forward(x); }, mesh,
+      stage->stage_index(), stage->num_stages());
+  // (The PipelineStage checks that this rank runs the stage in the round-robin placement.)
+  // Under fully_shard: the stage's reduce-scatters run after its last micro-batch only.
+  if (fsdp::set_requires_gradient_sync(*stage, true) > 0)
+    pipe->set_gradient_sync_hook(
+        [stage](bool sync) mutable { fsdp::set_requires_gradient_sync(*stage, sync); });
   if (stage->config().tie_embeddings && pipe->num_stages() > 1) {
     if (pipe->is_first())
       pipe->tie_parameter(stage->tok_embeddings->weight, pipe->num_stages() - 1);

@@ -14,14 +14,20 @@
 namespace dtensor::pp {
 namespace {
 
-// Tags keep the messages of one step apart: the activation shape, the tied gradients, and the
-// forward activation and backward gradient of each micro-batch.
-constexpr int kShapeTag = 0;
+// Tags keep the messages of one step apart: the tied gradients, the activation shape of each
+// stage boundary b (between stages b and b + 1), and the forward activation and backward
+// gradient of each boundary and micro-batch.
 constexpr int kTiedTag = 1;
-int forward_tag(int64_t microbatch) { return static_cast<int>(2 + 2 * microbatch); }
-int backward_tag(int64_t microbatch) { return static_cast<int>(3 + 2 * microbatch); }
-// MPI guarantees tags up to 32767.
-constexpr int64_t kMaxMicrobatches = 16000;
+constexpr int64_t kMaxStages = 128;
+int shape_tag(int64_t boundary) { return static_cast<int>(2 + boundary); }
+int forward_tag(int64_t boundary, int64_t m, int64_t microbatch) {
+  return static_cast<int>(2 + kMaxStages + 2 * (boundary * m + microbatch));
+}
+int backward_tag(int64_t boundary, int64_t m, int64_t microbatch) {
+  return forward_tag(boundary, m, microbatch) + 1;
+}
+// MPI guarantees tags up to 32767: stages * micro-batches stay below this.
+constexpr int64_t kMaxStageMicrobatches = 16000;
 
 // Shape message: dtype, number of dims, then the sizes.
 constexpr int64_t kMaxDims = 8;
@@ -60,10 +66,10 @@ at::Tensor local_of(const at::Tensor& t) { return is_dtensor(t) ? local_tensor(t
 // Receives a micro-batch's activation from stage `src`. The first one is preceded by its dtype
 // and shape, which `like` keeps for the later ones.
 at::Tensor recv_activation(std::optional<at::Tensor>& like, const at::TensorOptions& options,
-                           int src, comm::ProcessGroup& pg, int tag) {
+                           int src, comm::ProcessGroup& pg, int shape_tag, int tag) {
   if (!like) {
     at::Tensor meta =
-        comm::recv(at::empty({2 + kMaxDims}, options.dtype(at::kLong)), src, pg, kShapeTag).cpu();
+        comm::recv(at::empty({2 + kMaxDims}, options.dtype(at::kLong)), src, pg, shape_tag).cpu();
     const auto* v = meta.data_ptr<int64_t>();
     std::vector<int64_t> sizes(v + 2, v + 2 + v[1]);
     like = at::empty(sizes, options.dtype(static_cast<at::ScalarType>(v[0])));
@@ -71,9 +77,12 @@ at::Tensor recv_activation(std::optional<at::Tensor>& like, const at::TensorOpti
   return comm::recv(*like, src, pg, tag);
 }
 
-// Starts sending a micro-batch's activation to stage `dst`; the counterpart of recv_activation.
-comm::PendingResult send_activation(const at::Tensor& out, std::optional<at::Tensor>& like, int dst,
-                                    comm::ProcessGroup& pg, int tag) {
+// Starts sending a micro-batch's activation to stage `dst` (the first one's shape before it),
+// adding the sends to `sends`; the counterpart of recv_activation. Nothing blocks: a rank that
+// runs several stages must not wait for a peer to reach one of its receives.
+void send_activation(const at::Tensor& out, std::optional<at::Tensor>& like, int dst,
+                     comm::ProcessGroup& pg, int shape_tag, int tag,
+                     std::vector<comm::PendingResult>& sends) {
   TORCH_CHECK(!is_dtensor(out),
               "the stage output crossing to the next stage is a DTensor; stage boundaries "
               "carry plain tensors: apply tensor parallelism without sequence parallelism so "
@@ -83,7 +92,7 @@ comm::PendingResult send_activation(const at::Tensor& out, std::optional<at::Ten
                 out.dim());
     std::vector<int64_t> meta{static_cast<int64_t>(out.scalar_type()), out.dim()};
     for (int64_t d = 0; d < kMaxDims; ++d) meta.push_back(d < out.dim() ? out.size(d) : 0);
-    comm::send(at::tensor(meta, at::kLong).to(out.device()), dst, pg, kShapeTag);
+    sends.push_back(comm::isend(at::tensor(meta, at::kLong).to(out.device()), dst, pg, shape_tag));
     like = at::empty(out.sizes(), out.options());
   }
   TORCH_CHECK(out.sizes() == like->sizes() && out.scalar_type() == like->scalar_type(),
@@ -91,7 +100,7 @@ comm::PendingResult send_activation(const at::Tensor& out, std::optional<at::Ten
               like->scalar_type(), like->sizes(),
               ": the pipeline exchanges activation shapes once; keep the micro-batch shape "
               "fixed or build a new PipelineStage");
-  return comm::isend(out.detach(), dst, pg, tag);
+  sends.push_back(comm::isend(out.detach(), dst, pg, tag));
 }
 
 }  // namespace
@@ -115,6 +124,10 @@ std::pair<int64_t, int64_t> stage_layer_range(int64_t n_layers, int64_t stage, i
 }
 
 PipelineStage::PipelineStage(Forward forward, const DeviceMesh& mesh)
+    : PipelineStage(std::move(forward), mesh, -1, -1) {}
+
+PipelineStage::PipelineStage(Forward forward, const DeviceMesh& mesh, int64_t stage_index,
+                             int64_t num_stages)
     : forward_(std::move(forward)),
       pp_mesh_([&] {
         auto pp = get_pp_mesh(mesh);
@@ -124,8 +137,19 @@ PipelineStage::PipelineStage(Forward forward, const DeviceMesh& mesh)
         TORCH_CHECK(pp->contains_this_rank(), "PipelineStage: this rank is not in ", pp->str());
         return *pp;
       }()),
-      stage_(pp_mesh_.get_local_rank()) {
+      stage_(stage_index < 0 ? pp_mesh_.get_local_rank() : stage_index),
+      num_stages_(num_stages < 0 ? pp_mesh_.size() : num_stages) {
   TORCH_CHECK(forward_, "PipelineStage: the forward function is empty");
+  const int64_t pp = pp_mesh_.size(), rank = pp_mesh_.get_local_rank();
+  TORCH_CHECK(num_stages_ >= 1 && num_stages_ % pp == 0 && num_stages_ <= kMaxStages,
+              "PipelineStage: ", num_stages_, " stages do not split evenly over the ", pp,
+              " ranks of ", pp_mesh_.str(), " (at most ", kMaxStages, " stages)");
+  TORCH_CHECK(stage_ >= 0 && stage_ < num_stages_ && rank_of(stage_) == rank,
+              "PipelineStage: stage ", stage_, " of ", num_stages_, " runs on pp rank ",
+              stage_ % pp, " (round-robin placement: rank r runs stages r, r + ", pp,
+              ", ...), but this rank is pp rank ", rank, " of ", pp_mesh_.str());
+  TORCH_CHECK(num_stages_ == pp || pp >= 2, "PipelineStage: ", num_stages_,
+              " virtual stages need a pp dimension of at least 2 ranks, got ", pp_mesh_.str());
 }
 
 std::string PipelineStage::label() const {
@@ -135,9 +159,10 @@ std::string PipelineStage::label() const {
 void PipelineStage::tie_parameter(const at::Tensor& param, int64_t peer_stage) {
   TORCH_CHECK(param.defined() && param.requires_grad(), label(),
               ": tie_parameter needs a parameter that requires grad");
-  TORCH_CHECK(peer_stage >= 0 && peer_stage < num_stages() && peer_stage != stage_, label(),
-              ": tie_parameter peer stage ", peer_stage, " must be another stage in [0, ",
-              num_stages(), ")");
+  TORCH_CHECK(
+      peer_stage >= 0 && peer_stage < num_stages() && rank_of(peer_stage) != rank_of(stage_),
+      label(), ": tie_parameter peer stage ", peer_stage, " must be a stage in [0, ", num_stages(),
+      ") on another rank");
   ties_.push_back({param, peer_stage});
 }
 
@@ -158,8 +183,9 @@ void PipelineStage::sync_tied_gradients() {
     }
     const at::Tensor mine = local_of(grad);
     // Both ends post their send before their receive: neither waits for the other first.
-    auto sent = comm::isend(mine, static_cast<int>(tie.peer), pg, kTiedTag);
-    at::Tensor theirs = comm::irecv(mine, static_cast<int>(tie.peer), pg, kTiedTag).wait();
+    const int peer = static_cast<int>(rank_of(tie.peer));
+    auto sent = comm::isend(mine, peer, pg, kTiedTag);
+    at::Tensor theirs = comm::irecv(mine, peer, pg, kTiedTag).wait();
     sent.wait();
     at::NoGradGuard no_grad;
     mine.add_(theirs);
@@ -167,107 +193,150 @@ void PipelineStage::sync_tied_gradients() {
 }
 
 std::string format_actions(const std::vector<Action>& actions) {
+  bool chunks = false;
+  for (const Action& a : actions) chunks = chunks || a.chunk != 0;
   std::ostringstream o;
-  for (size_t i = 0; i < actions.size(); ++i)
+  for (size_t i = 0; i < actions.size(); ++i) {
     o << (i ? " " : "") << (actions[i].backward ? "B" : "F") << actions[i].microbatch;
+    if (chunks) o << "." << actions[i].chunk;
+  }
   return o.str();
 }
 
 Schedule::Schedule(PipelineStage& stage, int64_t n_microbatches, LossFn loss_fn)
-    : stage_(stage), n_microbatches_(n_microbatches), loss_fn_(std::move(loss_fn)) {
-  TORCH_CHECK(n_microbatches >= 1 && n_microbatches <= kMaxMicrobatches,
-              "pipeline schedule: n_microbatches must be in [1, ", kMaxMicrobatches, "], got ",
-              n_microbatches);
-  TORCH_CHECK(!stage.is_last() || loss_fn_, stage.label(),
-              ": the last stage needs a loss function");
+    : Schedule(std::vector<PipelineStage*>{&stage}, n_microbatches, std::move(loss_fn)) {}
+
+Schedule::Schedule(std::vector<PipelineStage*> stages, int64_t n_microbatches, LossFn loss_fn)
+    : stages_(std::move(stages)),
+      stage_([this]() -> PipelineStage& {
+        TORCH_CHECK(!stages_.empty() && stages_[0], "pipeline schedule: no stage given");
+        return *stages_[0];
+      }()),
+      n_microbatches_(n_microbatches),
+      loss_fn_(std::move(loss_fn)) {
+  TORCH_CHECK(n_microbatches >= 1 && n_microbatches * stage_.num_stages() <= kMaxStageMicrobatches,
+              "pipeline schedule: n_microbatches must be in [1, ",
+              kMaxStageMicrobatches / stage_.num_stages(), "] for ", stage_.num_stages(),
+              " stages, got ", n_microbatches);
+  TORCH_CHECK(stage_.stage_index() < stage_.pp_mesh().size(), "pipeline schedule: stage #0 of ",
+              "this rank must be stage ", stage_.pp_mesh().get_local_rank(), " of ",
+              stage_.num_stages(), " (its first in the round-robin placement), got ",
+              stage_.label());
+  for (size_t k = 0; k < stages_.size(); ++k) {
+    const PipelineStage* st = stages_[k];
+    TORCH_CHECK(st && st->num_stages() == stage_.num_stages() &&
+                    st->stage_index() ==
+                        stage_.stage_index() + static_cast<int64_t>(k) * stage_.pp_mesh().size(),
+                "pipeline schedule: stage #", k, " of this rank must be stage ",
+                stage_.stage_index() + static_cast<int64_t>(k) * stage_.pp_mesh().size(), " of ",
+                stage_.num_stages(), " (round-robin placement), got ",
+                st ? st->label() : std::string("none"));
+    TORCH_CHECK(!st->is_last() || loss_fn_, st->label(), ": the last stage needs a loss function");
+  }
+  TORCH_CHECK(static_cast<int64_t>(stages_.size()) * stage_.pp_mesh().size() == stage_.num_stages(),
+              "pipeline schedule: this rank runs ", stages_.size(), " stages but ",
+              stage_.num_stages(), " stages over ", stage_.pp_mesh().size(), " ranks make ",
+              stage_.num_stages() / stage_.pp_mesh().size(), " per rank");
 }
 
 at::Tensor Schedule::step(const at::Tensor& inputs, const at::Tensor& targets) {
   const auto start = Clock::now();
   timing_ = {};
-  const int64_t m = n_microbatches_, s = stage_.stage_index();
+  const int64_t m = n_microbatches_, chunks = static_cast<int64_t>(stages_.size());
   auto& pg = stage_.pp_mesh_.group(0);
-  auto split = [&](const at::Tensor& t, const char* what) {
-    TORCH_CHECK(t.defined() && t.dim() >= 1 && t.size(0) % m == 0, stage_.label(), ": ", what,
+  auto split = [&](const PipelineStage& st, const at::Tensor& t, const char* what) {
+    TORCH_CHECK(t.defined() && t.dim() >= 1 && t.size(0) % m == 0, st.label(), ": ", what,
                 " must be a tensor whose dim 0 (", t.defined() && t.dim() ? t.size(0) : 0,
                 ") splits into ", m, " equal micro-batches");
     return t.chunk(m, 0);
   };
   std::vector<at::Tensor> in_mb, target_mb;
-  if (stage_.is_first()) in_mb = split(inputs, "inputs");
-  if (stage_.is_last()) target_mb = split(targets, "targets");
+  for (const PipelineStage* st : stages_) {
+    if (st->is_first()) in_mb = split(*st, inputs, "inputs");
+    if (st->is_last()) target_mb = split(*st, targets, "targets");
+  }
 
   struct Micro {
     at::Tensor input, output, loss;
   };
-  std::vector<Micro> micro(m);
+  std::vector<std::vector<Micro>> micro(chunks, std::vector<Micro>(m));
+  for (PipelineStage* st : stages_)
+    if (st->sync_hook_) guarded(*st, "start of step", [&] { st->sync_hook_(false); });
   std::vector<comm::PendingResult> sends;
   std::vector<at::Tensor> losses;
   auto device_options = at::TensorOptions().device(stage_.pp_mesh_.device());
 
-  auto forward = [&](int64_t i) {
+  auto forward = [&](PipelineStage& st, int64_t k, int64_t i) {
+    const int64_t g = st.stage_index();
     at::Tensor x;
-    if (stage_.is_first()) {
+    if (st.is_first()) {
       x = in_mb[i];
     } else {
-      x = recv_activation(stage_.input_like_, device_options, static_cast<int>(s - 1), pg,
-                          forward_tag(i));
+      x = recv_activation(st.input_like_, device_options, static_cast<int>(st.rank_of(g - 1)), pg,
+                          shape_tag(g - 1), forward_tag(g - 1, m, i));
       x.requires_grad_(true);
     }
     const auto t0 = Clock::now();
-    at::Tensor out = stage_.forward(x);
-    if (stage_.is_last()) {
-      micro[i].loss = loss_fn_(out, target_mb[i]);
-      TORCH_CHECK(micro[i].loss.numel() == 1, "the loss function must return one value, got ",
-                  micro[i].loss.sizes());
-      losses.push_back(micro[i].loss.detach());
+    at::Tensor out = st.forward(x);
+    if (st.is_last()) {
+      micro[k][i].loss = loss_fn_(out, target_mb[i]);
+      TORCH_CHECK(micro[k][i].loss.numel() == 1, "the loss function must return one value, got ",
+                  micro[k][i].loss.sizes());
+      losses.push_back(micro[k][i].loss.detach());
     }
     timing_.compute_s += seconds_since(t0);
-    micro[i].input = x;
-    micro[i].output = out;
-    if (stage_.is_last()) return;
-    sends.push_back(
-        send_activation(out, stage_.output_like_, static_cast<int>(s + 1), pg, forward_tag(i)));
+    micro[k][i].input = x;
+    micro[k][i].output = out;
+    if (st.is_last()) return;
+    send_activation(out, st.output_like_, static_cast<int>(st.rank_of(g + 1)), pg, shape_tag(g),
+                    forward_tag(g, m, i), sends);
   };
 
-  auto backward = [&](int64_t i) {
-    Micro& mb = micro[i];
-    if (stage_.is_last()) {
+  auto backward = [&](PipelineStage& st, int64_t k, int64_t i) {
+    const int64_t g = st.stage_index();
+    Micro& mb = micro[k][i];
+    if (i == m - 1 && st.sync_hook_) st.sync_hook_(true);
+    if (st.is_last()) {
       const auto t0 = Clock::now();
       (mb.loss / static_cast<double>(m)).backward();
       timing_.compute_s += seconds_since(t0);
     } else {
-      at::Tensor grad =
-          comm::recv(*stage_.output_like_, static_cast<int>(s + 1), pg, backward_tag(i));
+      at::Tensor grad = comm::recv(*st.output_like_, static_cast<int>(st.rank_of(g + 1)), pg,
+                                   backward_tag(g, m, i));
       const auto t0 = Clock::now();
       if (mb.output.requires_grad()) mb.output.backward(grad);
       timing_.compute_s += seconds_since(t0);
     }
-    if (!stage_.is_first()) {
-      at::Tensor g = mb.input.grad();
-      if (!g.defined()) g = at::zeros_like(mb.input);
-      sends.push_back(comm::isend(g, static_cast<int>(s - 1), pg, backward_tag(i)));
+    if (!st.is_first()) {
+      at::Tensor gin = mb.input.grad();
+      if (!gin.defined()) gin = at::zeros_like(mb.input);
+      sends.push_back(
+          comm::isend(gin, static_cast<int>(st.rank_of(g - 1)), pg, backward_tag(g - 1, m, i)));
     }
     mb = Micro{};  // free the micro-batch's activations
   };
 
   for (const Action& a : actions()) {
+    TORCH_CHECK(a.chunk >= 0 && a.chunk < chunks && a.microbatch >= 0 && a.microbatch < m,
+                "pipeline schedule: action ", format_actions({a}), " is out of range");
+    PipelineStage& st = *stages_[a.chunk];
     const std::string where = std::string(a.backward ? "backward" : "forward") +
                               " of micro-batch " + std::to_string(a.microbatch);
-    guarded(stage_, where, [&] {
+    guarded(st, where, [&] {
       if (a.backward) {
-        backward(a.microbatch);
+        backward(st, a.chunk, a.microbatch);
       } else {
-        forward(a.microbatch);
+        forward(st, a.chunk, a.microbatch);
       }
     });
   }
   guarded(stage_, "end of step, waiting for its sends", [&] {
     for (auto& sent : sends) sent.wait();
   });
-  guarded(stage_, "tied gradient exchange", [&] { stage_.sync_tied_gradients(); });
+  for (PipelineStage* st : stages_)
+    guarded(*st, "tied gradient exchange", [&] { st->sync_tied_gradients(); });
   timing_.total_s = seconds_since(start);
-  if (!stage_.is_last()) return {};
+  if (losses.empty()) return {};
   return at::stack(losses).mean();
 }
 
@@ -290,6 +359,55 @@ std::vector<Action> Schedule1F1B::actions() const {
   }
   while (b < m) out.push_back({true, b++});
   return out;
+}
+
+std::vector<Action> interleaved_1f1b_actions(int64_t pp, int64_t rank, int64_t v, int64_t m) {
+  TORCH_CHECK(pp >= 1 && rank >= 0 && rank < pp && v >= 1 && m >= 1,
+              "interleaved_1f1b_actions: bad arguments pp=", pp, " rank=", rank, " v=", v,
+              " M=", m);
+  const int64_t rounds = std::max<int64_t>(1, m / pp);
+  TORCH_CHECK(m % rounds == 0, "ScheduleInterleaved1F1B: ", m, " micro-batches do not split into ",
+              rounds, " rounds of equal size on ", pp, " ranks; use a multiple of ", pp,
+              " or fewer than ", 2 * pp);
+  const int64_t round = m / rounds, total = v * m;
+  const int64_t warmup = std::min(total, (v - 1) * round + 2 * (pp - 1 - rank));
+  std::vector<int64_t> next_f(v, 0), next_b(v, 0);
+  std::vector<Action> out;
+  int64_t f = 0, b = 0;
+  auto forward = [&] {
+    const int64_t k = (f++ / round) % v;
+    out.push_back({false, next_f[k]++, k});
+  };
+  auto backward = [&] {
+    const int64_t k = v - 1 - (b++ / round) % v;
+    out.push_back({true, next_b[k]++, k});
+  };
+  while (f < warmup) forward();
+  while (f < total) {
+    forward();
+    backward();
+  }
+  while (b < total) backward();
+  return out;
+}
+
+ScheduleInterleaved1F1B::ScheduleInterleaved1F1B(std::vector<PipelineStage*> stages,
+                                                 int64_t n_microbatches, LossFn loss_fn)
+    : Schedule(std::move(stages), n_microbatches, std::move(loss_fn)) {
+  TORCH_CHECK(stage_.pp_mesh().size() >= 2,
+              "ScheduleInterleaved1F1B needs a pp dimension of at least 2 ranks, got ",
+              stage_.pp_mesh().str());
+  actions();  // checks the rounds
+}
+
+std::vector<Action> ScheduleInterleaved1F1B::actions() const {
+  return interleaved_1f1b_actions(stage_.pp_mesh().size(), stage_.pp_mesh().get_local_rank(),
+                                  virtual_stages(), n_microbatches_);
+}
+
+double bubble_fraction(int64_t pp, int64_t virtual_stages, int64_t n_microbatches) {
+  return static_cast<double>(pp - 1) /
+         static_cast<double>(virtual_stages * n_microbatches + pp - 1);
 }
 
 }  // namespace dtensor::pp

@@ -287,8 +287,41 @@ TEST(TrainRun, PipelineStagesTrainResumeAndMatchOneDevice) {
   EXPECT_NE(resumed.output.find("verify-tp1: PASSED"), std::string::npos) << resumed.output;
   EXPECT_EQ(read_metrics_csv(dir.file("run/metrics.csv")).size(), 4u);
 
-  const auto refused = train(4, {"--pp", "2", "--dp-shard", "2"});
-  EXPECT_EQ(refused.exit_code, 2) << refused.output;
-  EXPECT_EQ(count(refused.output, "--pp 2 cannot be combined with --dp or --dp-shard"), 1u)
-      << refused.output;
+  // With FSDP inside the stages (pp x dp_shard on 4 ranks) and the interleaved schedule; its
+  // checkpoint (FSDP shards gathered) resumes at (pp, tp) = (2, 1) with 1F1B and takes the
+  // steps one device takes without stopping.
+  const auto sharded = train(4, {"--preset",       "tiny",
+                                 "--stop-at",      "2",
+                                 "--ckpt-every",   "2",
+                                 "--pp",           "2",
+                                 "--dp-shard",     "2",
+                                 "--schedule",     "interleaved",
+                                 "--layers",       "4",
+                                 "--microbatches", "2",
+                                 "--dtype",        "float64",
+                                 "--steps",        "4",
+                                 "--progress",     "lines",
+                                 "--log-every",    "1",
+                                 "--out",          dir.file("sharded"),
+                                 "--verify-tp1"});
+  ASSERT_EQ(sharded.exit_code, 0) << sharded.output;
+  EXPECT_CONTAINS(sharded.output,
+                  "PP=2 x FSDP=2 x TP=1 (blocks per stage 1 + 1 + 1 + 1; schedule interleaved (2 "
+                  "stages per rank, round-robin), 2 micro-batches of 1");
+  EXPECT_CONTAINS(sharded.output, "bubble (pp-1)/(vM+pp-1) = 20%");
+  EXPECT_CONTAINS(sharded.output, "verify-tp1: PASSED");
+  const auto moved =
+      train(2, {"--preset", "tiny", "--layers", "4", "--pp", "2", "--dtype", "float64", "--steps",
+                "4", "--resume", "--out", dir.file("sharded")});
+  ASSERT_EQ(moved.exit_code, 0) << moved.output;
+  const auto straight = train(1, {"--preset", "tiny", "--layers", "4", "--dtype", "float64",
+                                  "--steps", "4", "--out", dir.file("straight")});
+  ASSERT_EQ(straight.exit_code, 0) << straight.output;
+  const auto resumed_rows = read_metrics_csv(dir.file("sharded/metrics.csv"));
+  const auto straight_rows = read_metrics_csv(dir.file("straight/metrics.csv"));
+  ASSERT_EQ(resumed_rows.size(), 4u) << moved.output;
+  ASSERT_EQ(straight_rows.size(), 4u) << straight.output;
+  for (size_t i = 0; i < 4; ++i)
+    EXPECT_NEAR(resumed_rows[i].loss, straight_rows[i].loss, 1e-9 * straight_rows[i].loss)
+        << "step " << i + 1;
 }

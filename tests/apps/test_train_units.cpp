@@ -462,9 +462,18 @@ TEST(TrainRunConfig, PipelineLayoutAndRefusals) {
   EXPECT_EQ(c.microbatches, 2);
   EXPECT_EQ(c.tp, 1);
 
-  expect_error({"--preset", "tiny", "--pp", "2", "--dp-shard", "2"}, 4,
-               "--pp 2 cannot be combined with --dp or --dp-shard");
-  expect_error({"--preset", "tiny", "--pp", "2", "--dp", "2"}, 4, "cannot be combined");
+  // With --dp-shard: a pp x dp_shard x tp mesh.
+  o = parse({"--preset", "tiny", "--pp", "2", "--dp-shard", "2"}, code);
+  ASSERT_TRUE(o);
+  c = resolve_run_config(*o, 8);
+  EXPECT_EQ(c.pp, 2);
+  EXPECT_EQ(c.dp, 2);
+  EXPECT_TRUE(c.fsdp);
+  EXPECT_EQ(c.tp, 2);
+  expect_error({"--preset", "tiny", "--pp", "2", "--dp", "2"}, 4,
+               "--pp 2 cannot be combined with --dp yet: use --dp-shard N");
+  expect_error({"--preset", "tiny", "--pp", "2", "--dp-shard", "3"}, 8,
+               "--dp-shard 3 does not divide");
   expect_error({"--preset", "tiny", "--pp", "2", "--microbatches", "3"}, 2,
                "--batch-size 4 does not split into --microbatches 3");
   expect_error({"--preset", "tiny", "--pp", "4"}, 4, "the model has 2 layers");
@@ -473,6 +482,23 @@ TEST(TrainRunConfig, PipelineLayoutAndRefusals) {
   expect_error({"--preset", "tiny", "--pp", "2", "--overlap-comm"}, 2,
                "--overlap-comm does not apply to --pp");
   expect_error({"--preset", "tiny", "--microbatches", "2"}, 2, "add --pp N");
+  // Interleaved: v stages per rank (default 2), the formula (pp - 1) / (v M + pp - 1).
+  o = parse({"--preset", "tiny", "--layers", "4", "--pp", "2", "--schedule", "interleaved",
+             "--microbatches", "4"},
+            code);
+  ASSERT_TRUE(o);
+  c = resolve_run_config(*o, 2);
+  EXPECT_EQ(c.pp_schedule, "interleaved");
+  EXPECT_EQ(c.virtual_stages, 2);
+  EXPECT_DOUBLE_EQ(c.bubble_formula(), 1.0 / 9);
+  EXPECT_EQ(one_device(c).virtual_stages, 1);
+  expect_error({"--preset", "tiny", "--pp", "2", "--schedule", "interleaved"}, 2,
+               "the model has 2 layers (--layers) for 4 stages");
+  expect_error({"--preset", "tiny", "--pp", "2", "--virtual-stages", "2"}, 2,
+               "--virtual-stages applies to --schedule interleaved");
+  expect_error({"--preset", "tiny", "--layers", "4", "--pp", "2", "--schedule", "interleaved",
+                "--batch-size", "10", "--microbatches", "5"},
+               2, "use --microbatches a multiple of 2 or below 4");
   EXPECT_FALSE(parse({"--pp", "2", "--schedule", "zigzag"}, code));
   EXPECT_EQ(code, 2);
 }

@@ -165,6 +165,73 @@ void expect_training_matches_all(int64_t dp) {
     for (bool ac : {false, true}) expect_training_matches(mesh, ShardSetup{reshard, ac});
 }
 
+// Gradient accumulation over M = 2 micro-batches with set_requires_gradient_sync(false) for
+// the first: per unit and step exactly 1 all-gather (the first forward's; the second forward and
+// every regather reuse the kept parameters) and 1 reduce-scatter (the last backward's), with
+// or without reshard_after_forward and AC; the shards' .grad stay undefined until then; and two
+// steps of AdamW give the one-device parameters. Without deferral: M (2M with reshard) of each.
+TEST(FullyShard, DeferredGradientSyncGathersAndReduceScattersOncePerStep) {
+  run_ranks(2, [](int rank) {
+    auto mesh = init_device_mesh("cpu", {2}, {"dp"});
+    const auto config = tiny();
+    const int64_t units = config.n_layers + 1, m = 2, b = 2;
+    for (bool defer : {true, false}) {
+      for (ShardSetup setup : {ShardSetup{false, false}, ShardSetup{true, true}}) {
+        SCOPED_TRACE(setup.str() + (defer ? " deferred" : " every micro-batch"));
+        Transformer ref = make_model(config), model = make_model(config);
+        shard_model(*model, mesh, setup);
+        const auto opt = torch::optim::AdamWOptions(1e-2).weight_decay(0.1);
+        torch::optim::AdamW ref_opt(ref->parameters(), opt), dp_opt(model->parameters(), opt);
+        const auto ref_params = params_of(*ref), dp_params = params_of(*model);
+        for (int step = 0; step < 2; ++step) {
+          auto tokens = at::randint(config.vocab_size, {b * 2, 8}, at::kLong);
+          auto targets = at::randint(config.vocab_size, {b * 2, 8}, at::kLong);
+          ref_opt.zero_grad();
+          dp_opt.zero_grad();
+          loss_and_backward(ref->forward(tokens), targets);
+          CommDebugMode comm;
+          for (int64_t i = 0; i < m; ++i) {
+            if (defer) {
+              EXPECT_EQ(fsdp::set_requires_gradient_sync(*model, i == m - 1), units);
+            }
+            const int64_t row = b * rank + i * (b / m);
+            auto logits = model->forward(tokens.narrow(0, row, b / m));
+            at::Tensor loss = token_cross_entropy(logits, targets.narrow(0, row, b / m)) / m;
+            loss.backward();
+            if (defer && i < m - 1) {
+              for (const auto& [name, p] : dp_params)
+                EXPECT_FALSE(p.grad().defined()) << name << " reduced before the last micro-batch";
+            }
+          }
+          comm.exit();
+          const auto counts = comm.get_comm_counts();
+          const int64_t per_mb = setup.reshard_after_forward ? 2 : 1;
+          EXPECT_EQ(count_of(counts, CommType::all_gather_into_tensor),
+                    defer ? units : m * per_mb * units)
+              << format_comm_counts(counts);
+          EXPECT_EQ(count_of(counts, CommType::reduce_scatter_tensor), defer ? units : m * units)
+              << format_comm_counts(counts);
+          for (const auto& [name, p] : dp_params) {
+            SCOPED_TRACE(name);
+            ASSERT_TRUE(p.grad().defined());
+            EXPECT_TRUE(close_to_scale(
+                p.grad(),
+                ref_params.at(name).grad().narrow(0, fsdp::shard_info(p).row_offset, p.size(0)),
+                1e-9))
+                << "gradient";
+          }
+          ref_opt.step();
+          dp_opt.step();
+          for (const auto& [name, p] : dp_params)
+            EXPECT_TRUE(close_to_scale(
+                p, ref_params.at(name).narrow(0, fsdp::shard_info(p).row_offset, p.size(0)), 1e-9))
+                << name;
+        }
+      }
+    }
+  });
+}
+
 TEST(FullyShard, LlamaTrainingMatchesOneDeviceDp2) {
   run_ranks(2, [](int) { expect_training_matches_all(2); });
 }

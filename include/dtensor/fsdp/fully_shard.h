@@ -72,6 +72,18 @@ struct FullyShardOptions {
 void fully_shard(torch::nn::Module& unit, const DeviceMesh& dp_mesh,
                  FullyShardOptions options = {});
 
+/// PyTorch FSDP2's set_requires_gradient_sync, for `module`'s units (fully_shard'ed at or
+/// below it); returns how many. Off, a unit's backward adds its unsharded gradients to a local
+/// sum instead of reduce-scattering them (the shards' .grad stay as they are), and the unit
+/// keeps its all-gathered parameters: later forwards and regathers reuse them, without an
+/// all-gather, while the shards are unchanged (their versions: an optimizer step invalidates
+/// them). Back on, the next backward adds the local sum and reduce-scatters once, and frees the
+/// kept parameters. Gradient accumulation over M micro-batches (a pipeline schedule turns sync
+/// off for all but each stage's last backward) then costs each unit 1 all-gather and 1
+/// reduce-scatter per step, instead of M of each (2M all-gathers with reshard_after_forward).
+/// Memory: the unit's gathered parameters and a gradient buffer of that size stay while off.
+int64_t set_requires_gradient_sync(torch::nn::Module& module, bool requires_gradient_sync);
+
 /// Whether `param` is a sharded leaf created by fully_shard.
 bool is_fsdp_shard(const at::Tensor& param);
 

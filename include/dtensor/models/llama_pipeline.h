@@ -19,6 +19,7 @@
 #include <torch/nn/modules/container/moduledict.h>
 
 #include <memory>
+#include <vector>
 
 #include "dtensor/models/llama.h"
 #include "dtensor/pp/pipeline.h"
@@ -64,6 +65,12 @@ TORCH_MODULE(LlamaStage);
 /// This rank's stage of `whole` on the "pp" dimension of `mesh` (see pp::get_pp_mesh).
 LlamaStage split_llama_stage(TransformerImpl& whole, const DeviceMesh& mesh);
 
+/// This rank's `virtual_stages` stages of `whole` for an interleaved schedule: of v * pp
+/// stages (blocks split by stage_layer_range), those numbered r, r + pp, ... where r is this
+/// rank's pp coordinate (pp::ScheduleInterleaved1F1B's placement).
+std::vector<LlamaStage> split_llama_stages(TransformerImpl& whole, const DeviceMesh& mesh,
+                                           int64_t virtual_stages);
+
 /// Tensor parallelism inside a stage over the "tp" dimension of `mesh` (get_tp_mesh): the Llama
 /// plan without sequence parallelism (options.sequence_parallel is ignored), so activations
 /// between blocks, and so at the stage boundaries, are replicated plain tensors. The
@@ -71,8 +78,9 @@ LlamaStage split_llama_stage(TransformerImpl& whole, const DeviceMesh& mesh);
 void apply_tensor_parallel(LlamaStageImpl& stage, const DeviceMesh& mesh,
                            TensorParallelOptions options = {});
 
-/// The pipeline stage running `stage` on `mesh`'s pp dimension; ties the embedding copies of
-/// the first and the last stage when the model ties its embeddings.
+/// The pipeline stage running `stage` (one of split_llama_stage or split_llama_stages) on
+/// `mesh`'s pp dimension; ties the embedding copies of the first and the last stage when the
+/// model ties its embeddings.
 std::unique_ptr<pp::PipelineStage> make_llama_pipeline_stage(LlamaStage stage,
                                                              const DeviceMesh& mesh);
 

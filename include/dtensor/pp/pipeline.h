@@ -28,6 +28,15 @@
 // without sequence parallelism at the stage boundaries, whose activations between blocks are
 // replicated over tp; every tp rank of stage s then sends to the same tp rank of stage s + 1.
 //
+// Interleaved 1F1B (ScheduleInterleaved1F1B, Megatron-LM's and PyTorch's): the model is cut
+// into v * pp stages and rank r of the pp dimension runs v of them, the "virtual stages"
+// r, r + pp, r + 2 pp, ... (round-robin), so a micro-batch crosses the ranks v times and the
+// bubble shrinks from (pp - 1) / (M + pp - 1) to (pp - 1) / (v M + pp - 1) when pp divides M.
+// Messages: 2 * (v pp - 1) * M sends and as many receives per step over a pp group.
+//
+//   std::vector<pp::PipelineStage*> mine;  // PipelineStage(f_k, mesh, k * pp + r, v * pp)
+//   pp::ScheduleInterleaved1F1B schedule(mine, M, loss_fn);
+//
 // A failure in a stage (a throwing forward, backward or loss, or a send/receive that fails)
 // throws "pipeline stage S of P, forward|backward of micro-batch I: ..." and reports it to the
 // other ranks (comm/failure.h), whose blocked receives and collectives then throw naming their
@@ -62,13 +71,18 @@ class PipelineStage {
 
   /// `mesh`: a mesh with a "pp" dimension, or the 1-D pp mesh itself (see get_pp_mesh).
   PipelineStage(Forward forward, const DeviceMesh& mesh);
+  /// Stage `stage_index` of `num_stages`, a multiple of the pp degree: a virtual stage of an
+  /// interleaved schedule, run by the rank whose pp coordinate is stage_index % pp.
+  PipelineStage(Forward forward, const DeviceMesh& mesh, int64_t stage_index, int64_t num_stages);
 
   int64_t stage_index() const { return stage_; }                           ///< 0 .. num_stages - 1.
-  int64_t num_stages() const { return pp_mesh_.size(); }                   ///< The pp degree.
+  int64_t num_stages() const { return num_stages_; }                       ///< pp * virtual stages.
   bool is_first() const { return stage_ == 0; }                            ///< Holds the inputs.
   bool is_last() const { return stage_ == num_stages() - 1; }              ///< Computes the loss.
   const DeviceMesh& pp_mesh() const { return pp_mesh_; }                   ///< The 1-D pp mesh.
   at::Tensor forward(const at::Tensor& input) { return forward_(input); }  ///< Runs the stage.
+  /// The pp coordinate of the rank running stage `stage` (round-robin placement).
+  int64_t rank_of(int64_t stage) const { return stage % pp_mesh_.size(); }
 
   /// Ties `param` (a parameter of this stage, plain or DTensor) to the parameter of stage
   /// `peer_stage` tied with this stage: after every step's backward the two stages swap their
@@ -80,6 +94,12 @@ class PipelineStage {
   /// Swaps and sums the tied gradients (called by Schedule::step after the backward passes).
   void sync_tied_gradients();
 
+  /// Deferred gradient synchronisation: Schedule::step calls `hook(false)` when a step begins
+  /// and `hook(true)` before this stage's backward of the last micro-batch, so that a
+  /// data-parallel reduction of the stage's gradients (fsdp::set_requires_gradient_sync) runs
+  /// once per step, after the last micro-batch, instead of once per micro-batch.
+  void set_gradient_sync_hook(std::function<void(bool)> hook) { sync_hook_ = std::move(hook); }
+
   /// A label for messages: "pipeline stage 1 of 4".
   std::string label() const;
 
@@ -87,23 +107,26 @@ class PipelineStage {
   friend class Schedule;
   Forward forward_;
   DeviceMesh pp_mesh_;
-  int64_t stage_;
+  int64_t stage_, num_stages_;
   struct Tie {
     at::Tensor param;
     int64_t peer;
   };
   std::vector<Tie> ties_;
+  std::function<void(bool)> sync_hook_;
   // Shapes of the activations crossing this stage's boundaries, exchanged on the first step.
   std::optional<at::Tensor> input_like_, output_like_;
 };
 
-/// One unit of a schedule: the forward or the backward of micro-batch `microbatch`.
+/// One unit of a schedule: the forward or the backward of micro-batch `microbatch` through
+/// the rank's stage number `chunk` (0 unless the schedule runs several stages per rank).
 struct Action {
   bool backward;       ///< Backward pass, else forward.
   int64_t microbatch;  ///< 0 .. M - 1.
+  int64_t chunk = 0;   ///< Index into the schedule's stages on this rank.
   bool operator==(const Action& o) const = default;
 };
-/// "F0 F1 B0 B1".
+/// "F0 F1 B0 B1"; when some action has a chunk other than 0, each is "F<microbatch>.<chunk>".
 std::string format_actions(const std::vector<Action>& actions);
 
 /// Loss of one micro-batch from the last stage's output and the micro-batch's targets.
@@ -123,6 +146,8 @@ class Schedule {
   /// `n_microbatches` >= 1 splits every step's batch along dim 0 (it must divide the batch).
   /// `loss_fn` is called on the last stage only.
   Schedule(PipelineStage& stage, int64_t n_microbatches, LossFn loss_fn);
+  /// Several stages on this rank (virtual stages), in the order of their stage indices.
+  Schedule(std::vector<PipelineStage*> stages, int64_t n_microbatches, LossFn loss_fn);
   virtual ~Schedule() = default;
   Schedule(const Schedule&) = delete;
   Schedule& operator=(const Schedule&) = delete;
@@ -140,7 +165,8 @@ class Schedule {
   const StepTiming& last_timing() const { return timing_; }
 
  protected:
-  PipelineStage& stage_;
+  std::vector<PipelineStage*> stages_;  ///< This rank's stages (one unless interleaved).
+  PipelineStage& stage_;                ///< The first of them.
   int64_t n_microbatches_;
 
  private:
@@ -162,5 +188,28 @@ class Schedule1F1B : public Schedule {
   using Schedule::Schedule;
   std::vector<Action> actions() const override;
 };
+
+/// Interleaved 1F1B over v = stages.size() virtual stages per rank (stage k of rank r is
+/// k * pp + r of v * pp). Micro-batches go through in rounds of R = M / max(1, M / pp) (which
+/// must divide M): a forward runs chunk (f / R) mod v, a backward chunk v - 1 - (b / R) mod v,
+/// each on its next micro-batch. Rank r first runs min(v M, (v - 1) R + 2 (pp - 1 - r))
+/// forwards, then alternates one forward and one backward, then runs the remaining backwards.
+/// With v = 1 it is a 1F1B with a longer warm-up; pp >= 2.
+class ScheduleInterleaved1F1B : public Schedule {
+ public:
+  ScheduleInterleaved1F1B(std::vector<PipelineStage*> stages, int64_t n_microbatches,
+                          LossFn loss_fn);
+  std::vector<Action> actions() const override;
+  int64_t virtual_stages() const { return static_cast<int64_t>(stages_.size()); }  ///< v.
+};
+
+/// The actions of ScheduleInterleaved1F1B on pp rank `rank` of `pp`, with v virtual stages and
+/// M micro-batches (throws when the rounds do not divide M).
+std::vector<Action> interleaved_1f1b_actions(int64_t pp, int64_t rank, int64_t virtual_stages,
+                                             int64_t n_microbatches);
+
+/// The bubble a schedule leaves with equal stages, pp ranks, v virtual stages per rank and M
+/// micro-batches: (pp - 1) / (v M + pp - 1) (v = 1 for GPipe and 1F1B).
+double bubble_fraction(int64_t pp, int64_t virtual_stages, int64_t n_microbatches);
 
 }  // namespace dtensor::pp

@@ -1,0 +1,235 @@
+// The Llama pipeline composed with FSDP and TP on a 3-D mesh ("pp", "dp", "tp"), in
+// KempnerForge's order: each stage's blocks get TP (no sequence parallelism), then AC, then
+// fully_shard over "dp" (every block a unit with reshard_after_forward, the stage's root with
+// the embedding, norm and head). At (pp, dp, tp) = (2, 2, 1), (2, 1, 2) and (2, 2, 2), GPipe,
+// 1F1B and interleaved 1F1B (v = 2) with M = 2 micro-batches per dp rank, tied and untied
+// embeddings, three AdamW steps give the loss, every gradient and every parameter of one device
+// on the whole batch (float64, 1e-9). Per step, every rank issues exactly one all-gather and
+// one reduce-scatter per FSDP unit on its dp group (the schedule defers the gradient sync to
+// each stage's last micro-batch, and the units keep their gathered parameters meanwhile), and
+// the point-to-point messages of the pipeline alone; the TP all_reduces summed over the stages
+// of a pp group are the whole model's under the same plan, M times.
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+#include <torch/optim/adamw.h>
+
+#include <map>
+#include <string>
+#include <vector>
+
+#include "dtensor/ac/checkpoint.h"
+#include "dtensor/checkpoint/sharded_layout.h"
+#include "dtensor/dtensor.h"
+#include "dtensor/fsdp/fully_shard.h"
+#include "dtensor/models/llama_pipeline.h"
+#include "dtensor/pp/pipeline.h"
+#include "support/distributed.h"
+#include "support/model_compare.h"
+
+using namespace dtensor;
+using namespace dtensor::models;
+using namespace dtensor::testing;
+
+namespace {
+
+constexpr int64_t kBatch = 4, kSeq = 8, kMicrobatches = 2;
+
+LlamaConfig tiny(bool tied) {
+  auto c = LlamaConfig::preset("tiny");
+  c.vocab_size = 64;
+  c.n_layers = 4;
+  c.tie_embeddings = tied;
+  return c;
+}
+
+enum class Kind { GPipe, OneFOneB, Interleaved };
+const char* kind_name(Kind k) {
+  return k == Kind::GPipe ? "GPipe" : k == Kind::OneFOneB ? "1F1B" : "interleaved";
+}
+
+// This rank's stages of the tiny Llama from seed 11 on `mesh`, parallelized in KempnerForge's
+// order, and their schedule.
+struct Built {
+  std::vector<LlamaStage> stages;
+  std::vector<std::unique_ptr<pp::PipelineStage>> pipes;
+  std::unique_ptr<pp::Schedule> schedule;
+  int64_t fsdp_units = 0;  // on this rank
+
+  bool holds_last() const { return pipes.back()->is_last(); }
+  std::vector<at::Tensor> parameters() const {
+    std::vector<at::Tensor> out;
+    for (const auto& st : stages)
+      for (const auto& p : st->parameters()) out.push_back(p);
+    return out;
+  }
+  // By the whole model's names (the last stage's copy of a tied embedding is
+  // tok_embeddings.weight).
+  Params params() const {
+    Params out;
+    for (const auto& st : stages)
+      for (const auto& [name, p] : params_of(*st))
+        out[st->tied_across_stages() && name == "output.weight" ? "tok_embeddings.weight" : name] =
+            p;
+    return out;
+  }
+};
+
+Built build(const DeviceMesh& mesh, const LlamaConfig& config, Kind kind, bool ac) {
+  Transformer whole(config);
+  whole->to(at::kDouble);
+  whole->init_weights(11);
+  Built b;
+  b.stages = split_llama_stages(*whole, mesh, kind == Kind::Interleaved ? 2 : 1);
+  const DeviceMesh dp_mesh = mesh["dp"];
+  std::vector<pp::PipelineStage*> ptrs;
+  for (auto& st : b.stages) {
+    if (mesh.size(mesh.dim_index("tp")) > 1)
+      apply_tensor_parallel(*st, mesh, {.loss_parallel = true});
+    if (ac) ac::apply_ac<TransformerBlockImpl>(*st, ac::ACMode::full);
+    for (const auto& item : *st->layers)
+      fsdp::fully_shard(*item.value()->as<TransformerBlockImpl>(), dp_mesh,
+                        {.reshard_after_forward = true});
+    fsdp::fully_shard(*st, dp_mesh);
+    b.fsdp_units += fsdp::set_requires_gradient_sync(*st, true);
+    b.pipes.push_back(make_llama_pipeline_stage(st, mesh));
+    ptrs.push_back(b.pipes.back().get());
+  }
+  auto loss = [](const at::Tensor& out, const at::Tensor& target) {
+    return token_cross_entropy(out, target);
+  };
+  if (kind == Kind::GPipe) {
+    b.schedule = std::make_unique<pp::ScheduleGPipe>(*ptrs[0], kMicrobatches, loss);
+  } else if (kind == Kind::OneFOneB) {
+    b.schedule = std::make_unique<pp::Schedule1F1B>(*ptrs[0], kMicrobatches, loss);
+  } else {
+    b.schedule = std::make_unique<pp::ScheduleInterleaved1F1B>(ptrs, kMicrobatches, loss);
+  }
+  return b;
+}
+
+// What this rank holds of the one-device tensor `full` laid out like parameter `p`: an FSDP
+// shard's rows (of its tp-local part), a DTensor's local tensor, or all of it.
+at::Tensor mine_of(const at::Tensor& p, const at::Tensor& full) {
+  if (auto layout = checkpoint::sharded_layout_of(p)) return layout->part(full);
+  return full;
+}
+at::Tensor local_of(const at::Tensor& t) { return is_dtensor(t) ? local_tensor(t) : t; }
+
+int64_t count(const CommCounts& c, CommType t) {
+  auto it = c.find(t);
+  return it == c.end() ? 0 : it->second;
+}
+
+void expect_layout_matches(int64_t pp, int64_t dp, int64_t tp) {
+  run_ranks(static_cast<int>(pp * dp * tp), [pp, dp, tp](int) {
+    auto mesh = init_device_mesh("cpu", {pp, dp, tp}, {"pp", "dp", "tp"});
+    const int64_t dp_rank = mesh.get_local_rank("dp"), rows = kBatch / dp;
+    auto& dp_group = mesh.group(mesh.dim_index("dp"));
+    for (bool tied : {false, true}) {
+      for (Kind kind : {Kind::GPipe, Kind::OneFOneB, Kind::Interleaved}) {
+        const bool ac = tied;  // AC on half of the cases keeps the suite short
+        SCOPED_TRACE("(pp, dp, tp) = (" + std::to_string(pp) + ", " + std::to_string(dp) + ", " +
+                     std::to_string(tp) + ") " + kind_name(kind) + (tied ? " tied" : " untied") +
+                     (ac ? " AC" : ""));
+        const auto config = tiny(tied);
+        Transformer ref(config);
+        ref->to(at::kDouble);
+        ref->init_weights(11);
+        Built b = build(mesh, config, kind, ac);
+        // FSDP units on this rank: each of its stages' blocks, and the stage itself where it
+        // holds the embedding or the norm and head (stages 0 and S - 1).
+        const int64_t v = kind == Kind::Interleaved ? 2 : 1, stages = v * pp;
+        int64_t units = 0;
+        for (int64_t k = 0; k < v; ++k) {
+          const int64_t g = k * pp + mesh.get_local_rank("pp");
+          const auto [first, end] = pp::stage_layer_range(config.n_layers, g, stages);
+          units += (end - first) + (g == 0 || g == stages - 1 ? 1 : 0);
+        }
+        EXPECT_EQ(b.fsdp_units, units);
+        const auto opt = torch::optim::AdamWOptions(1e-2).weight_decay(0.1);
+        torch::optim::AdamW ref_opt(ref->parameters(), opt), opt_stage(b.parameters(), opt);
+        const auto ref_params = params_of(*ref), params = b.params();
+        for (const auto& [name, p] : params) {
+          SCOPED_TRACE(name);
+          ASSERT_TRUE(ref_params.count(name));
+          EXPECT_TRUE(close_to_scale(local_of(p), mine_of(p, ref_params.at(name)), 0.0));
+        }
+        CommCounts counts;
+        for (int step = 0; step < 3; ++step) {
+          SCOPED_TRACE("step " + std::to_string(step));
+          auto tokens = at::randint(config.vocab_size, {kBatch, kSeq}, at::kLong);
+          auto targets = at::randint(config.vocab_size, {kBatch, kSeq}, at::kLong);
+          ref_opt.zero_grad();
+          opt_stage.zero_grad();
+          auto ref_loss = loss_and_backward(ref->forward(tokens), targets);
+          CommDebugMode debug;
+          auto loss = b.schedule->step(tokens.narrow(0, dp_rank * rows, rows),
+                                       targets.narrow(0, dp_rank * rows, rows));
+          for (auto& st : b.stages) reduce_partial_grads(*st);
+          debug.exit();
+          counts = debug.get_comm_counts();
+          // One all-gather and one reduce-scatter per unit and step (dp > 1: a 1-rank group's
+          // collectives are not issued).
+          if (dp > 1) {
+            EXPECT_EQ(count(counts, CommType::all_gather_into_tensor), units) << debug.table();
+            EXPECT_EQ(count(counts, CommType::reduce_scatter_tensor), units) << debug.table();
+          }
+          // The pipeline's messages: M per boundary of each of this rank's stages and direction,
+          // one per tied stage, and (first step) the activation shapes.
+          const int64_t r = mesh.get_local_rank("pp");
+          const int64_t first = r == 0 ? 1 : 0, last = r == pp - 1 ? 1 : 0;
+          const int64_t messages =
+              kMicrobatches * (2 * v - first - last) + (tied ? first + last : 0);
+          EXPECT_EQ(count(counts, CommType::send), messages + (step == 0 ? v - last : 0));
+          EXPECT_EQ(count(counts, CommType::recv), messages + (step == 0 ? v - first : 0));
+          EXPECT_EQ(loss.defined(), b.holds_last());
+          if (loss.defined()) {
+            at::Tensor mean = comm::all_reduce(loss, ReduceOp::Sum, dp_group) / dp;
+            EXPECT_TRUE(close_to_scale(mean, ref_loss, 1e-9)) << "loss";
+          }
+          for (const auto& [name, p] : params) {
+            SCOPED_TRACE(name);
+            ASSERT_TRUE(p.grad().defined());
+            EXPECT_TRUE(
+                close_to_scale(local_of(p.grad()), mine_of(p, ref_params.at(name).grad()), 1e-9))
+                << "gradient";
+          }
+          ref_opt.step();
+          opt_stage.step();
+          for (const auto& [name, p] : params) {
+            SCOPED_TRACE(name);
+            EXPECT_TRUE(close_to_scale(local_of(p), mine_of(p, ref_params.at(name)), 1e-9))
+                << "parameter after the step";
+          }
+        }
+        // TP's collectives (all_reduce only without sequence parallelism; FSDP's are
+        // all-gathers and reduce-scatters) summed over the stages of a pp group: the whole model
+        // under the same plan on one micro-batch, M times (AC's recomputes replay them).
+        const int64_t mine = count(counts, CommType::all_reduce);
+        const int64_t total = comm::all_reduce(at::tensor({mine}, at::kLong), ReduceOp::Sum,
+                                               mesh.group(mesh.dim_index("pp")))
+                                  .item<int64_t>();
+        int64_t expected = 0;
+        if (tp > 1) {
+          Transformer whole(config);
+          whole->to(at::kDouble);
+          apply_tensor_parallel(*whole, mesh, {.sequence_parallel = false, .loss_parallel = true});
+          auto tokens = at::randint(config.vocab_size, {rows / kMicrobatches, kSeq}, at::kLong);
+          CommDebugMode debug;
+          loss_and_backward(whole->forward(tokens), tokens);
+          reduce_partial_grads(*whole);
+          debug.exit();
+          expected = kMicrobatches * count(debug.get_comm_counts(), CommType::all_reduce);
+          EXPECT_GT(expected, 0);
+        }
+        EXPECT_EQ(total, expected) << "TP all_reduces over the stages of a pp group";
+      }
+    }
+  });
+}
+
+}  // namespace
+
+TEST(LlamaPipelineFsdp, TrainingMatchesOneDevicePp2Dp2) { expect_layout_matches(2, 2, 1); }
+TEST(LlamaPipelineFsdp, TrainingMatchesOneDevicePp2Tp2) { expect_layout_matches(2, 1, 2); }
+TEST(LlamaPipelineFsdp, TrainingMatchesOneDevicePp2Dp2Tp2) { expect_layout_matches(2, 2, 2); }
