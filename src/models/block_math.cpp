@@ -53,7 +53,8 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   keys = repeat_kv(keys, nq / nkv);
   values = repeat_kv(values, nq / nkv);
   at::Tensor out = at::scaled_dot_product_attention(
-      q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2), mask,
+      q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
+      mask.defined() ? std::optional<at::Tensor>(mask) : std::nullopt,
       /*dropout_p=*/0.0, /*is_causal=*/!mask.defined());
   return out.transpose(1, 2).contiguous().view({B, S, -1});
 }

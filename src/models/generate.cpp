@@ -10,11 +10,11 @@
 #include <map>
 #include <string>
 
+#include "block_math.h"
 #include "dtensor/comm/collectives.h"
 #include "dtensor/core/api.h"
 #include "dtensor/core/dtensor_impl.h"
 #include "dtensor/core/shard_math.h"
-#include "block_math.h"
 
 namespace dtensor::models {
 
@@ -95,10 +95,12 @@ Decoder::Decoder(const TransformerImpl& model) : config_(model.config()) {
         kv(a.wk->bias, p + "attention.wk.bias"),
         kv(a.wv->bias, p + "attention.wv.bias"),
         optional(a.wo->bias, whole, p + "attention.wo.bias"),
-        a.q_norm.is_empty() ? at::Tensor()
-                            : local_part(a.q_norm->weight, whole, tp_, p + "attention.q_norm.weight"),
-        a.k_norm.is_empty() ? at::Tensor()
-                            : local_part(a.k_norm->weight, whole, tp_, p + "attention.k_norm.weight"),
+        a.q_norm.is_empty()
+            ? at::Tensor()
+            : local_part(a.q_norm->weight, whole, tp_, p + "attention.q_norm.weight"),
+        a.k_norm.is_empty()
+            ? at::Tensor()
+            : local_part(a.k_norm->weight, whole, tp_, p + "attention.k_norm.weight"),
         a.window,
     });
   }
@@ -162,12 +164,16 @@ at::Tensor Decoder::forward(const at::Tensor& tokens_in, KVCache& cache) {
     const at::Tensor q = detail::heads(at::linear(x, w.wq, w.bq), hd, w.q_norm, eps_, rope);
     const at::Tensor k = detail::heads(at::linear(x, w.wk, w.bk), hd, w.k_norm, eps_, rope);
     const at::Tensor v = detail::heads(at::linear(x, w.wv, w.bv), hd, {}, eps_, {});
-    detail::LayerCache slots{cache.keys(static_cast<int64_t>(l)),
-                             cache.values(static_cast<int64_t>(l)), t0};
-    const at::Tensor attn = detail::attend(q, k, v, masks.at(w.window), &slots);
-    at::Tensor o = all_reduce(at::linear(attn, w.wo));
-    if (w.bo.defined()) o = o + w.bo;  // once, after the sum of the heads' parts
-    h = h + o;
+    detail::LayerCache layer_cache{cache.keys(static_cast<int64_t>(l)),
+                                   cache.values(static_cast<int64_t>(l)), t0};
+    const at::Tensor attn = detail::attend(q, k, v, masks.at(w.window), &layer_cache);
+    if (tp_ == 1) {
+      h = h + at::linear(attn, w.wo, w.bo);
+    } else {
+      at::Tensor o = all_reduce(at::linear(attn, w.wo));
+      if (w.bo.defined()) o = o + w.bo;  // once, after the sum of the heads' parts
+      h = h + o;
+    }
     x = at::rms_norm(h, {config_.dim}, w.ffn_norm, eps_);
     h = h + all_reduce(at::linear(
                 detail::gated_activation(at::linear(x, w.w1), at::linear(x, w.w3)), w.w2));

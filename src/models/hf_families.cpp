@@ -2,9 +2,11 @@
 // name table, and config.json read into / written from DecoderConfig.
 #include "hf_families.h"
 
+#include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 #include <c10/util/StringUtil.h>
 
+#include <algorithm>
 #include <map>
 
 #include "dtensor/models/hf_checkpoint.h"
@@ -94,7 +96,8 @@ HfConfigRead parse_hf_config(const json& j, const std::string& path) {
   if (has("architectures")) {
     TORCH_CHECK(j.at("architectures").is_array(), where, ": \"architectures\" must be a list");
     std::vector<std::string> archs;
-    for (const auto& a : j.at("architectures")) archs.push_back(a.is_string() ? a.get<std::string>() : a.dump());
+    for (const auto& a : j.at("architectures"))
+      archs.push_back(a.is_string() ? a.get<std::string>() : a.dump());
     for (const auto& f : hf_families())
       for (const auto& a : archs) family = family ? family : (a == f.architecture ? &f : nullptr);
     TORCH_CHECK(family, where, ": architecture ", c10::Join(", ", archs),
@@ -107,8 +110,8 @@ HfConfigRead parse_hf_config(const json& j, const std::string& path) {
                 " is not one of the supported families: ", supported_architectures());
   }
   for (const auto& [key, what] : unbuilt_keys()) {
-    TORCH_CHECK(!j.contains(key) || !is_set(j.at(key)), where, ": \"", key, "\": ",
-                j.at(key).dump(), " asks for ", what, ", which is not built");
+    TORCH_CHECK(!j.contains(key) || !is_set(j.at(key)), where, ": \"", key,
+                "\": ", j.at(key).dump(), " asks for ", what, ", which is not built");
   }
   if (has("partial_rotary_factor")) {
     TORCH_CHECK(get_double(j, "partial_rotary_factor", "") == 1.0, where,
@@ -270,9 +273,9 @@ std::string hf_config_json(const LlamaConfig& c, const HfFamily& f, const std::s
 }
 
 bool has_rotary_rows(const std::string& name) {
-  for (const char* suffix : {"attention.wq.weight", "attention.wk.weight", "attention.wq.bias",
-                             "attention.wk.bias", "attention.q_norm.weight",
-                             "attention.k_norm.weight"}) {
+  for (const char* suffix :
+       {"attention.wq.weight", "attention.wk.weight", "attention.wq.bias", "attention.wk.bias",
+        "attention.q_norm.weight", "attention.k_norm.weight"}) {
     if (name.ends_with(suffix)) return true;
   }
   return false;

@@ -15,8 +15,8 @@ namespace dtensor::models::detail {
 
 // Which layers slide when config.json has no "layer_types".
 enum class WindowRule {
-  kNone,            // no sliding window (Llama)
-  kEveryLayer,      // sliding_window on every layer (Mistral)
+  kNone,                 // no sliding window (Llama)
+  kEveryLayer,           // sliding_window on every layer (Mistral)
   kFromMaxWindowLayers,  // use_sliding_window: layers >= max_window_layers (Qwen2, Qwen3)
 };
 

@@ -11,11 +11,11 @@
 #include <string>
 #include <vector>
 
+#include "dtensor/checkpoint/rank0_outcome.h"
+#include "dtensor/checkpoint/safetensors.h"
 #include "dtensor/core/api.h"
 #include "dtensor/core/dtensor_impl.h"
 #include "dtensor/models/hf_checkpoint.h"
-#include "dtensor/checkpoint/safetensors.h"
-#include "dtensor/checkpoint/rank0_outcome.h"
 #include "hf_families.h"
 
 namespace dtensor::models {
@@ -121,7 +121,8 @@ void save_hf_llama(const std::string& dir, const TransformerImpl& model,
   if (writes && !error) {
     try {
       writer->finish({{"format", "pt"}});
-      write_text_atomically((fs::path(dir) / "config.json").string(), detail::hf_config_json(config, *family, torch_dtype_name(dtype)));
+      write_text_atomically((fs::path(dir) / "config.json").string(),
+                            detail::hf_config_json(config, *family, torch_dtype_name(dtype)));
     } catch (...) {
       error = std::current_exception();
     }

@@ -6,12 +6,12 @@
 #include <cmath>
 #include <string>
 
+#include "block_math.h"
 #include "dtensor/core/api.h"
 #include "dtensor/core/dtensor_impl.h"
 #include "dtensor/tp/loss_parallel.h"
 #include "dtensor/tp/overlap.h"
 #include "llama_meta.h"
-#include "block_math.h"
 
 namespace dtensor::models {
 
@@ -282,11 +282,11 @@ void TransformerImpl::init_weights(uint64_t seed) {
     set(p + "feed_forward.w1.weight", block->feed_forward->w1->weight, truncated(0.02));
     set(p + "feed_forward.w2.weight", block->feed_forward->w2->weight, truncated(init_std));
     set(p + "feed_forward.w3.weight", block->feed_forward->w3->weight, truncated(init_std));
-    const auto& a = *block->attention;
+    auto& a = *block->attention;
     auto zeros = [](at::IntArrayRef shape, at::Generator) { return at::zeros(shape, at::kDouble); };
-    using Named = std::pair<const char*, dtensor::nn::Linear>;
-    for (const auto& [name, linear] :
-         std::initializer_list<Named>{{"wq", a.wq}, {"wk", a.wk}, {"wv", a.wv}, {"wo", a.wo}}) {
+    std::pair<const char*, dtensor::nn::Linear> projections[] = {
+        {"wq", a.wq}, {"wk", a.wk}, {"wv", a.wv}, {"wo", a.wo}};
+    for (auto& [name, linear] : projections) {
       if (linear->bias.defined()) set(p + "attention." + name + ".bias", linear->bias, zeros);
     }
     if (!a.q_norm.is_empty()) {

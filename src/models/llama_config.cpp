@@ -92,8 +92,8 @@ void LlamaConfig::validate() const {
   TORCH_CHECK(sliding_window >= 0, "LlamaConfig: sliding_window must be >= 0 (0: none), got ",
               sliding_window);
   TORCH_CHECK(sliding_layers.empty() || static_cast<int64_t>(sliding_layers.size()) == n_layers,
-              "LlamaConfig: sliding_layers has ", sliding_layers.size(), " entries for n_layers=",
-              n_layers);
+              "LlamaConfig: sliding_layers has ", sliding_layers.size(),
+              " entries for n_layers=", n_layers);
   TORCH_CHECK(n_kv_heads >= 0, "LlamaConfig: n_kv_heads must be >= 0 (0 means n_heads), got ",
               n_kv_heads);
   TORCH_CHECK(n_heads % kv_heads() == 0, "LlamaConfig: n_heads=", n_heads,

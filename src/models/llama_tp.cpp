@@ -51,8 +51,8 @@ class ReplicatedKVProjection : public tp::ParallelStyle {
     for (const char* name : {"weight", "bias"}) {
       const at::Tensor& p = std::string(name) == "weight" ? linear.weight : linear.bias;
       if (p.defined())
-        replace_parameter(linear, name, distribute_tensor(p.detach(), mesh, {Replicate()},
-                                                          src_data_rank));
+        replace_parameter(linear, name,
+                          distribute_tensor(p.detach(), mesh, {Replicate()}, src_data_rank));
     }
     // The projection runs on local tensors: the input and the weight enter through to_local
     // with Partial gradients, so backward hands pending sums on (the input's joins the query

@@ -87,9 +87,9 @@ struct HfSaveOptions {
 };
 
 /// Writes `dir`/config.json and `dir`/model.safetensors (metadata {"format": "pt"}) that
-/// transformers' from_pretrained (the family's ForCausalLM class) loads unchanged: HF names, q/k rows back in
-/// rotate-half order, no lm_head when the embedding is tied. Collective, from any TP degree:
-/// every rank calls it, parameters are gathered with full_tensor, global rank 0 writes (the
+/// transformers' from_pretrained (the family's ForCausalLM class) loads unchanged: HF names, q/k
+/// rows back in rotate-half order, no lm_head when the embedding is tied. Collective, from any TP
+/// degree: every rank calls it, parameters are gathered with full_tensor, global rank 0 writes (the
 /// safetensors file atomically) and every rank throws if rank 0 failed.
 void save_hf_llama(const std::string& dir, const TransformerImpl& model,
                    const HfSaveOptions& options = {});

@@ -61,7 +61,7 @@ struct LlamaConfig {
   double rope_theta = 10000;                      ///< Rotary embedding base.
   std::optional<Llama3RopeScaling> rope_scaling;  ///< JSON: null or an object of its fields.
   bool tie_embeddings = false;                    ///< output.weight is tok_embeddings.weight.
-  int64_t head_size = 0;  // per-head width (HF head_dim); 0: dim / n_heads
+  int64_t head_size = 0;                          // per-head width (HF head_dim); 0: dim / n_heads
   bool qkv_bias = false;  ///< wq, wk and wv have biases (Qwen2; HF attention_bias).
   bool wo_bias = false;   ///< wo has a bias (HF attention_bias of Llama and Qwen3).
   bool qk_norm = false;   ///< RMSNorm over each query and key head before rotary (Qwen3).
@@ -81,8 +81,8 @@ struct LlamaConfig {
   /// Every field as a JSON object (see from_json).
   std::string to_json() const;
 
-  int64_t kv_heads() const;    // n_kv_heads resolved
-  int64_t head_dim() const;    // head_size, or dim / n_heads
+  int64_t kv_heads() const;  // n_kv_heads resolved
+  int64_t head_dim() const;  // head_size, or dim / n_heads
   /// The sliding window of layer `layer`: sliding_window where that layer slides, else 0.
   int64_t window(int64_t layer) const;
   int64_t hidden_dim() const;  // ffn_hidden_dim resolved
