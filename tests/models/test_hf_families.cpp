@@ -9,6 +9,7 @@
 // saving from TP=2 writes back the very tensors and config; bad input is refused naming the file,
 // the key (and its value) or the tensor.
 #include <ATen/ATen.h>
+#include <ATen/CPUGeneratorImpl.h>
 #include <gtest/gtest.h>
 
 #include <filesystem>
@@ -168,6 +169,79 @@ INSTANTIATE_TEST_SUITE_P(Fixtures, FamilyGradients,
                          ::testing::Values(Case{"qwen3", 2}, Case{"qwen3", 4}, Case{"qwen2", 3},
                                            Case{"mistral", 3}),
                          case_name);
+
+// Every feature at once (decoupled head size, q/k/v and o biases as Llama's attention_bias gives,
+// q/k norms, a sliding window on layer 0 only), from one seed: at TP 2 and 4 (KV heads
+// replicated) the logits and every gradient equal one device's, and generation (whose Decoder adds
+// wo's bias once after the all-reduce) gives one device's tokens, which equal greedy decoding by
+// recomputing the whole forward.
+LlamaConfig all_features() {
+  LlamaConfig c;
+  c.vocab_size = 64;
+  c.dim = 32;
+  c.n_layers = 2;
+  c.n_heads = 4;
+  c.n_kv_heads = 2;
+  c.head_size = 12;
+  c.ffn_hidden_dim = 48;
+  c.max_seq_len = 32;
+  c.qkv_bias = c.wo_bias = c.qk_norm = true;
+  c.sliding_window = 3;
+  c.sliding_layers = {true, false};
+  return c;
+}
+
+Transformer all_features_model() {
+  Transformer model(all_features());
+  model->to(at::kDouble);
+  model->init_weights(3);
+  at::NoGradGuard no_grad;
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(11);
+  for (const auto& p : model->named_parameters()) {
+    // Biases start at 0 and norms at 1, where a misplaced one would not show.
+    if (p.key().ends_with(".bias")) p.value().normal_(0.0, 0.5, gen);
+    if (p.key().ends_with("_norm.weight")) p.value().uniform_(0.5, 2.0, gen);
+  }
+  return model;
+}
+
+TEST(HfFamilies, AllFeaturesUnderTPEqualOneDevice) {
+  const at::Tensor tokens = at::randint(64, {2, 12}, at::kLong);
+  const at::Tensor targets = at::roll(tokens, -1, 1);
+  Transformer whole = all_features_model();
+  const at::Tensor want_logits = whole->forward(tokens);
+  loss_and_backward(want_logits, targets);
+  const std::vector<int64_t> prompt{5, 9, 2, 33, 7, 1};
+  GenerateOptions options;
+  options.max_new_tokens = 8;
+  const auto want_tokens = generate(*whole, {prompt}, options).tokens[0];
+  {
+    at::NoGradGuard no_grad;
+    std::vector<int64_t> seq = prompt;
+    for (int i = 0; i < 8; ++i)
+      seq.push_back(whole->forward(at::tensor(seq).unsqueeze(0))[0][-1].argmax().item<int64_t>());
+    EXPECT_EQ(want_tokens, std::vector<int64_t>(seq.begin() + 6, seq.end()));
+  }
+  for (int tp : {2, 4}) {
+    run_ranks(tp, [&](int) {
+      auto mesh = init_device_mesh("cpu", {tp});
+      Transformer model = all_features_model();
+      apply_tensor_parallel(*model, mesh);
+      const at::Tensor logits = model->forward(tokens);
+      EXPECT_LE((full_tensor(logits) - want_logits).abs().max().item<double>(), 1e-12);
+      loss_and_backward(logits, targets);
+      reduce_partial_grads(*model);
+      for (const auto& p : whole->named_parameters()) {
+        const at::Tensor g = model->named_parameters()[p.key()].grad();
+        EXPECT_LE(
+            ((is_dtensor(g) ? full_tensor(g) : g) - p.value().grad()).abs().max().item<double>(),
+            1e-12)
+            << "tp=" << tp << " " << p.key();
+      }
+      EXPECT_EQ(generate(*model, {prompt}, options).tokens[0], want_tokens) << "tp=" << tp;
+    });
+  }
+}
 
 TEST(HfFamilies, ReadsEachConfig) {
   const auto qwen3 = read_hf_llama_config(kModels + "qwen3");

@@ -1,7 +1,9 @@
 #pragma once
-// Hugging Face Llama checkpoints (a `save_pretrained` directory of LlamaForCausalLM: config.json
-// and model.safetensors, or shards listed in model.safetensors.index.json) loaded into our
-// Llama, whole or tensor-parallel:
+// Hugging Face decoder checkpoints (a `save_pretrained` directory of LlamaForCausalLM,
+// Qwen3ForCausalLM, Qwen2ForCausalLM or MistralForCausalLM: config.json and model.safetensors, or
+// shards listed in model.safetensors.index.json) loaded into our decoder, whole or
+// tensor-parallel (the families and what each config key means: docs/ARCHITECTURE.md, "One
+// decoder, many families"):
 //
 //   auto mesh = init_device_mesh("cpu", {comm::get_world_size()});
 //   auto hf = load_hf_llama("Llama-3.2-1B", mesh, {.dtype = at::kFloat});
@@ -14,8 +16,8 @@
 // load_hf_llama allocates no more than that either: the model is built on the meta device
 // (meta_init.h), cut by the plan, and the slices read become its parameters.
 // Parameter names map from HF's ("model.layers.0.self_attn.q_proj.weight") to ours
-// ("layers.0.attention.wq.weight"); q/k rows are permuted from HF's rotate-half order to the
-// interleaved pairs our rotary embedding uses; any floating source dtype is cast to the model's.
+// ("layers.0.attention.wq.weight"); q/k rows (and q/k biases and norm weights) are permuted from
+// HF's rotate-half order to the interleaved pairs our rotary embedding uses; any floating source dtype is cast to the model's.
 #include <c10/core/ScalarType.h>
 
 #include <cstdint>
