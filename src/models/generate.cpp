@@ -7,13 +7,14 @@
 #include <algorithm>
 #include <chrono>
 #include <limits>
+#include <map>
 #include <string>
 
+#include "block_math.h"
 #include "dtensor/comm/collectives.h"
 #include "dtensor/core/api.h"
 #include "dtensor/core/dtensor_impl.h"
 #include "dtensor/core/shard_math.h"
-#include "rotary.h"
 
 namespace dtensor::models {
 
@@ -32,11 +33,6 @@ at::Tensor local_part(const at::Tensor& param, std::optional<int64_t> shard_dim,
               " as apply_tensor_parallel places it; parallelize the model with "
               "apply_tensor_parallel");
   return local_tensor(param).detach();
-}
-
-// x: (B, S, H, D), rope: (B, S, D/2, 2): per-row positions, rotated as the model does.
-at::Tensor rotate(const at::Tensor& x, const at::Tensor& rope) {
-  return detail::rotate_pairs(x, rope.select(-1, 0).unsqueeze(2), rope.select(-1, 1).unsqueeze(2));
 }
 
 uint64_t mix(uint64_t a, uint64_t b) {
@@ -71,7 +67,8 @@ Decoder::Decoder(const TransformerImpl& model) : config_(model.config()) {
     const std::string p = "layers." + std::to_string(i) + ".";
     const auto& a = *block->attention;
     const auto& f = *block->feed_forward;
-    auto kv = [&](const at::Tensor& w, const std::string& name) {
+    auto kv = [&](const at::Tensor& w, const std::string& name) -> at::Tensor {
+      if (!w.defined()) return {};
       if (kv_sharded) return local_part(w, rows, tp_, name);
       // Replicated projection: keep the rows of the heads this rank's query heads use.
       at::Tensor whole = local_part(w, std::nullopt, tp_, name);
@@ -79,16 +76,32 @@ Decoder::Decoder(const TransformerImpl& model) : config_(model.config()) {
           .index_select(0, kv_index.to(whole.device()))
           .flatten(0, 1);
     };
+    auto optional = [&](const at::Tensor& w, std::optional<int64_t> dim,
+                        const std::string& name) -> at::Tensor {
+      return w.defined() ? local_part(w, dim, tp_, name) : at::Tensor();
+    };
+    const std::optional<int64_t> whole = std::nullopt;
     layers_.push_back({
-        local_part(block->attention_norm->weight, std::nullopt, tp_, p + "attention_norm.weight"),
+        local_part(block->attention_norm->weight, whole, tp_, p + "attention_norm.weight"),
         local_part(a.wq->weight, rows, tp_, p + "attention.wq.weight"),
         kv(a.wk->weight, p + "attention.wk.weight"),
         kv(a.wv->weight, p + "attention.wv.weight"),
         local_part(a.wo->weight, cols, tp_, p + "attention.wo.weight"),
-        local_part(block->ffn_norm->weight, std::nullopt, tp_, p + "ffn_norm.weight"),
+        local_part(block->ffn_norm->weight, whole, tp_, p + "ffn_norm.weight"),
         local_part(f.w1->weight, rows, tp_, p + "feed_forward.w1.weight"),
         local_part(f.w2->weight, cols, tp_, p + "feed_forward.w2.weight"),
         local_part(f.w3->weight, rows, tp_, p + "feed_forward.w3.weight"),
+        optional(a.wq->bias, rows, p + "attention.wq.bias"),
+        kv(a.wk->bias, p + "attention.wk.bias"),
+        kv(a.wv->bias, p + "attention.wv.bias"),
+        optional(a.wo->bias, whole, p + "attention.wo.bias"),
+        a.q_norm.is_empty()
+            ? at::Tensor()
+            : local_part(a.q_norm->weight, whole, tp_, p + "attention.q_norm.weight"),
+        a.k_norm.is_empty()
+            ? at::Tensor()
+            : local_part(a.k_norm->weight, whole, tp_, p + "attention.k_norm.weight"),
+        a.window,
     });
   }
   rope_ = model.rope(c.max_seq_len, norm_.options());
@@ -137,36 +150,33 @@ at::Tensor Decoder::forward(const at::Tensor& tokens_in, KVCache& cache) {
   const at::Tensor slots = at::arange(t0, t0 + S, tokens.options());
   const at::Tensor positions = (slots.unsqueeze(0) - pad.unsqueeze(1)).clamp_min(0);
   const at::Tensor rope = rope_.index_select(0, positions.flatten()).view({B, S, hd / 2, 2});
-  // Query slot t sees key slots pad[b] <= s <= t, and always itself (a padding query then has
-  // one key, not none, so its softmax stays finite and its value never reaches a real row).
-  const at::Tensor keys = at::arange(t0 + S, tokens.options()).view({1, 1, -1});
-  const at::Tensor q_slots = slots.view({1, -1, 1});
-  const at::Tensor mask =
-      (((keys <= q_slots) & (keys >= pad.view({-1, 1, 1}))) | (keys == q_slots)).unsqueeze(1);
+  // One mask per distinct window (block_math.h: padding slots never seen, sliding windows).
+  std::map<int64_t, at::Tensor> masks;
+  for (const Layer& w : layers_) {
+    if (!masks.count(w.window))
+      masks[w.window] = detail::attention_mask(t0, S, pad, w.window, device);
+  }
 
   at::Tensor h = embed(tokens);
   for (size_t l = 0; l < layers_.size(); ++l) {
     const Layer& w = layers_[l];
     at::Tensor x = at::rms_norm(h, {config_.dim}, w.attention_norm, eps_);
-    at::Tensor q = rotate(at::linear(x, w.wq).view({B, S, -1, hd}), rope);
-    at::Tensor k = rotate(at::linear(x, w.wk).view({B, S, -1, hd}), rope);
-    at::Tensor v = at::linear(x, w.wv).view({B, S, -1, hd});
-    at::Tensor& ck = cache.keys(static_cast<int64_t>(l));
-    at::Tensor& cv = cache.values(static_cast<int64_t>(l));
-    ck.narrow(1, t0, S).copy_(k);
-    cv.narrow(1, t0, S).copy_(v);
-    // (B, H, T, D) views of the filled slots; query head j uses local KV head j / n_rep.
-    const int64_t n_rep = q.size(2) / ck.size(2);
-    at::Tensor kk = ck.narrow(1, 0, t0 + S).transpose(1, 2);
-    at::Tensor vv = cv.narrow(1, 0, t0 + S).transpose(1, 2);
-    if (n_rep > 1) {
-      kk = kk.repeat_interleave(n_rep, 1);
-      vv = vv.repeat_interleave(n_rep, 1);
+    const at::Tensor q = detail::heads(at::linear(x, w.wq, w.bq), hd, w.q_norm, eps_, rope);
+    const at::Tensor k = detail::heads(at::linear(x, w.wk, w.bk), hd, w.k_norm, eps_, rope);
+    const at::Tensor v = detail::heads(at::linear(x, w.wv, w.bv), hd, {}, eps_, {});
+    detail::LayerCache layer_cache{cache.keys(static_cast<int64_t>(l)),
+                                   cache.values(static_cast<int64_t>(l)), t0};
+    const at::Tensor attn = detail::attend(q, k, v, masks.at(w.window), &layer_cache);
+    if (tp_ == 1) {
+      h = h + at::linear(attn, w.wo, w.bo);
+    } else {
+      at::Tensor o = all_reduce(at::linear(attn, w.wo));
+      if (w.bo.defined()) o = o + w.bo;  // once, after the sum of the heads' parts
+      h = h + o;
     }
-    at::Tensor attn = at::scaled_dot_product_attention(q.transpose(1, 2), kk, vv, mask);
-    h = h + all_reduce(at::linear(attn.transpose(1, 2).reshape({B, S, -1}), w.wo));
     x = at::rms_norm(h, {config_.dim}, w.ffn_norm, eps_);
-    h = h + all_reduce(at::linear(at::silu(at::linear(x, w.w1)) * at::linear(x, w.w3), w.w2));
+    h = h + all_reduce(at::linear(
+                detail::gated_activation(at::linear(x, w.w1), at::linear(x, w.w3)), w.w2));
   }
   cache.advance(S);
 

@@ -20,6 +20,7 @@
 #include "dtensor/core/api.h"
 #include "dtensor/core/dtensor_impl.h"
 #include "dtensor/models/meta_init.h"
+#include "hf_families.h"
 #include "llama_meta.h"
 
 namespace dtensor::models {
@@ -43,31 +44,6 @@ json read_json(const std::string& path, const std::string& what) {
   } catch (const json::exception& e) {
     TORCH_CHECK(false, what, " '", path, "' is not valid JSON: ", e.what());
   }
-}
-
-c10::ScalarType dtype_of_name(const std::string& name, const std::string& where) {
-  if (name == "float32" || name == "float") return at::kFloat;
-  if (name == "bfloat16") return at::kBFloat16;
-  if (name == "float16" || name == "half") return at::kHalf;
-  if (name == "float64" || name == "double") return at::kDouble;
-  TORCH_CHECK(false, where, ": dtype \"", name,
-              "\" is not supported; expected float32, bfloat16, float16 or float64");
-}
-
-// Our name -> HF's, for the parts under "layers.N.".
-const std::map<std::string, std::string>& layer_names() {
-  static const std::map<std::string, std::string> names{
-      {"attention.wq.weight", "self_attn.q_proj.weight"},
-      {"attention.wk.weight", "self_attn.k_proj.weight"},
-      {"attention.wv.weight", "self_attn.v_proj.weight"},
-      {"attention.wo.weight", "self_attn.o_proj.weight"},
-      {"feed_forward.w1.weight", "mlp.gate_proj.weight"},
-      {"feed_forward.w2.weight", "mlp.down_proj.weight"},
-      {"feed_forward.w3.weight", "mlp.up_proj.weight"},
-      {"attention_norm.weight", "input_layernorm.weight"},
-      {"ffn_norm.weight", "post_attention_layernorm.weight"},
-  };
-  return names;
 }
 
 // The checkpoint's files, opened on first use, and which file holds each tensor.
@@ -144,114 +120,14 @@ at::Tensor interleave_rotary_rows(const at::Tensor& rows, int64_t head_dim) {
 
 }  // namespace
 
-std::string hf_parameter_name(const std::string& name) {
-  if (name == "tok_embeddings.weight") return "model.embed_tokens.weight";
-  if (name == "norm.weight") return "model.norm.weight";
-  if (name == "output.weight") return "lm_head.weight";
-  if (name.rfind("layers.", 0) == 0) {
-    const size_t dot = name.find('.', 7);
-    if (dot != std::string::npos) {
-      const auto it = layer_names().find(name.substr(dot + 1));
-      if (it != layer_names().end())
-        return "model.layers." + name.substr(7, dot - 7) + "." + it->second;
-    }
-  }
-  TORCH_CHECK(false, "parameter \"", name, "\" has no Hugging Face Llama counterpart");
-}
-
 HfLlamaConfig read_hf_llama_config(const std::string& dir) {
   const std::string path = (fs::path(dir) / "config.json").string();
-  const json j = read_json(path, "Hugging Face config");
-  const std::string where = "Hugging Face config '" + path + "'";
-  auto has = [&](const char* key) { return j.contains(key) && !j.at(key).is_null(); };
-  auto get_int = [&](const char* key) -> int64_t {
-    TORCH_CHECK(has(key) && j.at(key).is_number_integer(), where, ": \"", key,
-                "\" must be an integer");
-    return j.at(key).get<int64_t>();
-  };
-  auto get_double = [&](const json& o, const char* key, const std::string& in) -> double {
-    TORCH_CHECK(o.contains(key) && o.at(key).is_number(), where, ": \"", in, key,
-                "\" must be a number");
-    return o.at(key).get<double>();
-  };
-
-  if (has("architectures")) {
-    const auto archs = j.at("architectures").get<std::vector<std::string>>();
-    bool llama = false;
-    for (const auto& a : archs) llama = llama || a == "LlamaForCausalLM";
-    TORCH_CHECK(llama, where, ": architecture ", c10::Join(", ", archs),
-                " is not supported; only LlamaForCausalLM loads");
-  } else {
-    TORCH_CHECK(has("model_type") && j.at("model_type") == "llama", where,
-                ": neither \"architectures\" lists LlamaForCausalLM nor is \"model_type\" "
-                "\"llama\"; only Llama checkpoints are supported");
-  }
-  if (has("hidden_act")) {
-    const auto act = j.at("hidden_act").get<std::string>();
-    TORCH_CHECK(act == "silu", where, ": hidden_act \"", act,
-                "\" is not supported; the model uses SwiGLU (\"silu\")");
-  }
-  for (const char* key : {"attention_bias", "mlp_bias"}) {
-    TORCH_CHECK(!has(key) || !j.at(key).get<bool>(), where, ": \"", key,
-                "\": true is not supported (the model's projections have no bias)");
-  }
-
+  const detail::HfConfigRead read =
+      detail::parse_hf_config(read_json(path, "Hugging Face config"), path);
   HfLlamaConfig out;
-  LlamaConfig& c = out.config;
-  c.vocab_size = get_int("vocab_size");
-  c.dim = get_int("hidden_size");
-  c.n_layers = get_int("num_hidden_layers");
-  c.n_heads = get_int("num_attention_heads");
-  c.n_kv_heads = has("num_key_value_heads") ? get_int("num_key_value_heads") : c.n_heads;
-  c.ffn_hidden_dim = get_int("intermediate_size");
-  c.max_seq_len = has("max_position_embeddings") ? get_int("max_position_embeddings") : 2048;
-  c.norm_eps = has("rms_norm_eps") ? get_double(j, "rms_norm_eps", "") : 1e-6;
-  c.tie_embeddings = has("tie_word_embeddings") && j.at("tie_word_embeddings").get<bool>();
-  if (has("head_dim") && c.n_heads > 0) {
-    const int64_t hd = get_int("head_dim");
-    TORCH_CHECK(hd * c.n_heads == c.dim, where, ": head_dim=", hd,
-                " with num_attention_heads=", c.n_heads, " does not make hidden_size=", c.dim,
-                "; only head_dim = hidden_size / num_attention_heads is supported");
-  }
-
-  // transformers 4 writes rope_theta and rope_scaling, 5 rope_parameters (theta included).
-  json rope = json::object();
-  std::string rope_key = "rope_scaling.";
-  if (has("rope_parameters")) {
-    rope = j.at("rope_parameters");
-    rope_key = "rope_parameters.";
-  } else if (has("rope_scaling")) {
-    rope = j.at("rope_scaling");
-  }
-  TORCH_CHECK(rope.is_object(), where, ": \"", rope_key.substr(0, rope_key.size() - 1),
-              "\" must be an object");
-  c.rope_theta = has("rope_theta")             ? get_double(j, "rope_theta", "")
-                 : rope.contains("rope_theta") ? get_double(rope, "rope_theta", rope_key)
-                                               : 10000.0;
-  std::string type = "default";
-  for (const char* key : {"rope_type", "type"}) {
-    if (rope.contains(key)) type = rope.at(key).get<std::string>();
-  }
-  if (type == "llama3") {
-    Llama3RopeScaling s;
-    s.factor = get_double(rope, "factor", rope_key);
-    s.low_freq_factor = get_double(rope, "low_freq_factor", rope_key);
-    s.high_freq_factor = get_double(rope, "high_freq_factor", rope_key);
-    s.original_max_position_embeddings =
-        static_cast<int64_t>(get_double(rope, "original_max_position_embeddings", rope_key));
-    c.rope_scaling = s;
-  } else {
-    TORCH_CHECK(type == "default", where, ": rope type \"", type,
-                "\" is not supported; supported: default, llama3");
-  }
-  for (const char* key : {"torch_dtype", "dtype"}) {
-    if (has(key)) out.dtype = dtype_of_name(j.at(key).get<std::string>(), where);
-  }
-  try {
-    c.validate();
-  } catch (const c10::Error& e) {
-    TORCH_CHECK(false, where, ": ", e.msg());
-  }
+  out.config = read.config;
+  out.dtype = read.dtype;
+  out.architecture = read.family->architecture;
   return out;
 }
 
@@ -297,7 +173,7 @@ HfLoadStats read_hf_parts(
         c10::IntArrayRef(info->shape), " disagrees with config.json, which gives ", param.sizes(),
         " (hidden_size=", config.dim, ", intermediate_size=", config.hidden_dim(),
         ", num_attention_heads=", config.n_heads, ", num_key_value_heads=", config.kv_heads(),
-        ", vocab_size=", config.vocab_size, ")");
+        ", head_dim=", config.head_dim(), ", vocab_size=", config.vocab_size, ")");
     stats.checkpoint_bytes += info->nbytes();
 
     std::vector<int64_t> offset(info->shape.size(), 0), size = info->shape;
@@ -316,9 +192,7 @@ HfLoadStats read_hf_parts(
     at::Tensor part = file->slice(*info, offset, size);
     stats.bytes_read += part.nbytes();
     ++stats.tensors;
-    const bool rotary =
-        name.ends_with("attention.wq.weight") || name.ends_with("attention.wk.weight");
-    if (rotary) {
+    if (detail::has_rotary_rows(name)) {
       const int64_t hd = config.head_dim();
       TORCH_CHECK(offset[0] % hd == 0 && size[0] % hd == 0, what, ": this rank's rows [", offset[0],
                   ", ", offset[0] + size[0], ") do not hold whole heads of ", hd,

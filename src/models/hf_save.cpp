@@ -11,11 +11,12 @@
 #include <string>
 #include <vector>
 
+#include "dtensor/checkpoint/rank0_outcome.h"
+#include "dtensor/checkpoint/safetensors.h"
 #include "dtensor/core/api.h"
 #include "dtensor/core/dtensor_impl.h"
 #include "dtensor/models/hf_checkpoint.h"
-#include "dtensor/checkpoint/safetensors.h"
-#include "dtensor/checkpoint/rank0_outcome.h"
+#include "hf_families.h"
 
 namespace dtensor::models {
 
@@ -38,40 +39,6 @@ std::string torch_dtype_name(c10::ScalarType t) {
       TORCH_CHECK(false, "save_hf_llama: dtype ", t,
                   " is not a Hugging Face weight dtype; use float32, bfloat16, float16 or float64");
   }
-}
-
-// transformers 4's form (rope_theta and rope_scaling at the top level, torch_dtype), which
-// transformers 5 reads as well and real Llama 3.1 checkpoints use.
-std::string config_json(const LlamaConfig& c, c10::ScalarType dtype) {
-  nlohmann::ordered_json j;
-  j["architectures"] = {"LlamaForCausalLM"};
-  j["model_type"] = "llama";
-  j["attention_bias"] = false;
-  j["mlp_bias"] = false;
-  j["hidden_act"] = "silu";
-  j["hidden_size"] = c.dim;
-  j["intermediate_size"] = c.hidden_dim();
-  j["num_hidden_layers"] = c.n_layers;
-  j["num_attention_heads"] = c.n_heads;
-  j["num_key_value_heads"] = c.kv_heads();
-  j["head_dim"] = c.head_dim();
-  j["max_position_embeddings"] = c.max_seq_len;
-  j["rms_norm_eps"] = c.norm_eps;
-  j["rope_theta"] = c.rope_theta;
-  if (c.rope_scaling) {
-    j["rope_scaling"] = {
-        {"rope_type", "llama3"},
-        {"factor", c.rope_scaling->factor},
-        {"low_freq_factor", c.rope_scaling->low_freq_factor},
-        {"high_freq_factor", c.rope_scaling->high_freq_factor},
-        {"original_max_position_embeddings", c.rope_scaling->original_max_position_embeddings}};
-  } else {
-    j["rope_scaling"] = nullptr;
-  }
-  j["tie_word_embeddings"] = c.tie_embeddings;
-  j["torch_dtype"] = torch_dtype_name(dtype);
-  j["vocab_size"] = c.vocab_size;
-  return j.dump(2) + "\n";
 }
 
 // Our interleaved rotary pairs back to HF's rotate-half rows, per head.
@@ -109,12 +76,19 @@ void save_hf_llama(const std::string& dir, const TransformerImpl& model,
   for (const auto& p : model.named_parameters(/*recurse=*/true)) {
     const std::string& name = p.key();
     model_dtype = p.value().scalar_type();
-    const bool rotary =
-        name.ends_with("attention.wq.weight") || name.ends_with("attention.wk.weight");
-    items.push_back({hf_parameter_name(name), p.value(), rotary});
+    items.push_back({hf_parameter_name(name), p.value(), detail::has_rotary_rows(name)});
   }
   const c10::ScalarType dtype = options.dtype.value_or(model_dtype);
-  torch_dtype_name(dtype);  // every rank refuses an unsupported dtype before any collective
+  // Every rank refuses an unsupported dtype or family before any collective.
+  torch_dtype_name(dtype);
+  const detail::HfFamily* family = &detail::hf_family_for(config);
+  if (options.architecture) {
+    family = nullptr;
+    for (const auto& f : detail::hf_families())
+      if (*options.architecture == f.architecture) family = &f;
+    TORCH_CHECK(family, "save_hf_llama: architecture \"", *options.architecture,
+                "\" is not one the saver writes");
+  }
   for (const auto& item : items) entries.push_back({item.hf_name, dtype, item.param.sizes().vec()});
 
   const bool writes = checkpoint::detail::global_rank() == 0;
@@ -147,7 +121,8 @@ void save_hf_llama(const std::string& dir, const TransformerImpl& model,
   if (writes && !error) {
     try {
       writer->finish({{"format", "pt"}});
-      write_text_atomically((fs::path(dir) / "config.json").string(), config_json(config, dtype));
+      write_text_atomically((fs::path(dir) / "config.json").string(),
+                            detail::hf_config_json(config, *family, torch_dtype_name(dtype)));
     } catch (...) {
       error = std::current_exception();
     }

@@ -6,12 +6,12 @@
 #include <cmath>
 #include <string>
 
+#include "block_math.h"
 #include "dtensor/core/api.h"
 #include "dtensor/core/dtensor_impl.h"
 #include "dtensor/tp/loss_parallel.h"
 #include "dtensor/tp/overlap.h"
 #include "llama_meta.h"
-#include "rotary.h"
 
 namespace dtensor::models {
 
@@ -22,18 +22,13 @@ namespace {
 // projections sum in the same order so that their results are bitwise the same.
 const std::vector<int64_t> kQkvGradSumOrder{2, 1, 0};
 
-// x: (B, S, H, head_dim), rope: (S, head_dim/2, 2), like torchtitan's apply_rotary_emb.
-at::Tensor apply_rotary(const at::Tensor& x, const at::Tensor& rope) {
-  const int64_t seqlen = x.size(1);
-  return detail::rotate_pairs(x, rope.select(-1, 0).view({1, seqlen, 1, -1}),
-                              rope.select(-1, 1).view({1, seqlen, 1, -1}));
-}
-
-// (B, S, n_kv, D) -> (B, S, n_kv * n_rep, D): query head j uses KV head j / n_rep.
-at::Tensor repeat_kv(const at::Tensor& x, int64_t n_rep) {
-  if (n_rep == 1) return x;
-  const auto s = x.sizes();
-  return x.unsqueeze(3).expand({s[0], s[1], s[2], n_rep, s[3]}).reshape({s[0], s[1], -1, s[3]});
+// A q/k norm weight as attention uses it: replicated under TP, its local value enters with a
+// Partial gradient (each rank's heads give part of it), summed by reduce_partial_grads.
+at::Tensor norm_weight(const dtensor::nn::RMSNorm& norm) {
+  if (norm.is_empty()) return {};
+  const at::Tensor& w = norm->weight;
+  if (!is_dtensor(w)) return w;
+  return to_local(w, std::vector<Placement>{Partial()});
 }
 
 // Access to a module's parameter registry, to take a tied weight out of it.
@@ -94,24 +89,34 @@ FeedForwardImpl::FeedForwardImpl(int64_t dim, int64_t hidden_dim) {
 at::Tensor FeedForwardImpl::forward(const at::Tensor& x) {
   return call_forward(
       [this](const at::Tensor& x) {
-        if (!overlap) return w2(at::silu(w1(x)) * w3(x));
+        if (!overlap) return w2(detail::gated_activation(w1(x), w3(x)));
         const auto h =
             tp::all_gather_matmul(x, {w1->weight, w3->weight}, overlap->mesh, overlap->chunks);
-        return tp::matmul_reduce_scatter(at::silu(h[0]) * h[1], w2->weight, overlap->mesh,
-                                         overlap->chunks);
+        return tp::matmul_reduce_scatter(detail::gated_activation(h[0], h[1]), w2->weight,
+                                         overlap->mesh, overlap->chunks);
       },
       x);
 }
 
-AttentionImpl::AttentionImpl(const LlamaConfig& config)
-    : n_heads(config.n_heads), n_kv_heads(config.kv_heads()), head_dim(config.head_dim()) {
-  auto linear = [](int64_t in, int64_t out) {
-    return dtensor::nn::Linear(torch::nn::LinearOptions(in, out).bias(false));
+AttentionImpl::AttentionImpl(const LlamaConfig& config, int64_t layer_id)
+    : n_heads(config.n_heads),
+      n_kv_heads(config.kv_heads()),
+      head_dim(config.head_dim()),
+      window(config.window(layer_id)),
+      norm_eps(config.norm_eps) {
+  auto linear = [](int64_t in, int64_t out, bool bias) {
+    return dtensor::nn::Linear(torch::nn::LinearOptions(in, out).bias(bias));
   };
-  wq = register_module("wq", linear(config.dim, n_heads * head_dim));
-  wk = register_module("wk", linear(config.dim, n_kv_heads * head_dim));
-  wv = register_module("wv", linear(config.dim, n_kv_heads * head_dim));
-  wo = register_module("wo", linear(n_heads * head_dim, config.dim));
+  wq = register_module("wq", linear(config.dim, n_heads * head_dim, config.qkv_bias));
+  wk = register_module("wk", linear(config.dim, n_kv_heads * head_dim, config.qkv_bias));
+  wv = register_module("wv", linear(config.dim, n_kv_heads * head_dim, config.qkv_bias));
+  wo = register_module("wo", linear(n_heads * head_dim, config.dim, config.wo_bias));
+  if (config.qk_norm) {
+    dtensor::nn::RMSNormOptions options(head_dim);
+    options.eps = config.norm_eps;
+    q_norm = register_module("q_norm", dtensor::nn::RMSNorm(options));
+    k_norm = register_module("k_norm", dtensor::nn::RMSNorm(options));
+  }
 }
 
 at::Tensor AttentionImpl::forward(const at::Tensor& x, const at::Tensor& rope) {
@@ -125,22 +130,13 @@ at::Tensor AttentionImpl::forward(const at::Tensor& x, const at::Tensor& rope) {
         } else {
           q = wq(x), k = wk(x), v = wv(x);
         }
-        const int64_t bs = q.size(0), seqlen = q.size(1);
-        // -1: the heads this rank holds (all of them without TP).
-        auto xq = q.view({bs, seqlen, -1, head_dim});
-        auto xk = k.view({bs, seqlen, -1, head_dim});
-        auto xv = v.view({bs, seqlen, -1, head_dim});
-        xq = apply_rotary(xq, rope);
-        xk = apply_rotary(xk, rope);
-        const int64_t nq = xq.size(2), nkv = xk.size(2);
-        TORCH_CHECK(nkv > 0 && nq % nkv == 0, "Attention: ", nq, " local query heads cannot share ",
-                    nkv, " local KV heads evenly");
-        xk = repeat_kv(xk, nq / nkv);
-        xv = repeat_kv(xv, nq / nkv);
-        auto out = at::scaled_dot_product_attention(xq.transpose(1, 2), xk.transpose(1, 2),
-                                                    xv.transpose(1, 2), /*attn_mask=*/{},
-                                                    /*dropout_p=*/0.0, /*is_causal=*/true);
-        out = out.transpose(1, 2).contiguous().view({bs, seqlen, -1});
+        const at::Tensor r = rope.unsqueeze(0);
+        const at::Tensor xq = detail::heads(q, head_dim, norm_weight(q_norm), norm_eps, r);
+        const at::Tensor xk = detail::heads(k, head_dim, norm_weight(k_norm), norm_eps, r);
+        const at::Tensor xv = detail::heads(v, head_dim, {}, norm_eps, {});
+        const at::Tensor mask =
+            detail::attention_mask(0, xq.size(1), /*padding=*/{}, window, xq.device());
+        const at::Tensor out = detail::attend(xq, xk, xv, mask);
         if (overlap)
           return tp::matmul_reduce_scatter(out, wo->weight, overlap->mesh, overlap->chunks);
         return wo(out);
@@ -153,7 +149,7 @@ TransformerBlockImpl::TransformerBlockImpl(int64_t layer_id_, const LlamaConfig&
   dtensor::nn::RMSNormOptions norm_options(config.dim);
   norm_options.eps = config.norm_eps;
   attention_norm = register_module("attention_norm", dtensor::nn::RMSNorm(norm_options));
-  attention = register_module("attention", Attention(config));
+  attention = register_module("attention", Attention(config, layer_id));
   ffn_norm = register_module("ffn_norm", dtensor::nn::RMSNorm(norm_options));
   feed_forward = register_module("feed_forward", FeedForward(config.dim, config.hidden_dim()));
 }
@@ -286,6 +282,17 @@ void TransformerImpl::init_weights(uint64_t seed) {
     set(p + "feed_forward.w1.weight", block->feed_forward->w1->weight, truncated(0.02));
     set(p + "feed_forward.w2.weight", block->feed_forward->w2->weight, truncated(init_std));
     set(p + "feed_forward.w3.weight", block->feed_forward->w3->weight, truncated(init_std));
+    auto& a = *block->attention;
+    auto zeros = [](at::IntArrayRef shape, at::Generator) { return at::zeros(shape, at::kDouble); };
+    std::pair<const char*, dtensor::nn::Linear> projections[] = {
+        {"wq", a.wq}, {"wk", a.wk}, {"wv", a.wv}, {"wo", a.wo}};
+    for (auto& [name, linear] : projections) {
+      if (linear->bias.defined()) set(p + "attention." + name + ".bias", linear->bias, zeros);
+    }
+    if (!a.q_norm.is_empty()) {
+      set(p + "attention.q_norm.weight", a.q_norm->weight, ones);
+      set(p + "attention.k_norm.weight", a.k_norm->weight, ones);
+    }
   }
   set("norm.weight", norm->weight, ones);
   if (!config_.tie_embeddings) {

@@ -50,7 +50,13 @@ std::vector<std::string> LlamaConfig::preset_names() { return {"tiny", "demo", "
 
 int64_t LlamaConfig::kv_heads() const { return n_kv_heads > 0 ? n_kv_heads : n_heads; }
 
-int64_t LlamaConfig::head_dim() const { return dim / n_heads; }
+int64_t LlamaConfig::head_dim() const { return head_size > 0 ? head_size : dim / n_heads; }
+
+int64_t LlamaConfig::window(int64_t layer) const {
+  if (sliding_window <= 0) return 0;
+  if (sliding_layers.empty()) return sliding_window;
+  return sliding_layers.at(static_cast<size_t>(layer)) ? sliding_window : 0;
+}
 
 int64_t LlamaConfig::hidden_dim() const {
   if (ffn_hidden_dim > 0) return ffn_hidden_dim;
@@ -62,7 +68,10 @@ int64_t LlamaConfig::hidden_dim() const {
 
 int64_t LlamaConfig::num_parameters() const {
   const int64_t hd = head_dim();
-  const int64_t attention = dim * n_heads * hd + 2 * dim * kv_heads() * hd + n_heads * hd * dim;
+  int64_t attention = dim * n_heads * hd + 2 * dim * kv_heads() * hd + n_heads * hd * dim;
+  if (qkv_bias) attention += (n_heads + 2 * kv_heads()) * hd;
+  if (wo_bias) attention += dim;
+  if (qk_norm) attention += 2 * hd;
   const int64_t ffn = 3 * dim * hidden_dim();
   const int64_t block = attention + ffn + 2 * dim;
   const int64_t embed = vocab_size * dim;
@@ -74,10 +83,17 @@ void LlamaConfig::validate() const {
   TORCH_CHECK(dim > 0, "LlamaConfig: dim must be positive, got ", dim);
   TORCH_CHECK(n_layers >= 0, "LlamaConfig: n_layers must be >= 0, got ", n_layers);
   TORCH_CHECK(n_heads > 0, "LlamaConfig: n_heads must be positive, got ", n_heads);
-  TORCH_CHECK(dim % n_heads == 0, "LlamaConfig: dim=", dim,
-              " is not divisible by n_heads=", n_heads);
-  TORCH_CHECK(head_dim() % 2 == 0, "LlamaConfig: head_dim = dim / n_heads = ", head_dim(),
+  TORCH_CHECK(head_size >= 0, "LlamaConfig: head_size must be >= 0 (0 means dim / n_heads), got ",
+              head_size);
+  TORCH_CHECK(head_size > 0 || dim % n_heads == 0, "LlamaConfig: dim=", dim,
+              " is not divisible by n_heads=", n_heads, "; set head_size");
+  TORCH_CHECK(head_dim() % 2 == 0, "LlamaConfig: head_dim=", head_dim(),
               " must be even for rotary embeddings");
+  TORCH_CHECK(sliding_window >= 0, "LlamaConfig: sliding_window must be >= 0 (0: none), got ",
+              sliding_window);
+  TORCH_CHECK(sliding_layers.empty() || static_cast<int64_t>(sliding_layers.size()) == n_layers,
+              "LlamaConfig: sliding_layers has ", sliding_layers.size(),
+              " entries for n_layers=", n_layers);
   TORCH_CHECK(n_kv_heads >= 0, "LlamaConfig: n_kv_heads must be >= 0 (0 means n_heads), got ",
               n_kv_heads);
   TORCH_CHECK(n_heads % kv_heads() == 0, "LlamaConfig: n_heads=", n_heads,
@@ -213,6 +229,20 @@ LlamaConfig LlamaConfig::from_json(const std::string& text) {
         }
       }
       c.rope_scaling = r;
+    } else if (key == "head_size") {
+      c.head_size = v.is_null() ? 0 : as_int(key, v);
+    } else if (key == "qkv_bias" || key == "wo_bias" || key == "qk_norm") {
+      TORCH_CHECK(v.is_boolean(), "LlamaConfig JSON: '", key, "' must be true or false");
+      (key == "qkv_bias" ? c.qkv_bias : key == "wo_bias" ? c.wo_bias : c.qk_norm) = v.get<bool>();
+    } else if (key == "sliding_window") {
+      c.sliding_window = v.is_null() ? 0 : as_int(key, v);
+    } else if (key == "sliding_layers") {
+      TORCH_CHECK(v.is_array(), "LlamaConfig JSON: 'sliding_layers' must be an array of booleans");
+      c.sliding_layers.clear();
+      for (const auto& b : v) {
+        TORCH_CHECK(b.is_boolean(), "LlamaConfig JSON: 'sliding_layers' must hold booleans");
+        c.sliding_layers.push_back(b.get<bool>());
+      }
     } else if (key == "tie_embeddings") {
       TORCH_CHECK(v.is_boolean(), "LlamaConfig JSON: 'tie_embeddings' must be true or false");
       c.tie_embeddings = v.get<bool>();
@@ -247,6 +277,12 @@ std::string LlamaConfig::to_json() const {
     j["rope_scaling"] = nullptr;
   }
   j["tie_embeddings"] = tie_embeddings;
+  j["head_size"] = head_dim();
+  j["qkv_bias"] = qkv_bias;
+  j["wo_bias"] = wo_bias;
+  j["qk_norm"] = qk_norm;
+  j["sliding_window"] = sliding_window;
+  j["sliding_layers"] = sliding_layers;
   return j.dump();
 }
 

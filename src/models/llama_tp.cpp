@@ -38,7 +38,6 @@ class ReplicatedKVProjection : public tp::ParallelStyle {
     auto* linear = dynamic_cast<dtensor::nn::LinearImpl*>(&module);
     TORCH_CHECK(linear != nullptr, repr(), " at '", fqn, "' needs a dtensor::nn::Linear, got ",
                 module.name());
-    TORCH_CHECK(!linear->bias.defined(), repr(), " at '", fqn, "': a bias is not supported");
     TORCH_CHECK(linear->weight.size(0) == n_kv_heads_ * head_dim_, repr(), " at '", fqn,
                 "': weight has ", linear->weight.size(0), " rows, expected n_kv_heads * head_dim");
     TORCH_CHECK(n_heads_ % mesh.size() == 0 && n_heads_ % n_kv_heads_ == 0, repr(), " at '", fqn,
@@ -49,9 +48,12 @@ class ReplicatedKVProjection : public tp::ParallelStyle {
              const DeviceMesh& mesh) const override {
     validate(module, fqn, mesh);
     auto& linear = dynamic_cast<dtensor::nn::LinearImpl&>(module);
-    replace_parameter(
-        linear, "weight",
-        distribute_tensor(linear.weight.detach(), mesh, {Replicate()}, src_data_rank));
+    for (const char* name : {"weight", "bias"}) {
+      const at::Tensor& p = std::string(name) == "weight" ? linear.weight : linear.bias;
+      if (p.defined())
+        replace_parameter(linear, name,
+                          distribute_tensor(p.detach(), mesh, {Replicate()}, src_data_rank));
+    }
     // The projection runs on local tensors: the input and the weight enter through to_local
     // with Partial gradients, so backward hands pending sums on (the input's joins the query
     // projection's, the weight's is summed by reduce_partial_grads) instead of letting a
@@ -63,7 +65,9 @@ class ReplicatedKVProjection : public tp::ParallelStyle {
       if (!is_dtensor(x)) x = from_local(x, mesh, {Replicate()});
       if (!spec_of(x).is_replicated()) x = redistribute(x, mesh, {Replicate()});
       call.args[0] = to_local(x, std::vector<Placement>{Partial()});
-      self.weight = to_local(registered_weight(self), std::vector<Placement>{Partial()});
+      self.weight = to_local(registered(self, "weight"), std::vector<Placement>{Partial()});
+      if (self.bias.defined())
+        self.bias = to_local(registered(self, "bias"), std::vector<Placement>{Partial()});
     });
     const at::Tensor index =
         kv_heads_of_rank(n_heads_, n_kv_heads_, mesh.get_local_rank(), mesh.size());
@@ -71,7 +75,8 @@ class ReplicatedKVProjection : public tp::ParallelStyle {
     linear.register_forward_hook(
         [index, n_kv, head_dim](torch::nn::Module& m, const tp::ModuleCall&, c10::IValue& out) {
           auto& self = dynamic_cast<dtensor::nn::LinearImpl&>(m);
-          self.weight = registered_weight(self);
+          self.weight = registered(self, "weight");
+          if (self.bias.defined()) self.bias = registered(self, "bias");
           const at::Tensor local = out.toTensor();
           out = local.unflatten(-1, {n_kv, head_dim})
                     .index_select(-2, index.to(local.device()))
@@ -79,12 +84,34 @@ class ReplicatedKVProjection : public tp::ParallelStyle {
         });
   }
 
-  static at::Tensor registered_weight(torch::nn::Module& m) {
-    return *m.named_parameters(/*recurse=*/false).find("weight");
+  static at::Tensor registered(torch::nn::Module& m, const char* name) {
+    return *m.named_parameters(/*recurse=*/false).find(name);
   }
 
  private:
   int64_t n_heads_, n_kv_heads_, head_dim_;
+};
+
+// q_norm / k_norm (one head's width): every rank normalises its own heads with the same weight,
+// so the weight is replicated; attention takes its local value with a Partial gradient
+// (llama.cpp's norm_weight), which reduce_partial_grads sums over the group.
+class ReplicatedHeadNorm : public tp::ParallelStyle {
+ public:
+  std::string repr() const override { return "ReplicatedHeadNorm()"; }
+
+  void validate(torch::nn::Module& module, const std::string& fqn,
+                const DeviceMesh&) const override {
+    TORCH_CHECK(dynamic_cast<dtensor::nn::RMSNormImpl*>(&module) != nullptr, repr(), " at '", fqn,
+                "' needs a dtensor::nn::RMSNorm, got ", module.name());
+  }
+
+  void apply(torch::nn::Module& module, const std::string& fqn,
+             const DeviceMesh& mesh) const override {
+    validate(module, fqn, mesh);
+    auto& norm = dynamic_cast<dtensor::nn::RMSNormImpl&>(module);
+    replace_parameter(norm, "weight",
+                      distribute_tensor(norm.weight.detach(), mesh, {Replicate()}, src_data_rank));
+  }
 };
 
 }  // namespace
@@ -180,6 +207,10 @@ tp::ParallelizePlan llama_plan(const LlamaConfig& config, int64_t tp, bool sp, b
     plan.emplace_back("layers.*.attention.wk", kv_style());
     plan.emplace_back("layers.*.attention.wv", kv_style());
     plan.emplace_back("layers.*.attention.wo", RowwiseParallel({.output_layouts = between}));
+    if (config.qk_norm) {
+      plan.emplace_back("layers.*.attention.q_norm", ReplicatedHeadNorm());
+      plan.emplace_back("layers.*.attention.k_norm", ReplicatedHeadNorm());
+    }
     if (sp) plan.emplace_back("layers.*.ffn_norm", SequenceParallel());
     if (!overlap) {
       plan.emplace_back("layers.*.feed_forward",
@@ -214,6 +245,9 @@ void apply_tensor_parallel(TransformerImpl& model, const DeviceMesh& device_mesh
                 config.kv_heads(), " and tp=", mesh.size(),
                 ". Set overlap_comm=false or use a tp "
                 "degree that divides n_kv_heads");
+    TORCH_CHECK(!config.qkv_bias && !config.wo_bias,
+                "apply_tensor_parallel: overlap_comm multiplies by the projection weights alone; "
+                "the config has attention biases (qkv_bias/wo_bias). Set overlap_comm=false");
     TORCH_CHECK(options.overlap_chunks >= 1,
                 "apply_tensor_parallel: overlap_chunks must be at least 1, got ",
                 options.overlap_chunks);

@@ -317,11 +317,11 @@ TEST(HfCheckpoint, BadInputNamesTheFileAndTensor) {
   {
     Copy c("single");
     auto j = c.config();
-    j["architectures"] = {"MistralForCausalLM"};
+    j["architectures"] = {"GemmaForCausalLM"};
     c.set_config(j);
     EXPECT_CONTAINS(message_of([&] { load_hf_llama(c.dir); }),
-                    "config.json': architecture MistralForCausalLM is not supported; only "
-                    "LlamaForCausalLM loads");
+                    "config.json': architecture GemmaForCausalLM is not supported; supported: "
+                    "LlamaForCausalLM, Qwen3ForCausalLM, Qwen2ForCausalLM, MistralForCausalLM");
   }
   {
     Copy c("sharded");

@@ -86,6 +86,8 @@ class Decoder {
  private:
   struct Layer {
     at::Tensor attention_norm, wq, wk, wv, wo, ffn_norm, w1, w2, w3;
+    at::Tensor bq, bk, bv, bo, q_norm, k_norm;  // undefined where the config has none
+    int64_t window;                             // sliding window; 0: none
   };
   at::Tensor embed(const at::Tensor& tokens) const;
   at::Tensor all_reduce(const at::Tensor& t) const;

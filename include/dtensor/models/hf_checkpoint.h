@@ -1,7 +1,9 @@
 #pragma once
-// Hugging Face Llama checkpoints (a `save_pretrained` directory of LlamaForCausalLM: config.json
-// and model.safetensors, or shards listed in model.safetensors.index.json) loaded into our
-// Llama, whole or tensor-parallel:
+// Hugging Face decoder checkpoints (a `save_pretrained` directory of LlamaForCausalLM,
+// Qwen3ForCausalLM, Qwen2ForCausalLM or MistralForCausalLM: config.json and model.safetensors, or
+// shards listed in model.safetensors.index.json) loaded into our decoder, whole or
+// tensor-parallel (the families and what each config key means: docs/ARCHITECTURE.md, "One
+// decoder, many families"):
 //
 //   auto mesh = init_device_mesh("cpu", {comm::get_world_size()});
 //   auto hf = load_hf_llama("Llama-3.2-1B", mesh, {.dtype = at::kFloat});
@@ -14,8 +16,8 @@
 // load_hf_llama allocates no more than that either: the model is built on the meta device
 // (meta_init.h), cut by the plan, and the slices read become its parameters.
 // Parameter names map from HF's ("model.layers.0.self_attn.q_proj.weight") to ours
-// ("layers.0.attention.wq.weight"); q/k rows are permuted from HF's rotate-half order to the
-// interleaved pairs our rotary embedding uses; any floating source dtype is cast to the model's.
+// ("layers.0.attention.wq.weight"); q/k rows (and q/k biases and norm weights) are permuted from
+// HF's rotate-half order to the interleaved pairs our rotary embedding uses; any floating source dtype is cast to the model's.
 #include <c10/core/ScalarType.h>
 
 #include <cstdint>
@@ -32,14 +34,20 @@ struct HfLlamaConfig {
   LlamaConfig config;
   /// torch_dtype (transformers 4) or dtype (5): the dtype of the stored weights as saved.
   c10::ScalarType dtype = c10::ScalarType::Float;
+  /// The family config.json names ("Qwen3ForCausalLM"; see docs/ARCHITECTURE.md, "Model
+  /// families").
+  std::string architecture = "LlamaForCausalLM";
 };
 
-/// Reads `dir`/config.json: hidden_size, num_hidden_layers, num_attention_heads,
-/// num_key_value_heads, intermediate_size, head_dim (must be hidden_size / num_attention_heads),
-/// rope_theta and rope_scaling (transformers 4) or rope_parameters (5) of type "default" or
-/// "llama3", rms_norm_eps, vocab_size, tie_word_embeddings, max_position_embeddings (our
-/// max_seq_len) and torch_dtype. Throws naming the file and key for an unsupported architecture,
-/// rope type, activation or bias.
+/// Reads `dir`/config.json of LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM or
+/// MistralForCausalLM: hidden_size, num_hidden_layers, num_attention_heads, num_key_value_heads,
+/// intermediate_size, head_dim (any even size), attention_bias, sliding_window with layer_types
+/// or the family's rule (use_sliding_window and max_window_layers for Qwen), rope_theta and
+/// rope_scaling (transformers 4) or rope_parameters (5) of type "default" or "llama3",
+/// rms_norm_eps, vocab_size, tie_word_embeddings, max_position_embeddings (our max_seq_len) and
+/// torch_dtype. Throws naming the file, the key and its value for an unsupported architecture,
+/// rope type, activation, layer type or a feature that is not built (mixture of experts, MLP
+/// biases, soft-capping, ...).
 HfLlamaConfig read_hf_llama_config(const std::string& dir);
 
 struct HfLoadOptions {
@@ -75,12 +83,15 @@ HfLoadStats load_hf_weights(const std::string& dir, TransformerImpl& model);
 
 struct HfSaveOptions {
   std::optional<c10::ScalarType> dtype;  // of the stored weights; default: the model's
+  /// The family written ("MistralForCausalLM"); default: the first of Llama, Qwen3, Qwen2,
+  /// Mistral that expresses the configuration (Llama when it has no family feature).
+  std::optional<std::string> architecture;
 };
 
 /// Writes `dir`/config.json and `dir`/model.safetensors (metadata {"format": "pt"}) that
-/// transformers' LlamaForCausalLM.from_pretrained loads unchanged: HF names, q/k rows back in
-/// rotate-half order, no lm_head when the embedding is tied. Collective, from any TP degree:
-/// every rank calls it, parameters are gathered with full_tensor, global rank 0 writes (the
+/// transformers' from_pretrained (the family's ForCausalLM class) loads unchanged: HF names, q/k
+/// rows back in rotate-half order, no lm_head when the embedding is tied. Collective, from any TP
+/// degree: every rank calls it, parameters are gathered with full_tensor, global rank 0 writes (the
 /// safetensors file atomically) and every rank throws if rank 0 failed.
 void save_hf_llama(const std::string& dir, const TransformerImpl& model,
                    const HfSaveOptions& options = {});

@@ -43,7 +43,10 @@ struct Llama3RopeScaling {
   int64_t original_max_position_embeddings = 8192;
 };
 
-/// Model hyperparameters (torchtitan's ModelArgs); fields left 0 are derived (see below).
+/// Model hyperparameters of the decoder (torchtitan's ModelArgs, plus the features other
+/// families need: Qwen2's q/k/v biases, Qwen3's per-head q/k norms and decoupled head size,
+/// Mistral's and Qwen's sliding windows). Fields left 0 are derived (see below); the defaults are
+/// Llama's. DecoderConfig names the same type for code that is not Llama-only.
 struct LlamaConfig {
   int64_t vocab_size = 256;    ///< Tokens in the vocabulary.
   int64_t dim = 32;            ///< Model (embedding) width.
@@ -58,6 +61,14 @@ struct LlamaConfig {
   double rope_theta = 10000;                      ///< Rotary embedding base.
   std::optional<Llama3RopeScaling> rope_scaling;  ///< JSON: null or an object of its fields.
   bool tie_embeddings = false;                    ///< output.weight is tok_embeddings.weight.
+  int64_t head_size = 0;                          // per-head width (HF head_dim); 0: dim / n_heads
+  bool qkv_bias = false;  ///< wq, wk and wv have biases (Qwen2; HF attention_bias).
+  bool wo_bias = false;   ///< wo has a bias (HF attention_bias of Llama and Qwen3).
+  bool qk_norm = false;   ///< RMSNorm over each query and key head before rotary (Qwen3).
+  /// Keys a query of a sliding layer sees, itself included (HF sliding_window); 0: none.
+  int64_t sliding_window = 0;
+  /// Which layers slide (HF layer_types "sliding_attention"); empty: all of them.
+  std::vector<bool> sliding_layers;
 
   /// "tiny" (tests: dim 32, 2 layers, 4 heads, 2 KV heads), "demo" (~3M parameters, trains
   /// visibly in a minute at TP=2 on 2 CPU cores), "bench" (~30M parameters).
@@ -70,8 +81,10 @@ struct LlamaConfig {
   /// Every field as a JSON object (see from_json).
   std::string to_json() const;
 
-  int64_t kv_heads() const;    // n_kv_heads resolved
-  int64_t head_dim() const;    // dim / n_heads
+  int64_t kv_heads() const;  // n_kv_heads resolved
+  int64_t head_dim() const;  // head_size, or dim / n_heads
+  /// The sliding window of layer `layer`: sliding_window where that layer slides, else 0.
+  int64_t window(int64_t layer) const;
   int64_t hidden_dim() const;  // ffn_hidden_dim resolved
   /// Total parameter count (tied weights counted once).
   int64_t num_parameters() const;
@@ -113,15 +126,21 @@ TORCH_MODULE(FeedForward);
 /// KV head (local index) * n_kv / n_q, so the same code runs whole or with heads sharded.
 class AttentionImpl : public dtensor::nn::Module {
  public:
-  /// Projections sized from `config` (no biases).
-  explicit AttentionImpl(const LlamaConfig& config);
+  /// Projections (biases as config says) and q/k norms of layer `layer_id` of `config`.
+  explicit AttentionImpl(const LlamaConfig& config, int64_t layer_id = 0);
   /// x: (B, S, dim). rope: (S, head_dim / 2, 2), cos and sin of the rotation angles (real, so
-  /// Gloo can communicate it); the role of torchtitan's freqs_cis.
+  /// Gloo can communicate it); the role of torchtitan's freqs_cis. The math after the
+  /// projections is block_math.h's, which generation runs too.
   at::Tensor forward(const at::Tensor& x, const at::Tensor& rope);
 
   int64_t n_heads, n_kv_heads, head_dim;  ///< Query heads, KV heads (before TP) and head size.
+  int64_t window;                         ///< Sliding window of this layer; 0: none.
+  double norm_eps;                        ///< Epsilon of q_norm and k_norm.
   /// Query, key, value and output projections.
   dtensor::nn::Linear wq{nullptr}, wk{nullptr}, wv{nullptr}, wo{nullptr};
+  /// Per-head RMSNorms (head_dim) of queries and keys; null unless config.qk_norm. Under TP their
+  /// weights are replicated and their gradients Partial (summed by reduce_partial_grads).
+  dtensor::nn::RMSNorm q_norm{nullptr}, k_norm{nullptr};
   std::optional<OverlapComm> overlap;  ///< Set by apply_tensor_parallel with overlap_comm.
 };
 /// Module holder of AttentionImpl.
@@ -200,6 +219,10 @@ class TransformerImpl : public dtensor::nn::Module {
 };
 /// Module holder of TransformerImpl.
 TORCH_MODULE(Transformer);
+
+/// The configuration under a name that is not Llama's: the decoder serves every family whose
+/// differences are configuration (docs/ARCHITECTURE.md, "Model families").
+using DecoderConfig = LlamaConfig;
 
 // ---- tensor parallelism ----
 

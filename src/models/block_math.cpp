@@ -1,0 +1,66 @@
+// The decoder block's math shared by training, pipeline stages and generation (block_math.h).
+#include "block_math.h"
+
+#include "rotary.h"
+
+namespace dtensor::models::detail {
+
+at::Tensor heads(const at::Tensor& x, int64_t head_dim, const at::Tensor& norm_weight, double eps,
+                 const at::Tensor& rope) {
+  // -1: the heads this rank holds (all of them without TP).
+  at::Tensor h = x.view({x.size(0), x.size(1), -1, head_dim});
+  if (norm_weight.defined()) h = at::rms_norm(h, {head_dim}, norm_weight, eps);
+  if (!rope.defined()) return h;
+  return rotate_pairs(h, rope.select(-1, 0).unsqueeze(2), rope.select(-1, 1).unsqueeze(2));
+}
+
+at::Tensor attention_mask(int64_t start, int64_t S, const at::Tensor& padding, int64_t window,
+                          const at::Device& device) {
+  if (start == 0 && !padding.defined() && window <= 0) return {};
+  const auto options = at::TensorOptions().dtype(at::kLong).device(device);
+  const at::Tensor keys = at::arange(start + S, options).view({1, 1, -1});
+  const at::Tensor queries = at::arange(start, start + S, options).view({1, -1, 1});
+  at::Tensor seen = keys <= queries;
+  if (padding.defined()) seen = seen & (keys >= padding.to(device).view({-1, 1, 1}));
+  if (window > 0) seen = seen & (keys > queries - window);
+  return (seen | (keys == queries)).unsqueeze(1);
+}
+
+namespace {
+
+// (B, T, n_kv, D) -> (B, T, n_kv * n_rep, D): query head j uses KV head j / n_rep.
+at::Tensor repeat_kv(const at::Tensor& x, int64_t n_rep) {
+  if (n_rep == 1) return x;
+  const auto s = x.sizes();
+  return x.unsqueeze(3).expand({s[0], s[1], s[2], n_rep, s[3]}).reshape({s[0], s[1], -1, s[3]});
+}
+
+}  // namespace
+
+at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                  const at::Tensor& mask, LayerCache* cache) {
+  const int64_t B = q.size(0), S = q.size(1);
+  at::Tensor keys = k, values = v;
+  if (cache) {
+    cache->keys.narrow(1, cache->start, S).copy_(k);
+    cache->values.narrow(1, cache->start, S).copy_(v);
+    keys = cache->keys.narrow(1, 0, cache->start + S);
+    values = cache->values.narrow(1, 0, cache->start + S);
+  }
+  const int64_t nq = q.size(2), nkv = keys.size(2);
+  TORCH_CHECK(nkv > 0 && nq % nkv == 0, "attention: ", nq, " local query heads cannot share ", nkv,
+              " local KV heads evenly");
+  keys = repeat_kv(keys, nq / nkv);
+  values = repeat_kv(values, nq / nkv);
+  at::Tensor out = at::scaled_dot_product_attention(
+      q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
+      mask.defined() ? std::optional<at::Tensor>(mask) : std::nullopt,
+      /*dropout_p=*/0.0, /*is_causal=*/!mask.defined());
+  return out.transpose(1, 2).contiguous().view({B, S, -1});
+}
+
+at::Tensor gated_activation(const at::Tensor& gate, const at::Tensor& up) {
+  return at::silu(gate) * up;
+}
+
+}  // namespace dtensor::models::detail

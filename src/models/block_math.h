@@ -1,0 +1,44 @@
+#pragma once
+// The math of one decoder block after its projections, written once and run by every path:
+// training and pipeline stages (AttentionImpl / FeedForwardImpl, on the local tensors the TP plan
+// hands them) and generation (Decoder, on local shards with a KV cache). Per-family differences
+// are arguments (a q/k norm weight, a sliding window), never copies of the math.
+#include <ATen/ATen.h>
+
+#include <cstdint>
+
+namespace dtensor::models::detail {
+
+// The cache slots of one layer: keys and values (B, max_len, kv_heads, head_dim), of which
+// [0, start) are filled; the new keys and values go to [start, start + S).
+struct LayerCache {
+  at::Tensor& keys;
+  at::Tensor& values;
+  int64_t start;
+};
+
+// x: (B, S, H * head_dim) projected heads -> (B, S, H, head_dim): each head normalised by
+// RMSNorm with `norm_weight` (head_dim; undefined: none, as without q_norm/k_norm) and then
+// rotated by `rope` ((1 or B, S, head_dim / 2, 2) cos and sin; undefined: not rotated, values).
+at::Tensor heads(const at::Tensor& x, int64_t head_dim, const at::Tensor& norm_weight, double eps,
+                 const at::Tensor& rope);
+
+// Which keys each query sees, as a boolean mask (1 or B, 1, S, start + S), for S queries at slots
+// [start, start + S): key slot s is seen by query slot t when pad[b] <= s <= t and, with a sliding
+// window w > 0, t - s < w (HF's kv_idx > q_idx - sliding_window); a query always sees itself, so
+// a padding query keeps a finite softmax. Undefined when that is plain causal attention (start 0,
+// no padding, no window): attend() then lets SDPA build it (is_causal).
+at::Tensor attention_mask(int64_t start, int64_t S, const at::Tensor& padding, int64_t window,
+                          const at::Device& device);
+
+// Scaled dot-product attention of q (B, S, Hq, D) over k, v (B, S, Hkv, D) (Hq a multiple of Hkv;
+// query head j uses KV head j / (Hq / Hkv)), with `mask` from attention_mask. With a cache, k and
+// v are written to its slots first and the queries attend to all filled slots. Returns
+// (B, S, Hq * D).
+at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                  const at::Tensor& mask, LayerCache* cache = nullptr);
+
+// The gated MLP's middle: silu(gate) * up (SwiGLU).
+at::Tensor gated_activation(const at::Tensor& gate, const at::Tensor& up);
+
+}  // namespace dtensor::models::detail

@@ -1,0 +1,327 @@
+// The Hugging Face decoder families as data (hf_families.h): the family table, the parameter
+// name table, and config.json read into / written from DecoderConfig.
+#include "hf_families.h"
+
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+#include <c10/util/StringUtil.h>
+
+#include <algorithm>
+#include <map>
+
+#include "dtensor/models/hf_checkpoint.h"
+
+namespace dtensor::models {
+
+namespace detail {
+
+using nlohmann::json;
+
+const std::vector<HfFamily>& hf_families() {
+  static const std::vector<HfFamily> families{
+      // architecture, model_type, attention_bias key, q/k/v bias, q/k norm, sliding layers
+      {"LlamaForCausalLM", "llama", true, false, false, WindowRule::kNone},
+      {"Qwen3ForCausalLM", "qwen3", true, false, true, WindowRule::kFromMaxWindowLayers},
+      {"Qwen2ForCausalLM", "qwen2", false, true, false, WindowRule::kFromMaxWindowLayers},
+      {"MistralForCausalLM", "mistral", false, false, false, WindowRule::kEveryLayer},
+  };
+  return families;
+}
+
+namespace {
+
+// Keys of features that are not built: present with a value other than null, 0 or false, the
+// config is refused naming the key and its value.
+const std::vector<std::pair<const char*, const char*>>& unbuilt_keys() {
+  static const std::vector<std::pair<const char*, const char*>> keys{
+      {"num_experts", "mixture-of-experts layers"},
+      {"num_local_experts", "mixture-of-experts layers"},
+      {"n_routed_experts", "mixture-of-experts layers"},
+      {"moe_intermediate_size", "mixture-of-experts layers"},
+      {"num_experts_per_tok", "mixture-of-experts layers"},
+      {"mlp_bias", "biases in the MLP"},
+      {"attn_logit_softcapping", "attention logit soft-capping"},
+      {"final_logit_softcapping", "final logit soft-capping"},
+      {"query_pre_attn_scalar", "a query scale other than 1/sqrt(head_dim)"},
+      {"linear_attention_layers", "linear attention"},
+  };
+  return keys;
+}
+
+bool is_set(const json& v) {
+  if (v.is_null()) return false;
+  if (v.is_boolean()) return v.get<bool>();
+  if (v.is_number()) return v.get<double>() != 0;
+  return true;
+}
+
+c10::ScalarType dtype_of_name(const std::string& name, const std::string& where) {
+  if (name == "float32" || name == "float") return at::kFloat;
+  if (name == "bfloat16") return at::kBFloat16;
+  if (name == "float16" || name == "half") return at::kHalf;
+  if (name == "float64" || name == "double") return at::kDouble;
+  TORCH_CHECK(false, where, ": dtype \"", name,
+              "\" is not supported; expected float32, bfloat16, float16 or float64");
+}
+
+std::string supported_architectures() {
+  std::vector<std::string> names;
+  for (const auto& f : hf_families()) names.emplace_back(f.architecture);
+  return c10::Join(", ", names);
+}
+
+}  // namespace
+
+HfConfigRead parse_hf_config(const json& j, const std::string& path) {
+  const std::string where = "Hugging Face config '" + path + "'";
+  auto has = [&](const char* key) { return j.contains(key) && !j.at(key).is_null(); };
+  auto get_int = [&](const char* key) -> int64_t {
+    TORCH_CHECK(has(key) && j.at(key).is_number_integer(), where, ": \"", key,
+                "\" must be an integer");
+    return j.at(key).get<int64_t>();
+  };
+  auto get_bool = [&](const char* key) -> bool {
+    if (!has(key)) return false;
+    TORCH_CHECK(j.at(key).is_boolean(), where, ": \"", key, "\" must be true or false, got ",
+                j.at(key).dump());
+    return j.at(key).get<bool>();
+  };
+  auto get_double = [&](const json& o, const char* key, const std::string& in) -> double {
+    TORCH_CHECK(o.contains(key) && o.at(key).is_number(), where, ": \"", in, key,
+                "\" must be a number");
+    return o.at(key).get<double>();
+  };
+
+  const HfFamily* family = nullptr;
+  if (has("architectures")) {
+    TORCH_CHECK(j.at("architectures").is_array(), where, ": \"architectures\" must be a list");
+    std::vector<std::string> archs;
+    for (const auto& a : j.at("architectures"))
+      archs.push_back(a.is_string() ? a.get<std::string>() : a.dump());
+    for (const auto& f : hf_families())
+      for (const auto& a : archs) family = family ? family : (a == f.architecture ? &f : nullptr);
+    TORCH_CHECK(family, where, ": architecture ", c10::Join(", ", archs),
+                " is not supported; supported: ", supported_architectures());
+  } else {
+    const std::string type = has("model_type") ? j.at("model_type").dump() : "(none)";
+    for (const auto& f : hf_families())
+      if (has("model_type") && j.at("model_type") == f.model_type) family = &f;
+    TORCH_CHECK(family, where, ": no \"architectures\", and \"model_type\" ", type,
+                " is not one of the supported families: ", supported_architectures());
+  }
+  for (const auto& [key, what] : unbuilt_keys()) {
+    TORCH_CHECK(!j.contains(key) || !is_set(j.at(key)), where, ": \"", key,
+                "\": ", j.at(key).dump(), " asks for ", what, ", which is not built");
+  }
+  if (has("partial_rotary_factor")) {
+    TORCH_CHECK(get_double(j, "partial_rotary_factor", "") == 1.0, where,
+                ": \"partial_rotary_factor\": ", j.at("partial_rotary_factor").dump(),
+                " (rotary on part of each head) is not built");
+  }
+  if (has("hidden_act")) {
+    const auto act = j.at("hidden_act").get<std::string>();
+    TORCH_CHECK(act == "silu", where, ": \"hidden_act\": \"", act,
+                "\" is not supported; the model uses SwiGLU (\"silu\")");
+  }
+
+  HfConfigRead out{LlamaConfig{}, family, at::kFloat};
+  LlamaConfig& c = out.config;
+  c.vocab_size = get_int("vocab_size");
+  c.dim = get_int("hidden_size");
+  c.n_layers = get_int("num_hidden_layers");
+  c.n_heads = get_int("num_attention_heads");
+  c.n_kv_heads = has("num_key_value_heads") ? get_int("num_key_value_heads") : c.n_heads;
+  c.ffn_hidden_dim = get_int("intermediate_size");
+  c.max_seq_len = has("max_position_embeddings") ? get_int("max_position_embeddings") : 2048;
+  c.norm_eps = has("rms_norm_eps") ? get_double(j, "rms_norm_eps", "") : 1e-6;
+  c.tie_embeddings = get_bool("tie_word_embeddings");
+  if (has("head_dim")) c.head_size = get_int("head_dim");
+  if (family->attention_bias_key) {
+    c.qkv_bias = c.wo_bias = get_bool("attention_bias");
+  } else {
+    TORCH_CHECK(!has("attention_bias") || get_bool("attention_bias") == family->qkv_bias, where,
+                ": \"attention_bias\": ", j.at("attention_bias").dump(), " disagrees with ",
+                family->architecture, ", whose q/k/v biases are fixed");
+    c.qkv_bias = family->qkv_bias;
+  }
+  c.qk_norm = family->qk_norm;
+
+  // Sliding windows: "layer_types" when present (transformers 5 writes it), else the family's
+  // rule; Qwen's sliding_window only counts with use_sliding_window (as transformers reads it).
+  const bool qwen_rule = family->window == WindowRule::kFromMaxWindowLayers;
+  if (has("sliding_window") && (!qwen_rule || get_bool("use_sliding_window")))
+    c.sliding_window = get_int("sliding_window");
+  if (has("layer_types")) {
+    TORCH_CHECK(j.at("layer_types").is_array(), where, ": \"layer_types\" must be a list");
+    for (const auto& t : j.at("layer_types")) {
+      TORCH_CHECK(t == "full_attention" || t == "sliding_attention", where,
+                  ": \"layer_types\" holds ", t.dump(),
+                  ", which is not built; supported: \"full_attention\", \"sliding_attention\"");
+      c.sliding_layers.push_back(t == "sliding_attention");
+    }
+  } else if (qwen_rule && c.sliding_window > 0) {
+    const int64_t first = has("max_window_layers") ? get_int("max_window_layers") : 28;
+    for (int64_t i = 0; i < c.n_layers; ++i) c.sliding_layers.push_back(i >= first);
+  } else if (family->window == WindowRule::kNone) {
+    TORCH_CHECK(c.sliding_window == 0, where, ": \"sliding_window\": ", c.sliding_window, " with ",
+                family->architecture, ", which has no sliding layers");
+  }
+
+  // transformers 4 writes rope_theta and rope_scaling, 5 rope_parameters (theta included).
+  json rope = json::object();
+  std::string rope_key = "rope_scaling.";
+  if (has("rope_parameters")) {
+    rope = j.at("rope_parameters");
+    rope_key = "rope_parameters.";
+  } else if (has("rope_scaling")) {
+    rope = j.at("rope_scaling");
+  }
+  TORCH_CHECK(rope.is_object(), where, ": \"", rope_key.substr(0, rope_key.size() - 1),
+              "\" must be an object");
+  c.rope_theta = has("rope_theta")             ? get_double(j, "rope_theta", "")
+                 : rope.contains("rope_theta") ? get_double(rope, "rope_theta", rope_key)
+                                               : 10000.0;
+  std::string type = "default";
+  for (const char* key : {"rope_type", "type"}) {
+    if (rope.contains(key)) type = rope.at(key).get<std::string>();
+  }
+  if (type == "llama3") {
+    Llama3RopeScaling s;
+    s.factor = get_double(rope, "factor", rope_key);
+    s.low_freq_factor = get_double(rope, "low_freq_factor", rope_key);
+    s.high_freq_factor = get_double(rope, "high_freq_factor", rope_key);
+    s.original_max_position_embeddings =
+        static_cast<int64_t>(get_double(rope, "original_max_position_embeddings", rope_key));
+    c.rope_scaling = s;
+  } else {
+    TORCH_CHECK(type == "default", where, ": \"", rope_key, "rope_type\": rope type \"", type,
+                "\" is not supported; supported: default, llama3");
+  }
+  for (const char* key : {"torch_dtype", "dtype"}) {
+    if (has(key)) out.dtype = dtype_of_name(j.at(key).get<std::string>(), where);
+  }
+  try {
+    c.validate();
+  } catch (const c10::Error& e) {
+    TORCH_CHECK(false, where, ": ", e.msg());
+  }
+  return out;
+}
+
+const HfFamily& hf_family_for(const LlamaConfig& c) {
+  bool every_layer_slides = true;
+  for (bool s : c.sliding_layers) every_layer_slides = every_layer_slides && s;
+  for (const auto& f : hf_families()) {
+    if (f.qk_norm != c.qk_norm) continue;
+    if (f.attention_bias_key ? c.qkv_bias != c.wo_bias : (c.qkv_bias != f.qkv_bias || c.wo_bias))
+      continue;
+    if (f.window == WindowRule::kNone && c.sliding_window > 0) continue;
+    if (f.window == WindowRule::kEveryLayer && c.sliding_window > 0 && !every_layer_slides)
+      continue;
+    return f;
+  }
+  TORCH_CHECK(false, "save_hf_llama: no Hugging Face family expresses this configuration (",
+              c.to_json(), "); supported: ", supported_architectures());
+}
+
+std::string hf_config_json(const LlamaConfig& c, const HfFamily& f, const std::string& dtype) {
+  nlohmann::ordered_json j;
+  j["architectures"] = {f.architecture};
+  j["model_type"] = f.model_type;
+  if (f.attention_bias_key) j["attention_bias"] = c.qkv_bias;
+  if (std::string(f.model_type) == "llama") j["mlp_bias"] = false;
+  j["hidden_act"] = "silu";
+  j["hidden_size"] = c.dim;
+  j["intermediate_size"] = c.hidden_dim();
+  j["num_hidden_layers"] = c.n_layers;
+  j["num_attention_heads"] = c.n_heads;
+  j["num_key_value_heads"] = c.kv_heads();
+  j["head_dim"] = c.head_dim();
+  j["max_position_embeddings"] = c.max_seq_len;
+  j["rms_norm_eps"] = c.norm_eps;
+  j["rope_theta"] = c.rope_theta;
+  if (c.rope_scaling) {
+    j["rope_scaling"] = {
+        {"rope_type", "llama3"},
+        {"factor", c.rope_scaling->factor},
+        {"low_freq_factor", c.rope_scaling->low_freq_factor},
+        {"high_freq_factor", c.rope_scaling->high_freq_factor},
+        {"original_max_position_embeddings", c.rope_scaling->original_max_position_embeddings}};
+  } else {
+    j["rope_scaling"] = nullptr;
+  }
+  if (f.window != WindowRule::kNone) {
+    j["sliding_window"] = c.sliding_window > 0 ? json(c.sliding_window) : json(nullptr);
+  }
+  if (f.window == WindowRule::kFromMaxWindowLayers) {
+    // transformers 4 reads use_sliding_window and max_window_layers, 5 layer_types.
+    int64_t first = c.n_layers;
+    std::vector<std::string> types;
+    for (int64_t i = 0; i < c.n_layers; ++i) {
+      const bool slides = c.window(i) > 0;
+      if (slides) first = std::min(first, i);
+      types.emplace_back(slides ? "sliding_attention" : "full_attention");
+    }
+    j["use_sliding_window"] = c.sliding_window > 0;
+    j["max_window_layers"] = first;
+    j["layer_types"] = types;
+  }
+  j["tie_word_embeddings"] = c.tie_embeddings;
+  j["torch_dtype"] = dtype;
+  j["vocab_size"] = c.vocab_size;
+  return j.dump(2) + "\n";
+}
+
+bool has_rotary_rows(const std::string& name) {
+  for (const char* suffix :
+       {"attention.wq.weight", "attention.wk.weight", "attention.wq.bias", "attention.wk.bias",
+        "attention.q_norm.weight", "attention.k_norm.weight"}) {
+    if (name.ends_with(suffix)) return true;
+  }
+  return false;
+}
+
+}  // namespace detail
+
+namespace {
+
+// Our name -> HF's, for the parts under "layers.N.", the same in every family.
+const std::map<std::string, std::string>& layer_names() {
+  static const std::map<std::string, std::string> names{
+      {"attention.wq.weight", "self_attn.q_proj.weight"},
+      {"attention.wk.weight", "self_attn.k_proj.weight"},
+      {"attention.wv.weight", "self_attn.v_proj.weight"},
+      {"attention.wo.weight", "self_attn.o_proj.weight"},
+      {"attention.wq.bias", "self_attn.q_proj.bias"},
+      {"attention.wk.bias", "self_attn.k_proj.bias"},
+      {"attention.wv.bias", "self_attn.v_proj.bias"},
+      {"attention.wo.bias", "self_attn.o_proj.bias"},
+      {"attention.q_norm.weight", "self_attn.q_norm.weight"},
+      {"attention.k_norm.weight", "self_attn.k_norm.weight"},
+      {"feed_forward.w1.weight", "mlp.gate_proj.weight"},
+      {"feed_forward.w2.weight", "mlp.down_proj.weight"},
+      {"feed_forward.w3.weight", "mlp.up_proj.weight"},
+      {"attention_norm.weight", "input_layernorm.weight"},
+      {"ffn_norm.weight", "post_attention_layernorm.weight"},
+  };
+  return names;
+}
+
+}  // namespace
+
+std::string hf_parameter_name(const std::string& name) {
+  if (name == "tok_embeddings.weight") return "model.embed_tokens.weight";
+  if (name == "norm.weight") return "model.norm.weight";
+  if (name == "output.weight") return "lm_head.weight";
+  if (name.rfind("layers.", 0) == 0) {
+    const size_t dot = name.find('.', 7);
+    if (dot != std::string::npos) {
+      const auto it = layer_names().find(name.substr(dot + 1));
+      if (it != layer_names().end())
+        return "model.layers." + name.substr(7, dot - 7) + "." + it->second;
+    }
+  }
+  TORCH_CHECK(false, "parameter \"", name, "\" has no Hugging Face counterpart");
+}
+
+}  // namespace dtensor::models

@@ -1,0 +1,358 @@
+// Hugging Face checkpoints of the other decoder families, made by transformers itself
+// (tests/fixtures/hf/make_family_fixtures.py): Qwen3 (head_dim 8 != 48 / 12, q/k norms, 2 KV heads
+// replicated at TP 3 and 4), Qwen2 (9 heads / 3 KV heads at the odd TP=3, q/k/v biases, tied
+// embedding, a sliding window of 5 on layer 1 only, transformers 4's config spelling) and Mistral
+// (sliding window 5 on every layer). Each gives HF's float32 logits within 1e-5 and, loaded in
+// float64, its float64 logits within 1e-12 at every TP degree its heads allow; greedy generation
+// equals HF's generate() token for token past the window, and a batch of prompts of different
+// lengths equals each alone; the q/k-norm and bias gradients at TP > 1 equal one device's;
+// saving from TP=2 writes back the very tensors and config; bad input is refused naming the file,
+// the key (and its value) or the tensor.
+#include <ATen/ATen.h>
+#include <ATen/CPUGeneratorImpl.h>
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <fstream>
+#include <iostream>
+#include <nlohmann/json.hpp>
+#include <string>
+
+#include "dtensor/checkpoint/safetensors.h"
+#include "dtensor/dtensor.h"
+#include "dtensor/models/generate.h"
+#include "dtensor/models/hf_checkpoint.h"
+#include "support/distributed.h"
+#include "support/errors.h"
+#include "support/temp_dir.h"
+
+using namespace dtensor;
+using namespace dtensor::models;
+using namespace dtensor::testing;
+namespace safetensors = dtensor::checkpoint::safetensors;
+namespace fs = std::filesystem;
+
+namespace {
+
+const std::string kModels = std::string(DTENSOR_HF_FIXTURES) + "/family_models/";
+
+auto reference(const std::string& name) {
+  return safetensors::load_file(kModels + name + "/reference.safetensors");
+}
+
+struct Case {
+  std::string family;
+  int tp;
+};
+
+void PrintTo(const Case& c, std::ostream* os) { *os << c.family << " tp=" << c.tp; }
+
+// The TP degrees each fixture's heads allow: Qwen2 has 9 heads.
+std::vector<Case> cases() {
+  return {{"qwen3", 1}, {"qwen3", 2},   {"qwen3", 3},   {"qwen3", 4},   {"qwen2", 1},
+          {"qwen2", 3}, {"mistral", 1}, {"mistral", 2}, {"mistral", 3}, {"mistral", 4}};
+}
+
+std::string case_name(const ::testing::TestParamInfo<Case>& info) {
+  return info.param.family + "_tp" + std::to_string(info.param.tp);
+}
+
+class FamilyMatchesHF : public ::testing::TestWithParam<Case> {};
+
+TEST_P(FamilyMatchesHF, LogitsInFloat32AndFloat64) {
+  const Case c = GetParam();
+  const auto ref = reference(c.family);
+  run_ranks(c.tp, [&](int rank) {
+    auto mesh = init_device_mesh("cpu", {c.tp});
+    for (const auto& [dtype, key, tolerance] :
+         {std::tuple{at::kFloat, "logits", 1e-5}, std::tuple{at::kDouble, "logits_f64", 1e-12}}) {
+      HfLlama hf = load_hf_llama(kModels + c.family, mesh, {.dtype = dtype});
+      at::Tensor logits;
+      {
+        at::NoGradGuard no_grad;
+        logits = hf.model->forward(ref.at("tokens"));
+        if (is_dtensor(logits)) logits = full_tensor(logits);
+      }
+      const at::Tensor& want = ref.at(key);
+      ASSERT_EQ(logits.scalar_type(), want.scalar_type());
+      const double scale = want.abs().max().item<double>();
+      EXPECT_GT(scale, 0.5);
+      const double error = (logits - want).abs().max().item<double>() / scale;
+      EXPECT_LE(error, tolerance) << c.family << " " << dtype;
+      if (rank == 0)
+        std::cout << c.family << " tp=" << c.tp << " " << dtype
+                  << ": max |logits - HF| / max |HF| = " << error << "\n";
+    }
+  });
+}
+
+TEST_P(FamilyMatchesHF, GreedyGenerationPastTheWindow) {
+  const Case c = GetParam();
+  const auto ref = reference(c.family);
+  const at::Tensor tokens = ref.at("tokens"), greedy = ref.at("greedy");
+  run_ranks(c.tp, [&](int) {
+    auto mesh = init_device_mesh("cpu", {c.tp});
+    HfLlama hf = load_hf_llama(kModels + c.family, mesh, {.dtype = at::kFloat});
+    GenerateOptions options;
+    options.max_new_tokens = greedy.size(1);
+    std::vector<std::vector<int64_t>> alone;
+    for (int64_t b = 0; b < tokens.size(0); ++b) {
+      const at::Tensor row = tokens[b].contiguous();
+      const std::vector<int64_t> prompt(row.data_ptr<int64_t>(),
+                                        row.data_ptr<int64_t>() + row.numel());
+      const at::Tensor want = greedy[b].contiguous();
+      const std::vector<int64_t> expected(want.data_ptr<int64_t>(),
+                                          want.data_ptr<int64_t>() + want.numel());
+      alone.push_back(generate(*hf.model, {prompt}, options).tokens[0]);
+      EXPECT_EQ(alone.back(), expected) << c.family << " prompt " << b;
+    }
+    // Different lengths in one batch (left padding, windows counted in positions) give each
+    // prompt's own tokens.
+    const at::Tensor r0 = tokens[0].contiguous(), r1 = tokens[1].narrow(0, 0, 7).contiguous();
+    const std::vector<int64_t> p0(r0.data_ptr<int64_t>(), r0.data_ptr<int64_t>() + r0.numel());
+    const std::vector<int64_t> p1(r1.data_ptr<int64_t>(), r1.data_ptr<int64_t>() + r1.numel());
+    const auto batch = generate(*hf.model, {p0, p1}, options).tokens;
+    EXPECT_EQ(batch[0], alone[0]);
+    EXPECT_EQ(batch[1], generate(*hf.model, {p1}, options).tokens[0]);
+  });
+}
+
+INSTANTIATE_TEST_SUITE_P(Fixtures, FamilyMatchesHF, ::testing::ValuesIn(cases()), case_name);
+
+// Gradients of every parameter (the q/k norms' replicated weights, whose local heads each give
+// part of the gradient, and the biases sharded with their projections included) after
+// reduce_partial_grads equal one device's, in float64.
+class FamilyGradients : public ::testing::TestWithParam<Case> {};
+
+std::map<std::string, at::Tensor> gradients(const std::string& family,
+                                            const std::optional<DeviceMesh>& mesh) {
+  const auto ref = reference(family);
+  HfLlama hf = load_hf_llama(kModels + family, mesh, {.dtype = at::kDouble});
+  const at::Tensor tokens = ref.at("tokens");
+  const at::Tensor targets = at::roll(tokens, -1, 1);
+  loss_and_backward(hf.model->forward(tokens), targets);
+  reduce_partial_grads(*hf.model);
+  std::map<std::string, at::Tensor> out;
+  for (const auto& p : hf.model->named_parameters()) {
+    const at::Tensor g = p.value().grad();
+    out[p.key()] = is_dtensor(g) ? full_tensor(g) : g;
+  }
+  return out;
+}
+
+TEST_P(FamilyGradients, EqualOneDevice) {
+  const Case c = GetParam();
+  const auto want = gradients(c.family, std::nullopt);
+  int norms = 0, biases = 0;
+  for (const auto& [name, g] : want) {
+    norms += name.find("attention.q_norm") != std::string::npos ||
+             name.find("attention.k_norm") != std::string::npos;
+    biases += name.ends_with(".bias");
+  }
+  EXPECT_EQ(norms, c.family == "qwen3" ? 4 : 0);   // 2 layers x (q_norm, k_norm)
+  EXPECT_EQ(biases, c.family == "qwen2" ? 6 : 0);  // 2 layers x (q, k, v)
+  run_ranks(c.tp, [&](int) {
+    auto mesh = init_device_mesh("cpu", {c.tp});
+    const auto got = gradients(c.family, mesh);
+    ASSERT_EQ(got.size(), want.size());
+    for (const auto& [name, g] : want) {
+      ASSERT_TRUE(got.at(name).defined()) << name;
+      const double scale = g.abs().max().item<double>();
+      EXPECT_GT(scale, 0) << name;
+      EXPECT_LE((got.at(name) - g).abs().max().item<double>(), 1e-12 * std::max(scale, 1.0))
+          << c.family << " tp=" << c.tp << " " << name;
+    }
+  });
+}
+
+INSTANTIATE_TEST_SUITE_P(Fixtures, FamilyGradients,
+                         ::testing::Values(Case{"qwen3", 2}, Case{"qwen3", 4}, Case{"qwen2", 3},
+                                           Case{"mistral", 3}),
+                         case_name);
+
+// Every feature at once (decoupled head size, q/k/v and o biases as Llama's attention_bias gives,
+// q/k norms, a sliding window on layer 0 only), from one seed: at TP 2 and 4 (KV heads
+// replicated) the logits and every gradient equal one device's, and generation (whose Decoder adds
+// wo's bias once after the all-reduce) gives one device's tokens, which equal greedy decoding by
+// recomputing the whole forward.
+LlamaConfig all_features() {
+  LlamaConfig c;
+  c.vocab_size = 64;
+  c.dim = 32;
+  c.n_layers = 2;
+  c.n_heads = 4;
+  c.n_kv_heads = 2;
+  c.head_size = 12;
+  c.ffn_hidden_dim = 48;
+  c.max_seq_len = 32;
+  c.qkv_bias = c.wo_bias = c.qk_norm = true;
+  c.sliding_window = 3;
+  c.sliding_layers = {true, false};
+  return c;
+}
+
+Transformer all_features_model() {
+  Transformer model(all_features());
+  model->to(at::kDouble);
+  model->init_weights(3);
+  at::NoGradGuard no_grad;
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(11);
+  for (const auto& p : model->named_parameters()) {
+    // Biases start at 0 and norms at 1, where a misplaced one would not show.
+    if (p.key().ends_with(".bias")) p.value().normal_(0.0, 0.5, gen);
+    if (p.key().ends_with("_norm.weight")) p.value().uniform_(0.5, 2.0, gen);
+  }
+  return model;
+}
+
+TEST(HfFamilies, AllFeaturesUnderTPEqualOneDevice) {
+  const at::Tensor tokens = at::randint(64, {2, 12}, at::kLong);
+  const at::Tensor targets = at::roll(tokens, -1, 1);
+  Transformer whole = all_features_model();
+  const at::Tensor want_logits = whole->forward(tokens);
+  loss_and_backward(want_logits, targets);
+  const std::vector<int64_t> prompt{5, 9, 2, 33, 7, 1};
+  GenerateOptions options;
+  options.max_new_tokens = 8;
+  const auto want_tokens = generate(*whole, {prompt}, options).tokens[0];
+  {
+    at::NoGradGuard no_grad;
+    std::vector<int64_t> seq = prompt;
+    for (int i = 0; i < 8; ++i)
+      seq.push_back(whole->forward(at::tensor(seq).unsqueeze(0))[0][-1].argmax().item<int64_t>());
+    EXPECT_EQ(want_tokens, std::vector<int64_t>(seq.begin() + 6, seq.end()));
+  }
+  for (int tp : {2, 4}) {
+    run_ranks(tp, [&](int) {
+      auto mesh = init_device_mesh("cpu", {tp});
+      Transformer model = all_features_model();
+      apply_tensor_parallel(*model, mesh);
+      const at::Tensor logits = model->forward(tokens);
+      EXPECT_LE((full_tensor(logits) - want_logits).abs().max().item<double>(), 1e-12);
+      loss_and_backward(logits, targets);
+      reduce_partial_grads(*model);
+      for (const auto& p : whole->named_parameters()) {
+        const at::Tensor g = model->named_parameters()[p.key()].grad();
+        EXPECT_LE(
+            ((is_dtensor(g) ? full_tensor(g) : g) - p.value().grad()).abs().max().item<double>(),
+            1e-12)
+            << "tp=" << tp << " " << p.key();
+      }
+      EXPECT_EQ(generate(*model, {prompt}, options).tokens[0], want_tokens) << "tp=" << tp;
+    });
+  }
+}
+
+TEST(HfFamilies, ReadsEachConfig) {
+  const auto qwen3 = read_hf_llama_config(kModels + "qwen3");
+  EXPECT_EQ(qwen3.architecture, "Qwen3ForCausalLM");
+  EXPECT_EQ(qwen3.config.head_dim(), 8);
+  EXPECT_EQ(qwen3.config.dim, 48);
+  EXPECT_TRUE(qwen3.config.qk_norm);
+  EXPECT_FALSE(qwen3.config.qkv_bias);
+  EXPECT_EQ(qwen3.config.window(0), 0);
+  EXPECT_EQ(qwen3.config.rope_theta, 1000.0);  // rope_parameters (transformers 5)
+  const auto qwen2 = read_hf_llama_config(kModels + "qwen2");
+  EXPECT_EQ(qwen2.architecture, "Qwen2ForCausalLM");
+  EXPECT_TRUE(qwen2.config.qkv_bias);
+  EXPECT_FALSE(qwen2.config.wo_bias);
+  EXPECT_EQ(qwen2.config.window(0), 0);  // max_window_layers=1 (no layer_types: transformers 4)
+  EXPECT_EQ(qwen2.config.window(1), 5);
+  EXPECT_EQ(qwen2.config.rope_theta, 500.0);  // top-level rope_theta (transformers 4)
+  const auto mistral = read_hf_llama_config(kModels + "mistral");
+  EXPECT_EQ(mistral.architecture, "MistralForCausalLM");
+  EXPECT_EQ(mistral.config.window(0), 5);
+  EXPECT_EQ(mistral.config.window(1), 5);
+}
+
+struct Copy {
+  TempDir tmp;
+  std::string dir;
+  explicit Copy(const std::string& name) : dir(tmp.file(name)) {
+    fs::copy(kModels + name, dir, fs::copy_options::recursive);
+  }
+  nlohmann::json config() const {
+    std::ifstream in(dir + "/config.json");
+    return nlohmann::json::parse(in);
+  }
+  void set_config(const nlohmann::json& j) const {
+    std::ofstream(dir + "/config.json") << j.dump();
+  }
+};
+
+TEST(HfFamilies, RefusesWhatIsNotBuiltNamingFileKeyAndValue) {
+  auto refused = [](const std::string& family, const std::function<void(nlohmann::json&)>& edit) {
+    Copy c(family);
+    auto j = c.config();
+    edit(j);
+    c.set_config(j);
+    const std::string msg = message_of([&] { load_hf_llama(c.dir); });
+    EXPECT_CONTAINS(msg, c.dir + "/");
+    return msg;
+  };
+  EXPECT_CONTAINS(
+      refused("qwen3", [](auto& j) { j["num_experts"] = 8; }),
+      "config.json': \"num_experts\": 8 asks for mixture-of-experts layers, which is not built");
+  EXPECT_CONTAINS(refused("qwen3", [](auto& j) { j["layer_types"][1] = "linear_attention"; }),
+                  "\"layer_types\" holds \"linear_attention\", which is not built");
+  EXPECT_CONTAINS(refused("mistral", [](auto& j) { j["rope_parameters"]["rope_type"] = "yarn"; }),
+                  "\"rope_parameters.rope_type\": rope type \"yarn\" is not supported");
+  EXPECT_CONTAINS(refused("mistral", [](auto& j) { j["architectures"] = {"Gemma2ForCausalLM"}; }),
+                  "architecture Gemma2ForCausalLM is not supported; supported: LlamaForCausalLM");
+  EXPECT_CONTAINS(refused("qwen2", [](auto& j) { j["hidden_act"] = "gelu"; }),
+                  "\"hidden_act\": \"gelu\" is not supported");
+  // A tensor whose shape disagrees with config.json: names the file and the tensor.
+  const std::string msg = refused("qwen3", [](auto& j) { j["head_dim"] = 16; });
+  EXPECT_CONTAINS(msg, "model.safetensors', tensor \"model.layers.0.self_attn.q_proj.weight\"");
+  EXPECT_CONTAINS(msg, "shape [96, 48] disagrees with config.json, which gives [192, 48]");
+  {
+    Copy c("qwen2");
+    fs::remove(c.dir + "/model.safetensors");
+    EXPECT_CONTAINS(message_of([&] { load_hf_llama(c.dir); }),
+                    "has neither model.safetensors nor model.safetensors.index.json");
+  }
+}
+
+// A bad checkpoint leaves a loaded model as it was: every tensor is read and checked first.
+TEST(HfFamilies, NothingIsHalfLoaded) {
+  HfLlama hf = load_hf_llama(kModels + "qwen3", std::nullopt, {.dtype = at::kDouble});
+  std::map<std::string, at::Tensor> before;
+  for (const auto& p : hf.model->named_parameters()) before[p.key()] = p.value().clone();
+  // The Mistral fixture has the same hidden size and vocabulary but narrower heads.
+  EXPECT_CONTAINS(message_of([&] { load_hf_weights(kModels + "mistral", *hf.model); }),
+                  "tensor \"model.layers.0.self_attn.q_proj.weight\": shape [48, 48] disagrees");
+  for (const auto& p : hf.model->named_parameters())
+    EXPECT_TRUE(at::equal(p.value(), before.at(p.key()))) << p.key();
+}
+
+// Saved from TP=2 (Qwen2: 3), each family's directory holds the very tensors transformers wrote and
+// a config.json naming the same family and configuration (transformers loads it:
+// tests/fixtures/hf/check_saved.py with DTENSOR_KEEP_HF_SAVED).
+TEST(HfFamilies, SaveFromTPWritesWhatWasLoaded) {
+  for (const auto& [name, tp] :
+       std::vector<std::pair<std::string, int>>{{"qwen3", 2}, {"qwen2", 3}, {"mistral", 2}}) {
+    SCOPED_TRACE(name);
+    TempDir tmp;
+    const std::string out = tmp.file("saved");
+    run_ranks(tp, [&](int) {
+      auto mesh = init_device_mesh("cpu", {tp});
+      HfLlama hf = load_hf_llama(kModels + name, mesh, {.dtype = at::kFloat});
+      save_hf_llama(out, *hf.model);
+    });
+    const auto original = safetensors::load_file(kModels + name + "/model.safetensors");
+    safetensors::File saved(out + "/model.safetensors");
+    ASSERT_EQ(saved.tensors().size(), original.size());
+    for (const auto& [tensor, value] : original)
+      EXPECT_TRUE(at::equal(saved.tensor(tensor), value)) << tensor;
+    const auto back = read_hf_llama_config(out), orig = read_hf_llama_config(kModels + name);
+    EXPECT_EQ(back.config.to_json(), orig.config.to_json());
+    EXPECT_EQ(back.architecture, orig.architecture);
+    if (const char* keep = std::getenv("DTENSOR_KEEP_HF_SAVED")) {
+      fs::create_directories(keep);
+      fs::copy(out, std::string(keep) + "/" + name,
+               fs::copy_options::recursive | fs::copy_options::overwrite_existing);
+    }
+  }
+}
+
+}  // namespace
