@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "cli/cli.h"
+#include "dtensor/comm/error_message.h"
 #include "dtensor/comm/failure.h"
 #include "dtensor/dtensor.h"
 
@@ -244,12 +245,10 @@ int main(int argc, char** argv) {
   if (!options) return exit_code;
   try {
     return run(*options);
-  } catch (const c10::Error& e) {
-    std::cerr << "dtensor_demo: " << e.what_without_backtrace() << std::endl;
-    dtensor::comm::report_failure(e.what_without_backtrace());
   } catch (const std::exception& e) {
-    std::cerr << "dtensor_demo: " << e.what() << std::endl;
-    dtensor::comm::report_failure(e.what());
+    const std::string message = dtensor::comm::error_message(e);
+    std::cerr << "dtensor_demo: " << message << std::endl;
+    dtensor::comm::report_failure(message);
   }
   return 1;
 }

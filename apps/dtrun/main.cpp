@@ -382,9 +382,13 @@ class Launcher {
 
 }  // namespace
 // "mpi" when this build has the MPI backend and mpirun is on PATH (shared-memory collectives
-// beat Gloo's loopback TCP at every size measured, docs/PERFORMANCE.md), else "gloo".
-std::string fastest_backend() {
+// beat Gloo's loopback TCP at every size measured, docs/PERFORMANCE.md), else "gloo". Not for
+// one rank (nothing to communicate, and mpirun costs a start-up), nor for more ranks than
+// cores: MPI ranks poll while they wait, and oversubscribed they take the CPU from each other.
+std::string fastest_backend(int nproc) {
 #ifdef DTRUN_HAS_MPI
+  const long cores = ::sysconf(_SC_NPROCESSORS_ONLN);
+  if (nproc < 2 || (cores > 0 && nproc > cores)) return "gloo";
   if (const char* path = std::getenv("PATH")) {
     std::string dirs = path;
     for (size_t start = 0; start <= dirs.size();) {
@@ -422,7 +426,11 @@ int main(int argc, char** argv) {
   int exit_code = 0;
   auto options = dtrun::parse_args(argc, argv, exit_code);
   if (!options) return exit_code;
-  if (options->backend == "auto") options->backend = dtrun::fastest_backend();
+  if (options->backend.empty()) {
+    const char* from_env = std::getenv("DTENSOR_BACKEND");
+    options->backend = from_env && *from_env ? from_env : "auto";
+  }
+  if (options->backend == "auto") options->backend = dtrun::fastest_backend(options->nproc);
   std::vector<std::string> mpirun;
   if (options->backend == "mpi") {
     mpirun = dtrun::mpirun_command(*options);

@@ -21,11 +21,15 @@ Options:
       --master-port PORT  rendezvous port (default: a free port on 127.0.0.1)
       --no-prefix         print the ranks' output as is, without "[rank R] "
       --grace S           seconds from SIGTERM to SIGKILL when stopping ranks (default 5)
-      --backend B         collective engine for CPU tensors: gloo, or mpi to start the ranks
-                          with Open MPI's mpirun (one process per rank, shared-memory
-                          collectives; see docs/BACKENDS.md), or auto: mpi when this build
-                          has MPI and mpirun is on PATH, else gloo; default: the ranks
-                          choose (Gloo for ranks dtrun starts)
+      --backend B         collective engine for CPU tensors: gloo (ranks forked by dtrun,
+                          TCP on loopback), mpi (ranks started by Open MPI's mpirun,
+                          shared-memory collectives; see docs/BACKENDS.md), or auto (the
+                          default, or DTENSOR_BACKEND when set): mpi when this build has MPI,
+                          mpirun is on PATH, N > 1 and N is at most the number of cores,
+                          else gloo. MPI is faster where it runs (TP=2 decoding beats one
+                          rank on MPI, not on Gloo; docs/PERFORMANCE.md), but its ranks
+                          poll while they wait, so with more ranks than cores they take
+                          the CPU from each other
   -h, --help              print this help and exit
 
 Each rank gets RANK and LOCAL_RANK (0..N-1), WORLD_SIZE and LOCAL_WORLD_SIZE (N),

@@ -12,6 +12,7 @@
 #include <thread>
 #include <vector>
 
+#include "dtensor/comm/error_message.h"
 #include "dtensor/comm/failure.h"
 #include "dtensor/comm/process_group.h"
 #include "dtensor/mesh/device_mesh.h"
@@ -162,8 +163,9 @@ int main(int argc, char** argv) {
   try {
     return run(o, env);
   } catch (const std::exception& e) {
-    std::cerr << "dtensor_generate: error on rank " << env.rank << ": " << e.what() << std::endl;
-    comm::report_failure(e.what());
+    const std::string message = comm::error_message(e);
+    std::cerr << "dtensor_generate: error on rank " << env.rank << ": " << message << std::endl;
+    comm::report_failure(message);
     return 1;
   }
 }

@@ -7,6 +7,7 @@
 #include <iostream>
 #include <thread>
 
+#include "dtensor/comm/error_message.h"
 #include "dtensor/comm/failure.h"
 #include "dtensor/comm/process_group.h"
 #include "options.h"
@@ -33,8 +34,9 @@ int main(int argc, char** argv) {
   try {
     return finish(dtensor::train::run_training(*options, env), env);
   } catch (const std::exception& e) {
-    std::cerr << "dtensor_train: error on rank " << env.rank << ": " << e.what() << std::endl;
-    dtensor::comm::report_failure(e.what());  // the other ranks stop at once, naming this one
+    const std::string message = dtensor::comm::error_message(e);
+    std::cerr << "dtensor_train: error on rank " << env.rank << ": " << message << std::endl;
+    dtensor::comm::report_failure(message);  // the other ranks stop at once, naming this one
     return 1;
   }
 }

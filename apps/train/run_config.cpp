@@ -7,6 +7,7 @@
 #include <stdexcept>
 
 #include "corpus.h"
+#include "dtensor/comm/error_message.h"
 #include "tokenizer.h"
 
 namespace dtensor::train {
@@ -187,7 +188,7 @@ void resolve_parallelism(const TrainOptions& o, int64_t world_size, RunConfig& c
   try {
     c.model.validate_tp(c.tp);
   } catch (const std::exception& e) {
-    bad(std::string(e.what()) + " (the TP degree is the number of ranks / " +
+    bad(comm::error_message(e) + " (the TP degree is the number of ranks / " +
         (c.fsdp     ? "--dp-shard)"
          : c.pp > 1 ? "--pp)"
                     : "--dp)"));

@@ -19,6 +19,7 @@
 #include "checkpoints.h"
 #include "corpus.h"
 #include "dtensor/comm/backend.h"
+#include "dtensor/comm/error_message.h"
 #include "dtensor/mesh/device_mesh.h"
 #include "dtensor/pp/pipeline.h"
 #include "loss_plot.h"
@@ -457,7 +458,7 @@ int run_training(const TrainOptions& o, const comm::LaunchEnv& env) {
     cfg = resolve_run_config(o, env.world_size);
   } catch (const std::exception& e) {
     // The same on every rank, decided before any rank meets another: rank 0 explains.
-    if (env.rank == 0) std::cerr << "dtensor_train: " << e.what() << std::endl;
+    if (env.rank == 0) std::cerr << "dtensor_train: " << comm::error_message(e) << std::endl;
     return 2;
   }
   at::set_num_threads(static_cast<int>(o.threads));

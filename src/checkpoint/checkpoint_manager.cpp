@@ -14,6 +14,7 @@
 #include <regex>
 
 #include "dtensor/checkpoint/rank0_outcome.h"
+#include "dtensor/comm/error_message.h"
 
 namespace dtensor::checkpoint {
 namespace fs = std::filesystem;
@@ -22,8 +23,6 @@ namespace {
 constexpr const char* kLatest = "latest";
 const std::regex kCheckpointName(R"(step_(\d+)\.safetensors)");
 const std::regex kTemporaryName(R"((step_\d+\.safetensors|latest)\.tmp-\d+)");
-
-std::string message_of(const c10::Error& e) { return e.what_without_backtrace(); }
 
 }  // namespace
 
@@ -151,7 +150,7 @@ std::optional<CheckpointMetadata> CheckpointManager::load_latest(torch::nn::Modu
     try {
       verify_checkpoint(path);
     } catch (const c10::Error& e) {
-      const std::string why = message_of(e);
+      const std::string why = comm::error_message(e);
       reasons += "\n  " + why;
       if (on_skip) {
         on_skip(path, why);

@@ -7,24 +7,13 @@
 #include <cstring>
 
 #include "dtensor/comm/collectives.h"
+#include "dtensor/comm/error_message.h"
 #include "dtensor/comm/process_group.h"
 
 namespace dtensor::checkpoint::detail {
 namespace {
 
 constexpr int64_t kMessageBytes = 1024;  // enough for an error's first lines
-
-std::string message_of(const std::exception_ptr& e) {
-  try {
-    std::rethrow_exception(e);
-  } catch (const c10::Error& err) {
-    return err.what_without_backtrace();
-  } catch (const std::exception& err) {
-    return err.what();
-  } catch (...) {
-    return "unknown error";
-  }
-}
 
 }  // namespace
 
@@ -42,7 +31,7 @@ void share_rank0_outcome(std::exception_ptr error_on_rank0, const std::string& w
     if (!error_on_rank0) {
       p[0] = 1;
     } else {
-      const std::string msg = message_of(error_on_rank0);
+      const std::string msg = comm::error_message(error_on_rank0);
       std::memcpy(p + 1, msg.data(), std::min<size_t>(msg.size(), kMessageBytes - 2));
     }
   }

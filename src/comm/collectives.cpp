@@ -10,6 +10,7 @@
 
 #include "backends.h"
 #include "dtensor/comm/comm_debug_mode.h"
+#include "dtensor/comm/error_message.h"
 #include "health.h"
 #include "tape.h"
 
@@ -67,7 +68,7 @@ PendingResult launch(const char* name, CommType type, ProcessGroup& pg, const at
     work = issue(backend_for(pg, input));
   } catch (const std::exception& e) {
     TORCH_CHECK(false, "dtensor: rank ", pg.global_rank(pg.rank()), ": ", what,
-                " failed: ", e.what());
+                " failed: ", error_message(e));
   }
   detail::attach(work.get(), pg, seq, pg.name(), /*blocks=*/false);
   return PendingResult(std::move(work), std::move(buffer), std::move(finish),
@@ -349,7 +350,7 @@ PendingResult launch_p2p(bool sending, ProcessGroup& pg, int peer, int tag, at::
     c10d::Backend& b = backend_for(pg, buffer);
     work = sending ? b.send(v, peer, tag) : b.recv(v, peer, tag);
   } catch (const std::exception& e) {
-    TORCH_CHECK(false, "dtensor: ", what, " failed: ", e.what());
+    TORCH_CHECK(false, "dtensor: ", what, " failed: ", error_message(e));
   }
   detail::attach(work.get(), pg, seq, channel,
                  buffer.device().is_cpu() && detail::cpu_collectives_block());

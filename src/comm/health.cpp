@@ -25,6 +25,7 @@
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
 #include "dtensor/comm/comm_debug_mode.h"
+#include "dtensor/comm/error_message.h"
 #include "dtensor/comm/failure.h"
 
 namespace dtensor::comm {
@@ -239,24 +240,16 @@ void watch(std::string addr, int port, std::string prefix, std::chrono::millisec
   }
 }
 
-std::terminate_handler previous_terminate = nullptr;
-
 [[noreturn]] void on_terminate() {
   std::string what = "std::terminate without an active exception";
   if (auto e = std::current_exception()) {
-    try {
-      std::rethrow_exception(e);
-    } catch (const c10::Error& err) {
-      what = "uncaught exception: " + std::string(err.what_without_backtrace());
-    } catch (const std::exception& err) {
-      what = "uncaught exception: " + std::string(err.what());
-    } catch (...) {
-      what = "uncaught exception of unknown type";
-    }
+    what = "uncaught exception: " + error_message(e);
   }
   std::fprintf(stderr, "dtensor: rank %d failed: %s\n", health().rank, what.c_str());
+  std::fflush(stderr);
   report_failure(what);
-  if (previous_terminate) previous_terminate();
+  // Not the previous handler: libstdc++'s prints the exception's what() again, with
+  // LibTorch's stack trace, after the message above.
   std::abort();
 }
 
@@ -376,7 +369,7 @@ std::string diagnose(const WorkContext& c) {
       }
     }
   } catch (const std::exception& e) {
-    return failed + "(could not ask the other ranks through the store: " + e.what() + ") ";
+    return failed + "(could not ask the other ranks through the store: " + error_message(e) + ") ";
   }
   return (failed.empty() ? "" : failed + ". ") +
          compare_histories(group.label, h.rank, group.history, others, silent, waited);
@@ -505,20 +498,26 @@ std::string peer_failure_in_store(c10d::Store& store, const std::string& prefix,
   return "";
 }
 
+void health_prepare(int rank) {
+  auto& h = health();
+  static std::once_flag once;
+  std::call_once(once, [] {
+    std::set_terminate(on_terminate);
+    pthread_atfork(nullptr, nullptr, after_fork_in_child);
+  });
+  std::lock_guard<std::mutex> g(h.mu);
+  h.rank = rank;
+}
+
 void health_start(c10::intrusive_ptr<c10d::Store> store, std::string prefix, int rank,
                   std::string store_addr, int store_port, std::chrono::milliseconds timeout,
                   int world_size) {
   auto& h = health();
-  static std::once_flag once;
-  std::call_once(once, [] {
-    previous_terminate = std::set_terminate(on_terminate);
-    pthread_atfork(nullptr, nullptr, after_fork_in_child);
-  });
+  health_prepare(rank);
   {
     std::lock_guard<std::mutex> g(h.mu);
     h.store = std::move(store);
     h.prefix = std::move(prefix);
-    h.rank = rank;
     h.timeout = timeout;
     const char* check = std::getenv("DTENSOR_CHECK_COLLECTIVES");
     h.check = check && std::string(check) != "0" && *check;
@@ -782,7 +781,8 @@ void wait_collective(c10d::Work& work, const std::string& what) {
     }
     h.poisoned.store(true);
     const std::string why = c.group.empty() ? "" : diagnose(c);
-    const std::string msg = "dtensor: " + what + " failed: " + why + "Backend error: " + e.what();
+    const std::string msg =
+        "dtensor: " + what + " failed: " + why + "Backend error: " + error_message(e);
     report_failure(msg);
     TORCH_CHECK(false, msg);
   }

@@ -12,6 +12,10 @@
 
 namespace dtensor::comm::detail {
 
+// Installs the terminate handler (an uncaught exception is reported as this rank's failure,
+// printed once and without a stack trace) as soon as this process knows its rank: a rendezvous
+// that fails is uncaught in most programs too.
+void health_prepare(int rank);
 // Starts watching the job whose keys live under `prefix` in `store`; `store_addr`/`store_port`
 // let the watchdog open its own connection (the main one may be busy in a blocking wait).
 void health_start(c10::intrusive_ptr<c10d::Store> store, std::string prefix, int rank,

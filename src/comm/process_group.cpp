@@ -19,6 +19,7 @@
 
 #include "backends.h"
 #include "dtensor/comm/backend.h"
+#include "dtensor/comm/error_message.h"
 #include "health.h"
 
 namespace dtensor::comm {
@@ -132,10 +133,11 @@ std::string this_process() {
   return "pid " + std::to_string(::getpid()) + " on " + host;
 }
 
-// Fails the rendezvous for every rank: peers still waiting read the reason from the store.
-// The rank hosting the store stays a moment so that they can.
-[[noreturn]] void fail_rendezvous(c10d::Store& store, const std::string& prefix, const LaunchEnv& e,
-                                  bool hosts_store, const std::string& msg) {
+// Tells every rank still waiting in the rendezvous why it failed: they read `msg` from the
+// store. The rank hosting the store stays a moment so that they can, instead of taking the
+// store down under them (they would see only a lost connection).
+void announce_rendezvous_failure(c10d::Store& store, const std::string& prefix, const LaunchEnv& e,
+                                 bool hosts_store, const std::string& msg) {
   try {
     detail::post_event(store, prefix, "fail\t" + std::to_string(e.rank) + "\t" + msg);
     const auto until = Clock::now() + std::chrono::seconds(1);
@@ -146,6 +148,11 @@ std::string this_process() {
   } catch (...) {
     // Store gone: the peers fail on their own timeout.
   }
+}
+
+[[noreturn]] void fail_rendezvous(c10d::Store& store, const std::string& prefix, const LaunchEnv& e,
+                                  bool hosts_store, const std::string& msg) {
+  announce_rendezvous_failure(store, prefix, e, hosts_store, msg);
   TORCH_CHECK(false, "dtensor: rank ", e.rank, ": ", msg);
 }
 
@@ -200,11 +207,13 @@ void rendezvous(c10d::Store& store, const LaunchEnv& e, const std::string& prefi
           missing += (missing.empty() ? "" : ", ") + std::to_string(q);
         }
       }
-      TORCH_CHECK(false, "dtensor: rank ", e.rank, " could not rendezvous with ", e.world_size,
-                  " ranks at ", where(e), " within ", seconds(timeout), " s: only ", n,
-                  " joined; missing rank(s): ", missing,
-                  " (never started, crashed before joining, or given another "
-                  "MASTER_ADDR/MASTER_PORT)");
+      const std::string msg = c10::str(
+          "dtensor: rank ", e.rank, " could not rendezvous with ", e.world_size, " ranks at ",
+          where(e), " within ", seconds(timeout), " s: only ", n,
+          " joined; missing rank(s): ", missing,
+          " (never started, crashed before joining, or given another MASTER_ADDR/MASTER_PORT)");
+      announce_rendezvous_failure(store, prefix, e, hosts_store, msg);
+      TORCH_CHECK(false, msg);
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(10));
     n = store.add(prefix + "joined", 0);
@@ -282,12 +291,38 @@ ProcessGroup::~ProcessGroup() {
   }
 }
 
+void ProcessGroup::await_members(c10::DeviceType device_type) {
+  const auto& s = state();
+  const auto bound = std::max(s.options.connect_timeout, timeout_);
+  const auto deadline = Clock::now() + bound;
+  const std::string base = std::string("arrived/") + c10::DeviceTypeName(device_type) + "/";
+  store_->set(base + std::to_string(rank_), "1");
+  const std::string count = base + "count";
+  store_->add(count, 1);
+  const std::string what = "connecting group " + name_ + " at its first collective";
+  while (store_->add(count, 0) < size()) {
+    detail::throw_if_peer_failed(what);
+    if (Clock::now() >= deadline) {
+      std::vector<int> silent;
+      for (int q = 0; q < size(); ++q) {
+        if (!store_->check({base + std::to_string(q)})) silent.push_back(global_rank(q));
+      }
+      TORCH_CHECK(false, "dtensor: rank ", global_rank(rank_), ": ", what, ": rank(s) ",
+                  c10::Join(", ", silent), " did not arrive within ", seconds(bound),
+                  " s (stalled, crashed, or issuing other collectives than this rank; "
+                  "DTENSOR_CONNECT_TIMEOUT_S sets this bound)");
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+}
+
 c10d::Backend& ProcessGroup::backend(c10::DeviceType device_type) {
   if (device_type == c10::DeviceType::CUDA) {
     if (!cuda_) {
       TORCH_CHECK(detail::has_nccl(),
                   "dtensor: this build has no NCCL (LibTorch without CUDA, or nccl.h not found "
                   "at configure time), so CUDA tensors cannot be communicated");
+      await_members(device_type);
       cuda_ =
           detail::make_nccl_backend(c10::make_intrusive<c10d::PrefixStore>("nccl", store_), rank_,
                                     size(), timeout_ - detail::diagnosis_budget(timeout_));
@@ -299,6 +334,7 @@ c10d::Backend& ProcessGroup::backend(c10::DeviceType device_type) {
   if (!cpu_ && state().backend == "mpi") {
     cpu_ = detail::make_mpi_backend(global_ranks_, rank_, name_);
   } else if (!cpu_) {
+    await_members(device_type);
     cpu_ = detail::make_gloo_backend(c10::make_intrusive<c10d::PrefixStore>("gloo", store_), rank_,
                                      size(), timeout_ - detail::diagnosis_budget(timeout_),
                                      gloo_host_);
@@ -314,15 +350,22 @@ void init_process_group(const InitOptions& options_in) {
   if (auto t = env("DTENSOR_TIMEOUT_S")) {
     options.timeout = std::chrono::seconds(env_int("DTENSOR_TIMEOUT_S", *t));
   }
+  if (auto t = env("DTENSOR_CONNECT_TIMEOUT_S")) {
+    options.connect_timeout = std::chrono::seconds(env_int("DTENSOR_CONNECT_TIMEOUT_S", *t));
+  }
   const auto from_env = env("DTENSOR_BACKEND");
   const std::string engine = from_env
                                  ? resolve_cpu_backend(*from_env, "DTENSOR_BACKEND")
                                  : resolve_cpu_backend(options.backend, "InitOptions::backend");
   LaunchEnv e = read_launch_env();
+  detail::health_prepare(e.rank);
   if (options.gloo_host.empty() && !env("GLOO_SOCKET_IFNAME") && is_loopback(e.master_addr)) {
     options.gloo_host = "127.0.0.1";
   }
-  const auto deadline = Clock::now() + options.timeout;
+  // Joining is connecting: ranks start at their own pace (a launcher on a busy machine), so it
+  // has the connect bound, not only the timeout that detects a failed peer.
+  const auto join_bound = std::max(options.timeout, options.connect_timeout);
+  const auto deadline = Clock::now() + join_bound;
   c10d::TCPStoreOptions so;
   so.port = static_cast<uint16_t>(e.master_port);
   // torchrun (and our test harness) host the store in the launcher: then every rank is a client.
@@ -334,7 +377,7 @@ void init_process_group(const InitOptions& options_in) {
   so.timeout = options.timeout;
   if (!so.isServer && !wait_for_listener(e.master_addr, e.master_port, deadline)) {
     TORCH_CHECK(false, "dtensor: rank ", e.rank, ": no ", agent_store ? "launcher store" : "rank 0",
-                " at ", where(e), " after ", seconds(options.timeout),
+                " at ", where(e), " after ", seconds(join_bound),
                 " s: nothing accepts connections there (it never started or crashed, or the "
                 "ranks were given different MASTER_ADDR/MASTER_PORT)");
   }
@@ -342,21 +385,26 @@ void init_process_group(const InitOptions& options_in) {
   try {
     store = c10::make_intrusive<c10d::TCPStore>(e.master_addr, so);
   } catch (const std::exception& ex) {
-    TORCH_CHECK(
-        false, "dtensor: rank ", e.rank, " could not rendezvous with ", e.world_size, " ranks at ",
-        where(e), " within ", seconds(options.timeout),
-        " s (a rank never started, crashed before joining, or the port is taken): ", ex.what());
+    TORCH_CHECK(false, "dtensor: rank ", e.rank, " could not rendezvous with ", e.world_size,
+                " ranks at ", where(e), " within ", seconds(join_bound),
+                " s (a rank never started, crashed before joining, or the port is taken): ",
+                error_message(ex));
   }
   const std::string prefix = "dtensor/g" + std::to_string(s.generation++) + "/";
   s.prefix = prefix;
+  const auto lost_store = [&](const std::exception& ex) {
+    TORCH_CHECK(false, "dtensor: rank ", e.rank, ": lost the store at ", where(e),
+                " during rendezvous (", agent_store ? "the launcher" : "rank 0",
+                " hosts it and probably exited): ", error_message(ex));
+  };
   try {
-    rendezvous(*store, e, prefix, deadline, options.timeout, so.isServer);
+    rendezvous(*store, e, prefix, deadline, join_bound, so.isServer);
+  } catch (const c10::DistError& ex) {
+    lost_store(ex);  // a c10::Error too, but the store's own: its host went away
   } catch (const c10::Error&) {
     throw;
   } catch (const std::exception& ex) {
-    TORCH_CHECK(false, "dtensor: rank ", e.rank, ": lost the store at ", where(e),
-                " during rendezvous (", agent_store ? "the launcher" : "rank 0",
-                " hosts it and probably exited): ", ex.what());
+    lost_store(ex);
   }
   detail::health_start(store, prefix, e.rank, e.master_addr, store->getPort(), options.timeout,
                        e.world_size);

@@ -7,6 +7,7 @@
 #include <sstream>
 
 #include "dtensor/comm/collectives.h"
+#include "dtensor/comm/error_message.h"
 #include "dtensor/comm/failure.h"
 #include "dtensor/core/api.h"
 #include "dtensor/core/dtensor_impl.h"
@@ -37,11 +38,6 @@ double seconds_since(Clock::time_point t) {
   return std::chrono::duration<double>(Clock::now() - t).count();
 }
 
-std::string error_text(const std::exception& e) {
-  if (const auto* c = dynamic_cast<const c10::Error*>(&e)) return c->what_without_backtrace();
-  return e.what();
-}
-
 // Ends this step on every rank: the message names the stage and what it was doing, and the
 // other ranks learn of it through the failure report (their waits then end too).
 [[noreturn]] void fail(const PipelineStage& stage, const std::string& where,
@@ -57,7 +53,7 @@ void guarded(const PipelineStage& stage, const std::string& where, F&& f) {
   try {
     f();
   } catch (const std::exception& e) {
-    fail(stage, where, error_text(e));
+    fail(stage, where, comm::error_message(e));
   }
 }
 

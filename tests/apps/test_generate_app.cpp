@@ -5,6 +5,7 @@
 #include <sys/wait.h>
 
 #include <cstdio>
+#include <fstream>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -44,7 +45,8 @@ Result generate_alone(const std::string& args) {
 
 Result generate(int ranks, const std::string& args) {
   std::ostringstream command;
-  command << DTRUN_PATH << " -n " << ranks << " " << DTENSOR_GENERATE_PATH << " " << args;
+  command << DTRUN_PATH << " -n " << ranks << " --backend gloo " << DTENSOR_GENERATE_PATH << " "
+          << args;
   return shell(command.str());
 }
 
@@ -81,7 +83,7 @@ TEST(GenerateApp, PresetTextIsTheSameAtTP1AndTP2) {
 TEST(GenerateApp, TrainerCheckpointLoadsAtAnyTP) {
   TempDir dir;
   std::ostringstream train;
-  train << DTRUN_PATH << " -n 2 " << DTENSOR_TRAIN_PATH
+  train << DTRUN_PATH << " -n 2 --backend gloo " << DTENSOR_TRAIN_PATH
         << " --preset tiny --steps 3 --save-final --out " << dir.file("run");
   const Result trained = shell(train.str());
   ASSERT_EQ(trained.exit_code, 0) << trained.output;
@@ -106,4 +108,18 @@ TEST(GenerateApp, UsageErrorsAreExplained) {
   const Result missing = generate_alone("--checkpoint /nonexistent --prompt hi");
   EXPECT_NE(missing.exit_code, 0);
   EXPECT_NE(missing.output.find("/nonexistent"), std::string::npos) << missing.output;
+}
+
+// A checkpoint the library cannot load is explained in one line per rank: no C++ stack trace.
+TEST(GenerateApp, AnUnloadableCheckpointIsExplainedWithoutAStackTrace) {
+  TempDir dir;
+  {
+    std::ofstream config(dir.file("config.json"));
+    config << R"({"architectures": ["NoSuchModelForCausalLM"], "model_type": "no_such_model"})";
+  }
+  const Result r = generate(2, "--model " + dir.path().string() + " --prompt hi");
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_NE(r.output.find("NoSuchModelForCausalLM"), std::string::npos) << r.output;
+  EXPECT_EQ(r.output.find("frame #"), std::string::npos) << r.output;
+  EXPECT_EQ(r.output.find("Exception raised from"), std::string::npos) << r.output;
 }

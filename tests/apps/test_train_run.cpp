@@ -79,8 +79,10 @@ Result run(const std::vector<std::string>& args, double timeout_s = 240) {
 
 // dtrun -n <ranks> dtensor_train --preset tiny <args>
 Result train(int ranks, std::vector<std::string> args) {
-  std::vector<std::string> cmd = {DTRUN_PATH,         "-n",       std::to_string(ranks),
-                                  DTENSOR_TRAIN_PATH, "--preset", "tiny"};
+  // Forked ranks on Gloo: these tests are about the trainer, not the engine dtrun picks.
+  std::vector<std::string> cmd = {DTRUN_PATH,  "-n",   std::to_string(ranks),
+                                  "--backend", "gloo", DTENSOR_TRAIN_PATH,
+                                  "--preset",  "tiny"};
   cmd.insert(cmd.end(), args.begin(), args.end());
   return run(cmd);
 }

@@ -2,6 +2,7 @@
 // seconds here) with a message naming the rank, the collective and, where ranks disagree, the
 // first collective whose fingerprints differ. No rank may hang, none may fail alone.
 #include <ATen/ATen.h>
+#include <fcntl.h>
 #include <gtest/gtest.h>
 #include <signal.h>
 #include <sys/wait.h>
@@ -10,6 +11,8 @@
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <fstream>
+#include <iterator>
 #include <sstream>
 #include <thread>
 
@@ -18,6 +21,7 @@
 #include "launch/local_ranks.h"
 #include "support/errors.h"
 #include "support/rank_outcomes.h"
+#include "support/temp_dir.h"
 
 using namespace dtensor;
 using dtensor::testing::RankOutcome;
@@ -29,9 +33,11 @@ constexpr double kTimeout = 3.0;  // comm timeout of every test here, seconds
 // Before these faults were handled, ranks hung for minutes: stop them well before.
 const dtensor::testing::RunOptions kOpts{.timeout = std::chrono::seconds(15),
                                          .comm_timeout = std::chrono::seconds(3)};
+// Rendezvous faults: joining gives up after the same 3 s.
 dtensor::testing::RunOptions no_init() {
   auto o = kOpts;
   o.init_process_group = false;
+  o.connect_timeout = std::chrono::seconds(3);
   return o;
 }
 
@@ -130,6 +136,24 @@ TEST(RendezvousFaults, WorldSizeMismatchIsNamedOnEveryRank) {
         EXPECT_CONTAINS(msg, "says 2");
         EXPECT_CONTAINS(msg, "says 3");
         EXPECT_LT(seconds_since(t0), kTimeout + 1.0);
+      },
+      no_init()));
+  EXPECT_TRUE(exited(out[0], 0) && exited(out[1], 0)) << describe(out);
+}
+
+// Rank 0 hosts the store: when rank 2 never comes, rank 1 must not die with the store's bare
+// "connection reset" when rank 0 gives up first; every rank names rank 2.
+TEST(RendezvousFaults, EveryRankNamesTheRankThatNeverCame) {
+  const int port = dtensor::launch::free_port();
+  auto out = traced(run_ranks_collect(
+      2,
+      [port](int rank) {
+        claim(rank, 3, port);
+        auto t0 = now();
+        const std::string msg = dtensor::testing::message_of([] { comm::init_process_group(); });
+        EXPECT_CONTAINS(msg, "could not rendezvous with 3 ranks");
+        EXPECT_CONTAINS(msg, "missing rank(s): 2 (never started");
+        EXPECT_LT(seconds_since(t0), kTimeout + 1.5);
       },
       no_init()));
   EXPECT_TRUE(exited(out[0], 0) && exited(out[1], 0)) << describe(out);
@@ -319,4 +343,34 @@ TEST(CollectiveFaults, ReportFailureStopsAPeerInABarrier) {
   EXPECT_TRUE(exited(out[0], 2)) << describe(out);
   EXPECT_CONTAINS(out[0].message, "barrier not started: rank 1 failed: rank 1 gave up on purpose");
   EXPECT_LT(out[0].seconds, 1.5) << describe(out);
+}
+
+// ---- what a person reads ---------------------------------------------------------------------
+
+// An uncaught error in a rank prints its message once, without LibTorch's C++ stack trace or
+// libstdc++'s "terminate called after throwing", and the other ranks name it the same way.
+TEST(CollectiveFaults, UncaughtErrorIsOneMessageWithoutAStackTrace) {
+  dtensor::testing::TempDir dir;
+  const std::string err_file = dir.file("rank1.stderr");
+  auto out = traced(run_ranks_collect(
+      2,
+      [&err_file](int rank) {
+        loop(3, [&err_file, rank](int i) {
+          if (rank != 1 || i != 2) return;
+          const int fd = ::open(err_file.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0600);
+          ::dup2(fd, STDERR_FILENO);
+          std::thread([] { TORCH_CHECK(false, "injected uncaught failure"); }).join();
+        });
+      },
+      kOpts));
+  std::ifstream in(err_file);
+  const std::string printed((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  EXPECT_CONTAINS(printed, "dtensor: rank 1 failed: uncaught exception: injected uncaught failure");
+  for (const auto& text : {printed, out[0].message}) {
+    EXPECT_EQ(text.find("terminate called"), std::string::npos) << text;
+    EXPECT_EQ(text.find("frame #"), std::string::npos) << text;
+    EXPECT_EQ(text.find("Exception raised from"), std::string::npos) << text;
+  }
+  EXPECT_TRUE(exited(out[0], 2)) << describe(out);
+  EXPECT_CONTAINS(out[0].message, "rank 1 failed: uncaught exception: injected uncaught failure");
 }

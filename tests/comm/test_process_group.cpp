@@ -9,6 +9,7 @@
 
 #include "dtensor/dtensor.h"
 #include "support/distributed.h"
+#include "support/errors.h"
 #include "support/mpi_job.h"
 
 using namespace dtensor;
@@ -120,7 +121,9 @@ TEST(Rendezvous, RankThatNeverJoinsFailsTheOthersWithinTheTimeout) {
                 EXPECT_LT(seconds_since(t0), 5.0);
               }
             },
-            {.comm_timeout = std::chrono::seconds(2), .init_process_group = false});
+            {.comm_timeout = std::chrono::seconds(2),
+             .connect_timeout = std::chrono::seconds(2),
+             .init_process_group = false});
 }
 
 TEST(Collectives, DeadPeerFailsTheCollectiveNamingRankAndCollective) {
@@ -166,6 +169,40 @@ TEST(Collectives, HungPeerTimesOutInsteadOfHanging) {
               }
             },
             {.comm_timeout = std::chrono::seconds(2)});
+}
+
+// A group connects at its first collective. Reaching it seconds after a peer (a busy machine,
+// a rank still building its part of a model) is not a failure: that wait has its own bound,
+// DTENSOR_CONNECT_TIMEOUT_S, not the collective timeout that detects a failed peer.
+TEST(Collectives, FirstCollectiveWaitsForAMemberSlowerThanTheTimeout) {
+  SKIP_IN_MPI_JOB();
+  run_ranks(2,
+            [](int rank) {
+              if (rank == 1) std::this_thread::sleep_for(std::chrono::milliseconds(3500));
+              auto sum = comm::all_reduce(at::ones({4}), ReduceOp::Sum, *comm::world_group());
+              EXPECT_TENSOR_EQ(sum, at::full({4}, 2.0f));
+            },
+            {.comm_timeout = std::chrono::seconds(2)});
+}
+
+TEST(Collectives, FirstCollectiveNamesTheMemberThatNeverArrives) {
+  SKIP_IN_MPI_JOB();
+  run_ranks(2,
+            [](int rank) {
+              if (rank == 1) {
+                std::this_thread::sleep_for(std::chrono::seconds(5));  // joined, then silent
+                return;
+              }
+              auto t0 = now();
+              const std::string msg = dtensor::testing::message_of(
+                  [] { comm::all_reduce(at::ones({4}), ReduceOp::Sum, *comm::world_group()); });
+              EXPECT_NE(msg.find("rank 0: connecting group world at its first collective: "
+                                 "rank(s) 1 did not arrive within 3 s"),
+                        std::string::npos)
+                  << msg;
+              EXPECT_LT(seconds_since(t0), 4.5);
+            },
+            {.comm_timeout = std::chrono::seconds(2), .connect_timeout = std::chrono::seconds(3)});
 }
 
 TEST(Collectives, ReduceOpsGatherScatterAndBroadcastMatchLocalComputation) {

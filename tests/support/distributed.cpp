@@ -112,6 +112,10 @@ std::vector<RankOutcome> fork_ranks(int world_size, const std::function<void(int
     launch::ChildSetup setup;
     setup.env = launch::rank_env(r, world_size, port);
     setup.env.emplace_back("DTENSOR_TIMEOUT_S", std::to_string(options.comm_timeout.count()));
+    if (options.connect_timeout) {
+      setup.env.emplace_back("DTENSOR_CONNECT_TIMEOUT_S",
+                             std::to_string(options.connect_timeout->count()));
+    }
     setup.env.emplace_back("TORCHELASTIC_USE_AGENT_STORE", "True");
     ranks.add(launch::spawn_function(
         [&, r, fd = p[1]] {
@@ -206,6 +210,9 @@ void run_in_mpi_job(int rank, const std::function<void(int)>& body, const RunOpt
   ::setenv("MASTER_ADDR", "127.0.0.1", 1);
   ::setenv("MASTER_PORT", std::to_string(port).c_str(), 1);
   ::setenv("DTENSOR_TIMEOUT_S", std::to_string(o.comm_timeout.count()).c_str(), 1);
+  if (o.connect_timeout) {
+    ::setenv("DTENSOR_CONNECT_TIMEOUT_S", std::to_string(o.connect_timeout->count()).c_str(), 1);
+  }
   at::set_num_threads(1);
   at::manual_seed(0);
   try {

@@ -7,6 +7,7 @@
 
 #include <chrono>
 #include <functional>
+#include <optional>
 #include <string>
 
 namespace dtensor::testing {
@@ -14,7 +15,10 @@ namespace dtensor::testing {
 struct RunOptions {
   std::chrono::seconds timeout{120};      // whole run
   std::chrono::seconds comm_timeout{30};  // c10d timeout inside the ranks
-  bool init_process_group = true;         // false: body joins by itself
+  // Bound on joining and on a group's first collective (DTENSOR_CONNECT_TIMEOUT_S); unset: the
+  // library's default.
+  std::optional<std::chrono::seconds> connect_timeout;
+  bool init_process_group = true;  // false: body joins by itself
 };
 
 // Runs `body(rank)` on `world_size` forked ranks. Returns when all ranks exit.

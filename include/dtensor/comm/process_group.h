@@ -20,9 +20,15 @@ namespace dtensor::comm {
 
 /// Options of init_process_group.
 struct InitOptions {
-  /// Every collective and the rendezvous fail after this long instead of hanging.
-  /// DTENSOR_TIMEOUT_S in the environment overrides the default.
+  /// Every collective fails after this long instead of hanging (and the rendezvous, if this is
+  /// longer than `connect_timeout`). DTENSOR_TIMEOUT_S in the environment overrides the default.
   std::chrono::milliseconds timeout{std::chrono::seconds(300)};
+  /// How long the rendezvous waits for every rank, and a group's first collective for every
+  /// member (its backend connects then), if longer than `timeout`. Ranks arrive at their own
+  /// pace (a launcher or a rank loading its part of a model on a busy machine), so this bound
+  /// is separate from the timeout that detects a failed peer. DTENSOR_CONNECT_TIMEOUT_S in the
+  /// environment overrides it.
+  std::chrono::milliseconds connect_timeout{std::chrono::seconds(60)};
   /// Address the Gloo transport binds to; empty = derived from the environment
   /// (GLOO_SOCKET_IFNAME, a loopback MASTER_ADDR, or the host name).
   std::string gloo_host;
@@ -80,6 +86,10 @@ class ProcessGroup {
   c10d::Backend& backend(c10::DeviceType device_type);
 
  private:
+  // Waits (up to the connect timeout) until every member has reached the group's first
+  // collective for `device_type`; names the members that did not.
+  void await_members(c10::DeviceType device_type);
+
   std::string name_;
   std::vector<int> global_ranks_;
   int rank_;
