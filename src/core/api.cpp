@@ -68,7 +68,9 @@ at::Tensor grad_to_local(const at::Tensor& grad, const DTensorSpec& target,
   at::Tensor local = impl->local();
   const auto orig = local.scalar_type();
   if (dtype) local = local.to(*dtype);
-  auto dst = target.with_placements(backward_target(target.placements()));
+  // The gradient's own metadata: its strides may differ from the forward input's (a
+  // transposed gradient), and its local tensor follows them.
+  auto dst = impl->spec()->with_placements(backward_target(target.placements()));
   at::Tensor out = redistribute_local(local, *impl->spec(), *dst, {.is_backward = true}).wait();
   return dtype ? out.to(orig) : out;
 }
@@ -141,7 +143,9 @@ struct RedistributeFn : torch::autograd::Function<RedistributeFn> {
     if (!g.defined()) return {g, at::Tensor()};
     at::Tensor local = grad_to_local(g, *h.spec, h.options.backward_dtype);
     auto spec = h.spec->with_placements(backward_target(h.spec->placements()));
-    TensorMeta meta = spec->meta();
+    // As in PyTorch, the gradient keeps the global strides it arrived with (grad_to_local laid
+    // its shard out in their order), not the forward input's.
+    TensorMeta meta = is_dtensor(g) ? dtensor_impl(g)->spec()->meta() : spec->meta();
     meta.dtype = local.scalar_type();
     return {make_dtensor(local, make_spec(spec->mesh(), spec->placements(), meta)), at::Tensor()};
   }

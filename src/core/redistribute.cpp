@@ -3,6 +3,7 @@
 #include <ATen/Parallel.h>
 #include <ATen/ops/cat.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/empty_strided.h>
 #include <ATen/ops/zeros.h>
 #include <c10/core/GradMode.h>
 #include <c10/util/Exception.h>
@@ -258,7 +259,33 @@ comm::PendingResult redistribute_local(const at::Tensor& local, const DTensorSpe
     cur[i] = to;
     if (!async) t = pending.wait();
   }
+  // Gathers and chunks leave their own layout (an all-gather's output is contiguous): the
+  // result takes the dim order of the global strides, as every DTensor's local tensor does,
+  // so views decided on the global strides stay valid on the shard.
+  if (steps.empty()) return pending;
+  if (pending.ready()) {
+    return comm::PendingResult({}, follow_stride_order(pending.wait(), dst.stride()), nullptr, "");
+  }
+  std::vector<int64_t> stride(dst.stride().begin(), dst.stride().end());
+  pending.then([stride = std::move(stride)](at::Tensor x) {
+    return follow_stride_order(std::move(x), stride);
+  });
   return pending;
+}
+
+at::Tensor follow_stride_order(at::Tensor local, c10::IntArrayRef global_stride) {
+  if (local.numel() <= 1 || static_cast<size_t>(local.dim()) != global_stride.size()) {
+    return local;
+  }
+  const auto want = strides_like(local.sizes(), global_stride);
+  for (int64_t d = 0; d < local.dim(); ++d) {
+    if (local.size(d) > 1 && local.stride(d) != want[d]) {
+      at::Tensor laid = at::empty_strided(local.sizes(), want, local.options());
+      laid.copy_(local);
+      return laid;
+    }
+  }
+  return local;
 }
 
 }  // namespace dtensor

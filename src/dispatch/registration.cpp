@@ -1,6 +1,7 @@
 // Installs the kernel: a backend fallback for our key, plus a direct registration on every op that
 // has a CompositeExplicitAutograd(NonFunctional) kernel, because those kernels would otherwise run
-// on the wrapper before any fallback
+// on the wrapper before any fallback, and on the few CompositeImplicitAutograd backward ops whose
+// decomposition writes into a plain global-size zeros tensor
 // (docs/ARCHITECTURE.md, "Why composite ops are routed to our kernel").
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
@@ -8,14 +9,29 @@
 #include <map>
 #include <memory>
 
+#include "dispatch_key.h"  // generated: DTENSOR_KEY_<key>
 #include "dtensor/core/dtensor_impl.h"
 #include "kernel.h"
-#include "dispatch_key.h"  // generated: DTENSOR_KEY_<key>
 
 namespace dtensor::dispatch {
 namespace {
 
 void boxed(const c10::OperatorHandle& op, torch::jit::Stack* stack) { dtensor_kernel(op, stack); }
+
+// CompositeImplicitAutograd backward ops that build at::zeros(sizes, grad.options()) (a plain
+// tensor) and scatter the DTensor gradient into it in place: decomposed above us, the in-place
+// op would hand back the plain tensor, so the leaf's gradient would lose its DTensor. Routed to
+// the kernel, a rule decides their layout and the decomposition runs on local shards.
+constexpr const char* kImplicitOpsBuildingPlainZeros[] = {
+    "aten::value_selecting_reduction_backward",  // max/min.dim, sort, topk, kthvalue, mode, ...
+};
+
+bool builds_plain_zeros(const std::string& name) {
+  for (const char* n : kImplicitOpsBuildingPlainZeros) {
+    if (name == n) return true;
+  }
+  return false;
+}
 
 int route_composite_ops() {
   auto& d = c10::Dispatcher::singleton();
@@ -27,7 +43,8 @@ int route_composite_ops() {
     auto op = d.findOp(name);
     if (!op) continue;
     if (!op->hasKernelForDispatchKey(c10::DispatchKey::CompositeExplicitAutograd) &&
-        !op->hasKernelForDispatchKey(c10::DispatchKey::CompositeExplicitAutogradNonFunctional)) {
+        !op->hasKernelForDispatchKey(c10::DispatchKey::CompositeExplicitAutogradNonFunctional) &&
+        !builds_plain_zeros(name.name)) {
       continue;
     }
     if (op->hasKernelForDispatchKey(key)) continue;

@@ -2,9 +2,10 @@
 // reduced dim becomes Partial(op); Partial inputs pass through linear reductions. A reduced dim
 // whose shards would make the combined result wrong (uneven shards for a mean, empty shards for
 // max/min) is replicated first. Reductions that return indices (max.dim, argmax) replicate the
-// reduced dim so the indices are global.
+// reduced dim so the indices are global; their backward scatters the gradient back along it.
 #include "dtensor/ops/rule_utils.h"
 #include "reduction_layout.h"
+#include "strategy/iteration_space.h"
 
 namespace dtensor::ops {
 namespace {
@@ -118,6 +119,29 @@ Decision along_dim(const OpCall& call, int64_t dim) {
   return all_outputs(call, {tgt}, tgt);
 }
 
+// value_selecting_reduction_backward(grad, dim, indices, sizes, keepdim), the backward of
+// max/min.dim, sort and topk: zeros of `sizes` with grad scattered to `indices` along `dim`.
+// Indices are global positions along `dim`, so that dim stays whole; other dims of grad and
+// indices shard together, and a Partial grad passes (the zeros are the same on every rank).
+Decision value_selecting_backward(const OpCall& call) {
+  using namespace iteration;
+  const auto sizes = call.int_list_arg(3);
+  const int64_t nd = static_cast<int64_t>(sizes.size());
+  const int64_t dim = wrap_dim(call.int_arg(1), nd);
+  const bool kept = call.bool_arg(4) || call.input(0).ndim() == nd;
+  Space s = same_shape_space(call, sizes, {dim});
+  s.lin = Lin::Select;
+  for (size_t input : {size_t{0}, size_t{1}}) {
+    Operand& o = s.operand(input, /*linear=*/input == 0);
+    for (int64_t L = 0; L < nd; ++L) {
+      if (L != dim) o.dims[L] = kept || L < dim ? L : L - 1;
+    }
+  }
+  Decision d = decide(call, s);
+  d.local_args.push_back({3, c10::IValue(local_shape_of(call.mesh(), sizes, *d.outputs[0]))});
+  return d;
+}
+
 std::optional<std::vector<int64_t>> any_all_dims(const OpCall& c) {
   if (c.num_args() > 1 && c.arg(1).isInt()) return std::vector<int64_t>{c.arg(1).toInt()};
   if (c.num_args() > 1 && c.arg(1).isIntList()) return c.arg(1).toIntVector();
@@ -184,6 +208,7 @@ DTENSOR_RULES(reduction) {
   register_rule("aten::sort.stable",
                 [](const OpCall& c) { return along_dim(c, c.int_arg(2, -1)); });
   register_rule("aten::topk", [](const OpCall& c) { return along_dim(c, c.int_arg(2, -1)); });
+  register_rule("aten::value_selecting_reduction_backward", value_selecting_backward);
   register_rule({"aten::cumsum", "aten::cumprod"},
                 [](const OpCall& c) { return along_dim(c, c.int_arg(1)); });
 }

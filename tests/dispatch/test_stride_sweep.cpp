@@ -117,3 +117,55 @@ TEST(StrideSweep, TwoByTwoMesh) {
     sweep(mesh, rank, layouts, 24 * 5);
   });
 }
+
+// The gradient leaving a redistribute carried the strides of the forward input (contiguous)
+// while its local tensor kept the layout of the gradient that arrived (a transpose), so the
+// next backward view, valid for the global strides, failed on the shard: "view size is not
+// compatible with input tensor's size and stride" (aten::view on (S(2))[9, 3, 7]).
+TEST(StrideSweep, LinearOfATransposedRedistributedShardMatchesOneDeviceForwardAndBackward) {
+  for (int world : {2, 3}) {
+    run_ranks(world, [world](int rank) {
+      auto mesh = init_device_mesh("cpu", {world});
+      using V = std::vector<at::Tensor>;
+      // x [9,3,6] S(2), b [6] R, w1 [7,6] S(0), w2 [5,7] R:
+      // layer_norm -> + b -> linear(w1) -> redistribute(S(1)) -> transpose(1, 0) -> linear(w2).
+      auto chain = [](const V& a) {
+        auto h = at::linear(at::layer_norm(a[0], {6}) + a[1], a[2]);
+        if (is_dtensor(h)) h = redistribute(h, device_mesh(h), {Shard(1)});
+        return V{at::linear(h.transpose(1, 0), a[3])};
+      };
+      // The smallest form: redistribute(S(2) -> S(1)), transpose(1, 0), linear.
+      auto small = [](const V& a) {
+        auto h = a[0];
+        if (is_dtensor(h)) h = redistribute(h, device_mesh(h), {Shard(1)});
+        return V{at::linear(h.transpose(1, 0), a[1])};
+      };
+      at::manual_seed(21);
+      SweepCounter counter;
+      counter.add(check_op(mesh, "layer_norm chain", chain,
+                           {at::randn({9, 3, 6}, at::kDouble), at::randn({6}, at::kDouble),
+                            at::randn({7, 6}, at::kDouble), at::randn({5, 7}, at::kDouble)},
+                           {{Shard(2)}, {Replicate()}, {Shard(0)}, {Replicate()}}));
+      for (const Placements& p : placements_1d(3)) {
+        counter.add(check_op(mesh, "redistribute, transpose, linear from " + to_string(p), small,
+                             {at::randn({9, 3, 7}, at::kDouble), at::randn({5, 7}, at::kDouble)},
+                             {p, {Replicate()}}));
+      }
+      // Forward too: redistributing a transposed DTensor gathered into a contiguous shard while
+      // the global strides stayed transposed; transposed back, the global tensor is contiguous
+      // and view() is valid, but not on the shard.
+      auto viewed = [](const V& a) {
+        auto h = a[0].transpose(0, 2);
+        if (is_dtensor(h)) h = redistribute(h, device_mesh(h), {Shard(1)});
+        return V{h.transpose(0, 2).view({27, 7}) * 2};
+      };
+      for (const Placements& p : placements_1d(3)) {
+        counter.add(check_op(mesh, "transpose, redistribute, transpose, view from " + to_string(p),
+                             viewed, {at::randn({9, 3, 7}, at::kDouble)}, {p}));
+      }
+      EXPECT_EQ(counter.failures, 0);
+      counter.expect_cases(9, rank,
+                           "redistribute + transpose + linear, world " + std::to_string(world));
+    });
+  }
+}

@@ -80,3 +80,42 @@ TEST(Reduction, PartialAvgMeetsPartialSum) {
                         at::linear(x.mean(0).unsqueeze(0), w), 1e-12, 1e-12);
   });
 }
+
+// The backward of a value-selecting reduction scatters the gradient into zeros of the input's
+// size; decomposed above the kernel those zeros were a plain tensor, so x.grad() came back as a
+// plain [3, 8] tensor (right values, whole on every rank) instead of a DTensor.
+TEST(Reduction, GradientThroughValueSelectingReductionsIsADTensorOnTheLeafMesh) {
+  run_ranks(2, [](int) {
+    auto mesh = init_device_mesh("cpu", {2});
+    at::manual_seed(5);
+    const auto g = at::randn({3, 8}, at::kDouble);
+    using Fn = std::function<at::Tensor(const at::Tensor&)>;
+    const std::vector<std::pair<std::string, Fn>> ops = {
+        {"max(x, 1)", [](const at::Tensor& x) { return std::get<0>(at::max(x, 1)); }},
+        {"min(x, 1, keepdim)",
+         [](const at::Tensor& x) { return std::get<0>(at::min(x, 1, true)); }},
+        {"max(x, 0)", [](const at::Tensor& x) { return std::get<0>(at::max(x, 0)); }},
+        {"sort(x, 1)", [](const at::Tensor& x) { return std::get<0>(x.sort(1)); }},
+        {"topk(x, 3, 1)", [](const at::Tensor& x) { return std::get<0>(x.topk(3, 1)); }},
+        {"topk(x, 2, 0)", [](const at::Tensor& x) { return std::get<0>(x.topk(2, 0)); }},
+    };
+    for (const auto& [name, fn] : ops) {
+      for (const Placements& p : std::vector<Placements>{{Shard(1)}, {Shard(0)}, {Replicate()}}) {
+        SCOPED_TRACE(name + " on " + to_string(p));
+        auto ref = g.clone().requires_grad_(true);
+        (fn(ref) * at::arange(1, fn(ref).numel() + 1, at::kDouble).view(fn(ref).sizes()))
+            .sum()
+            .backward();
+        auto x = distribute_tensor(g, mesh, p).requires_grad_(true);
+        auto y = fn(x);
+        auto w = distribute_tensor(at::arange(1, y.numel() + 1, at::kDouble).view(y.sizes()), mesh,
+                                   {Replicate()});
+        (y * w).sum().backward();
+        ASSERT_TRUE(x.grad().defined());
+        ASSERT_TRUE(is_dtensor(x.grad())) << "plain gradient " << x.grad().sizes();
+        EXPECT_EQ(device_mesh(x.grad()), mesh);
+        EXPECT_TENSOR_CLOSE(full_tensor(x.grad()), ref.grad());
+      }
+    }
+  });
+}

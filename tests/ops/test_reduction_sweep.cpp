@@ -1,6 +1,7 @@
 // Property sweep: every reduction with a sharding rule, on every layout of small tensors whose
 // dims split unevenly or leave empty shards (2x2 mesh, 1-D meshes of 3 and 4 ranks), must give
-// full_tensor(op(dtensor)) == op(full tensor) with the same sizes. Views get the same check.
+// full_tensor(op(dtensor)) == op(full tensor) with the same sizes, and the same input gradient,
+// a DTensor on the input's mesh. Views get the same check.
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
@@ -10,8 +11,10 @@
 
 #include "dtensor/dtensor.h"
 #include "support/distributed.h"
+#include "support/op_check.h"
 
 using namespace dtensor;
+using dtensor::testing::grad_on_leaf_mesh;
 using dtensor::testing::run_ranks;
 using dtensor::testing::tensors_close;
 
@@ -23,6 +26,9 @@ struct Case {
   std::string name;
   Fn fn;
   bool on_bool = false;  // takes a bool tensor (any/all)
+  // Gradients compared too. prod's backward finds zeros with nonzero(), a data-dependent op
+  // that has no sharding rule, so prod is checked forward only.
+  bool backward = true;
 };
 
 std::vector<at::Tensor> one(at::Tensor t) { return {std::move(t)}; }
@@ -33,11 +39,14 @@ std::vector<Case> reduction_cases(int64_t ndim) {
   auto add = [&](std::string n, Fn f, bool on_bool = false) {
     cs.push_back({std::move(n), std::move(f), on_bool});
   };
+  auto add_forward_only = [&](std::string n, Fn f) {
+    cs.push_back({std::move(n), std::move(f), false, false});
+  };
   add("sum", [](auto& a) { return one(a.sum()); });
   add("mean", [](auto& a) { return one(a.mean()); });
   add("max", [](auto& a) { return one(a.max()); });
   add("min", [](auto& a) { return one(a.min()); });
-  add("prod", [](auto& a) { return one(a.prod()); });
+  add_forward_only("prod", [](auto& a) { return one(a.prod()); });
   add("argmax", [](auto& a) { return one(a.argmax()); });
   add("argmin", [](auto& a) { return one(a.argmin()); });
   add("norm2", [](auto& a) { return one(at::linalg_vector_norm(a, 2)); });
@@ -143,19 +152,43 @@ struct Tally {
   int64_t cases = 0, mismatches = 0;
 };
 
-// Runs `c` on `g` laid out as `p` and on `g`; records a failure on any difference.
+// The gradient of sum_k <out_k, w_k> (fixed random w_k) with respect to `leaf`, for every
+// floating output; undefined when no output is differentiable.
+at::Tensor grad_of(const std::vector<at::Tensor>& outs, const at::Tensor& leaf) {
+  at::Generator gen = at::detail::createCPUGenerator(77);
+  at::Tensor loss;
+  for (const auto& o : outs) {
+    if (!o.is_floating_point() || !o.requires_grad()) continue;
+    at::Tensor w = at::randn(o.sizes(), gen, at::kDouble);
+    if (is_dtensor(o)) {
+      w = distribute_tensor(w, device_mesh(o), replicate_all(device_mesh(o).ndim()), std::nullopt);
+    }
+    at::Tensor term = (o * w).sum();
+    loss = loss.defined() ? loss + term : term;
+  }
+  if (!loss.defined()) return {};
+  loss.backward();
+  return leaf.grad();
+}
+
+// Runs `c` on `g` laid out as `p` and on `g`; records a failure on any difference of the
+// outputs or, for floating inputs, of the input gradients (which must be DTensors on the
+// input's mesh, as in PyTorch).
 void check(const Case& c, const at::Tensor& g, const at::Tensor& dt, const std::string& where,
            Tally& tally) {
   ++tally.cases;
+  const bool grad = c.backward && g.is_floating_point();
+  const at::Tensor gl = grad ? g.detach().clone().requires_grad_(true) : g;
+  const at::Tensor dl = grad ? dt.detach().requires_grad_(true) : dt;
   std::vector<at::Tensor> ref, out;
   try {
-    ref = c.fn(g);
+    ref = c.fn(gl);
   } catch (const c10::Error&) {
     --tally.cases;  // not defined on one device either (e.g. max of an empty dim)
     return;
   }
   try {
-    out = c.fn(dt);
+    out = c.fn(dl);
   } catch (const c10::Error& e) {
     ++tally.mismatches;
     ADD_FAILURE() << c.name << " " << where << " threw: " << e.what_without_backtrace();
@@ -166,7 +199,7 @@ void check(const Case& c, const at::Tensor& g, const at::Tensor& dt, const std::
       ++tally.mismatches;
       ADD_FAILURE() << c.name << " " << where << ": output " << k << " sizes " << out[k].sizes()
                     << ", expected " << ref[k].sizes();
-      continue;
+      return;
     }
     at::Tensor full;
     try {
@@ -175,13 +208,41 @@ void check(const Case& c, const at::Tensor& g, const at::Tensor& dt, const std::
       ++tally.mismatches;
       ADD_FAILURE() << c.name << " " << where << ": full_tensor of output " << k
                     << " threw: " << e.what_without_backtrace();
-      continue;
+      return;
     }
-    auto r = tensors_close(full, ref[k], 1e-10, 1e-10);
+    auto r = tensors_close(full.detach(), ref[k].detach(), 1e-10, 1e-10);
     if (!r) {
       ++tally.mismatches;
       ADD_FAILURE() << c.name << " " << where << ": output " << k << ": " << r.message();
+      return;
     }
+  }
+  if (!grad) return;
+  at::Tensor rg, dg;
+  try {
+    rg = grad_of(ref, gl);
+    dg = grad_of(out, dl);
+  } catch (const c10::Error& e) {
+    ++tally.mismatches;
+    ADD_FAILURE() << c.name << " " << where << ": backward threw: " << e.what_without_backtrace();
+    return;
+  }
+  if (rg.defined() != dg.defined()) {
+    ++tally.mismatches;
+    ADD_FAILURE() << c.name << " " << where << ": gradient defined only on "
+                  << (rg.defined() ? "one device" : "DTensors");
+    return;
+  }
+  if (!rg.defined()) return;
+  if (auto m = grad_on_leaf_mesh(dg, dl); !m) {
+    ++tally.mismatches;
+    ADD_FAILURE() << c.name << " " << where << ": gradient: " << m.message();
+    return;
+  }
+  auto r = tensors_close(full_tensor(dg), rg, 1e-10, 1e-10);
+  if (!r) {
+    ++tally.mismatches;
+    ADD_FAILURE() << c.name << " " << where << ": gradient: " << r.message();
   }
 }
 

@@ -43,6 +43,25 @@ at::Tensor distribute(const at::Tensor& g, const DeviceMesh& mesh, const Placeme
          << expected.sizes() << " strides " << expected.strides();
 }
 
+::testing::AssertionResult grad_on_leaf_mesh(const at::Tensor& grad, const at::Tensor& leaf) {
+  if (!is_dtensor(leaf) || !grad.defined()) return ::testing::AssertionSuccess();
+  // A legacy empty [0] operand of cat gets LibTorch's at::zeros({0}) from cat's backward
+  // formula, made without any DTensor argument, so no kernel of ours sees it.
+  if (leaf.dim() == 1 && leaf.numel() == 0 && grad.numel() == 0) {
+    return ::testing::AssertionSuccess();
+  }
+  if (!is_dtensor(grad)) {
+    return ::testing::AssertionFailure()
+           << "a plain tensor " << grad.sizes() << " where the DTensor leaf on mesh "
+           << device_mesh(leaf) << " needs a DTensor";
+  }
+  if (!(device_mesh(grad) == device_mesh(leaf))) {
+    return ::testing::AssertionFailure() << "a DTensor on mesh " << device_mesh(grad)
+                                         << ", the leaf is on mesh " << device_mesh(leaf);
+  }
+  return ::testing::AssertionSuccess();
+}
+
 bool check_op(const DeviceMesh& mesh, const std::string& label, const OpFn& fn,
               const std::vector<at::Tensor>& inputs, const std::vector<Placements>& placements,
               const OpCheckOptions& o) {
@@ -115,6 +134,12 @@ bool check_op(const DeviceMesh& mesh, const std::string& label, const OpFn& fn,
                       << (rgd.defined() ? "one device" : "DTensors");
         ok = false;
         continue;
+      }
+      // A DTensor leaf's gradient is a DTensor on the leaf's mesh, as in PyTorch: optimizers,
+      // clipping and FSDP read its placements.
+      if (auto m = grad_on_leaf_mesh(dg, dist[i]); !m) {
+        ADD_FAILURE() << label << ": gradient of input " << i << ": " << m.message();
+        ok = false;
       }
       at::Tensor full = is_dtensor(dg) ? full_tensor(dg) : dg;
       auto r = tensors_close(full, rgd, o.rtol, o.atol);
