@@ -44,6 +44,15 @@ PipelinePart::PipelinePart(models::TransformerImpl& whole, const RunConfig& conf
     models::apply_tensor_parallel(*stage_, mesh, tp);
   }
   pipe_ = models::make_llama_pipeline_stage(stage_, mesh);
+  if (config.meta) {
+    // Meta activations carry no values, so the shape message cannot be read: every stage is
+    // told the (micro-batch, sequence, dim) activation its neighbours exchange.
+    const at::Tensor like =
+        at::empty({config.batch_size / config.microbatches, config.seq_len, config.model.dim},
+                  at::TensorOptions().device(mesh.device()).dtype(config.dtype));
+    pipe_->set_boundary_activations(pipe_->is_first() ? std::nullopt : std::optional(like),
+                                    pipe_->is_last() ? std::nullopt : std::optional(like));
+  }
   auto loss = [](const at::Tensor& out, const at::Tensor& target) {
     return models::token_cross_entropy(out, target);
   };
@@ -60,9 +69,12 @@ bool PipelinePart::is_tied_copy(const at::Tensor& param) const {
   return stage_->tied_across_stages() && param.is_same(stage_->output->weight);
 }
 
-PipelinePart::StepResult PipelinePart::step(const Batch& batch) {
-  const at::Tensor loss = schedule_->step(pipe_->is_first() ? batch.inputs : at::Tensor(),
-                                          pipe_->is_last() ? batch.targets : at::Tensor());
+at::Tensor PipelinePart::run_schedule(const Batch& batch) {
+  return schedule_->step(pipe_->is_first() ? batch.inputs : at::Tensor(),
+                         pipe_->is_last() ? batch.targets : at::Tensor());
+}
+
+PipelinePart::StepResult PipelinePart::step_values(const at::Tensor& loss) {
   const pp::StepTiming& t = schedule_->last_timing();
   const double idle = t.total_s > 0 ? std::clamp(1 - t.compute_s / t.total_s, 0.0, 1.0) : 0.0;
   // One all_reduce carries both: the loss from the last stage, the idle shares from all.

@@ -38,9 +38,12 @@ struct RunConfig {
   bool loss_parallel = true;
   bool overlap_comm = false;     // --overlap-comm
   std::string ac = "none";       // activation checkpointing mode (dtensor/ac/checkpoint.h)
-  bool bf16 = false;  // --mixed-precision bf16: FSDP gathers and computes in bfloat16
+  bool bf16 = false;             // --mixed-precision bf16: FSDP gathers and computes in bfloat16
   std::optional<PlanFile> plan;  // --plan: used instead of the built-in Llama plan
   double verify_rtol = 1e-4;
+  // dtensor_plan: the model is built on the meta device (shapes and dtypes, no values) and the
+  // pipeline stages are told their boundary activations instead of exchanging their shapes.
+  bool meta = false;
 
   // --pp: pipeline stages (world_size = pp x tp then), their schedule and micro-batches.
   int64_t pp = 1;

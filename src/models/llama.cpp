@@ -137,9 +137,16 @@ at::Tensor AttentionImpl::forward(const at::Tensor& x, const at::Tensor& rope) {
                     nkv, " local KV heads evenly");
         xk = repeat_kv(xk, nq / nkv);
         xv = repeat_kv(xv, nq / nkv);
-        auto out = at::scaled_dot_product_attention(xq.transpose(1, 2), xk.transpose(1, 2),
-                                                    xv.transpose(1, 2), /*attn_mask=*/{},
-                                                    /*dropout_p=*/0.0, /*is_causal=*/true);
+        // On the meta device (dtensor_plan) LibTorch picks the math kernel, which keeps the
+        // whole attention matrix for backward; a CPU run picks the flash kernel, so that one is
+        // called there and the simulated step keeps what a real one keeps.
+        auto out = xq.is_meta()
+                       ? std::get<0>(at::_scaled_dot_product_flash_attention_for_cpu(
+                             xq.transpose(1, 2), xk.transpose(1, 2), xv.transpose(1, 2),
+                             /*dropout_p=*/0.0, /*is_causal=*/true))
+                       : at::scaled_dot_product_attention(xq.transpose(1, 2), xk.transpose(1, 2),
+                                                          xv.transpose(1, 2), /*attn_mask=*/{},
+                                                          /*dropout_p=*/0.0, /*is_causal=*/true);
         out = out.transpose(1, 2).contiguous().view({bs, seqlen, -1});
         if (overlap)
           return tp::matmul_reduce_scatter(out, wo->weight, overlap->mesh, overlap->chunks);
