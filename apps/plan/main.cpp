@@ -142,7 +142,14 @@ std::string human_bytes(int64_t b) {
 
 std::string seconds(double s) {
   std::ostringstream o;
-  o << std::fixed << std::setprecision(s < 1 ? 3 : 2) << s << " s";
+  o << std::fixed << std::setprecision(2);
+  if (s >= 1) {
+    o << s << " s";
+  } else if (s >= 1e-3) {
+    o << s * 1e3 << " ms";
+  } else {
+    o << s * 1e6 << " us";
+  }
   return o.str();
 }
 
