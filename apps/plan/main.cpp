@@ -55,6 +55,8 @@ Layout (as dtensor_train takes it):
   --dtype T              float32 | float64 (parameters; default float32)
   --no-sequence-parallel
   --search               rank every valid (dp, tp, pp) split of --world-size instead
+  --compare-ac           also simulate the layout without activation checkpointing (with
+                         --ac full when --ac none) and print both peaks
 
 Hardware (the estimate's constants; defaults: H100 SXM, NVLink 4 inside a node of 8,
 InfiniBand NDR 400 Gb/s per GPU across nodes):
@@ -82,7 +84,7 @@ struct Cli {
   std::string model, hf_config;
   std::optional<int64_t> world_size, batch, tp;
   std::string mfu = "0.3,0.5";
-  bool json = false, search = false, no_sp = false;
+  bool json = false, search = false, no_sp = false, compare_ac = false;
   std::string progress = "auto";
 };
 
@@ -307,6 +309,7 @@ int main(int argc, char** argv) {
   app.add_option("--dtype", o.dtype)->check(dtensor::cli::one_of({"float32", "float64"}));
   app.add_flag("--no-sequence-parallel", cli.no_sp);
   app.add_flag("--search", cli.search);
+  app.add_flag("--compare-ac", cli.compare_ac);
   app.add_option("--device-memory", cli.hw.device_memory_gib)
       ->check(dtensor::cli::number(0, 1e9, true));
   app.add_option("--bf16-tflops", cli.hw.bf16_tflops)->check(dtensor::cli::number(0, 1e9, true));
@@ -437,10 +440,29 @@ int main(int argc, char** argv) {
     return valid.empty() ? 3 : 0;
   }
   const Plan& p = plans.front();
+  std::optional<Plan> other;  // --compare-ac: the same layout with the other AC mode
+  if (cli.compare_ac) {
+    Layout l = layouts.front();
+    l.options.ac = l.options.ac == "none" ? "full" : "none";
+    other = dtensor::plan::make_plan(l, cli.hw);
+  }
   if (cli.json) {
-    std::cout << to_json(p).dump(2) << "\n";
+    auto j = to_json(p);
+    if (other) j["compare_ac"] = to_json(*other);
+    std::cout << j.dump(2) << "\n";
   } else {
     print_plan(p, cli.hw, std::cout);
+    if (other && !other->ranks.empty()) {
+      std::cout << "\npeak per rank with --ac " << p.config.ac << " vs --ac " << other->config.ac
+                << ":\n";
+      for (size_t i = 0; i < p.ranks.size() && i < other->ranks.size(); ++i)
+        std::cout << "  " << std::left << std::setw(16) << p.ranks[i].sim.who.label
+                  << gib(p.ranks[i].peak_bytes) << " vs " << gib(other->ranks[i].peak_bytes)
+                  << "\n";
+    } else if (other) {
+      std::cout << "\n--ac " << other->config.ac << ": "
+                << (other->refusals.empty() ? "" : other->refusals.front()) << "\n";
+    }
   }
   return p.refusals.empty() ? 0 : 3;
 }
