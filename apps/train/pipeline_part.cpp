@@ -61,6 +61,17 @@ PipelinePart::PipelinePart(models::TransformerImpl& whole, const RunConfig& conf
     pipes_.push_back(models::make_llama_pipeline_stage(stages_[k], mesh));
     pipes.push_back(pipes_.back().get());
   }
+  if (config.meta) {
+    // Meta activations carry no values, so the shape message cannot be read: every stage is
+    // told the (micro-batch, sequence, dim) activation its neighbours exchange.
+    const at::Tensor like = at::empty(
+        {config.batch_size / config.dp / config.microbatches, config.seq_len, config.model.dim},
+        at::TensorOptions().device(mesh.device()).dtype(config.dtype));
+    for (auto& p : pipes_) {
+      p->set_boundary_activations(p->is_first() ? std::nullopt : std::optional(like),
+                                  p->is_last() ? std::nullopt : std::optional(like));
+    }
+  }
   auto loss = [](const at::Tensor& out, const at::Tensor& target) {
     return models::token_cross_entropy(out, target);
   };
@@ -104,10 +115,13 @@ std::vector<std::pair<std::string, at::Tensor>> PipelinePart::named_parameters()
   return out;
 }
 
-PipelinePart::StepResult PipelinePart::step(const Batch& batch) {
+at::Tensor PipelinePart::run_schedule(const Batch& batch) {
+  return schedule_->step(pipe().is_first() ? batch.inputs : at::Tensor(),
+                         pipes_.back()->is_last() ? batch.targets : at::Tensor());
+}
+
+PipelinePart::StepResult PipelinePart::step_values(const at::Tensor& loss) {
   const bool last = pipes_.back()->is_last();
-  const at::Tensor loss = schedule_->step(pipe().is_first() ? batch.inputs : at::Tensor(),
-                                          last ? batch.targets : at::Tensor());
   const pp::StepTiming& t = schedule_->last_timing();
   const double idle = t.total_s > 0 ? std::clamp(1 - t.compute_s / t.total_s, 0.0, 1.0) : 0.0;
   // One all_reduce carries both: the loss from the last stage, the idle shares from all.

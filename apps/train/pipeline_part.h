@@ -43,8 +43,11 @@ class PipelinePart {
     double loss = 0;    // mean over the batch, on every rank
     double bubble = 0;  // mean over the stages of the share of the schedule's step spent idle
   };
-  // One forward and backward pass of the schedule over `batch` (gradients accumulate).
-  StepResult step(const Batch& batch);
+  // One forward and backward pass of the schedule over `batch` (gradients accumulate); returns
+  // the last stage's mean loss (undefined on the other stages).
+  at::Tensor run_schedule(const Batch& batch);
+  // The step's loss and bubble on every rank, from run_schedule's result (one all_reduce).
+  StepResult step_values(const at::Tensor& loss);
 
   // Sum of `v` over the stages (one all_reduce on the pp group).
   double sum_over_stages(double v);

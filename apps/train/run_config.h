@@ -42,6 +42,9 @@ struct RunConfig {
   bool bf16 = false;             // --mixed-precision bf16: FSDP gathers and computes in bfloat16
   std::optional<PlanFile> plan;  // --plan: used instead of the built-in Llama plan
   double verify_rtol = 1e-4;
+  // dtensor_plan: the model is built on the meta device (shapes and dtypes, no values) and the
+  // pipeline stages are told their boundary activations instead of exchanging their shapes.
+  bool meta = false;
 
   // --pp: pipeline stages (world_size = pp x tp then), their schedule and micro-batches.
   int64_t pp = 1;

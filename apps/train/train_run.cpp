@@ -195,11 +195,7 @@ class TrainingRun {
       ::setenv("MASTER_PORT", "0", 1);
     }
     comm::init_process_group();
-    if (cfg.pp > 1 && cfg.fsdp)
-      return init_device_mesh("cpu", {cfg.pp, cfg.dp, cfg.tp}, {"pp", "dp", "tp"});
-    if (cfg.pp > 1) return init_device_mesh("cpu", {cfg.pp, cfg.tp}, {"pp", "tp"});
-    return cfg.dp > 1 ? init_device_mesh("cpu", {cfg.dp, cfg.tp}, {"dp", "tp"})
-                      : init_device_mesh("cpu", {cfg.tp}, {"tp"});
+    return make_train_mesh(cfg);
   }
 
   void prepare_output_and_resume() {

@@ -16,16 +16,31 @@
 #include "dtensor/core/dtensor_impl.h"
 #include "dtensor/dispatch/implicit_replication.h"
 #include "dtensor/fsdp/fully_shard.h"
+#include "dtensor/models/meta_init.h"
 #include "pipeline_part.h"
 
 namespace dtensor::train {
 
+DeviceMesh make_train_mesh(const RunConfig& cfg, const std::string& device_type) {
+  if (cfg.pp > 1 && cfg.fsdp) {
+    return init_device_mesh(device_type, {cfg.pp, cfg.dp, cfg.tp}, {"pp", "dp", "tp"});
+  }
+  if (cfg.pp > 1) return init_device_mesh(device_type, {cfg.pp, cfg.tp}, {"pp", "tp"});
+  return cfg.dp > 1 ? init_device_mesh(device_type, {cfg.dp, cfg.tp}, {"dp", "tp"})
+                    : init_device_mesh(device_type, {cfg.tp}, {"tp"});
+}
+
 Trainer::Trainer(const RunConfig& config, std::optional<DeviceMesh> mesh)
     : config_(config), mesh_(std::move(mesh)) {
-  model_ = models::Transformer(config_.model);
-  model_->to(config_.dtype);
-  // Drawn from the seed alone: the TP run and the one-device check start from equal weights.
-  model_->init_weights(config_.seed);
+  if (config_.meta) {
+    model_ = models::meta_transformer(config_.model);  // shapes only: nothing to initialise
+    model_->to(config_.dtype);
+  } else {
+    model_ = models::Transformer(config_.model);
+    model_->to(config_.dtype);
+    // Drawn from the seed alone: the TP run and the one-device check start from equal weights.
+    model_->init_weights(config_.seed);
+  }
   if (mesh_ && config_.pp > 1) {
     pp_ = std::make_shared<PipelinePart>(*model_, config_, *mesh_);
   } else if (mesh_ && (!config_.fsdp || config_.tp > 1)) {
@@ -187,39 +202,42 @@ double Trainer::clip_pipeline_grad_norm(double max_norm) {
   return norm;
 }
 
-StepStats Trainer::train_step(int64_t step, const Batch& global_batch) {
-  StepStats stats;
-  stats.lr = config_.schedule.at(step);
-  for (auto& group : optimizer_->param_groups()) {
-    static_cast<torch::optim::AdamWOptions&>(group.options()).lr(stats.lr);
-  }
+at::Tensor Trainer::forward_backward(const Batch& global_batch) {
   model_->train();
   optimizer_->zero_grad();
-  if (pp_) return pipeline_step(stats, global_batch);
+  if (pp_) {
+    at::Tensor loss =
+        pp_->run_schedule({dp_slice(global_batch.inputs), dp_slice(global_batch.targets)});
+    if (config_.tp > 1) models::reduce_partial_grads(pp_->stage());
+    return loss;
+  }
   auto logits = float_logits(model_->forward(dp_slice(global_batch.inputs)));
   auto loss = models::loss_and_backward(logits, dp_slice(global_batch.targets));
   if (mesh_ && !config_.fsdp) {  // FSDP's backward already reduce-scattered the gradients
     models::reduce_partial_grads(*model_);
     all_reduce_dp_grads();
   }
-  const double max_norm =
-      config_.grad_clip > 0 ? config_.grad_clip : std::numeric_limits<double>::infinity();
-  stats.grad_norm = clip_grad_norm(max_norm);
-  optimizer_->step();
-  stats.loss = mean_over_dp(loss.item<double>());
-  return stats;
+  return loss;
 }
 
-StepStats Trainer::pipeline_step(StepStats stats, const Batch& global_batch) {
-  const PipelinePart::StepResult r =
-      pp_->step({dp_slice(global_batch.inputs), dp_slice(global_batch.targets)});
-  if (config_.tp > 1) models::reduce_partial_grads(pp_->stage());
+StepStats Trainer::train_step(int64_t step, const Batch& global_batch) {
+  StepStats stats;
+  stats.lr = config_.schedule.at(step);
+  for (auto& group : optimizer_->param_groups()) {
+    static_cast<torch::optim::AdamWOptions&>(group.options()).lr(stats.lr);
+  }
+  const at::Tensor loss = forward_backward(global_batch);
   const double max_norm =
       config_.grad_clip > 0 ? config_.grad_clip : std::numeric_limits<double>::infinity();
   stats.grad_norm = clip_grad_norm(max_norm);
   optimizer_->step();
-  stats.loss = mean_over_dp(r.loss);
-  stats.bubble = r.bubble;
+  if (pp_) {
+    const PipelinePart::StepResult r = pp_->step_values(loss);
+    stats.loss = mean_over_dp(r.loss);
+    stats.bubble = r.bubble;
+  } else {
+    stats.loss = mean_over_dp(loss.item<double>());
+  }
   return stats;
 }
 
@@ -248,18 +266,23 @@ int64_t Trainer::parameter_bytes_per_rank() const {
   return bytes;
 }
 
-int64_t Trainer::state_bytes_per_rank() const {
-  int64_t bytes = 0;
+StateBytes Trainer::state_bytes() const {
+  StateBytes b;
   for (const auto& p : params_) {
-    bytes += local_bytes(p);
-    if (p.grad().defined()) bytes += local_bytes(p.grad());
+    b.parameters += local_bytes(p);
+    if (p.grad().defined()) b.gradients += local_bytes(p.grad());
     auto it = optimizer_->state().find(p.unsafeGetTensorImpl());
     if (it == optimizer_->state().end()) continue;
     const auto& s = static_cast<const torch::optim::AdamWParamState&>(*it->second);
-    bytes += local_bytes(s.exp_avg()) + local_bytes(s.exp_avg_sq());
-    if (s.max_exp_avg_sq().defined()) bytes += local_bytes(s.max_exp_avg_sq());
+    b.optimizer += local_bytes(s.exp_avg()) + local_bytes(s.exp_avg_sq());
+    if (s.max_exp_avg_sq().defined()) b.optimizer += local_bytes(s.max_exp_avg_sq());
   }
-  return bytes;
+  return b;
+}
+
+int64_t Trainer::state_bytes_per_rank() const {
+  const StateBytes b = state_bytes();
+  return b.parameters + b.gradients + b.optimizer;
 }
 
 double Trainer::evaluate(const BatchSampler& val, int64_t n_batches) {

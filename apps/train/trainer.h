@@ -28,6 +28,17 @@ struct StepStats {
 
 class PipelinePart;
 
+// The ranks of a run as a mesh: [pp, tp] under --pp, [dp, tp] with data parallelism, else [tp]
+// (dims named so), with local shards on `device_type`.
+DeviceMesh make_train_mesh(const RunConfig& config, const std::string& device_type = "cpu");
+
+// Bytes one rank holds for each kind of training state (its shards under TP or FSDP).
+struct StateBytes {
+  int64_t parameters = 0;
+  int64_t gradients = 0;
+  int64_t optimizer = 0;  // AdamW's moments
+};
+
 class Trainer {
  public:
   // `mesh`: all ranks as [tp], [dp, tp] or, with config.pp > 1, [pp, tp] (dims named "dp",
@@ -37,6 +48,13 @@ class Trainer {
   // One optimizer step on `global_batch` (this rank's dp slice of it is used) at 0-based
   // `step`, which selects the learning rate.
   StepStats train_step(int64_t step, const Batch& global_batch);
+
+  // The part of train_step whose collectives do not depend on values (dtensor_plan runs it on
+  // meta tensors): zeroing the gradients, the forward and backward passes (the pipeline
+  // schedule under --pp) and the gradient reductions. train_step then clips the gradients by
+  // their global norm, steps the optimizer and reduces the loss. Returns this rank's loss
+  // tensor (under --pp the last stage's mean, undefined on the other stages).
+  at::Tensor forward_backward(const Batch& global_batch);
 
   // Mean loss over `n_batches` validation batches, without gradients.
   double evaluate(const BatchSampler& val, int64_t n_batches);
@@ -63,6 +81,8 @@ class Trainer {
   int64_t state_bytes_per_rank() const;
   // Bytes of this rank's parameters alone (its shards under TP or FSDP).
   int64_t parameter_bytes_per_rank() const;
+  // The same, by kind.
+  StateBytes state_bytes() const;
 
  private:
   at::Tensor dp_slice(const at::Tensor& t) const;
@@ -72,8 +92,7 @@ class Trainer {
   double clip_sharded_grad_norm(double max_norm);  // the same for FSDP's gradient shards
   double mean_over_dp(double v) const;
 
-  // --pp: train_step's work, and the gradient norm over the stages.
-  StepStats pipeline_step(StepStats stats, const Batch& global_batch);
+  // --pp: the gradient norm over the stages.
   double clip_pipeline_grad_norm(double max_norm);
 
   RunConfig config_;

@@ -13,6 +13,7 @@
 #include "dtensor/comm/comm_debug_mode.h"
 #include "dtensor/comm/failure.h"
 #include "dtensor/comm/process_group.h"
+#include "dtensor/comm/recording_backend.h"
 #include "dtensor/comm/reduce_op.h"
 #include "dtensor/core/api.h"
 #include "dtensor/core/distribute_module.h"

@@ -20,6 +20,7 @@
 #include "backends.h"
 #include "dtensor/comm/backend.h"
 #include "dtensor/comm/error_message.h"
+#include "dtensor/comm/recording_backend.h"
 #include "health.h"
 
 namespace dtensor::comm {
@@ -58,9 +59,10 @@ struct WorldState {
   int64_t generation = 0;  // how many times this process joined (keys stay unique)
   std::string prefix;      // this join's store keys
   bool hosts_store = false;
+  bool simulated = false;  // init_simulated_process_group: recording backends, no store
   // Stops the watchdog before exit tears down what it uses.
   ~WorldState() {
-    if (!initialized) return;
+    if (!initialized || simulated) return;
     detail::health_stop(/*clean=*/false);
     leave_job();
   }
@@ -317,6 +319,10 @@ void ProcessGroup::await_members(c10::DeviceType device_type) {
 }
 
 c10d::Backend& ProcessGroup::backend(c10::DeviceType device_type) {
+  if (state().simulated) {  // one recording backend serves every device type
+    if (!cpu_) cpu_ = c10::make_intrusive<RecordingBackend>(name_, rank_, size(), mesh_dim_);
+    return *cpu_;
+  }
   if (device_type == c10::DeviceType::CUDA) {
     if (!cuda_) {
       TORCH_CHECK(detail::has_nccl(),
@@ -413,6 +419,7 @@ void init_process_group(const InitOptions& options_in) {
   s.backend = engine;
   s.store = store;
   s.hosts_store = so.isServer;
+  s.simulated = false;
   std::vector<int> all(e.world_size);
   for (int i = 0; i < e.world_size; ++i) all[i] = i;
   s.world = std::make_shared<ProcessGroup>("world", all, e.rank,
@@ -431,13 +438,46 @@ bool is_initialized() {
 void destroy_process_group() {
   auto& s = state();
   std::lock_guard<std::mutex> lock(s.mu);
-  if (s.initialized) {
+  if (s.initialized && !s.simulated) {
     detail::health_stop(/*clean=*/true);
     s.leave_job();
   }
   s.world.reset();
   s.store.reset();
   s.initialized = false;
+  s.simulated = false;
+}
+
+void init_simulated_process_group(const SimulatedRank& sim) {
+  auto& s = state();
+  std::lock_guard<std::mutex> lock(s.mu);
+  TORCH_CHECK(!s.initialized, "dtensor: init_simulated_process_group: this process is in a ",
+              s.simulated ? "simulated world" : "job", " already; destroy_process_group() first");
+  TORCH_CHECK(sim.world_size >= 1 && sim.rank >= 0 && sim.rank < sim.world_size,
+              "dtensor: init_simulated_process_group: rank ", sim.rank, " is outside a world of ",
+              sim.world_size, " ranks");
+  LaunchEnv e;
+  e.rank = sim.rank;
+  e.world_size = sim.world_size;
+  e.local_rank = sim.rank;
+  e.source = "simulated";
+  s.env = e;
+  s.options = InitOptions{};
+  s.backend = "recording";
+  s.store.reset();
+  s.hosts_store = false;
+  s.simulated = true;
+  std::vector<int> all(e.world_size);
+  for (int i = 0; i < e.world_size; ++i) all[i] = i;
+  s.world = std::make_shared<ProcessGroup>("world", all, e.rank, nullptr, s.options.timeout, "");
+  s.group_counter = 0;
+  s.initialized = true;
+}
+
+bool is_simulated() {
+  auto& s = state();
+  std::lock_guard<std::mutex> lock(s.mu);
+  return s.initialized && s.simulated;
 }
 
 static WorldState& initialized_state() {
@@ -472,13 +512,15 @@ std::shared_ptr<ProcessGroup> new_group(const std::vector<int>& global_ranks, in
   }
   if (my < 0) return nullptr;
   const std::string name = "group" + std::to_string(id) + "[" + c10::Join(",", global_ranks) + "]";
-  return std::make_shared<ProcessGroup>(name, global_ranks, my,
-                                        c10::make_intrusive<c10d::PrefixStore>(name, s.store),
-                                        s.options.timeout, s.options.gloo_host, mesh_dim);
+  return std::make_shared<ProcessGroup>(
+      name, global_ranks, my,
+      s.simulated ? nullptr : c10::make_intrusive<c10d::PrefixStore>(name, s.store),
+      s.options.timeout, s.options.gloo_host, mesh_dim);
 }
 
 void barrier() {
   auto& s = initialized_state();
+  if (s.simulated) return;  // the other ranks are simulated: nobody to wait for
   static int64_t generation = 0;
   const std::string key = "barrier/" + std::to_string(generation++);
   s.store->add(key, 1);

@@ -52,10 +52,17 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
               " local KV heads evenly");
   keys = repeat_kv(keys, nq / nkv);
   values = repeat_kv(values, nq / nkv);
-  at::Tensor out = at::scaled_dot_product_attention(
-      q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
-      mask.defined() ? std::optional<at::Tensor>(mask) : std::nullopt,
-      /*dropout_p=*/0.0, /*is_causal=*/!mask.defined());
+  // On the meta device (dtensor_plan) LibTorch picks the math kernel, which keeps the whole
+  // attention matrix for backward; a CPU run picks the flash kernel, so that one is called there
+  // and the simulated step keeps what a real one keeps.
+  at::Tensor out = q.is_meta() && !mask.defined()
+                       ? std::get<0>(at::_scaled_dot_product_flash_attention_for_cpu(
+                             q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
+                             /*dropout_p=*/0.0, /*is_causal=*/true))
+                       : at::scaled_dot_product_attention(
+                             q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
+                             mask.defined() ? std::optional<at::Tensor>(mask) : std::nullopt,
+                             /*dropout_p=*/0.0, /*is_causal=*/!mask.defined());
   return out.transpose(1, 2).contiguous().view({B, S, -1});
 }
 

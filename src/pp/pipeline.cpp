@@ -7,6 +7,7 @@
 #include <sstream>
 
 #include "dtensor/comm/collectives.h"
+#include "dtensor/comm/comm_debug_mode.h"
 #include "dtensor/comm/error_message.h"
 #include "dtensor/comm/failure.h"
 #include "dtensor/core/api.h"
@@ -289,6 +290,7 @@ at::Tensor Schedule::step(const at::Tensor& inputs, const at::Tensor& targets) {
   };
 
   auto backward = [&](PipelineStage& st, int64_t k, int64_t i) {
+    BackwardScope in_backward;  // its messages count as backward, as the autograd pass does
     const int64_t g = st.stage_index();
     Micro& mb = micro[k][i];
     if (i == m - 1 && st.sync_hook_) st.sync_hook_(true);
@@ -334,6 +336,14 @@ at::Tensor Schedule::step(const at::Tensor& inputs, const at::Tensor& targets) {
   timing_.total_s = seconds_since(start);
   if (losses.empty()) return {};
   return at::stack(losses).mean();
+}
+
+void PipelineStage::set_boundary_activations(std::optional<at::Tensor> input_like,
+                                             std::optional<at::Tensor> output_like) {
+  TORCH_CHECK(!input_like || !is_first(), label(), ": the first stage receives no activation");
+  TORCH_CHECK(!output_like || !is_last(), label(), ": the last stage sends no activation");
+  if (input_like) input_like_ = at::empty(input_like->sizes(), input_like->options());
+  if (output_like) output_like_ = at::empty(output_like->sizes(), output_like->options());
 }
 
 std::vector<Action> ScheduleGPipe::actions() const {

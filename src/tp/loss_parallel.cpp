@@ -133,7 +133,9 @@ Decision nll_forward(const OpCall& call) {
                        const LocalContext& ctx) {
     const size_t base = st.size() - 5;
     const at::Tensor x = st[base].toTensor();
-    const at::Tensor target = st[base + 1].toTensor();
+    // Targets arrive as plain tensors: on the logits' device (a no-op but for meta logits,
+    // whose plain targets stay on the CPU so that the op reaches DTensor's kernel).
+    const at::Tensor target = st[base + 1].toTensor().to(x.device());
     const at::Tensor weight = st[base + 2].isNone() ? at::Tensor() : st[base + 2].toTensor();
     const int64_t reduction = st[base + 3].toInt();
     const at::Tensor keep = target.ne(st[base + 4].toInt());
@@ -175,7 +177,7 @@ Decision nll_backward(const OpCall& call) {
     const size_t base = st.size() - 7;
     const at::Tensor grad = st[base].toTensor();
     const at::Tensor logp = st[base + 1].toTensor();
-    const at::Tensor target = st[base + 2].toTensor();
+    const at::Tensor target = st[base + 2].toTensor().to(logp.device());
     const at::Tensor weight = st[base + 3].isNone() ? at::Tensor() : st[base + 3].toTensor();
     const int64_t reduction = st[base + 4].toInt();
     const at::Tensor keep = target.ne(st[base + 5].toInt());

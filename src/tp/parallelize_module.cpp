@@ -15,6 +15,7 @@
 #include <string_view>
 
 #include "dtensor/comm/collectives.h"
+#include "dtensor/comm/recording_backend.h"
 #include "dtensor/core/distribute_module.h"
 #include "dtensor/tp/module_hooks.h"
 #include "style_support.h"
@@ -225,7 +226,8 @@ std::string first_difference(const std::string& text0, const std::string& text_r
 // every rank fails with the same message naming the first difference.
 void check_same_on_every_rank(const torch::nn::Module& root, const ParallelizePlan& plan,
                               const DeviceMesh& mesh) {
-  if (mesh.size() == 1 || !mesh.contains_this_rank()) return;
+  // A simulated world (comm/recording_backend.h) has no other ranks to compare with.
+  if (mesh.size() == 1 || !mesh.contains_this_rank() || comm::is_simulated()) return;
   comm::ProcessGroup& pg = mesh.group(0);
   const auto options = at::TensorOptions().dtype(at::kLong).device(mesh.device());
   const std::string text = describe_setup(root, plan, mesh);

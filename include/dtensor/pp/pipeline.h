@@ -99,6 +99,13 @@ class PipelineStage {
   /// data-parallel reduction of the stage's gradients (fsdp::set_requires_gradient_sync) runs
   /// once per step, after the last micro-batch, instead of once per micro-batch.
   void set_gradient_sync_hook(std::function<void(bool)> hook) { sync_hook_ = std::move(hook); }
+  /// Declares the activations that cross into this stage (`input_like`) and out of it
+  /// (`output_like`) ahead of the first step: shape, dtype and device, values unused (PyTorch's
+  /// PipelineStage takes input_args for the same). The first step then exchanges no shape
+  /// message, like every later step. Both ends of a boundary must declare it, or neither.
+  /// Needed for meta tensors, whose shape message has no values to read.
+  void set_boundary_activations(std::optional<at::Tensor> input_like,
+                                std::optional<at::Tensor> output_like);
 
   /// A label for messages: "pipeline stage 1 of 4".
   std::string label() const;

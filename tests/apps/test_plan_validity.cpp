@@ -1,0 +1,132 @@
+// dtensor_plan refuses every layout the trainer would refuse, or that would not fit, before it
+// simulates anything, each with the fix; a valid layout's plan is consistent with the model.
+#include <gtest/gtest.h>
+
+#include <cstdio>
+#include <string>
+
+#include "plan/estimate.h"
+
+using namespace dtensor;
+
+namespace {
+
+plan::Layout layout(int64_t world, std::initializer_list<std::pair<std::string, int64_t>> kv,
+                    std::optional<int64_t> tp = std::nullopt) {
+  plan::Layout l;
+  l.world_size = world;
+  l.tp = tp;
+  auto& o = l.options;
+  o.preset = "tiny";
+  o.layers = 4;
+  o.batch_size = 8;
+  for (const auto& [k, v] : kv) {
+    if (k == "dp") o.dp = v;
+    if (k == "dp_shard") o.dp_shard = v;
+    if (k == "pp") o.pp = v;
+    if (k == "microbatches") o.microbatches = v;
+    if (k == "heads") o.heads = v;
+    if (k == "kv_heads") o.kv_heads = v;
+    if (k == "dim") o.dim = v;
+    if (k == "layers") o.layers = v;
+    if (k == "batch") o.batch_size = v;
+    if (k == "seq") o.seq_len = v;
+    if (k == "ffn") o.ffn_dim = v;
+  }
+  return l;
+}
+
+// The one refusal of `l`, which must mention every one of `words`.
+void expect_refused(const plan::Layout& l, std::initializer_list<std::string> words,
+                    const plan::Hardware& hw = {}) {
+  const plan::Plan p = plan::make_plan(l, hw);
+  ASSERT_EQ(p.refusals.size(), 1u);
+  EXPECT_TRUE(p.ranks.empty() || !p.refusals.empty());
+  for (const auto& w : words)
+    EXPECT_NE(p.refusals[0].find(w), std::string::npos)
+        << "refusal '" << p.refusals[0] << "' does not mention '" << w << "'";
+}
+
+}  // namespace
+
+TEST(PlanValidity, HeadsNotDivisibleByTp) {
+  expect_refused(layout(3, {}), {"n_heads=4 is not divisible by tp=3", "valid tp degrees"});
+}
+
+TEST(PlanValidity, FfnNotDivisibleByTp) {
+  expect_refused(layout(4, {{"ffn", 30}}), {"the FFN hidden size 30 is not divisible by tp=4"});
+}
+
+TEST(PlanValidity, WorldIsNotTheProductOfTheDegrees) {
+  expect_refused(layout(6, {{"dp_shard", 2}}, 2), {"--world-size is 6", "--tp 3"});
+  expect_refused(layout(6, {{"pp", 4}}), {"not divisible by dp x pp = 4"});
+}
+
+TEST(PlanValidity, MoreStagesThanLayers) {
+  expect_refused(layout(8, {{"pp", 8}, {"layers", 4}, {"microbatches", 8}}),
+                 {"at least one block per stage", "4 layers"});
+}
+
+TEST(PlanValidity, PipelineWithFsdpIsNotSupportedYet) {
+  expect_refused(layout(4, {{"pp", 2}, {"dp_shard", 2}}), {"--pp 2 cannot be combined with"});
+}
+
+TEST(PlanValidity, BatchDoesNotSplitIntoMicrobatches) {
+  expect_refused(layout(2, {{"pp", 2}, {"microbatches", 3}}), {"--microbatches 3"});
+}
+
+TEST(PlanValidity, BatchNotDivisibleByDp) {
+  expect_refused(layout(4, {{"dp_shard", 4}, {"batch", 6}}),
+                 {"--batch-size 6 is not divisible by --dp-shard 4"});
+}
+
+TEST(PlanValidity, SequenceNotDivisibleForSequenceParallelism) {
+  expect_refused(layout(4, {{"seq", 30}}), {"--seq-len is 30", "multiple of 4"});
+}
+
+TEST(PlanValidity, OverTheDeviceMemory) {
+  plan::Hardware hw;
+  hw.device_memory_gib = 1e-5;  // ~10 KiB: the tiny model's step does not fit
+  expect_refused(layout(2, {}), {"over --device-memory", "--ac full"}, hw);
+}
+
+TEST(PlanValidity, KvHeadsNotDivisibleByTpIsAWarningNotARefusal) {
+  const plan::Plan p = plan::make_plan(layout(4, {{"kv_heads", 2}}), {});
+  EXPECT_TRUE(p.refusals.empty()) << p.refusals.front();
+  ASSERT_EQ(p.warnings.size(), 1u);
+  EXPECT_NE(p.warnings[0].find("n_kv_heads=2 is not divisible by tp=4"), std::string::npos);
+}
+
+TEST(PlanValidity, AValidPlanHasOneRankPerStageAndTheModelsParameters) {
+  const plan::Plan p = plan::make_plan(layout(4, {{"pp", 2}, {"microbatches", 4}}), {});
+  ASSERT_TRUE(p.refusals.empty()) << p.refusals.front();
+  ASSERT_EQ(p.ranks.size(), 2u);
+  EXPECT_EQ(p.ranks[0].sim.who.rank, 0);
+  EXPECT_EQ(p.ranks[1].sim.who.rank, 2);
+  // Per stage tp=2 shards; over both stages and both tp ranks the bytes are the model's,
+  // minus the norms each tp rank keeps whole (replicated, counted twice).
+  int64_t bytes = 0;
+  for (const auto& r : p.ranks) bytes += r.sim.step.state.parameters;
+  const int64_t whole = p.config.model.num_parameters() * 4;
+  EXPECT_GT(bytes * 2, whole);
+  EXPECT_LT(bytes * 2, whole * 11 / 10);
+  EXPECT_LT(p.step_low_s, p.step_high_s);
+  EXPECT_GT(p.step_low_s, 0);
+}
+
+TEST(PlanValidity, SplitsOfAWorld) {
+  const auto s = plan::splits_of(8);
+  EXPECT_EQ(s.size(), 10u);  // ordered triples of divisors with product 8
+  for (auto [dp, tp, pp] : s) EXPECT_EQ(dp * tp * pp, 8);
+}
+
+TEST(PlanValidity, RingAlphaBeta) {
+  plan::Hardware hw;
+  hw.intra_gbps = 100;
+  hw.intra_latency_us = 0;
+  // all_gather of 1 GB per rank over 4: each rank receives 3 GB.
+  EXPECT_NEAR(plan::collective_seconds("all_gather_into_tensor", 1'000'000'000, 4, true, hw), 0.03,
+              1e-12);
+  EXPECT_NEAR(plan::collective_seconds("all_reduce", 1'000'000'000, 4, true, hw), 0.015, 1e-12);
+  EXPECT_EQ(plan::collective_seconds("send", 1'000'000'000, 2, true, hw), 0);
+}
