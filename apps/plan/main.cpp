@@ -48,7 +48,8 @@ Layout (as dtensor_train takes it):
   --dp-shard N           FSDP degree (fully_shard over N ranks)
   --dp N                 plain data parallel degree
   --pp N                 pipeline stages
-  --schedule S           gpipe | 1f1b (default 1f1b)
+  --schedule S           gpipe | 1f1b | interleaved (default 1f1b)
+  --virtual-stages V     stages per rank with --schedule interleaved (default 2)
   --microbatches M       per step (default pp)
   --ac MODE              none | full | selective (default none)
   --mixed-precision P    none | bf16 (FSDP: bfloat16 compute, float32 reduce)
@@ -300,7 +301,9 @@ int main(int argc, char** argv) {
   app.add_option("--dp", o.dp)->check(dtensor::cli::integer(1));
   app.add_option("--pp", o.pp)->check(dtensor::cli::integer(1));
   app.add_option_function<std::string>("--schedule", [&](const std::string& v) { o.schedule = v; })
-      ->check(dtensor::cli::one_of({"gpipe", "1f1b"}));
+      ->check(dtensor::cli::one_of({"gpipe", "1f1b", "interleaved"}));
+  app.add_option_function<int64_t>("--virtual-stages", [&](int64_t v) { o.virtual_stages = v; })
+      ->check(dtensor::cli::integer(1));
   app.add_option_function<int64_t>("--microbatches", [&](int64_t v) { o.microbatches = v; })
       ->check(dtensor::cli::integer(1));
   app.add_option("--ac", o.ac)->check(dtensor::cli::one_of({"none", "full", "selective"}));
@@ -362,6 +365,7 @@ int main(int argc, char** argv) {
     }
     if (pp == 1) {
       l.options.schedule.reset();
+      l.options.virtual_stages.reset();
       l.options.microbatches.reset();
     }
     const int64_t m = l.options.microbatches.value_or(pp);
