@@ -3,6 +3,7 @@
 // (bench/pytorch_dtensor_dispatch.py). One process, a 1-rank mesh: no communication.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/detail/CUDAHooksInterface.h>
 #include <torch/cuda.h>
 
 #include <algorithm>
@@ -98,6 +99,13 @@ int main(int argc, char** argv) {
   ::setenv("MASTER_ADDR", "127.0.0.1", 0);
   ::setenv("MASTER_PORT", "29731", 0);
   const bool cuda = device == "cuda";
+  if (cuda &&
+      (!at::detail::getCUDAHooks().hasCUDA() || at::detail::getCUDAHooks().deviceCount() == 0)) {
+    std::printf(
+        "bench_dispatch: no CUDA device visible (CPU-only LibTorch or no GPU): nothing timed\n");
+    std::printf("RESULT dispatch_overhead_us=nan pytorch_overhead_us=nan ratio=nan\n");
+    return 0;
+  }
   auto mesh = init_device_mesh(device, {1});
   at::manual_seed(0);
   const auto on = at::TensorOptions().device(cuda ? at::kCUDA : at::kCPU);
