@@ -3,6 +3,8 @@
 // (bench/pytorch_dtensor_dispatch.py). One process, a 1-rank mesh: no communication.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/detail/CUDAHooksInterface.h>
+#include <torch/cuda.h>
 
 #include <algorithm>
 #include <chrono>
@@ -21,7 +23,9 @@ using namespace dtensor;
 
 namespace {
 
-constexpr const char* kUsage = R"(usage: bench_dispatch [--iters N] [--pytorch-script PATH]
+constexpr const char* kUsage =
+    R"(usage: bench_dispatch [--iters N] [--device cpu|cuda] [--python PY]
+                      [--pytorch-script PATH]
 
 Times tiny add, mul, addmm, view and sum on a DTensor (1-rank mesh, sharding-cache hit) against
 the same op on a plain tensor, and runs PATH (default bench/pytorch_dtensor_dispatch.py) to time
@@ -30,14 +34,18 @@ PyTorch's Python DTensor the same way. The last line is:
 
 options:
   --iters N              calls per op and variant (default 20000)
+  --device D             cpu (default) or cuda: the tensors on the GPU (a 1-rank CUDA mesh),
+                         each block of calls ending when the GPU has run them
+  --python PY            the Python that runs the PyTorch side (default python3)
   --pytorch-script PATH  the PyTorch side (default bench/pytorch_dtensor_dispatch.py)
   --help                 print this help
 )";
 
 template <typename F>
-double per_call_us(F&& f, int iters) {
+double per_call_us(F&& f, int iters, bool cuda) {
   const auto t0 = std::chrono::steady_clock::now();
   for (int i = 0; i < iters; ++i) f();
+  if (cuda) torch::cuda::synchronize();  // kernels run asynchronously: count until they ran
   return std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count() /
          iters;
 }
@@ -48,10 +56,13 @@ double median(std::vector<double> v) {
 }
 
 // {op: [plain_us, dtensor_us]} from the Python script, or empty if it cannot run.
-std::map<std::string, std::pair<double, double>> run_pytorch(const std::string& script, int iters) {
+std::map<std::string, std::pair<double, double>> run_pytorch(const std::string& python,
+                                                             const std::string& script, int iters,
+                                                             const std::string& device) {
   std::map<std::string, std::pair<double, double>> out;
-  const auto r = dtensor::bench::run_command("python3 " + dtensor::bench::find_script(script) +
-                                             " --iters " + std::to_string(iters) + " 2>/dev/null");
+  const auto r =
+      dtensor::bench::run_command(python + " " + dtensor::bench::find_script(script) + " --iters " +
+                                  std::to_string(iters) + " --device " + device + " 2>/dev/null");
   if (!r) return out;
   const std::string& all = r->out;
   // Parse {"add": [1.0, 2.0], ...} without a JSON dependency.
@@ -75,18 +86,30 @@ std::map<std::string, std::pair<double, double>> run_pytorch(const std::string& 
 int main(int argc, char** argv) {
   int iters = 20000;
   std::string script = "bench/pytorch_dtensor_dispatch.py";
+  std::string device = "cpu", python = "python3";
   CLI::App app("", "bench_dispatch");
   app.add_option("--iters", iters)->check(dtensor::cli::integer(1, 1 << 30));
   app.add_option("--pytorch-script", script)->check(dtensor::cli::non_empty());
+  app.add_option("--device", device)->check(dtensor::cli::one_of({"cpu", "cuda"}));
+  app.add_option("--python", python)->check(dtensor::cli::non_empty());
   if (auto code = dtensor::cli::parse(app, argc, argv, kUsage)) return *code;
   at::set_num_threads(1);
   ::setenv("RANK", "0", 0);
   ::setenv("WORLD_SIZE", "1", 0);
   ::setenv("MASTER_ADDR", "127.0.0.1", 0);
   ::setenv("MASTER_PORT", "29731", 0);
-  auto mesh = init_device_mesh("cpu", {1});
+  const bool cuda = device == "cuda";
+  if (cuda &&
+      (!at::detail::getCUDAHooks().hasCUDA() || at::detail::getCUDAHooks().deviceCount() == 0)) {
+    std::printf(
+        "bench_dispatch: no CUDA device visible (CPU-only LibTorch or no GPU): nothing timed\n");
+    std::printf("RESULT dispatch_overhead_us=nan pytorch_overhead_us=nan ratio=nan\n");
+    return 0;
+  }
+  auto mesh = init_device_mesh(device, {1});
   at::manual_seed(0);
-  auto a = at::randn({8, 8}), b = at::randn({8, 8}), bias = at::randn({8});
+  const auto on = at::TensorOptions().device(cuda ? at::kCUDA : at::kCPU);
+  auto a = at::randn({8, 8}, on), b = at::randn({8, 8}, on), bias = at::randn({8}, on);
   // Placements that need no redistribution, so only dispatch is measured: a row-sharded
   // activation, a replicated weight and bias (a colwise-style matmul).
   auto da = distribute_tensor(a, mesh, {Shard(0)}), db = distribute_tensor(b, mesh, {Replicate()});
@@ -114,14 +137,17 @@ int main(int argc, char** argv) {
     }
     std::vector<double> ps, ds;
     for (int r = 0; r < 7; ++r) {  // interleaved blocks: noise hits both sides
-      ps.push_back(per_call_us(op.plain, iters));
-      ds.push_back(per_call_us(op.dt, iters));
+      ps.push_back(per_call_us(op.plain, iters, cuda));
+      ds.push_back(per_call_us(op.dt, iters, cuda));
     }
     ours[op.name] = {median(ps), median(ds)};
   }
-  auto theirs = run_pytorch(script, 2000);
+  auto theirs = run_pytorch(python, script, 2000, device);
 
-  std::printf("\nPer-op time of tiny (8x8) ops, µs per call (median of 7 interleaved blocks)\n");
+  std::printf(
+      "\nPer-op time of tiny (8x8) ops on %s tensors, µs per call (median of 7 "
+      "interleaved blocks)\n",
+      device.c_str());
   std::printf("%-6s | %10s %10s %10s | %10s %10s %10s | %8s\n", "op", "plain", "dtensor",
               "overhead", "torch", "py-DT", "overhead", "ratio");
   std::printf(

@@ -3,7 +3,8 @@
 
 bench_generate saves its model with save_hf_llama and the prompts as lines of token ids, then
 runs this script. It loads the checkpoint with LlamaForCausalLM (float32, PyTorch eager, HF's
-default attention), one intra-op thread, and times what generate() in C++ times: the prefill
+default attention; --device cuda --dtype bfloat16 for bench_cuda), one intra-op thread, and
+times what generate() in C++ times: the prefill
 (one forward over the prompts, first new token by argmax) and the decode steps (one forward of
 one token per row, reusing past_key_values). A plain loop, not model.generate(), so HF pays no
 logits-processor overhead. Prints one line:
@@ -22,6 +23,8 @@ def main():
     p.add_argument("--prompts", required=True, help="one prompt per line, token ids separated by spaces")
     p.add_argument("--new", type=int, required=True, help="new tokens per prompt")
     p.add_argument("--rounds", type=int, default=3, help="timed rounds after one warm-up")
+    p.add_argument("--device", default="cpu", help="cpu (default) or cuda")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     a = p.parse_args()
     try:
         import torch
@@ -35,8 +38,11 @@ def main():
     if len({len(r) for r in rows}) != 1:
         print("skip prompts of different lengths are not supported here")
         return 0
-    model = LlamaForCausalLM.from_pretrained(a.model, dtype=torch.float32).eval()
-    ids = torch.tensor(rows, dtype=torch.long)
+    dtype = getattr(torch, a.dtype)
+    model = LlamaForCausalLM.from_pretrained(a.model, dtype=dtype).to(a.device).eval()
+    ids = torch.tensor(rows, dtype=torch.long, device=a.device)
+    # CUDA runs asynchronously: wait for the GPU before reading the clock.
+    sync = torch.cuda.synchronize if a.device.startswith("cuda") else (lambda: None)
     prefill, decode = [], []
     tokens = []
     with torch.inference_mode():
@@ -44,6 +50,7 @@ def main():
             t0 = time.perf_counter()
             out = model(input_ids=ids, use_cache=True)
             nxt = out.logits[:, -1, :].argmax(-1, keepdim=True)
+            sync()
             t1 = time.perf_counter()
             past = out.past_key_values
             new = [nxt]
@@ -52,6 +59,7 @@ def main():
                 past = out.past_key_values
                 nxt = out.logits[:, -1, :].argmax(-1, keepdim=True)
                 new.append(nxt)
+            sync()
             t2 = time.perf_counter()
             if r == 0:
                 continue  # warm-up

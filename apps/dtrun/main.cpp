@@ -145,7 +145,7 @@ class Launcher {
     launch::ChildSetup setup;
     // mpirun passes the rendezvous variables on with -x; RANK in its own environment would
     // reach every rank and override Open MPI's.
-    if (!by_mpirun) setup.env = launch::rank_env(r, o_.nproc, o_.master_port, o_.master_addr);
+    if (!by_mpirun) setup.env = rank_env(r);
     setup.stdin_fd = devnull_;
     setup.own_process_group = true;
     // If dtrun itself is killed (SIGKILL cannot be forwarded), take the rank down with it.
@@ -158,7 +158,9 @@ class Launcher {
       setup.stderr_fd = err[1];
       child = launch::spawn_program(command, setup);
     } catch (const std::system_error& e) {
-      message("cannot start " + (by_mpirun ? std::string("mpirun") : "rank " + std::to_string(r)) +
+      message("cannot start " +
+              (by_mpirun ? std::string("mpirun")
+                         : "rank " + std::to_string(o_.node_rank * o_.nproc + r)) +
               ": " + e.code().message());
       for (int fd : {out[0], out[1], err[0], err[1]}) {
         if (fd >= 0) ::close(fd);
@@ -166,8 +168,9 @@ class Launcher {
       launch_error_ = 1;
       return;
     }
-    Rank& rank = ranks_.emplace_back(r, by_mpirun ? "mpirun" : "rank " + std::to_string(r),
-                                     o_.prefix && !by_mpirun);
+    const int global = o_.node_rank * o_.nproc + r;
+    Rank& rank = ranks_.emplace_back(
+        global, by_mpirun ? "mpirun" : "rank " + std::to_string(global), o_.prefix && !by_mpirun);
     rank.pid = child.pid;
     rank.fds[0] = out[0];
     rank.fds[1] = err[0];
@@ -184,6 +187,18 @@ class Launcher {
       message(what);
       launch_error_ = child.exec_errno == ENOENT ? 127 : 126;
     }
+  }
+
+  // torchrun's variables for local rank r of this node.
+  launch::Env rank_env(int r) const {
+    launch::Env env = launch::rank_env(o_.node_rank * o_.nproc + r, o_.nnodes * o_.nproc,
+                                       o_.master_port, o_.master_addr);
+    for (auto& [key, value] : env) {
+      if (key == "LOCAL_RANK") value = std::to_string(r);
+      if (key == "LOCAL_WORLD_SIZE") value = std::to_string(o_.nproc);
+    }
+    env.emplace_back("GROUP_RANK", std::to_string(o_.node_rank));
+    return env;
   }
 
   // Signals every rank's process group that may still have processes.
@@ -430,7 +445,10 @@ int main(int argc, char** argv) {
     const char* from_env = std::getenv("DTENSOR_BACKEND");
     options->backend = from_env && *from_env ? from_env : "auto";
   }
-  if (options->backend == "auto") options->backend = dtrun::fastest_backend(options->nproc);
+  if (options->backend == "auto") {
+    // mpirun would start this node's ranks only: several nodes meet over Gloo.
+    options->backend = options->nnodes > 1 ? "gloo" : dtrun::fastest_backend(options->nproc);
+  }
   std::vector<std::string> mpirun;
   if (options->backend == "mpi") {
     mpirun = dtrun::mpirun_command(*options);

@@ -7,9 +7,13 @@
 namespace dtrun {
 
 struct Options {
-  int nproc = 0;
+  int nproc = 0;  // ranks on this node
+  // Several machines (nodes), as torchrun --nnodes/--node-rank: this node starts global ranks
+  // node_rank * nproc .. node_rank * nproc + nproc - 1 of nnodes * nproc.
+  int nnodes = 1;
+  int node_rank = 0;
   std::string master_addr = "127.0.0.1";
-  int master_port = 0;  // 0: pick a free port on 127.0.0.1
+  int master_port = 0;  // 0: pick a free port on 127.0.0.1 (one node only)
   bool prefix = true;
   double grace_s = 5.0;
   // Collective engine of the ranks' CPU tensors (DTENSOR_BACKEND): "" leaves the ranks' own

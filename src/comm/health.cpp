@@ -94,6 +94,10 @@ struct Health {
   std::atomic<bool> peer_failed{false};
   std::atomic<bool> reported{false};
   std::atomic<bool> poisoned{false};
+  // A store call failed (its host unreachable or gone): later reports skip the store rather
+  // than wait for its timeout again.
+  std::atomic<bool> store_lost{false};
+  std::string store_where;  // "ADDR:PORT", for messages
   // Waiters sleep here; the watchdog and finished work wake them.
   std::mutex wake_mu;
   std::condition_variable wake_cv;
@@ -330,6 +334,28 @@ std::chrono::milliseconds diagnosis_budget(std::chrono::milliseconds timeout) {
 
 namespace {
 
+// For a failed collective whose store did not answer either (`how`): the store's host is
+// unreachable from here too, so the peers the collective waited for most likely are (a network
+// down between hosts, or their host stopped). Later reports skip the store.
+std::string unreachable(const WorkContext& c, const std::string& how) {
+  auto& h = health();
+  h.store_lost.store(true);
+  std::string peers, label = c.group;
+  {
+    std::lock_guard<std::mutex> g(h.mu);
+    if (auto it = h.groups.find(c.group); it != h.groups.end()) {
+      label = it->second.label;
+      for (int r : it->second.members) {
+        if (r != h.rank) peers += (peers.empty() ? "" : ", ") + std::to_string(r);
+      }
+    }
+  }
+  return "rank(s) " + peers + " of group " + label + " unreachable from rank " +
+         std::to_string(h.rank) + ": the collective failed and the store at " + h.store_where +
+         " did not answer either " + how +
+         "; the network between them is down, or their host stopped. ";
+}
+
 // Asks the group's members where they are and names the problem. Called with a failed
 // collective, so the group is unusable anyway; bounded by kMaxAnswerWait.
 std::string diagnose(const WorkContext& c) {
@@ -369,10 +395,34 @@ std::string diagnose(const WorkContext& c) {
       }
     }
   } catch (const std::exception& e) {
-    return failed + "(could not ask the other ranks through the store: " + error_message(e) + ") ";
+    return failed + unreachable(c, "(" + error_message(e) + ")");
   }
   return (failed.empty() ? "" : failed + ". ") +
          compare_histories(group.label, h.rank, group.history, others, silent, waited);
+}
+
+// head + diagnose(c) + tail, reported to the other ranks, computed aside: a call on a store
+// whose host is cut off can block without a timeout. After `wait` the message names the
+// group's other members as unreachable instead.
+std::string bounded_diagnosis(const WorkContext& c, const std::string& head,
+                              const std::string& tail, std::chrono::milliseconds wait) {
+  auto result = std::make_shared<std::pair<std::mutex, std::string>>();
+  auto done = std::make_shared<std::atomic<bool>>(false);
+  std::thread([c, head, tail, result, done] {
+    const std::string full = head + diagnose(c) + tail;
+    report_failure(full);
+    {
+      std::lock_guard<std::mutex> g(result->first);
+      result->second = full;
+    }
+    done->store(true);
+  }).detach();
+  const auto until = Clock::now() + wait;
+  while (!done->load() && Clock::now() < until) std::this_thread::sleep_for(kPoll / 5);
+  std::lock_guard<std::mutex> g(result->first);
+  if (done->load()) return result->second;
+  return head + unreachable(c, "within " + c10::str(wait.count() / 1000.0) + " s (no diagnosis)") +
+         tail;
 }
 
 // Ends the process for a thread stuck in `b`: `peer_failure` when another rank failed, else
@@ -389,22 +439,7 @@ std::string diagnose(const WorkContext& c) {
     const std::string head = "dtensor: " + b.what + " did not complete within " +
                              std::to_string(b.context.timeout.count() / 1000.0) +
                              " s (DTENSOR_TIMEOUT_S): ";
-    auto result = std::make_shared<std::pair<std::mutex, std::string>>();
-    auto done = std::make_shared<std::atomic<bool>>(false);
-    std::thread([b, head, tail, result, done] {
-      const std::string full = head + diagnose(b.context) + tail;
-      report_failure(full);
-      {
-        std::lock_guard<std::mutex> g(result->first);
-        result->second = full;
-      }
-      done->store(true);
-    }).detach();
-    const auto until = Clock::now() + diagnosis_budget(b.context.timeout) + kPoll * 2;
-    while (!done->load() && Clock::now() < until) std::this_thread::sleep_for(kPoll / 5);
-    std::lock_guard<std::mutex> g(result->first);
-    msg =
-        done->load() ? result->second : head + "(the store did not answer, so no diagnosis)" + tail;
+    msg = bounded_diagnosis(b.context, head, tail, diagnosis_budget(b.context.timeout) + kPoll * 2);
   }
   std::fprintf(stderr, "%s\n", msg.c_str());
   std::fflush(stderr);
@@ -519,6 +554,8 @@ void health_start(c10::intrusive_ptr<c10d::Store> store, std::string prefix, int
     h.store = std::move(store);
     h.prefix = std::move(prefix);
     h.timeout = timeout;
+    h.store_where = store_addr + ":" + std::to_string(store_port);
+    h.store_lost.store(false);
     const char* check = std::getenv("DTENSOR_CHECK_COLLECTIVES");
     h.check = check && std::string(check) != "0" && *check;
     h.groups.clear();
@@ -548,8 +585,11 @@ void health_stop(bool clean) {
     h.stop = true;
   }
   h.wd_cv.notify_all();
-  if (h.watchdog.joinable()) h.watchdog.join();
-  if (h.guard.joinable()) h.guard.join();
+  // A watchdog blocked on a store whose host is cut off may never return: leave it behind.
+  const bool lost = h.store_lost.load();
+  for (std::thread* t : {&h.watchdog, &h.guard}) {
+    if (t->joinable()) lost ? t->detach() : t->join();
+  }
   std::lock_guard<std::mutex> g(h.mu);
   if (clean && h.store && !h.poisoned.load()) {
     for (auto& [name, group] : h.groups) {
@@ -780,11 +820,16 @@ void wait_collective(c10d::Work& work, const std::string& what) {
       stop_waiting();
     }
     h.poisoned.store(true);
-    const std::string why = c.group.empty() ? "" : diagnose(c);
-    const std::string msg =
-        "dtensor: " + what + " failed: " + why + "Backend error: " + error_message(e);
-    report_failure(msg);
-    TORCH_CHECK(false, msg);
+    const std::string head = "dtensor: " + what + " failed: ";
+    const std::string tail = "Backend error: " + error_message(e);
+    if (c.group.empty()) {
+      report_failure(head + tail);
+      TORCH_CHECK(false, head + tail);
+    }
+    // Room for the answers diagnose() waits for and the store's round trips on a busy machine.
+    TORCH_CHECK(false,
+                bounded_diagnosis(c, head, tail,
+                                  diagnosis_budget(c.timeout) * 2 + std::chrono::seconds(1)));
   }
   if (!failure.empty()) stop_waiting();
 }
@@ -812,7 +857,7 @@ void report_failure(const std::string& message) {
                              detail::serialize(group.history));
     }
   }
-  if (!store || h.reported.exchange(true)) return;
+  if (!store || h.store_lost.load() || h.reported.exchange(true)) return;
   try {
     // Where this rank stopped, for the peers' diagnosis (it will not answer their questions).
     for (const auto& [key, text] : histories) store->set(key, text);

@@ -47,12 +47,41 @@ bool is_loopback(const std::string& addr) {
   return addr.rfind("127.", 0) == 0 || addr == "localhost" || addr == "::1";
 }
 
+// The address this machine sends from to reach `host` (the kernel's route choice, found by
+// connecting a UDP socket, which sends nothing), or "" when it has no route. On several
+// machines Gloo must listen there: its default, the address of this machine's hostname, may be
+// one the peers cannot reach (or none at all inside a network namespace).
+std::string source_address_towards(const std::string& host) {
+  addrinfo hints{};
+  hints.ai_socktype = SOCK_DGRAM;
+  addrinfo* found = nullptr;
+  if (::getaddrinfo(host.c_str(), "9", &hints, &found) != 0) return "";
+  std::string result;
+  for (addrinfo* a = found; a && result.empty(); a = a->ai_next) {
+    const int fd = ::socket(a->ai_family, SOCK_DGRAM | SOCK_CLOEXEC, 0);
+    if (fd < 0) continue;
+    sockaddr_storage local{};
+    socklen_t len = sizeof local;
+    char text[NI_MAXHOST];
+    if (::connect(fd, a->ai_addr, a->ai_addrlen) == 0 &&
+        ::getsockname(fd, reinterpret_cast<sockaddr*>(&local), &len) == 0 &&
+        ::getnameinfo(reinterpret_cast<sockaddr*>(&local), len, text, sizeof text, nullptr, 0,
+                      NI_NUMERICHOST) == 0) {
+      result = text;
+    }
+    ::close(fd);
+  }
+  ::freeaddrinfo(found);
+  return result;
+}
+
 struct WorldState {
   std::mutex mu;
   bool initialized = false;
   LaunchEnv env;
   InitOptions options;
-  std::string backend;  // CPU engine: "gloo" or "mpi"
+  std::string backend;       // CPU engine: "gloo" or "mpi"
+  std::string cuda_backend;  // CUDA engine: "nccl" or "gloo"
   c10::intrusive_ptr<c10d::Store> store;
   std::shared_ptr<ProcessGroup> world;
   int64_t group_counter = 0;
@@ -324,7 +353,11 @@ c10d::Backend& ProcessGroup::backend(c10::DeviceType device_type) {
     return *cpu_;
   }
   if (device_type == c10::DeviceType::CUDA) {
-    if (!cuda_) {
+    if (!cuda_ && state().cuda_backend == "gloo") {
+      cuda_ = detail::make_gloo_backend(c10::make_intrusive<c10d::PrefixStore>("gloo_cuda", store_),
+                                        rank_, size(),
+                                        timeout_ - detail::diagnosis_budget(timeout_), gloo_host_);
+    } else if (!cuda_) {
       TORCH_CHECK(detail::has_nccl(),
                   "dtensor: this build has no NCCL (LibTorch without CUDA, or nccl.h not found "
                   "at configure time), so CUDA tensors cannot be communicated");
@@ -363,10 +396,20 @@ void init_process_group(const InitOptions& options_in) {
   const std::string engine = from_env
                                  ? resolve_cpu_backend(*from_env, "DTENSOR_BACKEND")
                                  : resolve_cpu_backend(options.backend, "InitOptions::backend");
+  // CUDA tensors: NCCL, or Gloo (DTENSOR_CUDA_BACKEND=gloo), which also takes CUDA tensors
+  // and, unlike NCCL, lets several ranks share one GPU (NCCL refuses two ranks on one device).
+  std::string cuda_engine = env("DTENSOR_CUDA_BACKEND").value_or("nccl");
+  for (auto& c : cuda_engine) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  if (cuda_engine.empty()) cuda_engine = "nccl";
+  TORCH_CHECK(cuda_engine == "nccl" || cuda_engine == "gloo", "dtensor: unknown CUDA backend '",
+              cuda_engine, "' in DTENSOR_CUDA_BACKEND; expected nccl or gloo");
   LaunchEnv e = read_launch_env();
   detail::health_prepare(e.rank);
-  if (options.gloo_host.empty() && !env("GLOO_SOCKET_IFNAME") && is_loopback(e.master_addr)) {
-    options.gloo_host = "127.0.0.1";
+  if (options.gloo_host.empty() && !env("GLOO_SOCKET_IFNAME")) {
+    // Gloo listens where the rendezvous is reached from: loopback for one machine, the
+    // interface of the route to MASTER_ADDR across machines.
+    options.gloo_host =
+        is_loopback(e.master_addr) ? "127.0.0.1" : source_address_towards(e.master_addr);
   }
   // Joining is connecting: ranks start at their own pace (a launcher on a busy machine), so it
   // has the connect bound, not only the timeout that detects a failed peer.
@@ -417,6 +460,7 @@ void init_process_group(const InitOptions& options_in) {
   s.env = e;
   s.options = options;
   s.backend = engine;
+  s.cuda_backend = cuda_engine;
   s.store = store;
   s.hosts_store = so.isServer;
   s.simulated = false;

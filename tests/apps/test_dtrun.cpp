@@ -286,6 +286,24 @@ TEST(Dtrun, MasterAddrAndPortOptionsAndAnExistingOmpNumThreadsArePassedThrough) 
                                              "[rank 1] 10.1.2.3:29555 omp=7"}));
 }
 
+// One node of several, as torchrun --nnodes 3 --node-rank 1: global ranks 2 and 3 of 6.
+TEST(Dtrun, NodeRankOffsetsTheRanksAndWorldSizeCountsEveryNode) {
+  Dtrun run(sh(2,
+               "echo \"RANK=$RANK LOCAL_RANK=$LOCAL_RANK WORLD_SIZE=$WORLD_SIZE "
+               "LOCAL_WORLD_SIZE=$LOCAL_WORLD_SIZE GROUP_RANK=$GROUP_RANK "
+               "MASTER=$MASTER_ADDR:$MASTER_PORT\"",
+               {"--nnodes", "3", "--node-rank", "1", "--master-addr", "10.1.2.3", "--master-port",
+                "29555", "--"}));
+  ASSERT_EQ(run.finish(), 0) << run.err();
+  auto lines = lines_of(run.out());
+  std::sort(lines.begin(), lines.end());
+  EXPECT_EQ(lines, (std::vector<std::string>{
+                       "[rank 2] RANK=2 LOCAL_RANK=0 WORLD_SIZE=6 LOCAL_WORLD_SIZE=2 GROUP_RANK=1 "
+                       "MASTER=10.1.2.3:29555",
+                       "[rank 3] RANK=3 LOCAL_RANK=1 WORLD_SIZE=6 LOCAL_WORLD_SIZE=2 GROUP_RANK=1 "
+                       "MASTER=10.1.2.3:29555"}));
+}
+
 TEST(Dtrun, CarriageReturnsArePrefixedLikeLineEndsButKept) {
   Dtrun run(sh(1, R"(printf '\r10%%\r20%%\rdone\r\n')"));
   ASSERT_EQ(run.finish(), 0) << run.err();
@@ -447,7 +465,14 @@ TEST(Dtrun, UsageErrorsExitTwoWithAMessage) {
       {"-n", "0", "/bin/true"},
       {"-n", "two", "/bin/true"},
       {"--bogus", "-n", "2", "/bin/true"},
-      {"-n", "2", "--master-port", "70000", "/bin/true"}};
+      {"-n", "2", "--master-port", "70000", "/bin/true"},
+      // several nodes: the node rank in range, the rendezvous named, no mpirun
+      {"-n", "2", "--nnodes", "2", "--node-rank", "2", "--master-addr", "10.0.0.1", "--master-port",
+       "29500", "/bin/true"},
+      {"-n", "2", "--nnodes", "2", "--master-addr", "10.0.0.1", "/bin/true"},
+      {"-n", "2", "--nnodes", "2", "--master-port", "29500", "/bin/true"},
+      {"-n", "2", "--nnodes", "2", "--master-addr", "10.0.0.1", "--master-port", "29500",
+       "--backend", "mpi", "/bin/true"}};
   for (const auto& args : bad) {
     Dtrun run(args);
     EXPECT_EQ(run.finish(), 2) << ::testing::PrintToString(args);

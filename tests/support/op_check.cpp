@@ -103,7 +103,10 @@ bool check_op(const DeviceMesh& mesh, const std::string& label, const OpFn& fn,
       ok = false;
     }
     if (!o.backward || !ref[k].is_floating_point() || !ref[k].requires_grad()) continue;
-    at::Tensor w = at::randn(ref[k].sizes(), gen, ref[k].options().requires_grad(false));
+    // Drawn on the CPU (its generator), then moved: the same weights for CUDA outputs.
+    at::Tensor w =
+        at::randn(ref[k].sizes(), gen, ref[k].options().device(at::kCPU).requires_grad(false))
+            .to(ref[k].device());
     at::Tensor rterm = (ref[k] * w).sum();
     at::Tensor dterm;
     if (is_dtensor(out[k])) {

@@ -30,7 +30,8 @@ struct InitOptions {
   /// environment overrides it.
   std::chrono::milliseconds connect_timeout{std::chrono::seconds(60)};
   /// Address the Gloo transport binds to; empty = derived from the environment
-  /// (GLOO_SOCKET_IFNAME, a loopback MASTER_ADDR, or the host name).
+  /// (GLOO_SOCKET_IFNAME's interface; else 127.0.0.1 for a loopback MASTER_ADDR, or the
+  /// address this machine reaches MASTER_ADDR from; the host name's address without a route).
   std::string gloo_host;
   /// Engine for CPU tensors: "gloo", "mpi", "nccl" (NCCL for CUDA tensors, Gloo for CPU ones)
   /// or "auto"/empty (MPI when mpirun started the ranks and this build has it, else Gloo).
