@@ -11,6 +11,7 @@
 #include "dtensor/comm/collective_tape.h"
 #include "dtensor/comm/collectives.h"
 #include "dtensor/comm/comm_debug_mode.h"
+#include "dtensor/comm/error_message.h"
 #include "dtensor/comm/failure.h"
 #include "dtensor/comm/process_group.h"
 #include "dtensor/comm/recording_backend.h"
