@@ -24,6 +24,7 @@
 #include "dtensor/models/llama_pipeline.h"
 #include "dtensor/pp/pipeline.h"
 #include "support/distributed.h"
+#include "support/llama_stages.h"
 #include "support/model_compare.h"
 
 using namespace dtensor;
@@ -34,14 +35,6 @@ namespace {
 
 constexpr int64_t kBatch = 4, kSeq = 8, kMicrobatches = 2;
 
-LlamaConfig tiny(bool tied) {
-  auto c = LlamaConfig::preset("tiny");
-  c.vocab_size = 64;
-  c.n_layers = 4;
-  c.tie_embeddings = tied;
-  return c;
-}
-
 enum class Kind { GPipe, OneFOneB, Interleaved };
 const char* kind_name(Kind k) {
   return k == Kind::GPipe ? "GPipe" : k == Kind::OneFOneB ? "1F1B" : "interleaved";
@@ -49,29 +42,8 @@ const char* kind_name(Kind k) {
 
 // This rank's stages of the tiny Llama from seed 11 on `mesh`, parallelized in KempnerForge's
 // order, and their schedule.
-struct Built {
-  std::vector<LlamaStage> stages;
-  std::vector<std::unique_ptr<pp::PipelineStage>> pipes;
-  std::unique_ptr<pp::Schedule> schedule;
+struct Built : LlamaStages {
   int64_t fsdp_units = 0;  // on this rank
-
-  bool holds_last() const { return pipes.back()->is_last(); }
-  std::vector<at::Tensor> parameters() const {
-    std::vector<at::Tensor> out;
-    for (const auto& st : stages)
-      for (const auto& p : st->parameters()) out.push_back(p);
-    return out;
-  }
-  // By the whole model's names (the last stage's copy of a tied embedding is
-  // tok_embeddings.weight).
-  Params params() const {
-    Params out;
-    for (const auto& st : stages)
-      for (const auto& [name, p] : params_of(*st))
-        out[st->tied_across_stages() && name == "output.weight" ? "tok_embeddings.weight" : name] =
-            p;
-    return out;
-  }
 };
 
 Built build(const DeviceMesh& mesh, const LlamaConfig& config, Kind kind, bool ac) {
@@ -131,7 +103,7 @@ void expect_layout_matches(int64_t pp, int64_t dp, int64_t tp) {
         SCOPED_TRACE("(pp, dp, tp) = (" + std::to_string(pp) + ", " + std::to_string(dp) + ", " +
                      std::to_string(tp) + ") " + kind_name(kind) + (tied ? " tied" : " untied") +
                      (ac ? " AC" : ""));
-        const auto config = tiny(tied);
+        const auto config = tiny_pipeline_llama(tied);
         Transformer ref(config);
         ref->to(at::kDouble);
         ref->init_weights(11);

@@ -26,6 +26,7 @@
 #include "dtensor/pp/pipeline.h"
 #include "support/distributed.h"
 #include "support/errors.h"
+#include "support/llama_stages.h"
 #include "support/model_compare.h"
 #include "support/mpi_job.h"
 #include "support/rank_outcomes.h"
@@ -37,14 +38,6 @@ using namespace dtensor::testing;
 namespace {
 
 constexpr int64_t kBatch = 4, kSeq = 8;
-
-LlamaConfig tiny(bool tied) {
-  auto c = LlamaConfig::preset("tiny");
-  c.vocab_size = 64;
-  c.n_layers = 4;
-  c.tie_embeddings = tied;
-  return c;
-}
 
 enum class Kind { GPipe, OneFOneB, Interleaved };
 const char* kind_name(Kind k) {
@@ -58,28 +51,7 @@ DeviceMesh pp_tp_mesh(int64_t pp, int64_t tp) {
 
 // This rank's stages (v of them: one for GPipe and 1F1B) of the tiny Llama from seed 11,
 // tensor-parallel when the mesh has a tp dim, checkpointed under `ac`, and their schedule.
-struct Built {
-  std::vector<LlamaStage> stages;
-  std::vector<std::unique_ptr<pp::PipelineStage>> pipes;
-  std::unique_ptr<pp::Schedule> schedule;
-
-  bool holds_last() const { return pipes.back()->is_last(); }
-  std::vector<at::Tensor> parameters() const {
-    std::vector<at::Tensor> out;
-    for (const auto& st : stages)
-      for (const auto& p : st->parameters()) out.push_back(p);
-    return out;
-  }
-  // Every parameter of the rank's stages by its name in the whole model: the last stage's copy
-  // of a tied embedding is tok_embeddings.weight.
-  Params params() const {
-    Params out;
-    for (const auto& st : stages)
-      for (const auto& [name, p] : params_of(*st))
-        out[st->tied_across_stages() && name == "output.weight" ? "tok_embeddings.weight" : name] =
-            p;
-    return out;
-  }
+struct Built : LlamaStages {
   void reduce_partial_grads() {
     for (auto& st : stages) tp::reduce_partial_grads(*st);
   }
@@ -167,7 +139,7 @@ void expect_parity_for_layout(int64_t pp, int64_t tp) {
         for (int64_t m : {1, 2, 4}) {
           SCOPED_TRACE("pp=" + std::to_string(pp) + " tp=" + std::to_string(tp) + kind_name(kind) +
                        " M=" + std::to_string(m) + (tied ? " tied" : " untied"));
-          expect_training_matches(mesh, tiny(tied), kind, m);
+          expect_training_matches(mesh, tiny_pipeline_llama(tied), kind, m);
         }
       }
     }
@@ -185,7 +157,7 @@ void expect_interleaved_parity(int64_t pp, int64_t tp) {
           SCOPED_TRACE("pp=" + std::to_string(pp) + " tp=" + std::to_string(tp) +
                        " interleaved v=2 M=" + std::to_string(m) + (tied ? " tied" : " untied") +
                        (ac ? " AC" : ""));
-          auto config = tiny(tied);
+          auto config = tiny_pipeline_llama(tied);
           config.n_layers = 2 * pp;
           expect_training_matches(mesh, config, Kind::Interleaved, m, ac);
         }
@@ -369,7 +341,7 @@ TEST(LlamaPipeline, MessagesPerStepFollowTheFormula) {
         for (Kind kind : {Kind::GPipe, Kind::OneFOneB, Kind::Interleaved}) {
           SCOPED_TRACE("pp=" + std::to_string(pp) + " tp=" + std::to_string(tp) +
                        " M=" + std::to_string(m) + kind_name(kind) + (tied ? " tied" : " untied"));
-          auto config = tiny(tied);
+          auto config = tiny_pipeline_llama(tied);
           config.n_layers = 2 * pp;
           Built b = build(mesh, config, kind, m);
           const int64_t v = kind == Kind::Interleaved ? 2 : 1;
@@ -439,7 +411,7 @@ TEST(LlamaPipeline, AStageThatRaisesEndsEveryRank) {
         2,
         [kind](int rank) {
           auto mesh = init_device_mesh("cpu", {2}, {"pp"});
-          const auto config = tiny(false);
+          const auto config = tiny_pipeline_llama(false);
           Transformer whole(config);
           whole->to(at::kDouble);
           const int64_t v = kind == Kind::Interleaved ? 2 : 1;

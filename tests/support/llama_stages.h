@@ -1,0 +1,49 @@
+#pragma once
+// The pipeline tests' Llama: the tiny preset with 4 layers, and a rank's stages of it with their
+// PipelineStages and schedule, its parameters named as in the whole model.
+#include <ATen/ATen.h>
+
+#include <memory>
+#include <vector>
+
+#include "dtensor/models/llama.h"
+#include "dtensor/models/llama_pipeline.h"
+#include "dtensor/pp/pipeline.h"
+#include "support/model_compare.h"
+
+namespace dtensor::testing {
+
+// The tiny preset with a 64-token vocabulary and 4 layers (enough for 4 stages, or 2 with v=2).
+inline models::LlamaConfig tiny_pipeline_llama(bool tied) {
+  auto c = models::LlamaConfig::preset("tiny");
+  c.vocab_size = 64;
+  c.n_layers = 4;
+  c.tie_embeddings = tied;
+  return c;
+}
+
+struct LlamaStages {
+  std::vector<models::LlamaStage> stages;
+  std::vector<std::unique_ptr<pp::PipelineStage>> pipes;
+  std::unique_ptr<pp::Schedule> schedule;
+
+  bool holds_last() const { return pipes.back()->is_last(); }
+  std::vector<at::Tensor> parameters() const {
+    std::vector<at::Tensor> out;
+    for (const auto& st : stages)
+      for (const auto& p : st->parameters()) out.push_back(p);
+    return out;
+  }
+  // Every parameter of the rank's stages by its name in the whole model: the last stage's copy
+  // of a tied embedding is tok_embeddings.weight.
+  Params params() const {
+    Params out;
+    for (const auto& st : stages)
+      for (const auto& [name, p] : params_of(*st))
+        out[st->tied_across_stages() && name == "output.weight" ? "tok_embeddings.weight" : name] =
+            p;
+    return out;
+  }
+};
+
+}  // namespace dtensor::testing
