@@ -21,6 +21,7 @@
 #include "dtensor/text/bpe_tokenizer.h"
 #include "support/distributed.h"
 #include "support/errors.h"
+#include "support/fixture_copy.h"
 #include "support/memory.h"
 #include "support/temp_dir.h"
 
@@ -263,19 +264,8 @@ TEST(HfCheckpoint, TokenizerGivesTheReferencePrompt) {
 }
 
 // A copy of a fixture to damage.
-struct Copy {
-  TempDir tmp;
-  std::string dir;
-  explicit Copy(const std::string& name) : dir(tmp.file(name)) {
-    fs::copy(kModels + name, dir, fs::copy_options::recursive);
-  }
-  nlohmann::json config() const {
-    std::ifstream in(dir + "/config.json");
-    return nlohmann::json::parse(in);
-  }
-  void set_config(const nlohmann::json& j) const {
-    std::ofstream(dir + "/config.json") << j.dump();
-  }
+struct Copy : dtensor::testing::FixtureCopy {
+  explicit Copy(const std::string& name) : FixtureCopy(kModels, name) {}
 };
 
 TEST(HfCheckpoint, BadInputNamesTheFileAndTensor) {

@@ -24,6 +24,7 @@
 #include "dtensor/models/hf_checkpoint.h"
 #include "support/distributed.h"
 #include "support/errors.h"
+#include "support/fixture_copy.h"
 #include "support/temp_dir.h"
 
 using namespace dtensor;
@@ -265,19 +266,8 @@ TEST(HfFamilies, ReadsEachConfig) {
   EXPECT_EQ(mistral.config.window(1), 5);
 }
 
-struct Copy {
-  TempDir tmp;
-  std::string dir;
-  explicit Copy(const std::string& name) : dir(tmp.file(name)) {
-    fs::copy(kModels + name, dir, fs::copy_options::recursive);
-  }
-  nlohmann::json config() const {
-    std::ifstream in(dir + "/config.json");
-    return nlohmann::json::parse(in);
-  }
-  void set_config(const nlohmann::json& j) const {
-    std::ofstream(dir + "/config.json") << j.dump();
-  }
+struct Copy : dtensor::testing::FixtureCopy {
+  explicit Copy(const std::string& name) : FixtureCopy(kModels, name) {}
 };
 
 TEST(HfFamilies, RefusesWhatIsNotBuiltNamingFileKeyAndValue) {
