@@ -48,6 +48,8 @@ PipelinePart::PipelinePart(models::TransformerImpl& whole, const RunConfig& conf
     : config_(config),
       stages_(models::split_llama_stages(whole, mesh, config.virtual_stages)),
       chunks_(std::make_shared<torch::nn::Module>()) {
+  // A real run gives memory to this rank's stages only (a plan keeps them shapes).
+  if (!config.meta) models::init_stage_weights(stages_, whole, config.seed);
   std::vector<pp::PipelineStage*> pipes;
   for (size_t k = 0; k < stages_.size(); ++k) {
     if (config.tp > 1) {

@@ -24,8 +24,9 @@ namespace dtensor::train {
 
 class PipelinePart {
  public:
-  // Splits `whole` (initialised alike on every rank) over the "pp" dimension of `mesh`
-  // ([pp, tp], dims named "pp", "tp") and parallelizes the stage over "tp".
+  // Splits `whole` (built on the meta device) over the "pp" dimension of `mesh` ([pp, tp] or
+  // [pp, dp, tp]), gives this rank's stages memory and the values whole.init_weights(seed)
+  // draws (a plan keeps them shapes), and parallelizes them over "tp" (and shards over "dp").
   PipelinePart(models::TransformerImpl& whole, const RunConfig& config, const DeviceMesh& mesh);
 
   // This rank's stages, as submodules "0", "1", ... (its v virtual stages in order).

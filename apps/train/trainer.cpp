@@ -32,7 +32,13 @@ DeviceMesh make_train_mesh(const RunConfig& cfg, const std::string& device_type)
 
 Trainer::Trainer(const RunConfig& config, std::optional<DeviceMesh> mesh)
     : config_(config), mesh_(std::move(mesh)) {
-  if (config_.meta) {
+  if (mesh_ && config_.pp > 1) {
+    // No rank builds the whole model: it is cut as shapes, and only this rank's stages get
+    // memory (the rest goes with `whole` at the end of this block).
+    models::Transformer whole = models::meta_transformer(config_.model);
+    whole->to(config_.dtype);
+    pp_ = std::make_shared<PipelinePart>(*whole, config_, *mesh_);
+  } else if (config_.meta) {
     model_ = models::meta_transformer(config_.model);  // shapes only: nothing to initialise
     model_->to(config_.dtype);
   } else {
@@ -41,9 +47,7 @@ Trainer::Trainer(const RunConfig& config, std::optional<DeviceMesh> mesh)
     // Drawn from the seed alone: the TP run and the one-device check start from equal weights.
     model_->init_weights(config_.seed);
   }
-  if (mesh_ && config_.pp > 1) {
-    pp_ = std::make_shared<PipelinePart>(*model_, config_, *mesh_);
-  } else if (mesh_ && (!config_.fsdp || config_.tp > 1)) {
+  if (!pp_ && mesh_ && (!config_.fsdp || config_.tp > 1)) {
     const DeviceMesh tp_mesh = mesh_->ndim() == 1 ? *mesh_ : (*mesh_)["tp"];
     if (config_.plan) {
       apply_plan_file(*model_, tp_mesh, *config_.plan);
@@ -55,8 +59,7 @@ Trainer::Trainer(const RunConfig& config, std::optional<DeviceMesh> mesh)
       models::apply_tensor_parallel(*model_, tp_mesh, tp);
     }
   }
-  // Under --pp the stage's modules are what trains (shared with the whole model's).
-  torch::nn::Module& trained = pp_ ? static_cast<torch::nn::Module&>(pp_->stage()) : *model_;
+  torch::nn::Module& trained = module();
   ac::apply_ac<models::TransformerBlockImpl>(trained, ac::parse_ac_mode(config_.ac));
   if (mesh_ && config_.fsdp && !pp_) {           // under --pp the PipelinePart shards its stages
     std::unordered_set<std::string> replicated;  // by name: fully_shard makes plain shards
@@ -202,8 +205,17 @@ double Trainer::clip_pipeline_grad_norm(double max_norm) {
   return norm;
 }
 
+models::TransformerImpl& Trainer::model() {
+  TORCH_CHECK(model_, "Trainer::model(): under --pp no rank holds the whole model");
+  return *model_;
+}
+
+torch::nn::Module& Trainer::module() {
+  return pp_ ? pp_->stage() : static_cast<torch::nn::Module&>(*model_);
+}
+
 at::Tensor Trainer::forward_backward(const Batch& global_batch) {
-  model_->train();
+  module().train();
   optimizer_->zero_grad();
   if (pp_) {
     at::Tensor loss =
@@ -287,7 +299,7 @@ int64_t Trainer::state_bytes_per_rank() const {
 
 double Trainer::evaluate(const BatchSampler& val, int64_t n_batches) {
   at::NoGradGuard no_grad;
-  model_->eval();
+  module().eval();
   double total = 0;
   for (int64_t k = 0; k < n_batches; ++k) {
     const Batch b = val.get(k);
@@ -299,7 +311,7 @@ double Trainer::evaluate(const BatchSampler& val, int64_t n_batches) {
     auto logits = float_logits(model_->forward(dp_slice(b.inputs)));
     total += models::token_cross_entropy(logits, dp_slice(b.targets)).item<double>();
   }
-  model_->train();
+  module().train();
   if (pp_) return pp_->from_last_stage(total / static_cast<double>(n_batches));
   return mean_over_dp(total / static_cast<double>(n_batches));
 }
@@ -307,7 +319,7 @@ double Trainer::evaluate(const BatchSampler& val, int64_t n_batches) {
 std::vector<int64_t> Trainer::generate(const std::vector<int64_t>& prompt, int64_t n_tokens,
                                        double temperature, uint64_t seed) {
   at::NoGradGuard no_grad;
-  model_->eval();
+  module().eval();
   auto gen = at::make_generator<at::CPUGeneratorImpl>(seed);
   std::vector<int64_t> tokens = prompt;
   const int64_t window = config_.seq_len;
@@ -330,7 +342,7 @@ std::vector<int64_t> Trainer::generate(const std::vector<int64_t>& prompt, int64
     if (pp_) token = static_cast<int64_t>(pp_->from_last_stage(static_cast<double>(token)));
     tokens.push_back(token);
   }
-  model_->train();
+  module().train();
   return {tokens.begin() + static_cast<std::ptrdiff_t>(prompt.size()), tokens.end()};
 }
 

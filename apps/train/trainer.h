@@ -64,8 +64,10 @@ class Trainer {
   std::vector<int64_t> generate(const std::vector<int64_t>& prompt, int64_t n_tokens,
                                 double temperature, uint64_t seed);
 
-  // The whole model; under --pp only this rank's stage of it is trained (see pipelined()).
-  models::TransformerImpl& model() { return *model_; }
+  // The whole model; not under --pp, where no rank holds it (see pipelined()).
+  models::TransformerImpl& model();
+  // What trains: the whole model, or under --pp this rank's stages.
+  torch::nn::Module& module();
   torch::optim::AdamW& optimizer() { return *optimizer_; }
   const RunConfig& config() const { return config_; }
   bool distributed() const { return mesh_.has_value(); }

@@ -243,6 +243,8 @@ at::Tensor TransformerImpl::overlapped_head(const at::Tensor& x) {
 void TransformerImpl::init_weights(uint64_t seed) {
   at::NoGradGuard no_grad;
   auto set = [&](const std::string& name, at::Tensor& param, auto draw) {
+    // A parameter without memory belongs to another rank's pipeline stage (init_stage_weights).
+    if ((is_dtensor(param) ? local_tensor(param) : param).is_meta()) return;
     auto gen = at::make_generator<at::CPUGeneratorImpl>(stable_hash(seed, name));
     at::Tensor full = draw(param.sizes(), gen);
     if (is_dtensor(param)) {

@@ -45,9 +45,9 @@ MetaConstructionGuard::Suspend::~Suspend() {
   if (suspended_ != nullptr) innermost = suspended_;
 }
 
-void materialize_parameters(TransformerImpl& model, const MakeLocal& make) {
+void materialize_parameters(torch::nn::Module& root, const MakeLocal& make) {
   at::NoGradGuard no_grad;
-  for (const auto& item : model.named_modules()) {
+  for (const auto& item : root.named_modules()) {
     torch::nn::Module& module = *item.value();
     const std::string prefix = item.key().empty() ? "" : item.key() + ".";
     for (const auto& p : module.named_parameters(/*recurse=*/false)) {
@@ -68,6 +68,10 @@ void materialize_parameters(TransformerImpl& model, const MakeLocal& make) {
                         distributed ? make_dtensor(value, dtensor_impl(param)->spec()) : value);
     }
   }
+}
+
+void materialize_parameters(TransformerImpl& model, const MakeLocal& make) {
+  materialize_parameters(static_cast<torch::nn::Module&>(model), make);
   if (model.config().tie_embeddings) model.tie_output_to_embedding();
 }
 

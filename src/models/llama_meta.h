@@ -53,9 +53,11 @@ class MetaConstructionGuard {
 using MakeLocal =
     std::function<at::Tensor(const std::string& name, const at::Tensor& local, c10::Device device)>;
 
-// Replaces every parameter of `model` whose local part is a meta tensor by make(...) (a DTensor's
-// local shard keeps its spec); the tied output head then points at the new embedding weight.
-// Throws when make returns a tensor of another shape or dtype, or a meta tensor.
+// Replaces every parameter of `module` whose local part is a meta tensor by make(...) (a
+// DTensor's local shard keeps its spec). Throws when make returns a tensor of another shape or
+// dtype, or a meta tensor.
+void materialize_parameters(torch::nn::Module& module, const MakeLocal& make);
+// The same for the whole model; its tied output head then points at the new embedding weight.
 void materialize_parameters(TransformerImpl& model, const MakeLocal& make);
 
 }  // namespace dtensor::models::detail

@@ -5,6 +5,7 @@
 
 #include "dtensor/core/dtensor_impl.h"
 #include "dtensor/fsdp/fully_shard.h"
+#include "llama_meta.h"
 
 namespace dtensor::models {
 
@@ -26,15 +27,23 @@ LlamaStageImpl::LlamaStageImpl(TransformerImpl& whole, int64_t stage, int64_t nu
       // The embedding lives on the first stage: this stage gets a copy of its own, kept equal
       // by summing the two stages' gradients (make_llama_pipeline_stage ties them).
       const at::Tensor& embedding = whole.tok_embeddings->weight;
-      // Linear's own initialisation draws from the default generator: restore it, so that this
-      // rank's later random numbers (a batch drawn alike on every rank) stay the others'.
-      at::Generator gen = at::detail::getDefaultCPUGenerator();
-      const at::Tensor state = gen.get_state();
-      output = dtensor::nn::Linear(
-          torch::nn::LinearOptions(config_.dim, config_.vocab_size).bias(false));
-      gen.set_state(state);
+      const auto make_output = [this] {
+        output = dtensor::nn::Linear(
+            torch::nn::LinearOptions(config_.dim, config_.vocab_size).bias(false));
+      };
+      if (embedding.is_meta()) {  // shapes only, like the whole: init_stage_weights fills it
+        detail::MetaConstructionGuard meta;
+        make_output();
+      } else {
+        // Linear's own initialisation draws from the default generator: restore it, so that
+        // this rank's later random numbers (a batch drawn alike on every rank) stay the others'.
+        at::Generator gen = at::detail::getDefaultCPUGenerator();
+        const at::Tensor state = gen.get_state();
+        make_output();
+        gen.set_state(state);
+      }
       output->to(embedding.scalar_type());
-      {
+      if (!embedding.is_meta()) {
         at::NoGradGuard no_grad;
         output->weight.copy_(embedding);
       }
@@ -93,6 +102,27 @@ std::vector<LlamaStage> split_llama_stages(TransformerImpl& whole, const DeviceM
   for (int64_t k = 0; k < virtual_stages; ++k)
     out.emplace_back(whole, k * pp + pp_mesh->get_local_rank(), virtual_stages * pp);
   return out;
+}
+
+void init_stage_weights(const std::vector<LlamaStage>& stages, TransformerImpl& whole,
+                        uint64_t seed) {
+  const auto allocate = [](const std::string&, const at::Tensor& local, c10::Device device) {
+    return at::empty(local.sizes(), local.options().device(device));
+  };
+  bool tied_copy = false;
+  for (const auto& st : stages) {
+    TORCH_CHECK(!st->tp_state, "init_stage_weights: call it before apply_tensor_parallel");
+    detail::materialize_parameters(*st.ptr(), allocate);
+    tied_copy = tied_copy || st->tied_across_stages();
+  }
+  // The last stage's copy of a tied embedding takes the embedding's value, drawn here for it.
+  if (tied_copy) detail::materialize_parameters(*whole.tok_embeddings, allocate);
+  // One stage holding both ends uses the whole's head, which must see the new embedding.
+  if (whole.config().tie_embeddings) whole.tie_output_to_embedding();
+  whole.init_weights(seed);  // fills what now has memory, by name
+  at::NoGradGuard no_grad;
+  for (const auto& st : stages)
+    if (st->tied_across_stages()) st->output->weight.copy_(whole.tok_embeddings->weight);
 }
 
 std::unique_ptr<pp::PipelineStage> make_llama_pipeline_stage(LlamaStage stage,

@@ -14,6 +14,7 @@
 #include <torch/optim/adamw.h>
 
 #include <map>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -22,6 +23,7 @@
 #include "dtensor/dtensor.h"
 #include "dtensor/fsdp/fully_shard.h"
 #include "dtensor/models/llama_pipeline.h"
+#include "dtensor/models/meta_init.h"
 #include "dtensor/pp/pipeline.h"
 #include "support/distributed.h"
 #include "support/llama_stages.h"
@@ -47,11 +49,11 @@ struct Built : LlamaStages {
 };
 
 Built build(const DeviceMesh& mesh, const LlamaConfig& config, Kind kind, bool ac) {
-  Transformer whole(config);
+  Transformer whole = meta_transformer(config);  // no rank holds the whole model
   whole->to(at::kDouble);
-  whole->init_weights(11);
   Built b;
   b.stages = split_llama_stages(*whole, mesh, kind == Kind::Interleaved ? 2 : 1);
+  init_stage_weights(b.stages, *whole, 11);
   const DeviceMesh dp_mesh = mesh["dp"];
   std::vector<pp::PipelineStage*> ptrs;
   for (auto& st : b.stages) {
@@ -201,6 +203,33 @@ void expect_layout_matches(int64_t pp, int64_t dp, int64_t tp) {
 }
 
 }  // namespace
+
+// A rank's stages get memory; the rest of the model stays shapes, so it goes when the whole
+// does. Values are checked against one device by the training tests below.
+TEST(LlamaPipeline, InitStageWeightsGivesMemoryToThisRanksStagesOnly) {
+  run_ranks(2, [](int) {
+    auto mesh = init_device_mesh("cpu", {2}, {"pp"});
+    for (bool tied : {false, true}) {
+      SCOPED_TRACE(tied ? "tied" : "untied");
+      Transformer whole = meta_transformer(tiny_pipeline_llama(tied));
+      auto stages = split_llama_stages(*whole, mesh, 2);
+      init_stage_weights(stages, *whole, 11);
+      std::set<std::string> held;
+      for (const auto& st : stages)
+        for (const auto& p : st->named_parameters()) {
+          EXPECT_FALSE(p.value().is_meta()) << p.key();
+          held.insert(p.key());
+        }
+      // The last stage's copy of a tied embedding is drawn from the embedding's generator.
+      const bool drew_embedding = tied && mesh.get_local_rank() == 1;
+      for (const auto& p : whole->named_parameters()) {
+        const bool expect_memory =
+            held.count(p.key()) > 0 || (drew_embedding && p.key() == "tok_embeddings.weight");
+        EXPECT_EQ(p.value().is_meta(), !expect_memory) << p.key();
+      }
+    }
+  });
+}
 
 TEST(LlamaPipelineFsdp, TrainingMatchesOneDevicePp2Dp2) { expect_layout_matches(2, 2, 1); }
 TEST(LlamaPipelineFsdp, TrainingMatchesOneDevicePp2Tp2) { expect_layout_matches(2, 1, 2); }

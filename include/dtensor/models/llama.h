@@ -177,7 +177,8 @@ class TransformerImpl : public dtensor::nn::Module {
   /// torchtitan's initialisation drawn from `seed` alone: every parameter gets its own generator
   /// seeded from (seed, its name), values are drawn whole in float64 on the CPU and then cast.
   /// So any TP degree gets the same model. Call before or after apply_tensor_parallel (after,
-  /// each rank keeps its chunk of the whole value; no communication either way).
+  /// each rank keeps its chunk of the whole value; no communication either way). Parameters
+  /// on the meta device are left as they are (see init_stage_weights).
   void init_weights(uint64_t seed);
 
   /// The rotary table for positions [0, seqlen) as (seqlen, head_dim / 2, 2) in `options`.

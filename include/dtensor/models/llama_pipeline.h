@@ -5,9 +5,9 @@
 // ("layers.2.attention.wq.weight"), so plans, checkpoints and comparisons use the same paths.
 //
 //   auto mesh = init_device_mesh("cpu", {pp, tp}, {"pp", "tp"});
-//   Transformer whole(config);
-//   whole->init_weights(seed);                      // the same model on every rank
+//   Transformer whole = meta_transformer(config);   // shapes only (dtensor/models/meta_init.h)
 //   LlamaStage stage = split_llama_stage(*whole, mesh);
+//   init_stage_weights({stage}, *whole, seed);      // memory and values for this stage only
 //   apply_tensor_parallel(*stage, mesh);            // no sequence parallelism: see below
 //   auto pipe = make_llama_pipeline_stage(stage, mesh);
 //   pp::Schedule1F1B schedule(*pipe, M, token_cross_entropy);
@@ -70,6 +70,13 @@ LlamaStage split_llama_stage(TransformerImpl& whole, const DeviceMesh& mesh);
 /// rank's pp coordinate (pp::ScheduleInterleaved1F1B's placement).
 std::vector<LlamaStage> split_llama_stages(TransformerImpl& whole, const DeviceMesh& mesh,
                                            int64_t virtual_stages);
+
+/// Gives memory to the parameters of this rank's `stages` of `whole`, a model built on the meta
+/// device (meta_transformer) and cut by split_llama_stage(s), and initialises them as
+/// whole.init_weights(seed) would: the same values, without any rank holding the whole model.
+/// Call before apply_tensor_parallel and fully_shard, as one would init_weights on the whole.
+void init_stage_weights(const std::vector<LlamaStage>& stages, TransformerImpl& whole,
+                        uint64_t seed);
 
 /// Tensor parallelism inside a stage over the "tp" dimension of `mesh` (get_tp_mesh): the Llama
 /// plan without sequence parallelism (options.sequence_parallel is ignored), so activations
