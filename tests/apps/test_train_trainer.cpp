@@ -14,6 +14,7 @@
 
 #include "dtensor/checkpoint/checkpoint.h"
 #include "dtensor/checkpoint/checkpoint_manager.h"
+#include "dtensor/checkpoint/sharded_layout.h"
 #include "dtensor/dtensor.h"
 #include "support/distributed.h"
 #include "support/temp_dir.h"
@@ -232,7 +233,8 @@ struct Data {
                                            kValStream)) {}
 };
 
-// Every parameter of the whole model (gathered from the stages under --pp) against `one`'s.
+// Every parameter of the whole model (gathered from the stages under --pp, from the shards
+// under --dp-shard) against `one`'s.
 void expect_parameters_like(Trainer& t, Trainer& one, double rtol = 1e-9) {
   std::optional<Trainer> gathered, gathered_one;
   if (t.pipelined()) gathered.emplace(t.gather_to_one_device());
@@ -243,7 +245,9 @@ void expect_parameters_like(Trainer& t, Trainer& one, double rtol = 1e-9) {
   for (const auto& item : reference) {
     SCOPED_TRACE(item.key());
     const at::Tensor& p = params[item.key()];
-    EXPECT_TENSOR_CLOSE(is_dtensor(p) ? full_tensor(p) : p, item.value(), rtol, 1e-11);
+    at::Tensor whole = is_dtensor(p) ? full_tensor(p) : p;
+    if (auto layout = checkpoint::sharded_layout_of(p)) whole = layout->gather(p);  // FSDP
+    EXPECT_TENSOR_CLOSE(whole, item.value(), rtol, 1e-11);
   }
 }
 
@@ -369,6 +373,74 @@ TEST(TrainTrainer, PipelineCheckpointsLoadAcrossLayouts) {
   run_ranks(1, [&](int) {
     SCOPED_TRACE("one device");
     resume_and_check(one_device(pipeline_config(2, 2, "1f1b", 2, true)), std::nullopt);
+  });
+}
+
+// A run saved at (pp, dp, tp) = (2, 2, 2) (FSDP shards inside pipeline stages, TP inside the
+// shards) resumes at (1, 2, 4), (4, 1, 2), (1, 8, 1) and on one device, AdamW state included:
+// the next step's loss and gradient norm are the continued run's, and every parameter after it
+// is one device's that never saved.
+TEST(TrainTrainer, ThreeDimensionalCheckpointResumesAtOtherLayouts) {
+  TempDir dir;
+  const std::string ckpt_dir = dir.file("checkpoints");
+  const std::string continued = dir.file("continued.txt");
+  // 4 blocks (pp = 4 needs one per stage), 8 sequences (dp = 8 needs one per rank).
+  auto layout = [](int64_t pp, int64_t dp_shard, int64_t world) {
+    TrainOptions o;
+    o.preset = "tiny";
+    o.steps = 3;
+    o.batch_size = 8;
+    o.seq_len = 16;
+    o.layers = 4;
+    o.warmup = 1;
+    o.dtype = "float64";
+    o.pp = pp;
+    o.dp_shard = dp_shard;
+    if (pp > 1) {
+      o.schedule = "1f1b";
+      o.microbatches = 2;
+    }
+    return resolve_run_config(o, world);
+  };
+  run_ranks(8, [&](int rank) {
+    const RunConfig cfg = layout(2, 2, 8);
+    ASSERT_EQ(cfg.tp, 2);
+    const Data data(cfg);
+    checkpoint::CheckpointManager manager(ckpt_dir, 2);
+    Trainer a(cfg, make_train_mesh(cfg));
+    for (int64_t step = 0; step < 2; ++step) a.train_step(step, data.train->get(step));
+    save_training_checkpoint(manager, a, 2, cfg.to_json());
+    const StepStats next = a.train_step(2, data.train->get(2));
+    if (rank == 0)
+      std::ofstream(continued) << std::setprecision(17) << next.loss << ' ' << next.grad_norm;
+  });
+  double loss = 0, grad_norm = 0;
+  std::ifstream(continued) >> loss >> grad_norm;
+  ASSERT_GT(loss, 0);
+  auto resume_and_check = [&](const RunConfig& cfg, std::optional<DeviceMesh> mesh) {
+    const Data data(cfg);
+    checkpoint::CheckpointManager manager(ckpt_dir, 2);
+    Trainer t(cfg, mesh);
+    EXPECT_EQ(resume_training("auto", manager, t).step, 2);
+    const StepStats s = t.train_step(2, data.train->get(2));
+    EXPECT_NEAR(s.loss, loss, 1e-10 * loss);
+    EXPECT_NEAR(s.grad_norm, grad_norm, 1e-9 * grad_norm);
+    Trainer one(one_device(cfg), std::nullopt);
+    for (int64_t step = 0; step < 3; ++step) one.train_step(step, data.train->get(step));
+    expect_parameters_like(t, one);
+  };
+  for (const auto& [pp, dp_shard] :
+       std::vector<std::pair<int64_t, int64_t>>{{1, 2}, {4, 1}, {1, 8}}) {
+    run_ranks(8, [&, pp = pp, dp_shard = dp_shard](int) {
+      const RunConfig cfg = layout(pp, dp_shard, 8);
+      SCOPED_TRACE("(pp, dp, tp) = (" + std::to_string(cfg.pp) + ", " + std::to_string(cfg.dp) +
+                   ", " + std::to_string(cfg.tp) + ")");
+      resume_and_check(cfg, make_train_mesh(cfg));
+    });
+  }
+  run_ranks(1, [&](int) {
+    SCOPED_TRACE("one device");
+    resume_and_check(one_device(layout(2, 2, 8)), std::nullopt);
   });
 }
 
