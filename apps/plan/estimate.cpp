@@ -5,6 +5,7 @@
 #include <cmath>
 #include <stdexcept>
 
+#include "dtensor/comm/error_message.h"
 #include "dtensor/pp/pipeline.h"
 #include "train/run_config.h"
 
@@ -112,7 +113,7 @@ Plan make_plan(const Layout& layout, const Hardware& hw,
   try {
     plan.config = train::resolve_run_config(o, layout.world_size);
   } catch (const std::exception& e) {
-    plan.refusals.push_back(e.what());
+    plan.refusals.push_back(comm::error_message(e));
     return plan;
   }
   const train::RunConfig& c = plan.config;
@@ -134,7 +135,8 @@ Plan make_plan(const Layout& layout, const Hardware& hw,
       rp.sim = simulate_rank(c, w);
     } catch (const std::exception& e) {
       plan.refusals.push_back("the library refused this layout while simulating rank " +
-                              std::to_string(w.rank) + " (" + w.label + "): " + e.what());
+                              std::to_string(w.rank) + " (" + w.label +
+                              "): " + comm::error_message(e));
       return plan;
     }
     std::map<std::tuple<std::string, std::string, std::string>, LedgerRow> rows;
