@@ -53,6 +53,8 @@ Layout (as dtensor_train takes it):
   --virtual-stages V     stages per rank with --schedule interleaved (default 2)
   --microbatches M       per step (default pp)
   --ac MODE              none | full | selective (default none)
+  --ac-recompute-collectives
+                         the recompute issues the TP collectives again (as dtensor_train)
   --mixed-precision P    none | bf16 (FSDP: bfloat16 compute, float32 reduce)
   --dtype T              float32 | float64 (parameters; default float32)
   --no-sequence-parallel
@@ -178,6 +180,7 @@ nlohmann::ordered_json to_json(const Plan& p) {
                    {"schedule", p.config.pp_schedule},
                    {"microbatches", p.config.microbatches},
                    {"ac", p.config.ac},
+                   {"ac_recompute_collectives", !p.config.ac_replay_collectives},
                    {"mixed_precision", p.config.bf16 ? "bf16" : "none"},
                    {"batch", p.config.batch_size},
                    {"seq_len", p.config.seq_len}};
@@ -232,8 +235,9 @@ void print_plan(const Plan& p, const Hardware& hw, std::ostream& out) {
   if (p.ranks.empty()) return;
   out << "layout: " << c.world_size << " ranks = " << layout_name(c);
   if (c.pp > 1) out << ", " << c.pp_schedule << " with " << c.microbatches << " micro-batches";
-  out << ", ac " << c.ac << (c.bf16 ? ", bf16 mixed precision" : "") << ", batch " << c.batch_size
-      << " x " << c.seq_len << " tokens\n";
+  out << ", ac " << c.ac << (c.ac_replay_collectives ? "" : " (collectives re-issued in backward)")
+      << (c.bf16 ? ", bf16 mixed precision" : "") << ", batch " << c.batch_size << " x "
+      << c.seq_len << " tokens\n";
   out << "model: " << c.model.num_parameters() << " parameters (dim " << c.model.dim << ", "
       << c.model.n_layers << " layers, " << c.model.n_heads << " heads, " << c.model.kv_heads()
       << " KV heads, FFN " << c.model.hidden_dim() << ", vocab " << c.model.vocab_size << ")\n\n";
@@ -308,6 +312,7 @@ int main(int argc, char** argv) {
   app.add_option_function<int64_t>("--microbatches", [&](int64_t v) { o.microbatches = v; })
       ->check(dtensor::cli::integer(1));
   app.add_option("--ac", o.ac)->check(dtensor::cli::one_of({"none", "full", "selective"}));
+  app.add_flag("--ac-recompute-collectives", o.ac_recompute_collectives);
   app.add_option("--mixed-precision", o.mixed_precision)
       ->check(dtensor::cli::one_of({"none", "bf16"}));
   app.add_option("--dtype", o.dtype)->check(dtensor::cli::one_of({"float32", "float64"}));

@@ -92,6 +92,10 @@ parallelism and numerics:
                          stages of the share of a step spent waiting) and (pp-1)/(VM+pp-1)
   --ac MODE              activation checkpointing: none (default) | full (every block
                          recomputes its forward in backward) | selective (every other block)
+  --ac-recompute-collectives
+                         the recompute issues the blocks' TP collectives again instead of
+                         replaying their kept results: less memory (under TP without
+                         sequence parallelism a block keeps 1/3 as much), more communication
   --mixed-precision M    none (default) | bf16: with --dp-shard, parameters and AdamW state
                          stay float32 while the all-gathers and the compute run in bfloat16;
                          gradients are reduce-scattered in float32 (needs --dtype float32)
@@ -169,6 +173,7 @@ void add_parallel_options(CLI::App& app, TrainOptions& o) {
   add_optional(app, "--virtual-stages", o.virtual_stages)->check(cli::integer(1));
   add_optional(app, "--microbatches", o.microbatches)->check(cli::integer(1));
   app.add_option("--ac", o.ac)->check(cli::one_of({"none", "full", "selective"}));
+  app.add_flag("--ac-recompute-collectives", o.ac_recompute_collectives);
   app.add_option("--mixed-precision", o.mixed_precision)->check(cli::one_of({"none", "bf16"}));
   app.add_option("--dtype", o.dtype)->check(cli::one_of({"float32", "float64"}));
   app.add_option("--threads", o.threads)->check(cli::integer(1));

@@ -48,9 +48,10 @@ struct TrainOptions {
   bool overlap_comm = false;
   std::string plan_path;  // a TP plan as JSON instead of the built-in Llama plan (plan_file.h)
   int64_t dp = 1;
-  int64_t dp_shard = 1;                  // FSDP degree (fully_shard over that many ranks); 1: off
-  std::string ac = "none";               // activation checkpointing: none | full | selective
-  std::string mixed_precision = "none";  // none | bf16 (with --dp-shard)
+  int64_t dp_shard = 1;                   // FSDP degree (fully_shard over that many ranks); 1: off
+  std::string ac = "none";                // activation checkpointing: none | full | selective
+  bool ac_recompute_collectives = false;  // the recompute communicates instead of replaying
+  std::string mixed_precision = "none";   // none | bf16 (with --dp-shard)
   std::string dtype = "float32";
   int64_t threads = 1;
 

@@ -140,6 +140,9 @@ void resolve_parallelism(const TrainOptions& o, int64_t world_size, RunConfig& c
                     "drop it, or drop ") +
         (o.plan_path.empty() ? "--no-sequence-parallel" : "--plan"));
   c.ac = o.ac;
+  if (o.ac_recompute_collectives && o.ac == "none")
+    bad("--ac-recompute-collectives changes what --ac full or selective does: add one of them");
+  c.ac_replay_collectives = !o.ac_recompute_collectives;
   if (o.pp == 1 && (o.schedule || o.microbatches))
     bad("--schedule and --microbatches apply to pipeline parallelism: add --pp N (N > 1)");
   if (o.pp > 1) resolve_pipeline(o, world_size, c);
@@ -235,7 +238,8 @@ std::string RunConfig::to_json() const {
      << ", \"pp_schedule\": \"" << pp_schedule << "\", \"microbatches\": " << microbatches
      << ", \"virtual_stages\": " << virtual_stages
      << ", \"sequence_parallel\": " << (sequence_parallel ? "true" : "false")
-     << ", \"loss_parallel\": " << (loss_parallel ? "true" : "false");
+     << ", \"loss_parallel\": " << (loss_parallel ? "true" : "false") << ", \"ac\": \"" << ac
+     << "\"" << (ac_replay_collectives ? "" : ", \"ac_recompute_collectives\": true");
   if (plan) js << ", \"plan\": " << std::quoted(plan->path);
   js << "}\n}\n";
   return js.str();

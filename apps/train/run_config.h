@@ -37,8 +37,9 @@ struct RunConfig {
   bool fsdp = false;  // --dp-shard: the dp ranks shard the parameters (fully_shard)
   bool sequence_parallel = true;
   bool loss_parallel = true;
-  bool overlap_comm = false;     // --overlap-comm
-  std::string ac = "none";       // activation checkpointing mode (dtensor/ac/checkpoint.h)
+  bool overlap_comm = false;          // --overlap-comm
+  std::string ac = "none";            // activation checkpointing mode (dtensor/ac/checkpoint.h)
+  bool ac_replay_collectives = true;  // false: --ac-recompute-collectives
   bool bf16 = false;             // --mixed-precision bf16: FSDP gathers and computes in bfloat16
   std::optional<PlanFile> plan;  // --plan: used instead of the built-in Llama plan
   double verify_rtol = 1e-4;

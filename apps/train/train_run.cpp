@@ -64,6 +64,12 @@ std::string grouped(int64_t v) {
   return out;
 }
 
+// ", AC full" and how its recompute gets the collectives' results; empty without AC.
+std::string ac_description(const RunConfig& c) {
+  if (c.ac == "none") return "";
+  return ", AC " + c.ac + (c.ac_replay_collectives ? "" : " (collectives re-issued in backward)");
+}
+
 std::string model_line(const RunConfig& c) {
   const auto& m = c.model;
   std::ostringstream s;
@@ -102,7 +108,7 @@ std::string pipeline_line(const RunConfig& c, int64_t threads) {
     s << ", TP inside stages (no sequence parallel, "
       << (c.loss_parallel ? "loss parallel" : "gathered logits") << ")";
   }
-  if (c.ac != "none") s << ", AC " << c.ac;
+  s << ac_description(c);
   s << " on " << c.world_size << " CPU ranks, " << threads << " thread" << (threads > 1 ? "s" : "")
     << " each, " << (c.dtype == c10::kDouble ? "float64" : "float32") << ", collectives on "
     << dtensor::comm::cpu_backend_name();
@@ -120,7 +126,7 @@ std::string parallel_line(const RunConfig& c, int64_t threads) {
         << (c.sequence_parallel ? "sequence parallel" : "no sequence parallel") << ", "
         << (c.loss_parallel ? "loss parallel" : "gathered logits") << ")";
     }
-    if (c.ac != "none") s << ", AC " << c.ac;
+    s << ac_description(c);
     if (c.bf16)
       s << ", mixed precision bf16 (float32 parameters and AdamW state, bfloat16 all-gathers and "
            "compute, float32 reduce-scatters)";
@@ -136,7 +142,7 @@ std::string parallel_line(const RunConfig& c, int64_t threads) {
     s << " (" << (c.sequence_parallel ? "sequence parallel" : "no sequence parallel") << ", "
       << (c.loss_parallel ? "loss parallel" : "gathered logits") << ")";
   }
-  if (c.ac != "none") s << ", AC " << c.ac;
+  s << ac_description(c);
   s << (c.dp > 1 ? " x DP=" + std::to_string(c.dp) : std::string()) << " on " << c.world_size
     << " CPU rank" << (c.world_size > 1 ? "s" : "") << ", " << threads << " thread"
     << (threads > 1 ? "s" : "") << " each, " << (c.dtype == c10::kDouble ? "float64" : "float32");

@@ -60,7 +60,8 @@ Trainer::Trainer(const RunConfig& config, std::optional<DeviceMesh> mesh)
     }
   }
   torch::nn::Module& trained = module();
-  ac::apply_ac<models::TransformerBlockImpl>(trained, ac::parse_ac_mode(config_.ac));
+  ac::apply_ac<models::TransformerBlockImpl>(trained, ac::parse_ac_mode(config_.ac),
+                                             {.replay_collectives = config_.ac_replay_collectives});
   if (mesh_ && config_.fsdp && !pp_) {           // under --pp the PipelinePart shards its stages
     std::unordered_set<std::string> replicated;  // by name: fully_shard makes plain shards
     for (const auto& p : unique_named_parameters(*model_))

@@ -137,6 +137,7 @@ struct CheckpointState : torch::CustomClassHolder {
     size_t index;
   };
   std::vector<ParamSite> param_sites;
+  bool replay = true;  // CheckpointOptions::replay_collectives
   comm::CollectiveTape tape;
   RngSnapshot rng;
 };
@@ -183,7 +184,8 @@ struct CheckpointFunction : torch::autograd::Function<CheckpointFunction> {
     auto* state = static_cast<CheckpointState*>(state_capsule.toCapsule().get());
     c10::IValue out;
     {
-      comm::RecordCollectives record(state->tape);
+      std::optional<comm::RecordCollectives> record;
+      if (state->replay) record.emplace(state->tape);
       out = (*body)(*call);
     }
     std::vector<at::Tensor> outs = flatten(out);
@@ -226,13 +228,14 @@ struct CheckpointFunction : torch::autograd::Function<CheckpointFunction> {
       state->rng.restore();
       try {
         at::AutoGradMode grad(true);
-        comm::ReplayCollectives replay(
-            state->tape, "the recompute of checkpointed module '" + state->name + "'");
+        std::optional<comm::ReplayCollectives> replay;
+        if (state->replay)
+          replay.emplace(state->tape, "the recompute of checkpointed module '" + state->name + "'");
         const std::vector<at::Tensor> saved_params(saved.begin() + state->num_inputs, saved.end());
         ForwardParams forward_params(*state, saved_params);
         tp::BodyOnlyCall body_only(*module, call);
         out = state->rerun(*module, call);
-        replay.finish();
+        if (replay) replay->finish();
       } catch (...) {
         now.restore();
         throw;
@@ -272,6 +275,7 @@ struct CheckpointFunction : torch::autograd::Function<CheckpointFunction> {
 struct Checkpointer {
   std::string name;  // empty: the module's fqn at call time
   Rerun rerun;
+  bool replay_collectives = true;
 
   c10::IValue operator()(torch::nn::Module& module, const tp::ModuleCall& call,
                          const tp::ForwardBody& body) const {
@@ -296,6 +300,7 @@ struct Checkpointer {
     }
     state->module = module.weak_from_this();
     state->rerun = rerun;
+    state->replay = replay_collectives;
     const at::Tensor placeholder = at::empty({0});
     state->call = map_call(call, [&](const at::Tensor&) { return placeholder; });
     state->num_inputs = inputs.size();
@@ -326,7 +331,8 @@ struct Checkpointer {
 
 void checkpoint_module(torch::nn::Module& module, Rerun rerun, CheckpointOptions options) {
   TORCH_CHECK(rerun, "dtensor::ac::checkpoint_module: ", module.name(), ": rerun is empty");
-  tp::set_forward_wrapper(module, Checkpointer{std::move(options.name), std::move(rerun)});
+  tp::set_forward_wrapper(
+      module, Checkpointer{std::move(options.name), std::move(rerun), options.replay_collectives});
 }
 
 bool is_checkpointed(const torch::nn::Module& module) { return tp::has_forward_wrapper(module); }

@@ -32,24 +32,26 @@ LlamaConfig tiny() {
 
 // The model under test: TP over `mesh` (or none), then AC in `mode`.
 Transformer make_model(const LlamaConfig& c, const DeviceMesh* mesh, ACMode mode,
-                       std::vector<std::string>* wrapped = nullptr) {
+                       std::vector<std::string>* wrapped = nullptr, bool replay = true,
+                       bool sequence_parallel = true) {
   Transformer m(c);
   m->to(at::kDouble);
   m->init_weights(11);
-  if (mesh) apply_tensor_parallel(*m, *mesh);
-  auto w = ac::apply_ac<TransformerBlockImpl>(*m, mode);
+  if (mesh) apply_tensor_parallel(*m, *mesh, {.sequence_parallel = sequence_parallel});
+  auto w = ac::apply_ac<TransformerBlockImpl>(*m, mode, {.replay_collectives = replay});
   if (wrapped) *wrapped = w;
   return m;
 }
 
 // Three AdamW steps against the plain one-device model: loss, every gradient, every parameter.
-void expect_training_matches(const DeviceMesh* mesh, ACMode mode) {
+void expect_training_matches(const DeviceMesh* mesh, ACMode mode, bool replay = true) {
   SCOPED_TRACE(std::string("AC ") + ac::ac_mode_name(mode) + (mesh ? " tp=" : " no TP") +
-               (mesh ? std::to_string(mesh->size()) : ""));
+               (mesh ? std::to_string(mesh->size()) : "") +
+               (replay ? "" : " recomputing collectives"));
   const auto c = tiny();
   Transformer ref = make_model(c, nullptr, ACMode::none);
   std::vector<std::string> wrapped;
-  Transformer model = make_model(c, mesh, mode, &wrapped);
+  Transformer model = make_model(c, mesh, mode, &wrapped, replay);
   const std::vector<std::string> want_wrapped =
       mode == ACMode::full ? std::vector<std::string>{"layers.0", "layers.1"}
                            : std::vector<std::string>{"layers.1"};
@@ -92,6 +94,7 @@ TEST(ActivationCheckpointing, LlamaTrainingMatchesOneDeviceAtTp1AndTp2) {
         expect_training_matches(&mesh, mode);
         if (mesh.size() == 1) expect_training_matches(nullptr, mode);
       }
+      if (mesh.size() > 1) expect_training_matches(&mesh, ACMode::full, /*replay=*/false);
     });
   }
 }
@@ -152,6 +155,36 @@ TEST(ActivationCheckpointing, AddsNoCollectives) {
               << phase;
         }
       }
+    }
+  });
+}
+
+// Without replay, the recompute issues the checkpointed blocks' collectives again: backward
+// issues what it issues without AC plus what the blocks' forward issued, per type; the forward
+// is unchanged.
+TEST(ActivationCheckpointing, WithoutReplayTheRecomputeIssuesTheBlocksCollectivesAgain) {
+  run_ranks(2, [](int) {
+    auto mesh = init_device_mesh("cpu", {2});
+    const auto c = tiny();
+    for (bool sp : {true, false}) {
+      SCOPED_TRACE(sp ? "sequence parallel" : "no sequence parallelism");
+      Transformer plain = make_model(c, &mesh, ACMode::none, nullptr, true, sp);
+      at::manual_seed(3);
+      const StepCounts want = count_step(plain, c.vocab_size);
+      Transformer model = make_model(c, &mesh, ACMode::full, nullptr, /*replay=*/false, sp);
+      at::manual_seed(3);
+      const StepCounts got = count_step(model, c.vocab_size);
+      EXPECT_EQ(format_comm_counts(got.forward), format_comm_counts(want.forward));
+      CommCounts blocks_forward;
+      for (const auto& [module, phases] : want.modules) {
+        if (module.rfind("layers.", 0) != 0 || module.find('.', 7) != std::string::npos) continue;
+        if (!phases.count("forward")) continue;
+        for (const auto& [type, n] : phases.at("forward")) blocks_forward[type] += n;
+      }
+      ASSERT_FALSE(blocks_forward.empty());
+      CommCounts expected = want.backward;
+      for (const auto& [type, n] : blocks_forward) expected[type] += n;
+      EXPECT_EQ(format_comm_counts(got.backward), format_comm_counts(expected));
     }
   });
 }

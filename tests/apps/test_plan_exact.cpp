@@ -138,3 +138,10 @@ TEST(PlanExact, FsdpTimesTensorParallel8) { expect_simulation_exact(tiny({{"dp_s
 TEST(PlanExact, PipelineTimesTensorParallel8) {
   expect_simulation_exact(tiny({{"pp", 4}, {"microbatches", 4}}), 8, "1f1b");
 }
+
+// AC whose recompute issues the TP collectives again: the plan sees the backward's extra ones.
+TEST(PlanExact, PipelineTimesTensorParallel4FullAcRecomputingCollectives) {
+  auto o = tiny({{"pp", 2}, {"microbatches", 2}}, "full");
+  o.ac_recompute_collectives = true;
+  expect_simulation_exact(o, 4, "1f1b");
+}

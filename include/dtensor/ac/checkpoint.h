@@ -8,11 +8,13 @@
 //
 // The recompute gives the same values as the forward: it replays the forward's random numbers
 // (the CPU generator, the CUDA one of the inputs' device, and DTensor's stream, so dropout
-// masks are identical), and it never communicates: the results of every collective the forward
-// issued are recorded (dtensor/comm/collective_tape.h) and handed back in order. A recompute
-// whose collectives differ (type, shape, group) throws naming the module. So checkpointing adds
-// no collective to a step; it costs one extra forward of the module, and keeps the collectives'
-// results (torchtitan's selective policy keeps them too, for the same reason).
+// masks are identical), and by default it never communicates: the results of every collective
+// the forward issued are recorded (dtensor/comm/collective_tape.h) and handed back in order. A
+// recompute whose collectives differ (type, shape, group) throws naming the module. So
+// checkpointing adds no collective to a step; it costs one extra forward of the module, and
+// keeps the collectives' results (torchtitan's selective policy keeps them too, for the same
+// reason). With replay_collectives = false the recompute issues them again instead, as
+// PyTorch's checkpoint does: less memory, more communication in backward.
 //
 //   auto block = MyBlock(...);                 // a dtensor::nn::Module with forward(x)
 //   dtensor::ac::checkpoint_wrapper(block);    // after parallelize_module, before training
@@ -58,6 +60,11 @@ using Rerun = std::function<c10::IValue(torch::nn::Module& module, const tp::Mod
 struct CheckpointOptions {
   /// Names the module in errors; empty: its path in the model (fqn), else its class name.
   std::string name;
+  /// true: the forward's collectives are recorded and handed back to the recompute, which
+  /// adds no collective but keeps their results until backward. false: the recompute issues
+  /// them again (PyTorch's checkpoint), keeping only the module's inputs: under TP without
+  /// sequence parallelism a block's two all_reduce results, each as large as its input.
+  bool replay_collectives = true;
 };
 
 /// Checkpoints `module` (a HookedModule owned by a shared_ptr); `rerun` must call its forward
@@ -113,6 +120,8 @@ struct ACOptions {
   /// the recompute (torchtitan's layer-level selective AC; its op-level policy needs per-op
   /// interception that LibTorch does not offer).
   int64_t selective_every = 2;
+  /// CheckpointOptions::replay_collectives of every wrapped block.
+  bool replay_collectives = true;
 };
 
 /// Checkpoints the modules of type Block under `root` (in named_modules order) as `mode` says,
@@ -129,7 +138,7 @@ std::vector<std::string> apply_ac(torch::nn::Module& root, ACMode mode, ACOption
     if (block == nullptr) continue;
     const int64_t i = index++;
     if (mode == ACMode::selective && (i + 1) % options.selective_every != 0) continue;
-    checkpoint_wrapper(*block, {item.key()});
+    checkpoint_wrapper(*block, {item.key(), options.replay_collectives});
     wrapped.push_back(item.key());
   }
   return wrapped;
