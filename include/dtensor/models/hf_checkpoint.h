@@ -17,7 +17,8 @@
 // (meta_init.h), cut by the plan, and the slices read become its parameters.
 // Parameter names map from HF's ("model.layers.0.self_attn.q_proj.weight") to ours
 // ("layers.0.attention.wq.weight"); q/k rows (and q/k biases and norm weights) are permuted from
-// HF's rotate-half order to the interleaved pairs our rotary embedding uses; any floating source dtype is cast to the model's.
+// HF's rotate-half order to the interleaved pairs our rotary embedding uses; any floating source
+// dtype is cast to the model's.
 #include <c10/core/ScalarType.h>
 
 #include <cstdint>
@@ -91,7 +92,8 @@ struct HfSaveOptions {
 /// Writes `dir`/config.json and `dir`/model.safetensors (metadata {"format": "pt"}) that
 /// transformers' from_pretrained (the family's ForCausalLM class) loads unchanged: HF names, q/k
 /// rows back in rotate-half order, no lm_head when the embedding is tied. Collective, from any TP
-/// degree: every rank calls it, parameters are gathered with full_tensor, global rank 0 writes (the
+/// degree and FSDP sharding: every rank calls it, parameters are gathered with full_tensor (FSDP
+/// shards by their checkpoint::ShardedLayout), global rank 0 writes (the
 /// safetensors file atomically) and every rank throws if rank 0 failed.
 void save_hf_llama(const std::string& dir, const TransformerImpl& model,
                    const HfSaveOptions& options = {});
