@@ -34,6 +34,7 @@
 #include "support/shell.h"
 #include "support/temp_dir.h"
 #include "train/corpus.h"
+#include "train/metrics.h"
 #include "train/run_config.h"
 #include "train/trainer.h"
 
@@ -225,6 +226,29 @@ TEST(TrainFinetune, AppFineTunesAtTp2AndWritesAnHfDirectoryThatReloads) {
     safetensors::save_file({{"tokens", tokens}, {"logits", logits.contiguous()}},
                            std::string(keep) + "/dtensor_logits.safetensors");
   }
+}
+
+// Interrupted after step 2 and resumed from its checkpoint (not from the HF weights), the run
+// repeats the uninterrupted one: the same losses and the same exported weights, bit for bit.
+TEST(TrainFinetune, ResumedFineTuneRepeatsTheUninterruptedRun) {
+  TempDir tmp;
+  std::ostringstream common;
+  common << "--hf " << kFinetune << " --data " << kFixtures << "/corpus.txt"
+         << " --steps 4 --batch-size 4 --seq-len 16 --lr 1e-2 --warmup 0 --eval-batches 1";
+  const std::string whole = tmp.file("whole"), split = tmp.file("split");
+  auto r = shell(train_command(2, common.str() + " --out " + whole));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  r = shell(train_command(2, common.str() + " --stop-at 2 --ckpt-every 2 --out " + split));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  r = shell(train_command(2, common.str() + " --resume --out " + split));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("resumed"), std::string::npos) << r.output;
+  const auto a = read_metrics_csv(whole + "/metrics.csv");
+  const auto b = read_metrics_csv(split + "/metrics.csv");
+  ASSERT_EQ(a.size(), 4u);
+  ASSERT_EQ(b.size(), 4u);
+  for (size_t i = 0; i < 4; ++i) EXPECT_EQ(b[i].loss, a[i].loss) << "step " << i + 1;
+  EXPECT_EQ(read_file(split + "/hf/model.safetensors"), read_file(whole + "/hf/model.safetensors"));
 }
 
 // The same fine-tuning under FSDP (with bf16 mixed precision and activation checkpointing) and
