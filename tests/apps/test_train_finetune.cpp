@@ -35,6 +35,7 @@
 #include "support/temp_dir.h"
 #include "train/corpus.h"
 #include "train/metrics.h"
+#include "train/options.h"
 #include "train/run_config.h"
 #include "train/trainer.h"
 
@@ -299,4 +300,28 @@ TEST(TrainFinetune, BadInputFailsWithOneMessageNamingTheFileOrFlag) {
   expect_clear_error(shell(train_command(0, "--hf " + kFinetune + " --seq-len 65" + out)),
                      "max_position_embeddings 64 of " + kFinetune + "/config.json");
   expect_clear_error(shell(train_command(0, "--hf-out x" + out)), "--hf-out");
+}
+
+TEST(TrainFinetune, OptionsDocumentAndCheckTheHfFlags) {
+  const std::string help = kUsage;
+  EXPECT_NE(help.find("--hf DIR"), std::string::npos);
+  EXPECT_NE(help.find("--hf-out DIR"), std::string::npos);
+  auto parse = [](std::vector<std::string> args, int& code) {
+    args.insert(args.begin(), "dtensor_train");
+    std::vector<char*> argv;
+    for (auto& a : args) argv.push_back(a.data());
+    return parse_args(static_cast<int>(argv.size()), argv.data(), code, /*quiet=*/true);
+  };
+  int code = 0;
+  const auto o = parse({"--hf", "ckpt", "--hf-out", "tuned", "--seq-len", "32"}, code);
+  ASSERT_TRUE(o.has_value());
+  EXPECT_EQ(o->hf_dir, "ckpt");
+  EXPECT_EQ(o->hf_out, "tuned");
+  for (const char* flag : {"--preset", "--dim", "--heads", "--kv-heads", "--ffn-dim", "--vocab"}) {
+    code = 0;
+    EXPECT_FALSE(
+        parse({"--hf", "ckpt", flag, flag == std::string("--preset") ? "tiny" : "256"}, code))
+        << flag;
+    EXPECT_EQ(code, 2) << flag;
+  }
 }
