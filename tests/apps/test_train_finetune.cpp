@@ -252,19 +252,23 @@ TEST(TrainFinetune, ResumedFineTuneRepeatsTheUninterruptedRun) {
   EXPECT_EQ(read_file(split + "/hf/model.safetensors"), read_file(whole + "/hf/model.safetensors"));
 }
 
-// The same fine-tuning under FSDP (with bf16 mixed precision and activation checkpointing) and
-// under pipeline stages: each passes its --verify-tp1 and exports the weights it trained.
+// The same fine-tuning under FSDP (with bf16 mixed precision and activation checkpointing, and
+// over TP on 4 ranks) and under pipeline stages: each passes its --verify-tp1 and exports the
+// weights it trained.
 TEST(TrainFinetune, AppFineTunesUnderFsdpAndPipelineAndExportsTheTrainedWeights) {
-  for (const char* flags : {"--dp-shard 2 --ac full", "--dp-shard 2 --mixed-precision bf16",
-                            "--pp 2 --microbatches 2"}) {
-    SCOPED_TRACE(flags);
+  const std::vector<std::pair<int, std::string>> runs = {{2, "--dp-shard 2 --ac full"},
+                                                         {2, "--dp-shard 2 --mixed-precision bf16"},
+                                                         {2, "--pp 2 --microbatches 2"},
+                                                         {4, "--dp-shard 2"}};  // FSDP x TP
+  for (const auto& [ranks, flags] : runs) {
+    SCOPED_TRACE(std::to_string(ranks) + " ranks " + flags);
     TempDir tmp;
     const std::string out = tmp.file("run");
     std::ostringstream args;
     args << "--hf " << kFinetune << " --data " << kFixtures << "/corpus.txt"
          << " --steps 3 --batch-size 4 --seq-len 16 --lr 1e-2 --warmup 0 --eval-batches 1"
          << " --save-final --verify-tp1 --out " << out << " " << flags;
-    const auto r = shell(train_command(2, args.str()));
+    const auto r = shell(train_command(ranks, args.str()));
     ASSERT_EQ(r.exit_code, 0) << r.output;
     EXPECT_NE(r.output.find("verify-tp1: PASS"), std::string::npos) << r.output;
     expect_export_is_the_trained_model(out);
