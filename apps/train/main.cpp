@@ -1,5 +1,6 @@
-// dtensor_train: tensor-parallel training of the bundled Llama-style model on the ranks of a
-// launch (dtrun, torchrun --no-python, srun, mpirun), or alone as one rank. See --help.
+// dtensor_train: tensor-parallel training of the bundled Llama-style model, or fine-tuning of a
+// Hugging Face checkpoint (--hf), on the ranks of a launch (dtrun, torchrun --no-python, srun,
+// mpirun), or alone as one rank. See --help.
 #include <ATen/Parallel.h>
 
 #include <chrono>

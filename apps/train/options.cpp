@@ -18,7 +18,22 @@ loss.svg and checkpoints to --out.
 Also runs under torchrun --no-python, srun or mpirun (ranks meet through their environment
 variables) and alone as one rank.
 
+Fine-tuning a Hugging Face checkpoint (Llama, Qwen2, Qwen3 or Mistral; a save_pretrained
+directory with config.json, safetensors and tokenizer.json):
+
+  build/apps/dtrun/dtrun -n 2 build/apps/train/dtensor_train --hf Qwen3-0.6B --data my.txt \
+      --steps 100 --seq-len 512 --out runs/ft      # writes runs/ft/hf, which transformers loads
+
 model:
+  --hf DIR               fine-tune the Hugging Face checkpoint in DIR: the model from
+                         DIR/config.json and its weights, the text tokenized with
+                         DIR/tokenizer.json (with its template, e.g. Llama 3's BOS); at the end
+                         the trained model goes to --hf-out as an HF directory (config.json,
+                         model.safetensors in the checkpoint's dtype, tokenizer files copied).
+                         Not with --preset, --config or the model-shape flags below; --seq-len
+                         is the training length (default: max_position_embeddings, at most
+                         256); default --lr 2e-5, --steps 60, --batch-size 8
+  --hf-out DIR           where --hf writes the fine-tuned model (default OUT/hf)
   --preset NAME          tiny | demo | bench (default demo)
   --config FILE          model config as JSON (LlamaConfig fields), replaces the preset
   --dim N                hidden size
@@ -61,7 +76,8 @@ evaluation and output:
                          the bar when stderr is a terminal; under dtrun it is a pipe, so
                          pass bar when dtrun's output is a terminal)
   --log-every N          steps between plain progress lines (default: about 20 per run)
-  --sample N             after training, print N characters generated from the model
+  --sample N             after training, print N characters (tokens with --hf) generated
+                         from the model
 
 parallelism and numerics:
   --no-sequence-parallel keep activations replicated between blocks
@@ -116,6 +132,8 @@ CLI::Option* add_optional(CLI::App& app, const std::string& name, std::optional<
 }
 
 void add_model_options(CLI::App& app, TrainOptions& o) {
+  app.add_option("--hf", o.hf_dir)->check(cli::non_empty());
+  app.add_option("--hf-out", o.hf_out)->check(cli::non_empty());
   app.add_option("--preset", o.preset)->check(cli::one_of({"tiny", "demo", "bench"}));
   app.add_option("--config", o.config_path)->check(cli::non_empty());
   add_optional(app, "--dim", o.dim)->check(cli::integer(1));
@@ -198,6 +216,18 @@ std::optional<TrainOptions> parse_args(int argc, char** argv, int& exit_code, bo
     exit_code = cli::usage_error(app, why, quiet);
     return std::optional<TrainOptions>();
   };
+  if (!o.hf_dir.empty()) {
+    // The checkpoint's config.json is the model: a flag that would change it contradicts it.
+    for (const char* flag : {"--preset", "--config", "--dim", "--layers", "--heads", "--kv-heads",
+                             "--ffn-dim", "--vocab"}) {
+      if (app.count(flag) > 0) {
+        return refuse(std::string(flag) + " contradicts --hf " + o.hf_dir + ", whose " +
+                      "config.json gives the model: drop " + flag);
+      }
+    }
+  } else if (!o.hf_out.empty()) {
+    return refuse("--hf-out is where --hf writes the fine-tuned model: add --hf DIR");
+  }
   if (o.min_lr && o.lr && *o.min_lr > *o.lr)
     return refuse("--min-lr (" + std::to_string(*o.min_lr) + ") is larger than --lr (" +
                   std::to_string(*o.lr) + ")");

@@ -8,8 +8,11 @@
 namespace dtensor::train {
 
 struct TrainOptions {
-  // Model: a preset, optionally a JSON config replacing it, then single-field overrides.
+  // Model: a preset, optionally a JSON config replacing it, then single-field overrides; or a
+  // Hugging Face checkpoint directory to fine-tune (--hf), which gives the model alone.
   std::string preset = "demo";
+  std::string hf_dir;
+  std::string hf_out;  // where the fine-tuned HF directory goes; empty: OUT/hf
   std::string config_path;
   std::optional<int64_t> dim, layers, heads, kv_heads, vocab, seq_len, ffn_dim;
 

@@ -12,6 +12,7 @@
 #include "dtensor/core/distribute_module.h"
 #include "dtensor/core/dtensor_impl.h"
 #include "dtensor/fsdp/fully_shard.h"
+#include "dtensor/models/hf_checkpoint.h"
 
 namespace dtensor::train {
 namespace {
@@ -48,8 +49,15 @@ PipelinePart::PipelinePart(models::TransformerImpl& whole, const RunConfig& conf
     : config_(config),
       stages_(models::split_llama_stages(whole, mesh, config.virtual_stages)),
       chunks_(std::make_shared<torch::nn::Module>()) {
-  // A real run gives memory to this rank's stages only (a plan keeps them shapes).
-  if (!config.meta) models::init_stage_weights(stages_, whole, config.seed);
+  // A real run gives memory to this rank's stages only (a plan keeps them shapes), drawn from
+  // the seed or read from --hf.
+  if (!config.meta && config.hf_dir.empty()) {
+    models::init_stage_weights(stages_, whole, config.seed);
+  } else if (!config.meta) {
+    models::materialize_stages(stages_, whole, [&](models::TransformerImpl& w) {
+      models::load_hf_weights(config.hf_dir, w);
+    });
+  }
   std::vector<pp::PipelineStage*> pipes;
   for (size_t k = 0; k < stages_.size(); ++k) {
     if (config.tp > 1) {

@@ -2,12 +2,14 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <filesystem>
 #include <iomanip>
 #include <sstream>
 #include <stdexcept>
 
 #include "corpus.h"
 #include "dtensor/comm/error_message.h"
+#include "dtensor/models/hf_checkpoint.h"
 #include "tokenizer.h"
 
 namespace dtensor::train {
@@ -22,6 +24,8 @@ struct PresetDefaults {
 
 PresetDefaults defaults_for(const std::string& preset) {
   if (preset == "tiny") return {20, 4, 3e-3};
+  // --hf: a pretrained model moves a little, as fine-tuning recipes do (2e-5 is common).
+  if (preset == "hf") return {60, 8, 2e-5};
   if (preset == "bench") return {50, 8, 1e-3};
   // demo: 60 steps of 8 x 256 tokens take about 30 s at TP=2 on 2 cores and the --verify-tp1
   // re-run about 20 s more; the loss falls from about 5.9 to under 2. Longer float32 runs
@@ -80,8 +84,37 @@ void resolve_pipeline(const TrainOptions& o, int64_t world_size, RunConfig& c) {
   c.sequence_parallel = false;
 }
 
+// --hf DIR: the model is the checkpoint's (options.cpp refuses the flags that would change it).
+void resolve_hf_model(const TrainOptions& o, RunConfig& c) {
+  if (!o.config_path.empty() || o.dim || o.layers || o.heads || o.kv_heads || o.ffn_dim || o.vocab)
+    bad("--hf " + o.hf_dir + " gives the model (its config.json): drop --config and the " +
+        "model-shape flags");
+  if (!std::filesystem::is_directory(o.hf_dir)) bad("--hf: no such directory '" + o.hf_dir + "'");
+  models::HfLlamaConfig hf;
+  try {
+    hf = models::read_hf_llama_config(o.hf_dir);
+  } catch (const std::exception& e) {
+    bad("--hf: " + comm::error_message(e));
+  }
+  c.preset = "hf";
+  c.hf_dir = o.hf_dir;
+  c.hf_architecture = hf.architecture;
+  c.hf_dtype = hf.dtype;
+  c.model_source = hf.architecture + " " + o.hf_dir;
+  // The rotary table keeps max_position_embeddings, so that the written config.json does too;
+  // the training windows are --seq-len long.
+  c.model = hf.config;
+  c.model.validate();
+  c.seq_len = o.seq_len.value_or(std::min<int64_t>(c.model.max_seq_len, 256));
+  if (c.seq_len > c.model.max_seq_len) {
+    bad("--seq-len " + std::to_string(c.seq_len) + " is longer than max_position_embeddings " +
+        std::to_string(c.model.max_seq_len) + " of " + o.hf_dir + "/config.json");
+  }
+}
+
 // The model: a preset or a config file, then the flags that override its fields.
 void resolve_model(const TrainOptions& o, RunConfig& c) {
+  if (!o.hf_dir.empty()) return resolve_hf_model(o, c);
   c.preset = o.preset;
   c.model_source = o.config_path.empty() ? "preset " + o.preset : o.config_path;
   c.model = o.config_path.empty() ? models::LlamaConfig::preset(o.preset)
@@ -103,7 +136,7 @@ void resolve_model(const TrainOptions& o, RunConfig& c) {
 
 // Steps, batch, learning-rate schedule, optimizer, evaluation and precision.
 void resolve_training(const TrainOptions& o, RunConfig& c) {
-  const auto d = defaults_for(o.preset);
+  const auto d = defaults_for(c.preset);
   c.steps = o.steps.value_or(d.steps);
   c.stop_at = std::min(c.steps, o.stop_at.value_or(c.steps));
   c.batch_size = o.batch_size.value_or(d.batch_size);
@@ -241,6 +274,7 @@ std::string RunConfig::to_json() const {
      << ", \"loss_parallel\": " << (loss_parallel ? "true" : "false") << ", \"ac\": \"" << ac
      << "\"" << (ac_replay_collectives ? "" : ", \"ac_recompute_collectives\": true");
   if (plan) js << ", \"plan\": " << std::quoted(plan->path);
+  if (!hf_dir.empty()) js << ", \"hf\": " << std::quoted(hf_dir);
   js << "}\n}\n";
   return js.str();
 }

@@ -19,8 +19,13 @@ namespace dtensor::train {
 
 struct RunConfig {
   std::string preset;        // training defaults come from it
-  std::string model_source;  // "preset demo" or the --config path
+  std::string model_source;  // "preset demo", the --config path or the --hf checkpoint
   models::LlamaConfig model;
+  // --hf: the checkpoint directory whose weights the model starts from, its architecture and
+  // the dtype of its stored weights (the fine-tuned model is written back in both).
+  std::string hf_dir;
+  std::string hf_architecture;
+  c10::ScalarType hf_dtype = c10::kFloat;
   int64_t steps = 0;       // the length of the schedule
   int64_t stop_at = 0;     // the last step of this run (<= steps)
   int64_t batch_size = 0;  // global: split over the dp ranks

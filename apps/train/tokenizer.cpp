@@ -1,5 +1,6 @@
 #include "tokenizer.h"
 
+#include <filesystem>
 #include <stdexcept>
 
 namespace dtensor::train {
@@ -23,5 +24,31 @@ std::string ByteTokenizer::decode(const std::vector<int64_t>& tokens) const {
   }
   return text;
 }
+
+TextTokenizer TextTokenizer::from_hf_file(const std::string& path) {
+  if (!std::filesystem::is_regular_file(path)) {
+    throw std::invalid_argument("no tokenizer file '" + path +
+                                "': --hf fine-tunes on text tokenized with the checkpoint's own "
+                                "tokenizer.json");
+  }
+  TextTokenizer t;
+  t.bpe_ = std::make_shared<const text::BpeTokenizer>(text::BpeTokenizer::from_file(path));
+  t.path_ = path;
+  return t;
+}
+
+std::vector<int64_t> TextTokenizer::encode(std::string_view text) const {
+  return bpe_ ? bpe_->encode(text, /*add_special_tokens=*/true) : bytes_.encode(text);
+}
+
+std::string TextTokenizer::decode(const std::vector<int64_t>& tokens) const {
+  return bpe_ ? bpe_->decode(tokens, /*skip_special_tokens=*/true) : bytes_.decode(tokens);
+}
+
+int64_t TextTokenizer::vocab_size() const {
+  return bpe_ ? bpe_->vocab_size() : bytes_.vocab_size();
+}
+
+std::string TextTokenizer::describe() const { return bpe_ ? path_ : "bytes"; }
 
 }  // namespace dtensor::train

@@ -22,6 +22,7 @@
 #include "dtensor/comm/error_message.h"
 #include "dtensor/mesh/device_mesh.h"
 #include "dtensor/pp/pipeline.h"
+#include "hf_export.h"
 #include "loss_plot.h"
 #include "metrics.h"
 #include "progress.h"
@@ -166,11 +167,12 @@ double median(std::vector<double> v) {
 class TrainingRun {
  public:
   TrainingRun(const TrainOptions& o, const comm::LaunchEnv& env, RunConfig cfg,
-              Clock::time_point wall_start)
+              TextTokenizer tokenizer, Clock::time_point wall_start)
       : o_(o),
         cfg_(std::move(cfg)),
         rank0_(env.rank == 0),
         wall_start_(wall_start),
+        tokenizer_(std::move(tokenizer)),
         split_(split_tokens(
             tokenizer_.encode(o.data_path.empty() ? default_corpus() : read_text_file(o.data_path)),
             o.val_fraction, cfg_.seq_len)),
@@ -188,6 +190,7 @@ class TrainingRun {
     if (rank0_) print_header();
     if (const int status = train(); status != 0) return status;
     finish_training();
+    if (!cfg_.hf_dir.empty()) export_hf();
     const std::string sample = generate_sample();
     if (rank0_) print_summary(sample);
     return o_.verify_tp1 && rank0_ ? verify_tp1() : 0;
@@ -244,7 +247,7 @@ class TrainingRun {
     print_row("data", (o_.data_path.empty() ? std::string("built-in corpus") : o_.data_path) +
                           ": " + grouped(static_cast<int64_t>(split_.train.size())) + " train / " +
                           grouped(static_cast<int64_t>(split_.val.size())) +
-                          " validation tokens (bytes)");
+                          " validation tokens (" + tokenizer_.describe() + ")");
     print_row("schedule", std::to_string(cfg_.steps) + " steps of " +
                               std::to_string(cfg_.batch_size) + " x " +
                               std::to_string(cfg_.seq_len) + " tokens, AdamW lr " +
@@ -344,13 +347,29 @@ class TrainingRun {
     }
   }
 
+  // --hf: the trained model as a Hugging Face directory (collective).
+  void export_hf() {
+    const auto t = Clock::now();
+    hf_out_ = o_.hf_out.empty() ? (out_dir_ / "hf").string() : o_.hf_out;
+    const auto copied = export_hf_checkpoint(trainer_, hf_out_);
+    hf_s_ = seconds_since(t);
+    if (rank0_) {
+      std::string files;
+      for (const auto& f : copied) files += (files.empty() ? "" : ", ") + f;
+      std::printf("hf export: %s (config.json, model.safetensors%s%s) in %.1f s\n", hf_out_.c_str(),
+                  files.empty() ? "" : ", ", files.c_str(), hf_s_);
+      std::fflush(stdout);
+    }
+  }
+
   // A sample of what the model writes now (every rank takes part in the forward passes).
   std::string generate_sample() {
     if (o_.sample_chars <= 0) return "";
     const std::vector<int64_t> prompt(split_.val.begin(),
                                       split_.val.begin() + std::min<int64_t>(16, cfg_.seq_len));
     return tokenizer_.decode(prompt) +
-           tokenizer_.decode(trainer_.generate(prompt, o_.sample_chars, 0.8, cfg_.seed));
+           tokenizer_.decode(
+               trainer_.generate(prompt, o_.sample_chars, 0.8, cfg_.seed, tokenizer_.vocab_size()));
   }
 
   void print_summary(const std::string& sample) const {
@@ -384,11 +403,13 @@ class TrainingRun {
     }
     print_row("time", fmt("%.1f", seconds_since(wall_start_)) + " s: " + fmt("%.1f", train_s_) +
                           " s training, " + fmt("%.1f", eval_s_) + " s evaluation" +
-                          (ckpt_s_ > 0 ? ", " + fmt("%.1f", ckpt_s_) + " s checkpoints" : ""));
+                          (ckpt_s_ > 0 ? ", " + fmt("%.1f", ckpt_s_) + " s checkpoints" : "") +
+                          (hf_s_ > 0 ? ", " + fmt("%.1f", hf_s_) + " s Hugging Face export" : ""));
     std::string files = (out_dir_ / "metrics.csv").string() + ", " +
                         (out_dir_ / "loss.svg").string() + ", " +
                         (out_dir_ / "config.json").string();
     if (last_ckpt_step_ >= 0) files += ", " + checkpoints_.path_for(last_ckpt_step_);
+    if (!hf_out_.empty()) files += ", " + hf_out_ + "/ (Hugging Face)";
     print_row("files", files);
     if (!sample.empty()) std::printf("\nsample (temperature 0.8):\n%s\n", sample.c_str());
     std::fflush(stdout);
@@ -431,7 +452,7 @@ class TrainingRun {
   const bool rank0_;
   const Clock::time_point wall_start_;
   // Data: identical on every rank, so no rank needs to send batches to another.
-  const ByteTokenizer tokenizer_{};
+  const TextTokenizer tokenizer_;
   const TokenSplit split_;
   const BatchSampler train_batches_, val_batches_;
   Trainer trainer_;
@@ -447,24 +468,45 @@ class TrainingRun {
 
   std::vector<double> losses_, step_seconds_, bubbles_;
   double last_val_ = std::numeric_limits<double>::quiet_NaN();
-  double train_s_ = 0, eval_s_ = 0, ckpt_s_ = 0;
+  double train_s_ = 0, eval_s_ = 0, ckpt_s_ = 0, hf_s_ = 0;
+  std::string hf_out_;
   int64_t last_ckpt_step_ = -1;
 };
+
+// --hf: the checkpoint's own tokenizer, whose ids must all have an embedding row.
+TextTokenizer hf_tokenizer(const RunConfig& cfg) {
+  const std::string path = (fs::path(cfg.hf_dir) / "tokenizer.json").string();
+  TextTokenizer t;
+  try {
+    t = TextTokenizer::from_hf_file(path);
+  } catch (const std::exception& e) {
+    throw std::invalid_argument("--hf: " + comm::error_message(e));
+  }
+  if (t.vocab_size() > cfg.model.vocab_size) {
+    throw std::invalid_argument("--hf: " + path + " has " + std::to_string(t.vocab_size()) +
+                                " tokens, more than the vocab_size " +
+                                std::to_string(cfg.model.vocab_size) + " of " + cfg.hf_dir +
+                                "/config.json");
+  }
+  return t;
+}
 
 }  // namespace
 
 int run_training(const TrainOptions& o, const comm::LaunchEnv& env) {
   const auto wall_start = Clock::now();
   RunConfig cfg;
+  TextTokenizer tokenizer;
   try {
     cfg = resolve_run_config(o, env.world_size);
+    if (!cfg.hf_dir.empty()) tokenizer = hf_tokenizer(cfg);
   } catch (const std::exception& e) {
     // The same on every rank, decided before any rank meets another: rank 0 explains.
     if (env.rank == 0) std::cerr << "dtensor_train: " << comm::error_message(e) << std::endl;
     return 2;
   }
   at::set_num_threads(static_cast<int>(o.threads));
-  return TrainingRun(o, env, std::move(cfg), wall_start).run();
+  return TrainingRun(o, env, std::move(cfg), std::move(tokenizer), wall_start).run();
 }
 
 }  // namespace dtensor::train

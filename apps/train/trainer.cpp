@@ -4,6 +4,7 @@
 #include <ATen/CPUGeneratorImpl.h>
 #include <torch/nn/utils/clip_grad.h>
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <string>
@@ -16,6 +17,7 @@
 #include "dtensor/core/dtensor_impl.h"
 #include "dtensor/dispatch/implicit_replication.h"
 #include "dtensor/fsdp/fully_shard.h"
+#include "dtensor/models/hf_checkpoint.h"
 #include "dtensor/models/meta_init.h"
 #include "pipeline_part.h"
 
@@ -45,8 +47,12 @@ Trainer::Trainer(const RunConfig& config, std::optional<DeviceMesh> mesh)
     model_ = models::Transformer(config_.model);
     model_->to(config_.dtype);
     // Drawn from the seed alone: the TP run and the one-device check start from equal weights.
-    model_->init_weights(config_.seed);
+    // --hf replaces every parameter below.
+    if (config_.hf_dir.empty()) model_->init_weights(config_.seed);
   }
+  // --hf: each rank reads only the slices its TP plan keeps, after the plan, before FSDP shards
+  // them further (the pipeline stages read theirs in PipelinePart).
+  const bool load_hf = !config_.hf_dir.empty() && !config_.meta;
   if (!pp_ && mesh_ && (!config_.fsdp || config_.tp > 1)) {
     const DeviceMesh tp_mesh = mesh_->ndim() == 1 ? *mesh_ : (*mesh_)["tp"];
     if (config_.plan) {
@@ -59,6 +65,7 @@ Trainer::Trainer(const RunConfig& config, std::optional<DeviceMesh> mesh)
       models::apply_tensor_parallel(*model_, tp_mesh, tp);
     }
   }
+  if (load_hf && !pp_) models::load_hf_weights(config_.hf_dir, *model_);
   torch::nn::Module& trained = module();
   ac::apply_ac<models::TransformerBlockImpl>(trained, ac::parse_ac_mode(config_.ac),
                                              {.replay_collectives = config_.ac_replay_collectives});
@@ -318,7 +325,7 @@ double Trainer::evaluate(const BatchSampler& val, int64_t n_batches) {
 }
 
 std::vector<int64_t> Trainer::generate(const std::vector<int64_t>& prompt, int64_t n_tokens,
-                                       double temperature, uint64_t seed) {
+                                       double temperature, uint64_t seed, int64_t decodable) {
   at::NoGradGuard no_grad;
   module().eval();
   auto gen = at::make_generator<at::CPUGeneratorImpl>(seed);
@@ -336,7 +343,7 @@ std::vector<int64_t> Trainer::generate(const std::vector<int64_t>& prompt, int64
     if (logits.defined()) {
       if (is_dtensor(logits)) logits = full_tensor(logits);
       auto last = logits.select(1, n - 1).squeeze(0).to(at::kDouble);
-      last = last.narrow(0, 0, 256);  // only bytes are decodable
+      last = last.narrow(0, 0, std::min(decodable, last.size(0)));  // ids the tokenizer has
       auto probs = at::softmax(last / temperature, 0);
       token = at::multinomial(probs, 1, false, gen).item<int64_t>();
     }

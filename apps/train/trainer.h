@@ -60,9 +60,10 @@ class Trainer {
   double evaluate(const BatchSampler& val, int64_t n_batches);
 
   // Up to `n_tokens` tokens continuing `prompt`, sampled with temperature from a generator
-  // seeded by `seed` (the same on every rank, so all ranks feed the same tokens).
+  // seeded by `seed` (the same on every rank, so all ranks feed the same tokens), among the ids
+  // [0, decodable) the tokenizer can decode.
   std::vector<int64_t> generate(const std::vector<int64_t>& prompt, int64_t n_tokens,
-                                double temperature, uint64_t seed);
+                                double temperature, uint64_t seed, int64_t decodable = 256);
 
   // The whole model; not under --pp, where no rank holds it (see pipelined()).
   models::TransformerImpl& model();

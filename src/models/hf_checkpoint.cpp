@@ -139,7 +139,8 @@ namespace {
 // keeps is all it holds on to.
 HfLoadStats read_hf_parts(
     const std::string& dir, TransformerImpl& model,
-    const std::function<void(const std::string&, const at::Tensor&, at::Tensor)>& take) {
+    const std::function<void(const std::string&, const at::Tensor&, at::Tensor)>& take,
+    bool skip_meta = false) {
   const LlamaConfig& config = model.config();
   Checkpoint ckpt(dir);
   HfLoadStats stats;
@@ -188,6 +189,7 @@ HfLoadStats read_hf_parts(
       local = local_tensor(param);
       device = spec.mesh().device();
     }
+    if (skip_meta && local.is_meta()) continue;  // another pipeline stage's
     if (!local.is_meta()) device = local.device();
     at::Tensor part = file->slice(*info, offset, size);
     stats.bytes_read += part.nbytes();
@@ -211,10 +213,12 @@ HfLoadStats read_hf_parts(
 HfLoadStats load_hf_weights(const std::string& dir, TransformerImpl& model) {
   // Everything is read and checked before the first parameter changes.
   std::vector<std::pair<at::Tensor, at::Tensor>> items;  // parameter, this rank's part
-  const HfLoadStats stats =
-      read_hf_parts(dir, model, [&](const std::string&, const at::Tensor& param, at::Tensor part) {
+  const HfLoadStats stats = read_hf_parts(
+      dir, model,
+      [&](const std::string&, const at::Tensor& param, at::Tensor part) {
         items.emplace_back(param, std::move(part));
-      });
+      },
+      /*skip_meta=*/true);
   at::NoGradGuard no_grad;
   for (auto& [param, part] : items) {
     (is_dtensor(param) ? local_tensor(param) : param).copy_(part);

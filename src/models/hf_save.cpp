@@ -1,5 +1,5 @@
 // Hugging Face Llama checkpoints out: config.json and model.safetensors as save_pretrained
-// writes them, from a model at any TP degree.
+// writes them, from a model at any TP degree, FSDP-sharded (fsdp::fully_shard) or not.
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 
@@ -8,11 +8,13 @@
 #include <fstream>
 #include <memory>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "dtensor/checkpoint/rank0_outcome.h"
 #include "dtensor/checkpoint/safetensors.h"
+#include "dtensor/checkpoint/sharded_layout.h"
 #include "dtensor/core/api.h"
 #include "dtensor/core/dtensor_impl.h"
 #include "dtensor/models/hf_checkpoint.h"
@@ -69,6 +71,8 @@ void save_hf_llama(const std::string& dir, const TransformerImpl& model,
     std::string hf_name;
     at::Tensor param;
     bool rotary;
+    // fsdp::fully_shard's shards are plain tensors whose layout gathers them (collective).
+    std::optional<checkpoint::ShardedLayout> sharded;
   };
   std::vector<Item> items;
   std::vector<safetensors::Writer::Entry> entries;
@@ -76,7 +80,9 @@ void save_hf_llama(const std::string& dir, const TransformerImpl& model,
   for (const auto& p : model.named_parameters(/*recurse=*/true)) {
     const std::string& name = p.key();
     model_dtype = p.value().scalar_type();
-    items.push_back({hf_parameter_name(name), p.value(), detail::has_rotary_rows(name)});
+    const at::Tensor& t = p.value();
+    items.push_back({hf_parameter_name(name), t, detail::has_rotary_rows(name),
+                     is_dtensor(t) ? std::nullopt : checkpoint::sharded_layout_of(t)});
   }
   const c10::ScalarType dtype = options.dtype.value_or(model_dtype);
   // Every rank refuses an unsupported dtype or family before any collective.
@@ -89,7 +95,10 @@ void save_hf_llama(const std::string& dir, const TransformerImpl& model,
     TORCH_CHECK(family, "save_hf_llama: architecture \"", *options.architecture,
                 "\" is not one the saver writes");
   }
-  for (const auto& item : items) entries.push_back({item.hf_name, dtype, item.param.sizes().vec()});
+  for (const auto& item : items) {
+    entries.push_back({item.hf_name, dtype,
+                       item.sharded ? item.sharded->global_shape : item.param.sizes().vec()});
+  }
 
   const bool writes = checkpoint::detail::global_rank() == 0;
   const std::string path = (fs::path(dir) / "model.safetensors").string();
@@ -107,8 +116,10 @@ void save_hf_llama(const std::string& dir, const TransformerImpl& model,
   at::NoGradGuard no_grad;
   for (const auto& item : items) {
     const at::Tensor& t = item.param;
-    if (!is_dtensor(t) && !writes) continue;
-    at::Tensor full = is_dtensor(t) ? full_tensor(t.detach()) : t.detach();
+    if (!is_dtensor(t) && !item.sharded && !writes) continue;
+    at::Tensor full = is_dtensor(t)  ? full_tensor(t.detach())
+                      : item.sharded ? item.sharded->gather(t.detach())
+                                     : t.detach();
     if (!writes || error) continue;
     try {
       at::Tensor w = full.cpu().to(dtype);

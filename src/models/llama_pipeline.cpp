@@ -104,14 +104,14 @@ std::vector<LlamaStage> split_llama_stages(TransformerImpl& whole, const DeviceM
   return out;
 }
 
-void init_stage_weights(const std::vector<LlamaStage>& stages, TransformerImpl& whole,
-                        uint64_t seed) {
+void materialize_stages(const std::vector<LlamaStage>& stages, TransformerImpl& whole,
+                        const std::function<void(TransformerImpl& whole)>& fill) {
   const auto allocate = [](const std::string&, const at::Tensor& local, c10::Device device) {
     return at::empty(local.sizes(), local.options().device(device));
   };
   bool tied_copy = false;
   for (const auto& st : stages) {
-    TORCH_CHECK(!st->tp_state, "init_stage_weights: call it before apply_tensor_parallel");
+    TORCH_CHECK(!st->tp_state, "materialize_stages: call it before apply_tensor_parallel");
     detail::materialize_parameters(*st.ptr(), allocate);
     tied_copy = tied_copy || st->tied_across_stages();
   }
@@ -119,10 +119,15 @@ void init_stage_weights(const std::vector<LlamaStage>& stages, TransformerImpl& 
   if (tied_copy) detail::materialize_parameters(*whole.tok_embeddings, allocate);
   // One stage holding both ends uses the whole's head, which must see the new embedding.
   if (whole.config().tie_embeddings) whole.tie_output_to_embedding();
-  whole.init_weights(seed);  // fills what now has memory, by name
+  fill(whole);  // what now has memory, by name
   at::NoGradGuard no_grad;
   for (const auto& st : stages)
     if (st->tied_across_stages()) st->output->weight.copy_(whole.tok_embeddings->weight);
+}
+
+void init_stage_weights(const std::vector<LlamaStage>& stages, TransformerImpl& whole,
+                        uint64_t seed) {
+  materialize_stages(stages, whole, [seed](TransformerImpl& w) { w.init_weights(seed); });
 }
 
 std::unique_ptr<pp::PipelineStage> make_llama_pipeline_stage(LlamaStage stage,

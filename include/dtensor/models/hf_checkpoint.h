@@ -17,7 +17,8 @@
 // (meta_init.h), cut by the plan, and the slices read become its parameters.
 // Parameter names map from HF's ("model.layers.0.self_attn.q_proj.weight") to ours
 // ("layers.0.attention.wq.weight"); q/k rows (and q/k biases and norm weights) are permuted from
-// HF's rotate-half order to the interleaved pairs our rotary embedding uses; any floating source dtype is cast to the model's.
+// HF's rotate-half order to the interleaved pairs our rotary embedding uses; any floating source
+// dtype is cast to the model's.
 #include <c10/core/ScalarType.h>
 
 #include <cstdint>
@@ -78,7 +79,8 @@ HfLlama load_hf_llama(const std::string& dir, const std::optional<DeviceMesh>& m
 
 /// Loads the checkpoint in `dir` into an existing model (plain or parallelized, any dtype). All
 /// files, names, shapes and dtypes are checked and this rank's slices read before any parameter
-/// changes: on error (naming the file and tensor) the model is left as it was.
+/// changes: on error (naming the file and tensor) the model is left as it was. Parameters on
+/// the meta device (other pipeline stages', see materialize_stages) are checked, not read.
 HfLoadStats load_hf_weights(const std::string& dir, TransformerImpl& model);
 
 struct HfSaveOptions {
@@ -91,7 +93,8 @@ struct HfSaveOptions {
 /// Writes `dir`/config.json and `dir`/model.safetensors (metadata {"format": "pt"}) that
 /// transformers' from_pretrained (the family's ForCausalLM class) loads unchanged: HF names, q/k
 /// rows back in rotate-half order, no lm_head when the embedding is tied. Collective, from any TP
-/// degree: every rank calls it, parameters are gathered with full_tensor, global rank 0 writes (the
+/// degree and FSDP sharding: every rank calls it, parameters are gathered with full_tensor (FSDP
+/// shards by their checkpoint::ShardedLayout), global rank 0 writes (the
 /// safetensors file atomically) and every rank throws if rank 0 failed.
 void save_hf_llama(const std::string& dir, const TransformerImpl& model,
                    const HfSaveOptions& options = {});

@@ -18,6 +18,7 @@
 #include <ATen/core/Tensor.h>
 #include <torch/nn/modules/container/moduledict.h>
 
+#include <functional>
 #include <memory>
 #include <vector>
 
@@ -72,9 +73,13 @@ std::vector<LlamaStage> split_llama_stages(TransformerImpl& whole, const DeviceM
                                            int64_t virtual_stages);
 
 /// Gives memory to the parameters of this rank's `stages` of `whole`, a model built on the meta
-/// device (meta_transformer) and cut by split_llama_stage(s), and initialises them as
-/// whole.init_weights(seed) would: the same values, without any rank holding the whole model.
-/// Call before apply_tensor_parallel and fully_shard, as one would init_weights on the whole.
+/// device (meta_transformer) and cut by split_llama_stage(s), and their values from
+/// `fill(whole)`, which must leave the parameters without memory alone (init_weights and
+/// load_hf_weights do): no rank holds the whole model. Call before apply_tensor_parallel and
+/// fully_shard, as one would fill the whole model.
+void materialize_stages(const std::vector<LlamaStage>& stages, TransformerImpl& whole,
+                        const std::function<void(TransformerImpl& whole)>& fill);
+/// materialize_stages with the values whole.init_weights(seed) draws.
 void init_stage_weights(const std::vector<LlamaStage>& stages, TransformerImpl& whole,
                         uint64_t seed);
 
