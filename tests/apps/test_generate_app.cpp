@@ -2,39 +2,21 @@
 // (DTRUN_PATH). Sampled text is the same at TP=1 and TP=2, from random preset weights and from a
 // checkpoint dtensor_train (DTENSOR_TRAIN_PATH) wrote; usage errors are explained.
 #include <gtest/gtest.h>
-#include <sys/wait.h>
 
-#include <cstdio>
 #include <fstream>
 #include <sstream>
 #include <string>
 #include <vector>
 
+#include "support/shell.h"
 #include "support/temp_dir.h"
 
 using dtensor::testing::TempDir;
 
 namespace {
 
-struct Result {
-  int exit_code = -1;
-  std::string output;  // stdout and stderr together
-};
-
-Result shell(const std::string& command) {
-  Result r;
-  FILE* pipe = ::popen(("timeout 240 " + command + " 2>&1").c_str(), "r");
-  if (pipe == nullptr) {
-    ADD_FAILURE() << "cannot run " << command;
-    return r;
-  }
-  char buf[4096];
-  size_t n = 0;
-  while ((n = std::fread(buf, 1, sizeof(buf), pipe)) > 0) r.output.append(buf, n);
-  const int status = ::pclose(pipe);
-  r.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
-  return r;
-}
+using Result = dtensor::testing::ShellResult;
+using dtensor::testing::shell;
 
 // dtensor_generate without dtrun (one process, no process group).
 Result generate_alone(const std::string& args) {

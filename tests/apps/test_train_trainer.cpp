@@ -251,6 +251,23 @@ void expect_parameters_like(Trainer& t, Trainer& one, double rtol = 1e-9) {
   }
 }
 
+// Resumes the step-2 checkpoint in `ckpt_dir` at `cfg`'s layout and checks step 3 against the
+// continued run's loss and gradient norm and against one device that never saved (parameters
+// after step 3, so the optimizer state must be right).
+void expect_resume_continues(const std::string& ckpt_dir, const RunConfig& cfg,
+                             std::optional<DeviceMesh> mesh, double loss, double grad_norm) {
+  const Data data(cfg);
+  checkpoint::CheckpointManager manager(ckpt_dir, 2);
+  Trainer t(cfg, std::move(mesh));
+  EXPECT_EQ(resume_training("auto", manager, t).step, 2);
+  const StepStats s = t.train_step(2, data.train->get(2));
+  EXPECT_NEAR(s.loss, loss, 1e-10 * loss);
+  EXPECT_NEAR(s.grad_norm, grad_norm, 1e-9 * grad_norm);
+  Trainer one(one_device(cfg), std::nullopt);
+  for (int64_t step = 0; step < 3; ++step) one.train_step(step, data.train->get(step));
+  expect_parameters_like(t, one);
+}
+
 // cfg.steps steps of the pipelined Trainer against one device: loss, gradient norm, validation
 // loss and every parameter afterwards; the measured bubble is a share.
 void expect_pipeline_like_one_device(const RunConfig& cfg) {
@@ -344,19 +361,8 @@ TEST(TrainTrainer, PipelineCheckpointsLoadAcrossLayouts) {
   std::ifstream(continued) >> loss >> grad_norm;
   ASSERT_GT(loss, 0);
 
-  // Resumes at `cfg`'s layout and checks step 3 against the continued run and against one
-  // device that never saved (parameters after step 3, so the optimizer state must be right).
   auto resume_and_check = [&](const RunConfig& cfg, std::optional<DeviceMesh> mesh) {
-    const Data data(cfg);
-    checkpoint::CheckpointManager manager(ckpt_dir, 2);
-    Trainer t(cfg, mesh);
-    EXPECT_EQ(resume_training("auto", manager, t).step, 2);
-    const StepStats s = t.train_step(2, data.train->get(2));
-    EXPECT_NEAR(s.loss, loss, 1e-10 * loss);
-    EXPECT_NEAR(s.grad_norm, grad_norm, 1e-9 * grad_norm);
-    Trainer one(one_device(cfg), std::nullopt);
-    for (int64_t step = 0; step < 3; ++step) one.train_step(step, data.train->get(step));
-    expect_parameters_like(t, one);
+    expect_resume_continues(ckpt_dir, cfg, std::move(mesh), loss, grad_norm);
   };
   run_ranks(2, [&](int) {
     SCOPED_TRACE("pp=1 tp=2");
@@ -418,16 +424,7 @@ TEST(TrainTrainer, ThreeDimensionalCheckpointResumesAtOtherLayouts) {
   std::ifstream(continued) >> loss >> grad_norm;
   ASSERT_GT(loss, 0);
   auto resume_and_check = [&](const RunConfig& cfg, std::optional<DeviceMesh> mesh) {
-    const Data data(cfg);
-    checkpoint::CheckpointManager manager(ckpt_dir, 2);
-    Trainer t(cfg, mesh);
-    EXPECT_EQ(resume_training("auto", manager, t).step, 2);
-    const StepStats s = t.train_step(2, data.train->get(2));
-    EXPECT_NEAR(s.loss, loss, 1e-10 * loss);
-    EXPECT_NEAR(s.grad_norm, grad_norm, 1e-9 * grad_norm);
-    Trainer one(one_device(cfg), std::nullopt);
-    for (int64_t step = 0; step < 3; ++step) one.train_step(step, data.train->get(step));
-    expect_parameters_like(t, one);
+    expect_resume_continues(ckpt_dir, cfg, std::move(mesh), loss, grad_norm);
   };
   for (const auto& [pp, dp_shard] :
        std::vector<std::pair<int64_t, int64_t>>{{1, 2}, {4, 1}, {1, 8}}) {
