@@ -76,7 +76,7 @@ void save_hf_llama(const std::string& dir, const TransformerImpl& model,
   for (const auto& p : model.named_parameters(/*recurse=*/true)) {
     const std::string& name = p.key();
     model_dtype = p.value().scalar_type();
-    items.push_back({hf_parameter_name(name), p.value(), detail::has_rotary_rows(name)});
+    items.push_back({hf_parameter_name(name, config), p.value(), detail::has_rotary_rows(name)});
   }
   const c10::ScalarType dtype = options.dtype.value_or(model_dtype);
   // Every rank refuses an unsupported dtype or family before any collective.

@@ -1,8 +1,8 @@
 #pragma once
 // Hugging Face decoder checkpoints (a `save_pretrained` directory of LlamaForCausalLM,
-// Qwen3ForCausalLM, Qwen2ForCausalLM or MistralForCausalLM: config.json and model.safetensors, or
-// shards listed in model.safetensors.index.json) loaded into our decoder, whole or
-// tensor-parallel (the families and what each config key means: docs/ARCHITECTURE.md, "One
+// Qwen3ForCausalLM, Qwen2ForCausalLM, MistralForCausalLM or Gemma3ForCausalLM: config.json and
+// model.safetensors, or shards listed in model.safetensors.index.json) loaded into our decoder,
+// whole or tensor-parallel (the families and what each config key means: docs/ARCHITECTURE.md, "One
 // decoder, many families"):
 //
 //   auto mesh = init_device_mesh("cpu", {comm::get_world_size()});
@@ -17,7 +17,8 @@
 // (meta_init.h), cut by the plan, and the slices read become its parameters.
 // Parameter names map from HF's ("model.layers.0.self_attn.q_proj.weight") to ours
 // ("layers.0.attention.wq.weight"); q/k rows (and q/k biases and norm weights) are permuted from
-// HF's rotate-half order to the interleaved pairs our rotary embedding uses; any floating source dtype is cast to the model's.
+// HF's rotate-half order to the interleaved pairs our rotary embedding uses; any floating source
+// dtype is cast to the model's.
 #include <c10/core/ScalarType.h>
 
 #include <cstdint>
@@ -97,7 +98,9 @@ void save_hf_llama(const std::string& dir, const TransformerImpl& model,
                    const HfSaveOptions& options = {});
 
 /// The Hugging Face name of one of our parameter names ("tok_embeddings.weight" ->
-/// "model.embed_tokens.weight"); throws for names that have none.
-std::string hf_parameter_name(const std::string& name);
+/// "model.embed_tokens.weight") in a model with `config`, whose post_norms decide which HF norm
+/// ffn_norm is (Llama's post_attention_layernorm, Gemma's pre_feedforward_layernorm); throws for
+/// names that have none.
+std::string hf_parameter_name(const std::string& name, const LlamaConfig& config = {});
 
 }  // namespace dtensor::models
