@@ -322,6 +322,33 @@ TEST(HfFamilies, Gemma3FinalLogitSoftcapping) {
   }
 }
 
+// The other plans place Gemma's post norms too: without sequence parallelism they run whole, with
+// overlap_comm on the shards the overlapped wo/w2 reduce-scatter to; loss parallelism off gathers
+// the logits. Each equals one device in float64.
+TEST(HfFamilies, Gemma3UnderEveryPlanEqualsOneDevice) {
+  const at::Tensor tokens = reference("gemma3").at("tokens");
+  at::Tensor want;
+  {
+    at::NoGradGuard no_grad;
+    want = load_hf_llama(kModels + "gemma3", std::nullopt, {.dtype = at::kDouble})
+               .model->forward(tokens);
+  }
+  for (const TensorParallelOptions& plan : {TensorParallelOptions{.sequence_parallel = false},
+                                            TensorParallelOptions{.loss_parallel = false},
+                                            TensorParallelOptions{.overlap_comm = true}}) {
+    run_ranks(2, [&](int) {
+      auto mesh = init_device_mesh("cpu", {2});
+      HfLlama hf = load_hf_llama(kModels + "gemma3", mesh, {.dtype = at::kDouble, .tp = plan});
+      at::NoGradGuard no_grad;
+      at::Tensor logits = hf.model->forward(tokens);
+      if (is_dtensor(logits)) logits = full_tensor(logits);
+      EXPECT_LE((logits - want).abs().max().item<double>(), 1e-12)
+          << "sp=" << plan.sequence_parallel << " lp=" << plan.loss_parallel
+          << " overlap=" << plan.overlap_comm;
+    });
+  }
+}
+
 // Pipeline stages run the same blocks with each layer's own rotary table (local and global bases)
 // and the scaled embedding on the first stage: two stages equal the whole model.
 TEST(HfFamilies, Gemma3PipelineStagesEqualTheWholeModel) {
@@ -378,7 +405,8 @@ TEST(HfFamilies, RefusesWhatIsNotBuiltNamingFileKeyAndValue) {
                   "\"hidden_act\": \"gelu\" is not supported");
   EXPECT_CONTAINS(refused("qwen2", [](auto& j) { j["query_pre_attn_scalar"] = 24; }),
                   "\"query_pre_attn_scalar\": 24 asks for a query scale other than");
-  EXPECT_CONTAINS(refused("gemma3", [](auto& j) { j["final_logit_softcapping"] = 30.0; }),
+  // Gemma reads final_logit_softcapping (Gemma3FinalLogitSoftcapping); the others do not.
+  EXPECT_CONTAINS(refused("mistral", [](auto& j) { j["final_logit_softcapping"] = 30.0; }),
                   "\"final_logit_softcapping\": 30.0 asks for final logit soft-capping, which is "
                   "not built");
   EXPECT_CONTAINS(refused("gemma3", [](auto& j) { j["attn_logit_softcapping"] = 50.0; }),
