@@ -41,17 +41,17 @@ struct HfLlamaConfig {
 };
 
 /// Reads `dir`/config.json of LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM,
-/// MistralForCausalLM or Gemma3ForCausalLM: hidden_size, num_hidden_layers, num_attention_heads, num_key_value_heads,
-/// intermediate_size, head_dim (any even size), attention_bias, sliding_window with layer_types
-/// or the family's rule (use_sliding_window and max_window_layers for Qwen), rope_theta and
-/// rope_scaling (transformers 4) or rope_parameters (5) of type "default" or "llama3",
-/// rms_norm_eps, vocab_size, tie_word_embeddings, max_position_embeddings (our max_seq_len) and
-/// torch_dtype; for Gemma 3 also query_pre_attn_scalar, hidden_activation, final_logit_softcapping
-/// and the rotary base of each layer type (rope_parameters.{full,sliding}_attention, or rope_theta
-/// and rope_local_base_freq), sliding layers by layer_types or sliding_window_pattern. Throws
-/// naming the file, the key and its value for an unsupported architecture, rope type,
-/// activation, layer type or a feature that is not built (mixture of experts, MLP biases,
-/// attention soft-capping, ...).
+/// MistralForCausalLM or Gemma3ForCausalLM: hidden_size, num_hidden_layers, num_attention_heads,
+/// num_key_value_heads, intermediate_size, head_dim (any even size), attention_bias, sliding_window
+/// with layer_types or the family's rule (use_sliding_window and max_window_layers for Qwen),
+/// rope_theta and rope_scaling (transformers 4) or rope_parameters (5) of type "default" or
+/// "llama3", rms_norm_eps, vocab_size, tie_word_embeddings, max_position_embeddings (our
+/// max_seq_len) and torch_dtype; for Gemma 3 also query_pre_attn_scalar, hidden_activation,
+/// final_logit_softcapping and the rotary base of each layer type
+/// (rope_parameters.{full,sliding}_attention, or rope_theta and rope_local_base_freq), sliding
+/// layers by layer_types or sliding_window_pattern. Throws naming the file, the key and its value
+/// for an unsupported architecture, rope type, activation, layer type or a feature that is not
+/// built (mixture of experts, MLP biases, attention soft-capping, ...).
 HfLlamaConfig read_hf_llama_config(const std::string& dir);
 
 struct HfLoadOptions {

@@ -45,8 +45,8 @@ struct Llama3RopeScaling {
 
 /// Model hyperparameters of the decoder (torchtitan's ModelArgs, plus the features other
 /// families need: Qwen2's q/k/v biases, Qwen3's per-head q/k norms and decoupled head size,
-/// Mistral's and Qwen's sliding windows, Gemma 3's block). Fields left 0 are derived (see below); the defaults are
-/// Llama's. DecoderConfig names the same type for code that is not Llama-only.
+/// Mistral's and Qwen's sliding windows, Gemma 3's block). Fields left 0 are derived (see below);
+/// the defaults are Llama's. DecoderConfig names the same type for code that is not Llama-only.
 struct LlamaConfig {
   int64_t vocab_size = 256;    ///< Tokens in the vocabulary.
   int64_t dim = 32;            ///< Model (embedding) width.
