@@ -1,15 +1,18 @@
 // The decoder block's math shared by training, pipeline stages and generation (block_math.h).
 #include "block_math.h"
 
+#include <cmath>
+
+#include "dtensor/nn/layers.h"
 #include "rotary.h"
 
 namespace dtensor::models::detail {
 
 at::Tensor heads(const at::Tensor& x, int64_t head_dim, const at::Tensor& norm_weight, double eps,
-                 const at::Tensor& rope) {
+                 const at::Tensor& rope, double norm_offset) {
   // -1: the heads this rank holds (all of them without TP).
   at::Tensor h = x.view({x.size(0), x.size(1), -1, head_dim});
-  if (norm_weight.defined()) h = at::rms_norm(h, {head_dim}, norm_weight, eps);
+  if (norm_weight.defined()) h = dtensor::nn::rms_norm(h, head_dim, norm_weight, eps, norm_offset);
   if (!rope.defined()) return h;
   return rotate_pairs(h, rope.select(-1, 0).unsqueeze(2), rope.select(-1, 1).unsqueeze(2));
 }
@@ -38,7 +41,7 @@ at::Tensor repeat_kv(const at::Tensor& x, int64_t n_rep) {
 }  // namespace
 
 at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                  const at::Tensor& mask, LayerCache* cache) {
+                  const at::Tensor& mask, LayerCache* cache, double scale) {
   const int64_t B = q.size(0), S = q.size(1);
   at::Tensor keys = k, values = v;
   if (cache) {
@@ -55,19 +58,32 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   // On the meta device (dtensor_plan) LibTorch picks the math kernel, which keeps the whole
   // attention matrix for backward; a CPU run picks the flash kernel, so that one is called there
   // and the simulated step keeps what a real one keeps.
+  const std::optional<double> s = scale > 0 ? std::optional(scale) : std::nullopt;
   at::Tensor out = q.is_meta() && !mask.defined()
                        ? std::get<0>(at::_scaled_dot_product_flash_attention_for_cpu(
                              q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
-                             /*dropout_p=*/0.0, /*is_causal=*/true))
+                             /*dropout_p=*/0.0, /*is_causal=*/true, /*attn_mask=*/std::nullopt, s))
                        : at::scaled_dot_product_attention(
                              q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
                              mask.defined() ? std::optional<at::Tensor>(mask) : std::nullopt,
-                             /*dropout_p=*/0.0, /*is_causal=*/!mask.defined());
+                             /*dropout_p=*/0.0, /*is_causal=*/!mask.defined(), s);
   return out.transpose(1, 2).contiguous().view({B, S, -1});
 }
 
-at::Tensor gated_activation(const at::Tensor& gate, const at::Tensor& up) {
+at::Tensor gated_activation(const at::Tensor& gate, const at::Tensor& up,
+                            const std::string& activation) {
+  if (activation == "gelu_tanh") return at::gelu(gate, "tanh") * up;
   return at::silu(gate) * up;
+}
+
+at::Tensor softcap(const at::Tensor& x, double cap) {
+  if (cap <= 0) return x;
+  return at::tanh(x / cap) * cap;
+}
+
+at::Tensor scale_embeddings(const at::Tensor& h, int64_t dim, bool scale) {
+  if (!scale) return h;
+  return h * at::scalar_tensor(std::sqrt(static_cast<double>(dim)), h.options());
 }
 
 }  // namespace dtensor::models::detail

@@ -6,6 +6,7 @@
 #include <ATen/ATen.h>
 
 #include <cstdint>
+#include <string>
 
 namespace dtensor::models::detail {
 
@@ -18,10 +19,11 @@ struct LayerCache {
 };
 
 // x: (B, S, H * head_dim) projected heads -> (B, S, H, head_dim): each head normalised by
-// RMSNorm with `norm_weight` (head_dim; undefined: none, as without q_norm/k_norm) and then
-// rotated by `rope` ((1 or B, S, head_dim / 2, 2) cos and sin; undefined: not rotated, values).
+// RMSNorm with `norm_weight` (head_dim; undefined: none, as without q_norm/k_norm; scaled by
+// norm_offset + weight as dtensor::nn::rms_norm) and then rotated by `rope` ((1 or B, S,
+// head_dim / 2, 2) cos and sin; undefined: not rotated, values).
 at::Tensor heads(const at::Tensor& x, int64_t head_dim, const at::Tensor& norm_weight, double eps,
-                 const at::Tensor& rope);
+                 const at::Tensor& rope, double norm_offset = 0);
 
 // Which keys each query sees, as a boolean mask (1 or B, 1, S, start + S), for S queries at slots
 // [start, start + S): key slot s is seen by query slot t when pad[b] <= s <= t and, with a sliding
@@ -34,11 +36,21 @@ at::Tensor attention_mask(int64_t start, int64_t S, const at::Tensor& padding, i
 // Scaled dot-product attention of q (B, S, Hq, D) over k, v (B, S, Hkv, D) (Hq a multiple of Hkv;
 // query head j uses KV head j / (Hq / Hkv)), with `mask` from attention_mask. With a cache, k and
 // v are written to its slots first and the queries attend to all filled slots. Returns
-// (B, S, Hq * D).
+// (B, S, Hq * D). Scores are scaled by `scale` (0: 1 / sqrt(D)).
 at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                  const at::Tensor& mask, LayerCache* cache = nullptr);
+                  const at::Tensor& mask, LayerCache* cache = nullptr, double scale = 0);
 
-// The gated MLP's middle: silu(gate) * up (SwiGLU).
-at::Tensor gated_activation(const at::Tensor& gate, const at::Tensor& up);
+// The gated MLP's middle: act(gate) * up, act LlamaConfig::activation's ("silu": SwiGLU,
+// "gelu_tanh": GeGLU).
+at::Tensor gated_activation(const at::Tensor& gate, const at::Tensor& up,
+                            const std::string& activation = "silu");
+
+// Token embeddings h as the first block takes them: times sqrt(dim) rounded to h's dtype when
+// `scale` (Gemma, which rounds the factor before multiplying), else h itself.
+at::Tensor scale_embeddings(const at::Tensor& h, int64_t dim, bool scale);
+
+// Logits soft-capped as cap * tanh(x / cap) (HF's order of operations); cap 0: x itself. Plain
+// or DTensor (vocab-sharded) logits alike: the math is elementwise.
+at::Tensor softcap(const at::Tensor& x, double cap);
 
 }  // namespace dtensor::models::detail

@@ -15,6 +15,7 @@
 #include "dtensor/core/api.h"
 #include "dtensor/core/dtensor_impl.h"
 #include "dtensor/core/shard_math.h"
+#include "dtensor/nn/layers.h"
 
 namespace dtensor::models {
 
@@ -101,10 +102,20 @@ Decoder::Decoder(const TransformerImpl& model) : config_(model.config()) {
         a.k_norm.is_empty()
             ? at::Tensor()
             : local_part(a.k_norm->weight, whole, tp_, p + "attention.k_norm.weight"),
+        block->attention_post_norm.is_empty()
+            ? at::Tensor()
+            : local_part(block->attention_post_norm->weight, whole, tp_,
+                         p + "attention_post_norm.weight"),
+        block->ffn_post_norm.is_empty()
+            ? at::Tensor()
+            : local_part(block->ffn_post_norm->weight, whole, tp_, p + "ffn_post_norm.weight"),
         a.window,
     });
   }
   rope_ = model.rope(c.max_seq_len, norm_.options());
+  local_rope_ = rope_;
+  for (int64_t i = 0; i < c.n_layers; ++i)
+    if (c.window(i) > 0) local_rope_ = model.rope(c.max_seq_len, norm_.options(), i);
   // RMSNorm's default eps (none) is the dtype's epsilon; the model always sets norm_eps.
   eps_ = c.norm_eps;
 }
@@ -129,6 +140,15 @@ at::Tensor Decoder::embed(const at::Tensor& tokens) const {
   return all_reduce(h);
 }
 
+namespace {
+
+// The model's RMSNorm (dtensor::nn::rms_norm) over the last dimension.
+at::Tensor norm(const at::Tensor& x, const at::Tensor& weight, const LlamaConfig& c, double eps) {
+  return dtensor::nn::rms_norm(x, x.size(-1), weight, eps, c.norm_weight_offset);
+}
+
+}  // namespace
+
 at::Tensor Decoder::forward(const at::Tensor& tokens_in, KVCache& cache) {
   at::NoGradGuard no_grad;
   TORCH_CHECK(tokens_in.dim() == 2 && tokens_in.size(0) == cache.batch() && tokens_in.size(1) > 0,
@@ -150,6 +170,10 @@ at::Tensor Decoder::forward(const at::Tensor& tokens_in, KVCache& cache) {
   const at::Tensor slots = at::arange(t0, t0 + S, tokens.options());
   const at::Tensor positions = (slots.unsqueeze(0) - pad.unsqueeze(1)).clamp_min(0);
   const at::Tensor rope = rope_.index_select(0, positions.flatten()).view({B, S, hd / 2, 2});
+  const at::Tensor local_rope =
+      local_rope_.index_select(0, positions.flatten()).view({B, S, hd / 2, 2});
+  const double off = config_.norm_weight_offset;
+  const double scale = config_.query_pre_attn_scalar > 0 ? config_.attention_scale() : 0;
   // One mask per distinct window (block_math.h: padding slots never seen, sliding windows).
   std::map<int64_t, at::Tensor> masks;
   for (const Layer& w : layers_) {
@@ -157,31 +181,38 @@ at::Tensor Decoder::forward(const at::Tensor& tokens_in, KVCache& cache) {
       masks[w.window] = detail::attention_mask(t0, S, pad, w.window, device);
   }
 
-  at::Tensor h = embed(tokens);
+  at::Tensor h = detail::scale_embeddings(embed(tokens), config_.dim, config_.scale_embeddings);
   for (size_t l = 0; l < layers_.size(); ++l) {
     const Layer& w = layers_[l];
-    at::Tensor x = at::rms_norm(h, {config_.dim}, w.attention_norm, eps_);
-    const at::Tensor q = detail::heads(at::linear(x, w.wq, w.bq), hd, w.q_norm, eps_, rope);
-    const at::Tensor k = detail::heads(at::linear(x, w.wk, w.bk), hd, w.k_norm, eps_, rope);
+    const at::Tensor& r = w.window > 0 ? local_rope : rope;
+    at::Tensor x = norm(h, w.attention_norm, config_, eps_);
+    const at::Tensor q = detail::heads(at::linear(x, w.wq, w.bq), hd, w.q_norm, eps_, r, off);
+    const at::Tensor k = detail::heads(at::linear(x, w.wk, w.bk), hd, w.k_norm, eps_, r, off);
     const at::Tensor v = detail::heads(at::linear(x, w.wv, w.bv), hd, {}, eps_, {});
     detail::LayerCache layer_cache{cache.keys(static_cast<int64_t>(l)),
                                    cache.values(static_cast<int64_t>(l)), t0};
-    const at::Tensor attn = detail::attend(q, k, v, masks.at(w.window), &layer_cache);
+    const at::Tensor attn = detail::attend(q, k, v, masks.at(w.window), &layer_cache, scale);
+    at::Tensor o;
     if (tp_ == 1) {
-      h = h + at::linear(attn, w.wo, w.bo);
+      o = at::linear(attn, w.wo, w.bo);
     } else {
-      at::Tensor o = all_reduce(at::linear(attn, w.wo));
+      o = all_reduce(at::linear(attn, w.wo));
       if (w.bo.defined()) o = o + w.bo;  // once, after the sum of the heads' parts
-      h = h + o;
     }
-    x = at::rms_norm(h, {config_.dim}, w.ffn_norm, eps_);
-    h = h + all_reduce(at::linear(
-                detail::gated_activation(at::linear(x, w.w1), at::linear(x, w.w3)), w.w2));
+    if (w.attention_post_norm.defined()) o = norm(o, w.attention_post_norm, config_, eps_);
+    h = h + o;
+    x = norm(h, w.ffn_norm, config_, eps_);
+    at::Tensor f = all_reduce(at::linear(
+        detail::gated_activation(at::linear(x, w.w1), at::linear(x, w.w3), config_.activation),
+        w.w2));
+    if (w.ffn_post_norm.defined()) f = norm(f, w.ffn_post_norm, config_, eps_);
+    h = h + f;
   }
   cache.advance(S);
 
-  const at::Tensor last = at::rms_norm(h.select(1, S - 1), {config_.dim}, norm_, eps_);
-  at::Tensor logits = at::linear(last, output_);  // (B, this rank's vocab rows)
+  const at::Tensor last = norm(h.select(1, S - 1), norm_, config_, eps_);
+  // (B, this rank's vocab rows)
+  at::Tensor logits = detail::softcap(at::linear(last, output_), config_.final_logit_softcap);
   if (tp_ == 1) return logits;
   // The vocab shards (uneven ones too) gathered by the library's own S(1) -> R: one all-gather.
   const int64_t V = config_.vocab_size;

@@ -148,7 +148,7 @@ HfLoadStats read_hf_parts(
   // Names the model has no place for mean another architecture (biases, ...): refuse them.
   std::set<std::string> used;
   for (const auto& p : model.named_parameters(/*recurse=*/true))
-    used.insert(hf_parameter_name(p.key()));
+    used.insert(hf_parameter_name(p.key(), config));
   std::vector<std::string> unexpected;
   for (const auto& [name, file] : ckpt.file_of()) {
     if (used.count(name) || name.ends_with("rotary_emb.inv_freq")) continue;
@@ -164,7 +164,7 @@ HfLoadStats read_hf_parts(
   for (const auto& p : model.named_parameters(/*recurse=*/true)) {
     const std::string& name = p.key();
     const at::Tensor& param = p.value();
-    const std::string hf = hf_parameter_name(name);
+    const std::string hf = hf_parameter_name(name, config);
     const auto [file, info] = ckpt.locate(hf);
     const std::string what = "safetensors file '" + file->path() + "', tensor \"" + hf + "\"";
     TORCH_CHECK(at::isFloatingType(info->dtype), what, ": dtype ", info->dtype,

@@ -7,7 +7,9 @@
 #include <c10/util/StringUtil.h>
 
 #include <algorithm>
+#include <cmath>
 #include <map>
+#include <optional>
 
 #include "dtensor/models/hf_checkpoint.h"
 
@@ -24,6 +26,7 @@ const std::vector<HfFamily>& hf_families() {
       {"Qwen3ForCausalLM", "qwen3", true, false, true, WindowRule::kFromMaxWindowLayers},
       {"Qwen2ForCausalLM", "qwen2", false, true, false, WindowRule::kFromMaxWindowLayers},
       {"MistralForCausalLM", "mistral", false, false, false, WindowRule::kEveryLayer},
+      {"Gemma3ForCausalLM", "gemma3_text", true, false, true, WindowRule::kPattern, true},
   };
   return families;
 }
@@ -44,6 +47,7 @@ const std::vector<std::pair<const char*, const char*>>& unbuilt_keys() {
       {"final_logit_softcapping", "final logit soft-capping"},
       {"query_pre_attn_scalar", "a query scale other than 1/sqrt(head_dim)"},
       {"linear_attention_layers", "linear attention"},
+      {"use_bidirectional_attention", "bidirectional attention"},
   };
   return keys;
 }
@@ -110,6 +114,10 @@ HfConfigRead parse_hf_config(const json& j, const std::string& path) {
                 " is not one of the supported families: ", supported_architectures());
   }
   for (const auto& [key, what] : unbuilt_keys()) {
+    // Gemma reads these below.
+    if (family->gemma && (std::string(key) == "query_pre_attn_scalar" ||
+                          std::string(key) == "final_logit_softcapping"))
+      continue;
     TORCH_CHECK(!j.contains(key) || !is_set(j.at(key)), where, ": \"", key,
                 "\": ", j.at(key).dump(), " asks for ", what, ", which is not built");
   }
@@ -118,7 +126,13 @@ HfConfigRead parse_hf_config(const json& j, const std::string& path) {
                 ": \"partial_rotary_factor\": ", j.at("partial_rotary_factor").dump(),
                 " (rotary on part of each head) is not built");
   }
-  if (has("hidden_act")) {
+  if (family->gemma) {
+    // Gemma reads hidden_activation (transformers ignores a hidden_act beside it).
+    const std::string act =
+        has("hidden_activation") ? j.at("hidden_activation").dump() : "\"gelu_pytorch_tanh\"";
+    TORCH_CHECK(act == "\"gelu_pytorch_tanh\"", where, ": \"hidden_activation\": ", act,
+                " is not supported; Gemma's GeGLU uses \"gelu_pytorch_tanh\"");
+  } else if (has("hidden_act")) {
     const auto act = j.at("hidden_act").get<std::string>();
     TORCH_CHECK(act == "silu", where, ": \"hidden_act\": \"", act,
                 "\" is not supported; the model uses SwiGLU (\"silu\")");
@@ -134,7 +148,9 @@ HfConfigRead parse_hf_config(const json& j, const std::string& path) {
   c.ffn_hidden_dim = get_int("intermediate_size");
   c.max_seq_len = has("max_position_embeddings") ? get_int("max_position_embeddings") : 2048;
   c.norm_eps = has("rms_norm_eps") ? get_double(j, "rms_norm_eps", "") : 1e-6;
-  c.tie_embeddings = get_bool("tie_word_embeddings");
+  // Gemma ties its embedding unless told otherwise (Gemma3TextConfig's default).
+  c.tie_embeddings =
+      family->gemma && !has("tie_word_embeddings") ? true : get_bool("tie_word_embeddings");
   if (has("head_dim")) c.head_size = get_int("head_dim");
   if (family->attention_bias_key) {
     c.qkv_bias = c.wo_bias = get_bool("attention_bias");
@@ -145,12 +161,28 @@ HfConfigRead parse_hf_config(const json& j, const std::string& path) {
     c.qkv_bias = family->qkv_bias;
   }
   c.qk_norm = family->qk_norm;
+  if (family->gemma) {
+    c.norm_weight_offset = 1;
+    c.post_norms = true;
+    c.scale_embeddings = true;
+    c.activation = "gelu_tanh";
+    c.query_pre_attn_scalar = has("query_pre_attn_scalar")
+                                  ? get_double(j, "query_pre_attn_scalar", "")
+                                  : 256.0;  // Gemma3TextConfig's default
+    if (has("final_logit_softcapping"))
+      c.final_logit_softcap = get_double(j, "final_logit_softcapping", "");
+    TORCH_CHECK(c.query_pre_attn_scalar > 0, where,
+                ": \"query_pre_attn_scalar\": ", j.at("query_pre_attn_scalar").dump(),
+                " must be positive");
+  }
 
   // Sliding windows: "layer_types" when present (transformers 5 writes it), else the family's
   // rule; Qwen's sliding_window only counts with use_sliding_window (as transformers reads it).
   const bool qwen_rule = family->window == WindowRule::kFromMaxWindowLayers;
   if (has("sliding_window") && (!qwen_rule || get_bool("use_sliding_window")))
     c.sliding_window = get_int("sliding_window");
+  else if (family->window == WindowRule::kPattern && !j.contains("sliding_window"))
+    c.sliding_window = 4096;  // Gemma3TextConfig's default
   if (has("layer_types")) {
     TORCH_CHECK(j.at("layer_types").is_array(), where, ": \"layer_types\" must be a list");
     for (const auto& t : j.at("layer_types")) {
@@ -162,15 +194,58 @@ HfConfigRead parse_hf_config(const json& j, const std::string& path) {
   } else if (qwen_rule && c.sliding_window > 0) {
     const int64_t first = has("max_window_layers") ? get_int("max_window_layers") : 28;
     for (int64_t i = 0; i < c.n_layers; ++i) c.sliding_layers.push_back(i >= first);
+  } else if (family->window == WindowRule::kPattern) {
+    // transformers 4: every pattern-th layer is global, the others slide.
+    int64_t pattern = 6;
+    for (const char* key : {"sliding_window_pattern", "_sliding_window_pattern"})
+      if (has(key)) pattern = get_int(key);
+    TORCH_CHECK(pattern > 0, where, ": \"sliding_window_pattern\": ", pattern, " must be positive");
+    for (int64_t i = 0; i < c.n_layers; ++i) c.sliding_layers.push_back((i + 1) % pattern != 0);
   } else if (family->window == WindowRule::kNone) {
     TORCH_CHECK(c.sliding_window == 0, where, ": \"sliding_window\": ", c.sliding_window, " with ",
                 family->architecture, ", which has no sliding layers");
   }
 
+  // Only the plain rotary of a Gemma layer type is built: {"rope_type": "default", ...}.
+  auto gemma_rope = [&](const json& r, const std::string& key) -> std::optional<double> {
+    TORCH_CHECK(r.is_object(), where, ": \"", key, "\" must be an object");
+    for (const char* type_key : {"rope_type", "type"}) {
+      if (!r.contains(type_key)) continue;
+      const json& type = r.at(type_key);
+      TORCH_CHECK(type == "default", where, ": \"", key, ".", type_key, "\": rope type ",
+                  type.dump(), " is not supported; supported: default");
+    }
+    if (!r.contains("rope_theta")) return std::nullopt;
+    return get_double(r, "rope_theta", key + ".");
+  };
+  if (family->gemma) {
+    // transformers 4: rope_theta (global layers), rope_local_base_freq (sliding ones) and
+    // rope_scaling (global); 5: rope_parameters {"full_attention": {...}, "sliding_attention":
+    // {...}}. Defaults as Gemma3TextConfig's.
+    c.rope_theta = has("rope_theta") ? get_double(j, "rope_theta", "") : 1e6;
+    c.rope_local_theta =
+        has("rope_local_base_freq") ? get_double(j, "rope_local_base_freq", "") : 1e4;
+    if (has("rope_scaling")) gemma_rope(j.at("rope_scaling"), "rope_scaling");
+    if (has("rope_parameters")) {
+      const json& rp = j.at("rope_parameters");
+      TORCH_CHECK(rp.is_object(), where, ": \"rope_parameters\" must be an object");
+      for (const auto& [type, r] : rp.items()) {
+        TORCH_CHECK(type == "full_attention" || type == "sliding_attention", where,
+                    ": \"rope_parameters\" holds \"", type,
+                    "\"; Gemma's has \"full_attention\" and \"sliding_attention\"");
+        if (r.is_null()) continue;
+        const auto theta = gemma_rope(r, "rope_parameters." + type);
+        if (theta) (type == "full_attention" ? c.rope_theta : c.rope_local_theta) = *theta;
+      }
+    }
+  }
+
   // transformers 4 writes rope_theta and rope_scaling, 5 rope_parameters (theta included).
   json rope = json::object();
   std::string rope_key = "rope_scaling.";
-  if (has("rope_parameters")) {
+  if (family->gemma) {
+    // read above
+  } else if (has("rope_parameters")) {
     rope = j.at("rope_parameters");
     rope_key = "rope_parameters.";
   } else if (has("rope_scaling")) {
@@ -178,9 +253,11 @@ HfConfigRead parse_hf_config(const json& j, const std::string& path) {
   }
   TORCH_CHECK(rope.is_object(), where, ": \"", rope_key.substr(0, rope_key.size() - 1),
               "\" must be an object");
-  c.rope_theta = has("rope_theta")             ? get_double(j, "rope_theta", "")
-                 : rope.contains("rope_theta") ? get_double(rope, "rope_theta", rope_key)
-                                               : 10000.0;
+  if (!family->gemma) {
+    c.rope_theta = has("rope_theta")             ? get_double(j, "rope_theta", "")
+                   : rope.contains("rope_theta") ? get_double(rope, "rope_theta", rope_key)
+                                                 : 10000.0;
+  }
   std::string type = "default";
   for (const char* key : {"rope_type", "type"}) {
     if (rope.contains(key)) type = rope.at(key).get<std::string>();
@@ -208,11 +285,31 @@ HfConfigRead parse_hf_config(const json& j, const std::string& path) {
   return out;
 }
 
+namespace {
+
+// Whether the Gemma features of `c` are all Gemma's (gemma) or all absent (the others).
+bool block_is(const LlamaConfig& c, bool gemma) {
+  if (gemma) {
+    return c.norm_weight_offset == 1 && c.post_norms && c.scale_embeddings &&
+           c.activation == "gelu_tanh" && !c.rope_scaling;
+  }
+  return c.norm_weight_offset == 0 && !c.post_norms && !c.scale_embeddings &&
+         c.activation == "silu" && c.query_pre_attn_scalar == 0 && c.final_logit_softcap == 0 &&
+         (c.rope_local_theta == 0 || c.rope_local_theta == c.rope_theta);
+}
+
+// A number as an integer when it is one (transformers checks some keys' types strictly).
+json number(double x) {
+  return std::floor(x) == x && std::abs(x) < 1e15 ? json(static_cast<int64_t>(x)) : json(x);
+}
+
+}  // namespace
+
 const HfFamily& hf_family_for(const LlamaConfig& c) {
   bool every_layer_slides = true;
   for (bool s : c.sliding_layers) every_layer_slides = every_layer_slides && s;
   for (const auto& f : hf_families()) {
-    if (f.qk_norm != c.qk_norm) continue;
+    if (f.qk_norm != c.qk_norm || !block_is(c, f.gemma)) continue;
     if (f.attention_bias_key ? c.qkv_bias != c.wo_bias : (c.qkv_bias != f.qkv_bias || c.wo_bias))
       continue;
     if (f.window == WindowRule::kNone && c.sliding_window > 0) continue;
@@ -230,7 +327,8 @@ std::string hf_config_json(const LlamaConfig& c, const HfFamily& f, const std::s
   j["model_type"] = f.model_type;
   if (f.attention_bias_key) j["attention_bias"] = c.qkv_bias;
   if (std::string(f.model_type) == "llama") j["mlp_bias"] = false;
-  j["hidden_act"] = "silu";
+  const bool gemma = f.gemma;
+  j[gemma ? "hidden_activation" : "hidden_act"] = gemma ? "gelu_pytorch_tanh" : "silu";
   j["hidden_size"] = c.dim;
   j["intermediate_size"] = c.hidden_dim();
   j["num_hidden_layers"] = c.n_layers;
@@ -239,6 +337,20 @@ std::string hf_config_json(const LlamaConfig& c, const HfFamily& f, const std::s
   j["head_dim"] = c.head_dim();
   j["max_position_embeddings"] = c.max_seq_len;
   j["rms_norm_eps"] = c.norm_eps;
+  if (gemma) {
+    // Both spellings: transformers 4 reads rope_theta and rope_local_base_freq, 5
+    // rope_parameters per layer type.
+    const double local = c.rope_local_theta > 0 ? c.rope_local_theta : c.rope_theta;
+    j["query_pre_attn_scalar"] = number(
+        c.query_pre_attn_scalar > 0 ? c.query_pre_attn_scalar : static_cast<double>(c.head_dim()));
+    j["rope_local_base_freq"] = local;
+    j["rope_parameters"] = {
+        {"full_attention", {{"rope_type", "default"}, {"rope_theta", c.rope_theta}}},
+        {"sliding_attention", {{"rope_type", "default"}, {"rope_theta", local}}}};
+    j["attn_logit_softcapping"] = nullptr;
+    j["final_logit_softcapping"] =
+        c.final_logit_softcap > 0 ? json(c.final_logit_softcap) : json(nullptr);
+  }
   j["rope_theta"] = c.rope_theta;
   if (c.rope_scaling) {
     j["rope_scaling"] = {
@@ -252,6 +364,12 @@ std::string hf_config_json(const LlamaConfig& c, const HfFamily& f, const std::s
   }
   if (f.window != WindowRule::kNone) {
     j["sliding_window"] = c.sliding_window > 0 ? json(c.sliding_window) : json(nullptr);
+  }
+  if (f.window == WindowRule::kPattern) {
+    std::vector<std::string> types;
+    for (int64_t i = 0; i < c.n_layers; ++i)
+      types.emplace_back(c.window(i) > 0 ? "sliding_attention" : "full_attention");
+    j["layer_types"] = types;
   }
   if (f.window == WindowRule::kFromMaxWindowLayers) {
     // transformers 4 reads use_sliding_window and max_window_layers, 5 layer_types.
@@ -307,18 +425,34 @@ const std::map<std::string, std::string>& layer_names() {
   return names;
 }
 
+// With post norms (Gemma) HF's post_attention_layernorm is the norm after attention, and the one
+// before the feed-forward is pre_feedforward_layernorm.
+const std::map<std::string, std::string>& post_norm_layer_names() {
+  static const std::map<std::string, std::string> names{
+      {"attention_post_norm.weight", "post_attention_layernorm.weight"},
+      {"ffn_norm.weight", "pre_feedforward_layernorm.weight"},
+      {"ffn_post_norm.weight", "post_feedforward_layernorm.weight"},
+  };
+  return names;
+}
+
 }  // namespace
 
-std::string hf_parameter_name(const std::string& name) {
+std::string hf_parameter_name(const std::string& name, const LlamaConfig& config) {
   if (name == "tok_embeddings.weight") return "model.embed_tokens.weight";
   if (name == "norm.weight") return "model.norm.weight";
   if (name == "output.weight") return "lm_head.weight";
   if (name.rfind("layers.", 0) == 0) {
     const size_t dot = name.find('.', 7);
     if (dot != std::string::npos) {
-      const auto it = layer_names().find(name.substr(dot + 1));
-      if (it != layer_names().end())
-        return "model.layers." + name.substr(7, dot - 7) + "." + it->second;
+      const std::string prefix = "model.layers." + name.substr(7, dot - 7) + ".";
+      const std::string rest = name.substr(dot + 1);
+      if (config.post_norms) {
+        const auto it = post_norm_layer_names().find(rest);
+        if (it != post_norm_layer_names().end()) return prefix + it->second;
+      }
+      const auto it = layer_names().find(rest);
+      if (it != layer_names().end()) return prefix + it->second;
     }
   }
   TORCH_CHECK(false, "parameter \"", name, "\" has no Hugging Face counterpart");

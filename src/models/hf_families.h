@@ -18,6 +18,7 @@ enum class WindowRule {
   kNone,                 // no sliding window (Llama)
   kEveryLayer,           // sliding_window on every layer (Mistral)
   kFromMaxWindowLayers,  // use_sliding_window: layers >= max_window_layers (Qwen2, Qwen3)
+  kPattern,              // all but every sliding_window_pattern-th layer (Gemma 3; default 6)
 };
 
 struct HfFamily {
@@ -27,6 +28,10 @@ struct HfFamily {
   bool qkv_bias;             // q, k and v always have biases, o none (Qwen2)
   bool qk_norm;              // per-head q_norm / k_norm (Qwen3)
   WindowRule window;
+  // Gemma's block: (1 + w) norms, a norm after each sublayer too, embeddings times sqrt(hidden),
+  // GeGLU (hidden_activation), query_pre_attn_scalar, a rope base per layer type, tied embedding
+  // by default.
+  bool gemma = false;
 };
 
 // Every family, Llama first.

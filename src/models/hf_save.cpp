@@ -81,7 +81,7 @@ void save_hf_llama(const std::string& dir, const TransformerImpl& model,
     const std::string& name = p.key();
     model_dtype = p.value().scalar_type();
     const at::Tensor& t = p.value();
-    items.push_back({hf_parameter_name(name), t, detail::has_rotary_rows(name),
+    items.push_back({hf_parameter_name(name, config), t, detail::has_rotary_rows(name),
                      is_dtensor(t) ? std::nullopt : checkpoint::sharded_layout_of(t)});
   }
   const c10::ScalarType dtype = options.dtype.value_or(model_dtype);

@@ -77,7 +77,8 @@ at::Tensor llama3_scaled_frequencies(const at::Tensor& freqs, const Llama3RopeSc
 
 // ---- modules ----
 
-FeedForwardImpl::FeedForwardImpl(int64_t dim, int64_t hidden_dim) {
+FeedForwardImpl::FeedForwardImpl(int64_t dim, int64_t hidden_dim, std::string activation_)
+    : activation(std::move(activation_)) {
   w1 = register_module("w1",
                        dtensor::nn::Linear(torch::nn::LinearOptions(dim, hidden_dim).bias(false)));
   w2 = register_module("w2",
@@ -89,11 +90,11 @@ FeedForwardImpl::FeedForwardImpl(int64_t dim, int64_t hidden_dim) {
 at::Tensor FeedForwardImpl::forward(const at::Tensor& x) {
   return call_forward(
       [this](const at::Tensor& x) {
-        if (!overlap) return w2(detail::gated_activation(w1(x), w3(x)));
+        if (!overlap) return w2(detail::gated_activation(w1(x), w3(x), activation));
         const auto h =
             tp::all_gather_matmul(x, {w1->weight, w3->weight}, overlap->mesh, overlap->chunks);
-        return tp::matmul_reduce_scatter(detail::gated_activation(h[0], h[1]), w2->weight,
-                                         overlap->mesh, overlap->chunks);
+        return tp::matmul_reduce_scatter(detail::gated_activation(h[0], h[1], activation),
+                                         w2->weight, overlap->mesh, overlap->chunks);
       },
       x);
 }
@@ -103,7 +104,10 @@ AttentionImpl::AttentionImpl(const LlamaConfig& config, int64_t layer_id)
       n_kv_heads(config.kv_heads()),
       head_dim(config.head_dim()),
       window(config.window(layer_id)),
-      norm_eps(config.norm_eps) {
+      norm_eps(config.norm_eps),
+      norm_offset(config.norm_weight_offset),
+      // 0 lets SDPA derive head_dim's scale itself (Llama's numbers as they were).
+      scale(config.query_pre_attn_scalar > 0 ? config.attention_scale() : 0) {
   auto linear = [](int64_t in, int64_t out, bool bias) {
     return dtensor::nn::Linear(torch::nn::LinearOptions(in, out).bias(bias));
   };
@@ -114,6 +118,7 @@ AttentionImpl::AttentionImpl(const LlamaConfig& config, int64_t layer_id)
   if (config.qk_norm) {
     dtensor::nn::RMSNormOptions options(head_dim);
     options.eps = config.norm_eps;
+    options.weight_offset = config.norm_weight_offset;
     q_norm = register_module("q_norm", dtensor::nn::RMSNorm(options));
     k_norm = register_module("k_norm", dtensor::nn::RMSNorm(options));
   }
@@ -131,12 +136,14 @@ at::Tensor AttentionImpl::forward(const at::Tensor& x, const at::Tensor& rope) {
           q = wq(x), k = wk(x), v = wv(x);
         }
         const at::Tensor r = rope.unsqueeze(0);
-        const at::Tensor xq = detail::heads(q, head_dim, norm_weight(q_norm), norm_eps, r);
-        const at::Tensor xk = detail::heads(k, head_dim, norm_weight(k_norm), norm_eps, r);
+        const at::Tensor xq =
+            detail::heads(q, head_dim, norm_weight(q_norm), norm_eps, r, norm_offset);
+        const at::Tensor xk =
+            detail::heads(k, head_dim, norm_weight(k_norm), norm_eps, r, norm_offset);
         const at::Tensor xv = detail::heads(v, head_dim, {}, norm_eps, {});
         const at::Tensor mask =
             detail::attention_mask(0, xq.size(1), /*padding=*/{}, window, xq.device());
-        const at::Tensor out = detail::attend(xq, xk, xv, mask);
+        const at::Tensor out = detail::attend(xq, xk, xv, mask, /*cache=*/nullptr, scale);
         if (overlap)
           return tp::matmul_reduce_scatter(out, wo->weight, overlap->mesh, overlap->chunks);
         return wo(out);
@@ -148,17 +155,28 @@ TransformerBlockImpl::TransformerBlockImpl(int64_t layer_id_, const LlamaConfig&
     : layer_id(layer_id_) {
   dtensor::nn::RMSNormOptions norm_options(config.dim);
   norm_options.eps = config.norm_eps;
+  norm_options.weight_offset = config.norm_weight_offset;
   attention_norm = register_module("attention_norm", dtensor::nn::RMSNorm(norm_options));
   attention = register_module("attention", Attention(config, layer_id));
+  if (config.post_norms)
+    attention_post_norm =
+        register_module("attention_post_norm", dtensor::nn::RMSNorm(norm_options));
   ffn_norm = register_module("ffn_norm", dtensor::nn::RMSNorm(norm_options));
-  feed_forward = register_module("feed_forward", FeedForward(config.dim, config.hidden_dim()));
+  feed_forward = register_module("feed_forward",
+                                 FeedForward(config.dim, config.hidden_dim(), config.activation));
+  if (config.post_norms)
+    ffn_post_norm = register_module("ffn_post_norm", dtensor::nn::RMSNorm(norm_options));
 }
 
 at::Tensor TransformerBlockImpl::forward(const at::Tensor& x, const at::Tensor& rope) {
   return call_forward(
       [this](const at::Tensor& x, const at::Tensor& rope) {
-        auto h = x + attention(attention_norm(x), rope);
-        return h + feed_forward(ffn_norm(h));
+        at::Tensor a = attention(attention_norm(x), rope);
+        if (!attention_post_norm.is_empty()) a = attention_post_norm(a);
+        const at::Tensor h = x + a;
+        at::Tensor f = feed_forward(ffn_norm(h));
+        if (!ffn_post_norm.is_empty()) f = ffn_post_norm(f);
+        return h + f;
       },
       x, rope);
 }
@@ -171,6 +189,7 @@ TransformerImpl::TransformerImpl(LlamaConfig config) : config_(std::move(config)
   for (int64_t i = 0; i < config_.n_layers; ++i) layers->push_back(TransformerBlock(i, config_));
   dtensor::nn::RMSNormOptions norm_options(config_.dim);
   norm_options.eps = config_.norm_eps;
+  norm_options.weight_offset = config_.norm_weight_offset;
   norm = register_module("norm", dtensor::nn::RMSNorm(norm_options));
   output = register_module(
       "output",
@@ -183,11 +202,14 @@ TransformerImpl::TransformerImpl(LlamaConfig config) : config_(std::move(config)
   detail::MetaConstructionGuard::Suspend ordinary_tensors;
   // Rotation angle of position p for pair i: p * theta^(-2i / head_dim).
   const int64_t hd = config_.head_dim();
-  auto freqs =
-      at::pow(config_.rope_theta, -at::arange(0, hd, 2, at::kDouble).div(static_cast<double>(hd)));
-  if (config_.rope_scaling) freqs = llama3_scaled_frequencies(freqs, *config_.rope_scaling);
-  auto angles = at::outer(at::arange(config_.max_seq_len, at::kDouble), freqs);
-  rope_table_ = at::stack({angles.cos(), angles.sin()}, -1);
+  auto table = [&](double theta) {
+    auto freqs = at::pow(theta, -at::arange(0, hd, 2, at::kDouble).div(static_cast<double>(hd)));
+    if (config_.rope_scaling) freqs = llama3_scaled_frequencies(freqs, *config_.rope_scaling);
+    auto angles = at::outer(at::arange(config_.max_seq_len, at::kDouble), freqs);
+    return at::stack({angles.cos(), angles.sin()}, -1);
+  };
+  rope_table_ = table(config_.rope_theta);
+  if (config_.rope_local_theta > 0) local_rope_table_ = table(config_.rope_local_theta);
   if (!meta) init_weights(0);
 }
 
@@ -199,10 +221,12 @@ void TransformerImpl::tie_output_to_embedding() {
   output->weight = tok_embeddings->weight;
 }
 
-at::Tensor TransformerImpl::rope(int64_t seqlen, const at::TensorOptions& options) const {
+at::Tensor TransformerImpl::rope(int64_t seqlen, const at::TensorOptions& options,
+                                 int64_t layer) const {
   TORCH_CHECK(seqlen <= config_.max_seq_len, "sequence length ", seqlen,
               " exceeds max_seq_len=", config_.max_seq_len);
-  return rope_table_.slice(0, 0, seqlen).to(options);
+  const bool local = local_rope_table_.defined() && layer >= 0 && config_.window(layer) > 0;
+  return (local ? local_rope_table_ : rope_table_).slice(0, 0, seqlen).to(options);
 }
 
 at::Tensor TransformerImpl::forward(const at::Tensor& tokens) {
@@ -218,12 +242,22 @@ at::Tensor TransformerImpl::forward(const at::Tensor& tokens) {
                       "tensors; pad the batch to a multiple of ",
                       tp, " or apply_tensor_parallel with sequence_parallel=false");
         }
-        auto h = tok_embeddings(tokens);
+        auto h =
+            detail::scale_embeddings(tok_embeddings(tokens), config_.dim, config_.scale_embeddings);
         const at::Tensor& local = is_dtensor(h) ? local_tensor(h) : h;
-        auto rope_table = rope(seqlen, local.options());
-        for (const auto& layer : *layers) h = layer->as<TransformerBlock>()->forward(h, rope_table);
-        if (tp_state_ && tp_state_->overlap_chunks) return overlapped_head(norm(h));
-        return output(norm(h));
+        // The global table, and the sliding layers' own when their base differs.
+        const at::Tensor rope_table = rope(seqlen, local.options());
+        const at::Tensor local_table =
+            local_rope_table_.defined() ? local_rope_table_.slice(0, 0, seqlen).to(local.options())
+                                        : rope_table;
+        for (int64_t i = 0; i < static_cast<int64_t>(layers->size()); ++i) {
+          const bool slides = config_.window(i) > 0;
+          h = layers[i]->as<TransformerBlock>()->forward(h, slides ? local_table : rope_table);
+        }
+        const double cap = config_.final_logit_softcap;
+        if (tp_state_ && tp_state_->overlap_chunks)
+          return detail::softcap(overlapped_head(norm(h)), cap);
+        return detail::softcap(output(norm(h)), cap);
       },
       tokens);
 }
@@ -267,7 +301,11 @@ void TransformerImpl::init_weights(uint64_t seed) {
       return trunc_normal(shape, std, a, b, gen);
     };
   };
-  auto ones = [](at::IntArrayRef shape, at::Generator) { return at::ones(shape, at::kDouble); };
+  // Norm weights start where their scale is one (offset + weight, dtensor::nn::RMSNorm).
+  const double one = 1.0 - config_.norm_weight_offset;
+  auto ones = [one](at::IntArrayRef shape, at::Generator) {
+    return at::full(shape, one, at::kDouble);
+  };
 
   set("tok_embeddings.weight", tok_embeddings->weight, normal(1.0));
   for (size_t i = 0; i < layers->size(); ++i) {
@@ -277,6 +315,10 @@ void TransformerImpl::init_weights(uint64_t seed) {
     const double init_std = 0.02 / std::sqrt(2.0 * static_cast<double>(i + 1));
     set(p + "attention_norm.weight", block->attention_norm->weight, ones);
     set(p + "ffn_norm.weight", block->ffn_norm->weight, ones);
+    if (!block->attention_post_norm.is_empty()) {
+      set(p + "attention_post_norm.weight", block->attention_post_norm->weight, ones);
+      set(p + "ffn_post_norm.weight", block->ffn_post_norm->weight, ones);
+    }
     set(p + "attention.wq.weight", block->attention->wq->weight, truncated(0.02));
     set(p + "attention.wk.weight", block->attention->wk->weight, truncated(0.02));
     set(p + "attention.wv.weight", block->attention->wv->weight, truncated(0.02));

@@ -58,6 +58,16 @@ int64_t LlamaConfig::window(int64_t layer) const {
   return sliding_layers.at(static_cast<size_t>(layer)) ? sliding_window : 0;
 }
 
+double LlamaConfig::rope_base(int64_t layer) const {
+  return layer >= 0 && window(layer) > 0 && rope_local_theta > 0 ? rope_local_theta : rope_theta;
+}
+
+double LlamaConfig::attention_scale() const {
+  const double d =
+      query_pre_attn_scalar > 0 ? query_pre_attn_scalar : static_cast<double>(head_dim());
+  return 1.0 / std::sqrt(d);
+}
+
 int64_t LlamaConfig::hidden_dim() const {
   if (ffn_hidden_dim > 0) return ffn_hidden_dim;
   // Llama: 2/3 of 4*dim, scaled by ffn_dim_multiplier, rounded up to multiple_of.
@@ -73,7 +83,7 @@ int64_t LlamaConfig::num_parameters() const {
   if (wo_bias) attention += dim;
   if (qk_norm) attention += 2 * hd;
   const int64_t ffn = 3 * dim * hidden_dim();
-  const int64_t block = attention + ffn + 2 * dim;
+  const int64_t block = attention + ffn + (post_norms ? 4 : 2) * dim;
   const int64_t embed = vocab_size * dim;
   return embed + n_layers * block + dim + (tie_embeddings ? 0 : embed);
 }
@@ -106,6 +116,16 @@ void LlamaConfig::validate() const {
   TORCH_CHECK(max_seq_len > 0, "LlamaConfig: max_seq_len must be positive, got ", max_seq_len);
   TORCH_CHECK(norm_eps > 0, "LlamaConfig: norm_eps must be positive, got ", norm_eps);
   TORCH_CHECK(rope_theta > 0, "LlamaConfig: rope_theta must be positive, got ", rope_theta);
+  TORCH_CHECK(rope_local_theta >= 0,
+              "LlamaConfig: rope_local_theta must be >= 0 (0: rope_theta), got ", rope_local_theta);
+  TORCH_CHECK(query_pre_attn_scalar >= 0,
+              "LlamaConfig: query_pre_attn_scalar must be >= 0 (0: head_dim), got ",
+              query_pre_attn_scalar);
+  TORCH_CHECK(final_logit_softcap >= 0,
+              "LlamaConfig: final_logit_softcap must be >= 0 (0: none), got ", final_logit_softcap);
+  TORCH_CHECK(std::isfinite(norm_weight_offset), "LlamaConfig: norm_weight_offset must be finite");
+  TORCH_CHECK(activation == "silu" || activation == "gelu_tanh", "LlamaConfig: activation \"",
+              activation, "\" is not built; expected \"silu\" or \"gelu_tanh\"");
   if (rope_scaling) {
     const auto& r = *rope_scaling;
     TORCH_CHECK(r.factor > 0 && r.low_freq_factor > 0 && r.original_max_position_embeddings > 0,
@@ -243,9 +263,22 @@ LlamaConfig LlamaConfig::from_json(const std::string& text) {
         TORCH_CHECK(b.is_boolean(), "LlamaConfig JSON: 'sliding_layers' must hold booleans");
         c.sliding_layers.push_back(b.get<bool>());
       }
-    } else if (key == "tie_embeddings") {
-      TORCH_CHECK(v.is_boolean(), "LlamaConfig JSON: 'tie_embeddings' must be true or false");
-      c.tie_embeddings = v.get<bool>();
+    } else if (key == "tie_embeddings" || key == "post_norms" || key == "scale_embeddings") {
+      TORCH_CHECK(v.is_boolean(), "LlamaConfig JSON: '", key, "' must be true or false");
+      (key == "tie_embeddings" ? c.tie_embeddings
+       : key == "post_norms"   ? c.post_norms
+                               : c.scale_embeddings) = v.get<bool>();
+    } else if (key == "rope_local_theta") {
+      c.rope_local_theta = v.is_null() ? 0 : as_double(key, v);
+    } else if (key == "query_pre_attn_scalar") {
+      c.query_pre_attn_scalar = v.is_null() ? 0 : as_double(key, v);
+    } else if (key == "final_logit_softcap") {
+      c.final_logit_softcap = v.is_null() ? 0 : as_double(key, v);
+    } else if (key == "norm_weight_offset") {
+      c.norm_weight_offset = as_double(key, v);
+    } else if (key == "activation") {
+      TORCH_CHECK(v.is_string(), "LlamaConfig JSON: 'activation' must be a string");
+      c.activation = v.get<std::string>();
     } else {
       TORCH_CHECK(false, "LlamaConfig JSON: unknown key '", key, "'");
     }
@@ -283,6 +316,13 @@ std::string LlamaConfig::to_json() const {
   j["qk_norm"] = qk_norm;
   j["sliding_window"] = sliding_window;
   j["sliding_layers"] = sliding_layers;
+  j["rope_local_theta"] = rope_local_theta;
+  j["query_pre_attn_scalar"] = query_pre_attn_scalar;
+  j["norm_weight_offset"] = norm_weight_offset;
+  j["post_norms"] = post_norms;
+  j["scale_embeddings"] = scale_embeddings;
+  j["activation"] = activation;
+  j["final_logit_softcap"] = final_logit_softcap;
   return j.dump();
 }
 

@@ -3,6 +3,7 @@
 
 #include <ATen/ATen.h>
 
+#include "block_math.h"
 #include "dtensor/core/dtensor_impl.h"
 #include "dtensor/fsdp/fully_shard.h"
 #include "llama_meta.h"
@@ -53,7 +54,9 @@ LlamaStageImpl::LlamaStageImpl(TransformerImpl& whole, int64_t stage, int64_t nu
       output = register_module("output", whole.output);
     }
   }
-  rope_table_ = whole.rope(config_.max_seq_len, at::TensorOptions().dtype(at::kDouble));
+  for (int64_t i = first_layer_; i < end_layer_; ++i)
+    rope_tables_.push_back(
+        whole.rope(config_.max_seq_len, at::TensorOptions().dtype(at::kDouble), i));
 }
 
 at::Tensor LlamaStageImpl::forward(const at::Tensor& input) {
@@ -63,7 +66,8 @@ at::Tensor LlamaStageImpl::forward(const at::Tensor& input) {
         if (!tok_embeddings.is_empty()) {
           TORCH_CHECK(input.dim() == 2, "LlamaStage ", stage_,
                       ": the first stage takes tokens (batch, seqlen), got ", input.sizes());
-          h = tok_embeddings(input);
+          h = detail::scale_embeddings(tok_embeddings(input), config_.dim,
+                                       config_.scale_embeddings);
         } else {
           TORCH_CHECK(input.dim() == 3 && input.size(2) == config_.dim, "LlamaStage ", stage_,
                       ": expected hidden states (batch, seqlen, ", config_.dim, "), got ",
@@ -73,10 +77,12 @@ at::Tensor LlamaStageImpl::forward(const at::Tensor& input) {
         const int64_t seqlen = local.size(1);
         TORCH_CHECK(seqlen <= config_.max_seq_len, "sequence length ", seqlen,
                     " exceeds max_seq_len=", config_.max_seq_len);
-        const at::Tensor rope = rope_table_.slice(0, 0, seqlen).to(local.options());
-        for (const auto& item : *layers)
+        size_t i = 0;
+        for (const auto& item : *layers) {
+          const at::Tensor rope = rope_tables_[i++].slice(0, 0, seqlen).to(local.options());
           h = item.value()->as<TransformerBlockImpl>()->forward(h, rope);
-        if (!output.is_empty()) h = output(norm(h));
+        }
+        if (!output.is_empty()) h = detail::softcap(output(norm(h)), config_.final_logit_softcap);
         return h;
       },
       input);

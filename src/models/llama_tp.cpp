@@ -211,6 +211,12 @@ tp::ParallelizePlan llama_plan(const LlamaConfig& config, int64_t tp, bool sp, b
       plan.emplace_back("layers.*.attention.q_norm", ReplicatedHeadNorm());
       plan.emplace_back("layers.*.attention.k_norm", ReplicatedHeadNorm());
     }
+    // Post norms take the sequence shards wo and w2 reduce-scatter to and hand plain shards back
+    // to the residual sum; without SP they run whole, as the other norms.
+    if (sp && config.post_norms) {
+      plan.emplace_back("layers.*.attention_post_norm",
+                        SequenceParallel({.use_local_output = true}));
+    }
     if (sp) plan.emplace_back("layers.*.ffn_norm", SequenceParallel());
     if (!overlap) {
       plan.emplace_back("layers.*.feed_forward",
@@ -220,6 +226,9 @@ tp::ParallelizePlan llama_plan(const LlamaConfig& config, int64_t tp, bool sp, b
     plan.emplace_back("layers.*.feed_forward.w1", ColwiseParallel());
     plan.emplace_back("layers.*.feed_forward.w2", RowwiseParallel({.output_layouts = between}));
     plan.emplace_back("layers.*.feed_forward.w3", ColwiseParallel());
+    if (sp && config.post_norms) {
+      plan.emplace_back("layers.*.ffn_post_norm", SequenceParallel({.use_local_output = true}));
+    }
   }
   return plan;
 }

@@ -2,7 +2,10 @@
 // (tests/fixtures/hf/make_family_fixtures.py): Qwen3 (head_dim 8 != 48 / 12, q/k norms, 2 KV heads
 // replicated at TP 3 and 4), Qwen2 (9 heads / 3 KV heads at the odd TP=3, q/k/v biases, tied
 // embedding, a sliding window of 5 on layer 1 only, transformers 4's config spelling) and Mistral
-// (sliding window 5 on every layer). Each gives HF's float32 logits within 1e-5 and, loaded in
+// (sliding window 5 on every layer) and Gemma 3 (Gemma3ForCausalLM: (1 + w) norms before and after
+// each sublayer, q/k norms, GeGLU, embeddings times sqrt(hidden), query_pre_attn_scalar 24 !=
+// head_dim 16, tied embedding, 3 layers sliding/full/sliding with a window of 5 and their own rope
+// bases, 2 KV heads replicated at TP 4). Each gives HF's float32 logits within 1e-5 and, loaded in
 // float64, its float64 logits within 1e-12 at every TP degree its heads allow; greedy generation
 // equals HF's generate() token for token past the window, and a batch of prompts of different
 // lengths equals each alone; the q/k-norm and bias gradients at TP > 1 equal one device's;
@@ -12,6 +15,7 @@
 #include <ATen/CPUGeneratorImpl.h>
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <filesystem>
 #include <fstream>
 #include <iostream>
@@ -22,6 +26,7 @@
 #include "dtensor/dtensor.h"
 #include "dtensor/models/generate.h"
 #include "dtensor/models/hf_checkpoint.h"
+#include "dtensor/models/llama_pipeline.h"
 #include "support/distributed.h"
 #include "support/errors.h"
 #include "support/fixture_copy.h"
@@ -48,10 +53,11 @@ struct Case {
 
 void PrintTo(const Case& c, std::ostream* os) { *os << c.family << " tp=" << c.tp; }
 
-// The TP degrees each fixture's heads allow: Qwen2 has 9 heads.
+// The TP degrees each fixture's heads allow: Qwen2 has 9 heads, Gemma 3 4.
 std::vector<Case> cases() {
-  return {{"qwen3", 1}, {"qwen3", 2},   {"qwen3", 3},   {"qwen3", 4},   {"qwen2", 1},
-          {"qwen2", 3}, {"mistral", 1}, {"mistral", 2}, {"mistral", 3}, {"mistral", 4}};
+  return {{"qwen3", 1},  {"qwen3", 2},   {"qwen3", 3},   {"qwen3", 4},   {"qwen2", 1},
+          {"qwen2", 3},  {"mistral", 1}, {"mistral", 2}, {"mistral", 3}, {"mistral", 4},
+          {"gemma3", 1}, {"gemma3", 2},  {"gemma3", 4}};
 }
 
 std::string case_name(const ::testing::TestParamInfo<Case>& info) {
@@ -150,7 +156,8 @@ TEST_P(FamilyGradients, EqualOneDevice) {
              name.find("attention.k_norm") != std::string::npos;
     biases += name.ends_with(".bias");
   }
-  EXPECT_EQ(norms, c.family == "qwen3" ? 4 : 0);   // 2 layers x (q_norm, k_norm)
+  // 2 (Gemma: 3) layers x (q_norm, k_norm)
+  EXPECT_EQ(norms, c.family == "qwen3" ? 4 : c.family == "gemma3" ? 6 : 0);
   EXPECT_EQ(biases, c.family == "qwen2" ? 6 : 0);  // 2 layers x (q, k, v)
   run_ranks(c.tp, [&](int) {
     auto mesh = init_device_mesh("cpu", {c.tp});
@@ -168,7 +175,8 @@ TEST_P(FamilyGradients, EqualOneDevice) {
 
 INSTANTIATE_TEST_SUITE_P(Fixtures, FamilyGradients,
                          ::testing::Values(Case{"qwen3", 2}, Case{"qwen3", 4}, Case{"qwen2", 3},
-                                           Case{"mistral", 3}),
+                                           Case{"mistral", 3}, Case{"gemma3", 2},
+                                           Case{"gemma3", 4}),
                          case_name);
 
 // Every feature at once (decoupled head size, q/k/v and o biases as Llama's attention_bias gives,
@@ -264,6 +272,110 @@ TEST(HfFamilies, ReadsEachConfig) {
   EXPECT_EQ(mistral.architecture, "MistralForCausalLM");
   EXPECT_EQ(mistral.config.window(0), 5);
   EXPECT_EQ(mistral.config.window(1), 5);
+  const auto gemma = read_hf_llama_config(kModels + "gemma3");
+  EXPECT_EQ(gemma.architecture, "Gemma3ForCausalLM");
+  const LlamaConfig& g = gemma.config;
+  EXPECT_EQ(g.head_dim(), 16);
+  EXPECT_TRUE(g.qk_norm && g.post_norms && g.scale_embeddings && g.tie_embeddings);
+  EXPECT_EQ(g.norm_weight_offset, 1.0);
+  EXPECT_EQ(g.activation, "gelu_tanh");
+  EXPECT_EQ(g.attention_scale(), 1.0 / std::sqrt(24.0));  // query_pre_attn_scalar, not head_dim
+  EXPECT_EQ(g.window(0), 5);
+  EXPECT_EQ(g.window(1), 0);
+  EXPECT_EQ(g.window(2), 5);
+  EXPECT_EQ(g.rope_base(0), 100.0);  // rope_parameters.sliding_attention
+  EXPECT_EQ(g.rope_base(1), 10000.0);
+  EXPECT_EQ(g.rope_base(2), 100.0);
+  EXPECT_EQ(g.num_parameters(),
+            256 * 48 + 3 * (48 * 64 + 2 * 48 * 32 + 64 * 48 + 2 * 16 + 3 * 48 * 24 + 4 * 48) + 48);
+}
+
+// final_logit_softcapping (null in Gemma 3's own configs, 30 in Gemma 2's) caps the logits as
+// cap * tanh(logits / cap): with 2.0 on the Gemma 3 fixture, whose logits reach about 3, the logits
+// equal transformers' with the same setting, whole and vocab-sharded (TP 2, loss parallel).
+TEST(HfFamilies, Gemma3FinalLogitSoftcapping) {
+  const auto ref = reference("gemma3");
+  dtensor::testing::FixtureCopy c(kModels, "gemma3");
+  auto j = c.config();
+  j["final_logit_softcapping"] = 2.0;
+  c.set_config(j);
+  EXPECT_EQ(read_hf_llama_config(c.dir).config.final_logit_softcap, 2.0);
+  for (int tp : {1, 2}) {
+    run_ranks(tp, [&](int rank) {
+      auto mesh = init_device_mesh("cpu", {tp});
+      for (const auto& [dtype, key, tolerance] :
+           {std::tuple{at::kFloat, "logits_softcap", 1e-5},
+            std::tuple{at::kDouble, "logits_softcap_f64", 1e-12}}) {
+        HfLlama hf = load_hf_llama(c.dir, mesh, {.dtype = dtype});
+        at::NoGradGuard no_grad;
+        at::Tensor logits = hf.model->forward(ref.at("tokens"));
+        if (is_dtensor(logits)) logits = full_tensor(logits);
+        const at::Tensor& want = ref.at(key);
+        EXPECT_LE(logits.abs().max().item<double>(), 2.0);
+        const double error = (logits - want).abs().max().item<double>() / 2.0;
+        EXPECT_LE(error, tolerance) << "tp=" << tp << " " << dtype;
+        if (rank == 0)
+          std::cout << "gemma3 softcap tp=" << tp << " " << dtype
+                    << ": max |logits - HF| / cap = " << error << "\n";
+      }
+    });
+  }
+}
+
+// The other plans place Gemma's post norms too: without sequence parallelism they run whole, with
+// overlap_comm on the shards the overlapped wo/w2 reduce-scatter to; loss parallelism off gathers
+// the logits. Each equals one device in float64.
+TEST(HfFamilies, Gemma3UnderEveryPlanEqualsOneDevice) {
+  const at::Tensor tokens = reference("gemma3").at("tokens");
+  at::Tensor want;
+  {
+    at::NoGradGuard no_grad;
+    want = load_hf_llama(kModels + "gemma3", std::nullopt, {.dtype = at::kDouble})
+               .model->forward(tokens);
+  }
+  for (const TensorParallelOptions& plan : {TensorParallelOptions{.sequence_parallel = false},
+                                            TensorParallelOptions{.loss_parallel = false},
+                                            TensorParallelOptions{.overlap_comm = true}}) {
+    run_ranks(2, [&](int) {
+      auto mesh = init_device_mesh("cpu", {2});
+      HfLlama hf = load_hf_llama(kModels + "gemma3", mesh, {.dtype = at::kDouble, .tp = plan});
+      at::NoGradGuard no_grad;
+      at::Tensor logits = hf.model->forward(tokens);
+      if (is_dtensor(logits)) logits = full_tensor(logits);
+      EXPECT_LE((logits - want).abs().max().item<double>(), 1e-12)
+          << "sp=" << plan.sequence_parallel << " lp=" << plan.loss_parallel
+          << " overlap=" << plan.overlap_comm;
+    });
+  }
+}
+
+// Pipeline stages run the same blocks with each layer's own rotary table (local and global bases)
+// and the scaled embedding on the first stage: two stages equal the whole model.
+TEST(HfFamilies, Gemma3PipelineStagesEqualTheWholeModel) {
+  HfLlama hf = load_hf_llama(kModels + "gemma3", std::nullopt, {.dtype = at::kDouble});
+  const at::Tensor tokens = reference("gemma3").at("tokens");
+  at::NoGradGuard no_grad;
+  const at::Tensor want = hf.model->forward(tokens);
+  LlamaStage first(*hf.model, 0, 2), last(*hf.model, 1, 2);
+  EXPECT_EQ(first->end_layer(), last->first_layer());
+  EXPECT_LE((last->forward(first->forward(tokens)) - want).abs().max().item<double>(), 1e-12);
+}
+
+// transformers 4 spells Gemma 3's rotary bases rope_theta and rope_local_base_freq and its
+// sliding layers sliding_window_pattern (every pattern-th layer global): the same model.
+TEST(HfFamilies, ReadsGemma3InTransformers4Spelling) {
+  dtensor::testing::FixtureCopy c(kModels, "gemma3");
+  auto j = c.config();
+  j.erase("layer_types");
+  j.erase("rope_parameters");
+  j.erase("_sliding_window_pattern");
+  j["sliding_window_pattern"] = 2;
+  j["rope_theta"] = 10000.0;
+  j["rope_local_base_freq"] = 100.0;
+  j["rope_scaling"] = nullptr;
+  c.set_config(j);
+  EXPECT_EQ(read_hf_llama_config(c.dir).config.to_json(),
+            read_hf_llama_config(kModels + "gemma3").config.to_json());
 }
 
 struct Copy : dtensor::testing::FixtureCopy {
@@ -291,6 +403,22 @@ TEST(HfFamilies, RefusesWhatIsNotBuiltNamingFileKeyAndValue) {
                   "architecture Gemma2ForCausalLM is not supported; supported: LlamaForCausalLM");
   EXPECT_CONTAINS(refused("qwen2", [](auto& j) { j["hidden_act"] = "gelu"; }),
                   "\"hidden_act\": \"gelu\" is not supported");
+  EXPECT_CONTAINS(refused("qwen2", [](auto& j) { j["query_pre_attn_scalar"] = 24; }),
+                  "\"query_pre_attn_scalar\": 24 asks for a query scale other than");
+  // Gemma reads final_logit_softcapping (Gemma3FinalLogitSoftcapping); the others do not.
+  EXPECT_CONTAINS(refused("mistral", [](auto& j) { j["final_logit_softcapping"] = 30.0; }),
+                  "\"final_logit_softcapping\": 30.0 asks for final logit soft-capping, which is "
+                  "not built");
+  EXPECT_CONTAINS(refused("gemma3", [](auto& j) { j["attn_logit_softcapping"] = 50.0; }),
+                  "\"attn_logit_softcapping\": 50.0 asks for attention logit soft-capping");
+  EXPECT_CONTAINS(refused("gemma3", [](auto& j) { j["use_bidirectional_attention"] = true; }),
+                  "\"use_bidirectional_attention\": true asks for bidirectional attention");
+  EXPECT_CONTAINS(refused("gemma3", [](auto& j) { j["hidden_activation"] = "gelu"; }),
+                  "\"hidden_activation\": \"gelu\" is not supported");
+  EXPECT_CONTAINS(
+      refused("gemma3",
+              [](auto& j) { j["rope_parameters"]["full_attention"]["rope_type"] = "linear"; }),
+      "\"rope_parameters.full_attention.rope_type\": rope type \"linear\" is not supported");
   // A tensor whose shape disagrees with config.json: names the file and the tensor.
   const std::string msg = refused("qwen3", [](auto& j) { j["head_dim"] = 16; });
   EXPECT_CONTAINS(msg, "model.safetensors', tensor \"model.layers.0.self_attn.q_proj.weight\"");
@@ -319,8 +447,8 @@ TEST(HfFamilies, NothingIsHalfLoaded) {
 // a config.json naming the same family and configuration (transformers loads it:
 // tests/fixtures/hf/check_saved.py with DTENSOR_KEEP_HF_SAVED).
 TEST(HfFamilies, SaveFromTPWritesWhatWasLoaded) {
-  for (const auto& [name, tp] :
-       std::vector<std::pair<std::string, int>>{{"qwen3", 2}, {"qwen2", 3}, {"mistral", 2}}) {
+  for (const auto& [name, tp] : std::vector<std::pair<std::string, int>>{
+           {"qwen3", 2}, {"qwen2", 3}, {"mistral", 2}, {"gemma3", 2}}) {
     SCOPED_TRACE(name);
     TempDir tmp;
     const std::string out = tmp.file("saved");

@@ -8,6 +8,7 @@
 #include <torch/nn/functional/loss.h>
 #include <torch/optim/adamw.h>
 
+#include <cmath>
 #include <map>
 #include <string>
 
@@ -117,6 +118,32 @@ TEST(LlamaConfig, FfnHiddenSizeFollowsLlamasRule) {
   EXPECT_EQ(c.hidden_dim(), 11008);  // Llama 2 7B
   c.ffn_hidden_dim = 100;
   EXPECT_EQ(c.hidden_dim(), 100);
+}
+
+// Gemma's fields (hf_families.cpp sets them from a Gemma3ForCausalLM config) survive JSON.
+TEST(LlamaConfig, GemmaFieldsRoundTripJson) {
+  LlamaConfig c = LlamaConfig::preset("tiny");
+  c.rope_local_theta = 10000;
+  c.query_pre_attn_scalar = 24;
+  c.norm_weight_offset = 1;
+  c.post_norms = c.scale_embeddings = c.qk_norm = true;
+  c.activation = "gelu_tanh";
+  c.final_logit_softcap = 30;
+  c.sliding_window = 4;
+  c.sliding_layers = {true, false};
+  const LlamaConfig back = LlamaConfig::from_json(c.to_json());
+  EXPECT_EQ(back.to_json(), c.to_json());
+  EXPECT_EQ(back.rope_base(0), 10000.0);
+  EXPECT_EQ(back.rope_base(1), c.rope_theta);
+  EXPECT_EQ(back.attention_scale(), 1.0 / std::sqrt(24.0));
+  EXPECT_EQ(back.activation, "gelu_tanh");
+  EXPECT_EQ(back.final_logit_softcap, 30.0);
+  // Two norms more per block than Llama's.
+  LlamaConfig plain = c;
+  plain.post_norms = false;
+  EXPECT_EQ(c.num_parameters() - plain.num_parameters(), 2 * c.n_layers * c.dim);
+  c.activation = "relu";
+  EXPECT_THROW(c.validate(), c10::Error);
 }
 
 TEST(LlamaConfig, JsonRoundTripsAndRejectsUnknownKeys) {

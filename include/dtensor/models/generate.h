@@ -86,8 +86,9 @@ class Decoder {
  private:
   struct Layer {
     at::Tensor attention_norm, wq, wk, wv, wo, ffn_norm, w1, w2, w3;
-    at::Tensor bq, bk, bv, bo, q_norm, k_norm;  // undefined where the config has none
-    int64_t window;                             // sliding window; 0: none
+    at::Tensor bq, bk, bv, bo, q_norm, k_norm;      // undefined where the config has none
+    at::Tensor attention_post_norm, ffn_post_norm;  // undefined without post_norms
+    int64_t window;                                 // sliding window; 0: none
   };
   at::Tensor embed(const at::Tensor& tokens) const;
   at::Tensor all_reduce(const at::Tensor& t) const;
@@ -98,7 +99,8 @@ class Decoder {
   at::Tensor embedding_, norm_, output_;  // local shards
   int64_t vocab_offset_ = 0;              // first vocab row of embedding_ (and output_)
   std::vector<Layer> layers_;
-  at::Tensor rope_;  // (max_seq_len, head_dim / 2, 2) in the model's dtype
+  at::Tensor rope_;        // (max_seq_len, head_dim / 2, 2) in the model's dtype
+  at::Tensor local_rope_;  // the sliding layers' table (rope_local_theta), else rope_
   double eps_;
 };
 

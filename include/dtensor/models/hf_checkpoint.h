@@ -1,8 +1,8 @@
 #pragma once
 // Hugging Face decoder checkpoints (a `save_pretrained` directory of LlamaForCausalLM,
-// Qwen3ForCausalLM, Qwen2ForCausalLM or MistralForCausalLM: config.json and model.safetensors, or
-// shards listed in model.safetensors.index.json) loaded into our decoder, whole or
-// tensor-parallel (the families and what each config key means: docs/ARCHITECTURE.md, "One
+// Qwen3ForCausalLM, Qwen2ForCausalLM, MistralForCausalLM or Gemma3ForCausalLM: config.json and
+// model.safetensors, or shards listed in model.safetensors.index.json) loaded into our decoder,
+// whole or tensor-parallel (the families and what each config key means: docs/ARCHITECTURE.md, "One
 // decoder, many families"):
 //
 //   auto mesh = init_device_mesh("cpu", {comm::get_world_size()});
@@ -40,15 +40,18 @@ struct HfLlamaConfig {
   std::string architecture = "LlamaForCausalLM";
 };
 
-/// Reads `dir`/config.json of LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM or
-/// MistralForCausalLM: hidden_size, num_hidden_layers, num_attention_heads, num_key_value_heads,
-/// intermediate_size, head_dim (any even size), attention_bias, sliding_window with layer_types
-/// or the family's rule (use_sliding_window and max_window_layers for Qwen), rope_theta and
-/// rope_scaling (transformers 4) or rope_parameters (5) of type "default" or "llama3",
-/// rms_norm_eps, vocab_size, tie_word_embeddings, max_position_embeddings (our max_seq_len) and
-/// torch_dtype. Throws naming the file, the key and its value for an unsupported architecture,
-/// rope type, activation, layer type or a feature that is not built (mixture of experts, MLP
-/// biases, soft-capping, ...).
+/// Reads `dir`/config.json of LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM,
+/// MistralForCausalLM or Gemma3ForCausalLM: hidden_size, num_hidden_layers, num_attention_heads,
+/// num_key_value_heads, intermediate_size, head_dim (any even size), attention_bias, sliding_window
+/// with layer_types or the family's rule (use_sliding_window and max_window_layers for Qwen),
+/// rope_theta and rope_scaling (transformers 4) or rope_parameters (5) of type "default" or
+/// "llama3", rms_norm_eps, vocab_size, tie_word_embeddings, max_position_embeddings (our
+/// max_seq_len) and torch_dtype; for Gemma 3 also query_pre_attn_scalar, hidden_activation,
+/// final_logit_softcapping and the rotary base of each layer type
+/// (rope_parameters.{full,sliding}_attention, or rope_theta and rope_local_base_freq), sliding
+/// layers by layer_types or sliding_window_pattern. Throws naming the file, the key and its value
+/// for an unsupported architecture, rope type, activation, layer type or a feature that is not
+/// built (mixture of experts, MLP biases, attention soft-capping, ...).
 HfLlamaConfig read_hf_llama_config(const std::string& dir);
 
 struct HfLoadOptions {
@@ -86,7 +89,7 @@ HfLoadStats load_hf_weights(const std::string& dir, TransformerImpl& model);
 struct HfSaveOptions {
   std::optional<c10::ScalarType> dtype;  // of the stored weights; default: the model's
   /// The family written ("MistralForCausalLM"); default: the first of Llama, Qwen3, Qwen2,
-  /// Mistral that expresses the configuration (Llama when it has no family feature).
+  /// Mistral, Gemma3 that expresses the configuration (Llama when it has no family feature).
   std::optional<std::string> architecture;
 };
 
@@ -100,7 +103,9 @@ void save_hf_llama(const std::string& dir, const TransformerImpl& model,
                    const HfSaveOptions& options = {});
 
 /// The Hugging Face name of one of our parameter names ("tok_embeddings.weight" ->
-/// "model.embed_tokens.weight"); throws for names that have none.
-std::string hf_parameter_name(const std::string& name);
+/// "model.embed_tokens.weight") in a model with `config`, whose post_norms decide which HF norm
+/// ffn_norm is (Llama's post_attention_layernorm, Gemma's pre_feedforward_layernorm); throws for
+/// names that have none.
+std::string hf_parameter_name(const std::string& name, const LlamaConfig& config = {});
 
 }  // namespace dtensor::models

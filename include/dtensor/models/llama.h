@@ -45,8 +45,8 @@ struct Llama3RopeScaling {
 
 /// Model hyperparameters of the decoder (torchtitan's ModelArgs, plus the features other
 /// families need: Qwen2's q/k/v biases, Qwen3's per-head q/k norms and decoupled head size,
-/// Mistral's and Qwen's sliding windows). Fields left 0 are derived (see below); the defaults are
-/// Llama's. DecoderConfig names the same type for code that is not Llama-only.
+/// Mistral's and Qwen's sliding windows, Gemma 3's block). Fields left 0 are derived (see below);
+/// the defaults are Llama's. DecoderConfig names the same type for code that is not Llama-only.
 struct LlamaConfig {
   int64_t vocab_size = 256;    ///< Tokens in the vocabulary.
   int64_t dim = 32;            ///< Model (embedding) width.
@@ -69,6 +69,23 @@ struct LlamaConfig {
   int64_t sliding_window = 0;
   /// Which layers slide (HF layer_types "sliding_attention"); empty: all of them.
   std::vector<bool> sliding_layers;
+  /// Rotary base of the sliding layers (Gemma 3's local layers); 0: rope_theta, as the others.
+  double rope_local_theta = 0;
+  /// Attention scores are scaled by query_pre_attn_scalar^-1/2 (Gemma); 0: head_dim's.
+  double query_pre_attn_scalar = 0;
+  /// Every RMSNorm scales by norm_weight_offset + weight (Gemma: 1, weights stored around 0).
+  double norm_weight_offset = 0;
+  /// A norm after attention and after the feed-forward too, before each joins the residual
+  /// (Gemma's post_attention_layernorm and post_feedforward_layernorm).
+  bool post_norms = false;
+  /// Token embeddings times sqrt(dim), rounded to the model's dtype first (Gemma).
+  bool scale_embeddings = false;
+  /// The gate's activation in the gated feed-forward: "silu" (SwiGLU) or "gelu_tanh" (GeGLU,
+  /// tanh-approximated GELU: HF gelu_pytorch_tanh).
+  std::string activation = "silu";
+  /// Logits soft-capped to (-cap, cap) as cap * tanh(logits / cap) (HF final_logit_softcapping);
+  /// 0: none.
+  double final_logit_softcap = 0;
 
   /// "tiny" (tests: dim 32, 2 layers, 4 heads, 2 KV heads), "demo" (~3M parameters, trains
   /// visibly in a minute at TP=2 on 2 CPU cores), "bench" (~30M parameters).
@@ -85,6 +102,11 @@ struct LlamaConfig {
   int64_t head_dim() const;  // head_size, or dim / n_heads
   /// The sliding window of layer `layer`: sliding_window where that layer slides, else 0.
   int64_t window(int64_t layer) const;
+  /// The rotary base of layer `layer`: rope_local_theta where that layer slides and it is set,
+  /// else rope_theta.
+  double rope_base(int64_t layer) const;
+  /// The attention score scale: query_pre_attn_scalar^-1/2, or head_dim^-1/2 when it is 0.
+  double attention_scale() const;
   int64_t hidden_dim() const;  // ffn_hidden_dim resolved
   /// Total parameter count (tied weights counted once).
   int64_t num_parameters() const;
@@ -107,15 +129,17 @@ struct OverlapComm {
   int64_t chunks = 2;  ///< Pieces of the sequence shard (see tp::overlap_chunks).
 };
 
-/// SwiGLU: w2(silu(w1(x)) * w3(x)).
+/// The gated feed-forward: w2(act(w1(x)) * w3(x)), act as LlamaConfig::activation says (SwiGLU
+/// with silu).
 class FeedForwardImpl : public dtensor::nn::Module {
  public:
   /// w1 and w3 (dim -> hidden_dim) and w2 (hidden_dim -> dim), without biases.
-  FeedForwardImpl(int64_t dim, int64_t hidden_dim);
+  FeedForwardImpl(int64_t dim, int64_t hidden_dim, std::string activation = "silu");
   /// x: (..., dim) -> (..., dim).
   at::Tensor forward(const at::Tensor& x);
 
   dtensor::nn::Linear w1{nullptr}, w2{nullptr}, w3{nullptr};  ///< The three projections.
+  std::string activation;                                     ///< LlamaConfig::activation.
   std::optional<OverlapComm> overlap;  ///< Set by apply_tensor_parallel with overlap_comm.
 };
 /// Module holder of FeedForwardImpl.
@@ -136,6 +160,8 @@ class AttentionImpl : public dtensor::nn::Module {
   int64_t n_heads, n_kv_heads, head_dim;  ///< Query heads, KV heads (before TP) and head size.
   int64_t window;                         ///< Sliding window of this layer; 0: none.
   double norm_eps;                        ///< Epsilon of q_norm and k_norm.
+  double norm_offset;                     ///< LlamaConfig::norm_weight_offset of q/k norms.
+  double scale;                           ///< Attention score scale (attention_scale()).
   /// Query, key, value and output projections.
   dtensor::nn::Linear wq{nullptr}, wk{nullptr}, wv{nullptr}, wo{nullptr};
   /// Per-head RMSNorms (head_dim) of queries and keys; null unless config.qk_norm. Under TP their
@@ -146,19 +172,24 @@ class AttentionImpl : public dtensor::nn::Module {
 /// Module holder of AttentionImpl.
 TORCH_MODULE(Attention);
 
-/// One pre-norm block: x + attention(norm(x)), then + feed_forward(norm(.)).
+/// One pre-norm block: x + attention(norm(x)), then + feed_forward(norm(.)); with
+/// config.post_norms each sublayer's output is normalised again before it is added (Gemma).
 class TransformerBlockImpl : public dtensor::nn::Module {
  public:
   /// Block `layer_id` of a model with `config`.
   TransformerBlockImpl(int64_t layer_id, const LlamaConfig& config);
-  /// x: (B, S, dim) -> (B, S, dim); rope as for AttentionImpl::forward.
+  /// x: (B, S, dim) -> (B, S, dim); rope as for AttentionImpl::forward (this layer's table:
+  /// TransformerImpl::rope with its layer).
   at::Tensor forward(const at::Tensor& x, const at::Tensor& rope);
 
-  int64_t layer_id;                              ///< Index in the model's layers.
-  dtensor::nn::RMSNorm attention_norm{nullptr};  ///< Norm before attention.
-  Attention attention{nullptr};                  ///< Self-attention.
-  dtensor::nn::RMSNorm ffn_norm{nullptr};        ///< Norm before the feed-forward.
-  FeedForward feed_forward{nullptr};             ///< SwiGLU feed-forward.
+  int64_t layer_id;                                   ///< Index in the model's layers.
+  dtensor::nn::RMSNorm attention_norm{nullptr};       ///< Norm before attention.
+  Attention attention{nullptr};                       ///< Self-attention.
+  dtensor::nn::RMSNorm attention_post_norm{nullptr};  ///< After attention; null without post_norms.
+  dtensor::nn::RMSNorm ffn_norm{nullptr};             ///< Norm before the feed-forward.
+  FeedForward feed_forward{nullptr};                  ///< Gated feed-forward.
+  dtensor::nn::RMSNorm ffn_post_norm{
+      nullptr};  ///< After the feed-forward; null without post_norms.
 };
 /// Module holder of TransformerBlockImpl.
 TORCH_MODULE(TransformerBlock);
@@ -183,8 +214,9 @@ class TransformerImpl : public dtensor::nn::Module {
 
   /// The rotary table for positions [0, seqlen) as (seqlen, head_dim / 2, 2) in `options`.
   /// Angle of position p for pair i: p * f_i with f_i = theta^(-2i / head_dim), rescaled by
-  /// config().rope_scaling when set.
-  at::Tensor rope(int64_t seqlen, const at::TensorOptions& options) const;
+  /// config().rope_scaling when set. theta is that of layer `layer` (config().rope_base); -1:
+  /// rope_theta.
+  at::Tensor rope(int64_t seqlen, const at::TensorOptions& options, int64_t layer = -1) const;
 
   const LlamaConfig& config() const { return config_; }  ///< The configuration it was built with.
 
@@ -216,6 +248,7 @@ class TransformerImpl : public dtensor::nn::Module {
 
   LlamaConfig config_;
   at::Tensor rope_table_;  // (max_seq_len, head_dim/2, 2) float64; not a buffer, never sharded
+  at::Tensor local_rope_table_;  // the same for rope_local_theta; undefined when it is unset
   std::optional<TensorParallelState> tp_state_;
 };
 /// Module holder of TransformerImpl.

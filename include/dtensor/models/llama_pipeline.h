@@ -58,7 +58,7 @@ class LlamaStageImpl : public dtensor::nn::Module {
   LlamaConfig config_;
   int64_t stage_, num_stages_, first_layer_, end_layer_;
   bool tied_across_stages_ = false;
-  at::Tensor rope_table_;
+  std::vector<at::Tensor> rope_tables_;  // of each block, in order (float64, max_seq_len rows)
 };
 /// Module holder of LlamaStageImpl.
 TORCH_MODULE(LlamaStage);

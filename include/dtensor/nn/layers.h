@@ -51,17 +51,26 @@ struct RMSNormOptions {
   int64_t dim;                     ///< Size of the normalised (last) dimension.
   std::optional<double> eps;       // none: the dtype's machine epsilon, as torch.nn.RMSNorm
   bool elementwise_affine = true;  ///< Learn a per-element scale (`weight`, initialised to ones).
+  /// The scale is weight_offset + weight (Gemma's norms: 1, weights stored around 0); see
+  /// rms_norm() for the precision it is applied in.
+  double weight_offset = 0;
 };
+
+/// at::rms_norm over the last `dim` elements scaled by weight_offset + weight (undefined: no
+/// scale). With a nonzero offset the norm and the scale are applied in float32 or wider before
+/// casting back, as Gemma computes them (a plain norm casts before scaling, as Llama's does).
+at::Tensor rms_norm(const at::Tensor& input, int64_t dim, const at::Tensor& weight,
+                    std::optional<double> eps, double weight_offset = 0);
 
 /// Root-mean-square norm over the last dimension (torch.nn.RMSNorm, which LibTorch's C++ API
 /// lacks), computed with at::rms_norm.
 class RMSNormImpl : public Module, public ParameterSwapTarget {
  public:
-  /// Registers `weight` (ones) when options.elementwise_affine.
+  /// Registers `weight` (ones; 1 - weight_offset with an offset) when options.elementwise_affine.
   explicit RMSNormImpl(RMSNormOptions options);
   /// Normalises `input` over its last dimension, running forward hooks.
   at::Tensor forward(const at::Tensor& input);
-  /// Sets `weight` back to ones.
+  /// Sets `weight` back to ones (a scale of one with the offset).
   void reset_parameters();
   /// Keeps the `weight` member in step when parameter "weight" is swapped.
   void on_parameter_replaced(const std::string& name, const at::Tensor& value) override;
