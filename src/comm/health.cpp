@@ -848,6 +848,19 @@ void wait_collective(c10d::Work& work, const std::string& what) {
   if (!failure.empty()) stop_waiting();
 }
 
+void issue_failed(ProcessGroup& pg, int64_t seq, const std::string& group, const std::string& what,
+                  const std::exception& e) {
+  auto& h = health();
+  const std::string head = "dtensor: " + what + " failed: ";
+  if (h.peer_failed.load()) {
+    std::lock_guard<std::mutex> g(h.mu);
+    TORCH_CHECK(false, head, h.peer_failure, " (every rank stops when one fails)");
+  }
+  const WorkContext c{group, seq, pg.timeout()};
+  TORCH_CHECK(false, bounded_diagnosis(c, head, "Backend error: " + error_message(e),
+                                       diagnosis_budget(c.timeout) * 2 + std::chrono::seconds(1)));
+}
+
 }  // namespace detail
 
 void report_failure(const std::string& message) {

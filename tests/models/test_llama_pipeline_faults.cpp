@@ -140,6 +140,8 @@ TEST(LlamaPipelineFaults, ARankKilledMidStepEndsEveryRankNamingIt) {
       if (r == kFailed) continue;
       SCOPED_TRACE("rank " + std::to_string(r));
       expect_named(out[r], r, what);
+      // Its own diagnosis, or that of the peer whose failure report reached it first.
+      EXPECT_CONTAINS(out[r].message, "rank 5 did not answer within 1 s (stopped, killed, or busy");
       // Those waiting for rank 5 see its connections close, or (the others) their peers' reports.
       EXPECT_LT(out[r].seconds - out[kFailed].seconds, kTimeout + 2.0) << what;
     }
