@@ -67,8 +67,8 @@ PendingResult launch(const char* name, CommType type, ProcessGroup& pg, const at
     }
     work = issue(backend_for(pg, input));
   } catch (const std::exception& e) {
-    TORCH_CHECK(false, "dtensor: rank ", pg.global_rank(pg.rank()), ": ", what,
-                " failed: ", error_message(e));
+    detail::issue_failed(pg, seq, pg.name(),
+                         "rank " + std::to_string(pg.global_rank(pg.rank())) + ": " + what, e);
   }
   detail::attach(work.get(), pg, seq, pg.name(), /*blocks=*/false);
   return PendingResult(std::move(work), std::move(buffer), std::move(finish),
@@ -350,7 +350,7 @@ PendingResult launch_p2p(bool sending, ProcessGroup& pg, int peer, int tag, at::
     c10d::Backend& b = backend_for(pg, buffer);
     work = sending ? b.send(v, peer, tag) : b.recv(v, peer, tag);
   } catch (const std::exception& e) {
-    TORCH_CHECK(false, "dtensor: ", what, " failed: ", error_message(e));
+    detail::issue_failed(pg, seq, channel, what, e);
   }
   detail::attach(work.get(), pg, seq, channel,
                  buffer.device().is_cpu() && detail::cpu_collectives_block());

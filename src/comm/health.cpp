@@ -16,6 +16,7 @@
 #include <cstring>
 #include <deque>
 #include <exception>
+#include <functional>
 #include <map>
 #include <mutex>
 #include <optional>
@@ -628,10 +629,13 @@ std::string signature(const at::Tensor& t) {
 
 namespace {
 
-// begin_collective on the group or p2p channel `name` over `members` (global ranks).
+// begin_collective on the group or p2p channel `name` over `members` (global ranks). `shown`:
+// what a message says this rank was about to do (`seq` filled in), by default
+// "<op> <signature> (collective #<seq> on group <name>)".
 int64_t begin_on(const std::string& name, const std::vector<int>& group_members,
                  const std::string& group_label, std::chrono::milliseconds timeout, const char* op,
-                 const at::Tensor& t) {
+                 const at::Tensor& t,
+                 const std::function<std::string(int64_t seq)>& shown = nullptr) {
   auto& h = health();
   Fingerprint f{0, op, signature(t), ModuleScope::current()};
   c10::intrusive_ptr<c10d::Store> store;
@@ -654,8 +658,10 @@ int64_t begin_on(const std::string& name, const std::vector<int>& group_members,
       label = gs.label;
     }
   }
-  throw_if_peer_failed(std::string(op) + " " + f.sig + " (collective #" + std::to_string(f.seq) +
-                       " on group " + name + ")");
+  const std::string where = shown ? shown(f.seq)
+                                  : std::string(op) + " " + f.sig + " (collective #" +
+                                        std::to_string(f.seq) + " on group " + name + ")";
+  throw_if_peer_failed(where);
   if (!store) return f.seq;
   // DTENSOR_CHECK_COLLECTIVES: every member publishes its fingerprint and compares.
   const std::string base = h.prefix + "check/" + name + "/" + std::to_string(f.seq) + "/";
@@ -670,8 +676,7 @@ int64_t begin_on(const std::string& name, const std::vector<int>& group_members,
     while (!store->check({key}) && Clock::now() < deadline && !h.peer_failed.load()) {
       std::this_thread::sleep_for(std::chrono::milliseconds(1));
     }
-    throw_if_peer_failed(std::string(op) + " " + f.sig + " (collective #" + std::to_string(f.seq) +
-                         " on group " + name + ")");
+    throw_if_peer_failed(where);
     if (!store->check({key})) {
       silent.push_back(r);
       continue;
@@ -717,8 +722,17 @@ int64_t begin_p2p(ProcessGroup& pg, int src, int dst, const at::Tensor& t) {
   const std::string channel = p2p_channel(pg, src, dst);
   // One fingerprint for both ends ("p2p float64[2,8,32]"), so a send and its receive compare
   // equal and a shape mismatch shows in the diagnosis.
-  return begin_on(channel, {pg.global_rank(src), pg.global_rank(dst)},
-                  channel + " (of " + group_label(pg) + ")", pg.timeout(), "p2p", t);
+  // A message says which end this rank is: "recv float64[2,8,32] from global rank 4 (message
+  // #3 on channel group0[0,4]:1->0)".
+  const bool sending = pg.rank() == src;
+  const std::string shown = std::string(sending ? "send " : "recv ") + signature(t) +
+                            (sending ? " to" : " from") + " global rank " +
+                            std::to_string(pg.global_rank(sending ? dst : src));
+  return begin_on(
+      channel, {pg.global_rank(src), pg.global_rank(dst)},
+      channel + " (of " + group_label(pg) + ")", pg.timeout(), "p2p", t, [&](int64_t seq) {
+        return shown + " (message #" + std::to_string(seq) + " on channel " + channel + ")";
+      });
 }
 
 void attach(const c10d::Work* work, ProcessGroup& pg, int64_t seq, const std::string& group,
@@ -832,6 +846,19 @@ void wait_collective(c10d::Work& work, const std::string& what) {
                                   diagnosis_budget(c.timeout) * 2 + std::chrono::seconds(1)));
   }
   if (!failure.empty()) stop_waiting();
+}
+
+void issue_failed(ProcessGroup& pg, int64_t seq, const std::string& group, const std::string& what,
+                  const std::exception& e) {
+  auto& h = health();
+  const std::string head = "dtensor: " + what + " failed: ";
+  if (h.peer_failed.load()) {
+    std::lock_guard<std::mutex> g(h.mu);
+    TORCH_CHECK(false, head, h.peer_failure, " (every rank stops when one fails)");
+  }
+  const WorkContext c{group, seq, pg.timeout()};
+  TORCH_CHECK(false, bounded_diagnosis(c, head, "Backend error: " + error_message(e),
+                                       diagnosis_budget(c.timeout) * 2 + std::chrono::seconds(1)));
 }
 
 }  // namespace detail

@@ -81,5 +81,9 @@ class BlockingSection {
 // a future (point-to-point) is waited on directly: Gloo's is aborted when a peer fails, an MPI
 // request waits inside a BlockingSection.
 void wait_collective(c10d::Work& work, const std::string& what);
+// For collective #`seq` of the group or channel `group` whose issue threw `e` on this rank (a
+// peer's connection already closed): throws as wait_collective does, with the diagnosis.
+[[noreturn]] void issue_failed(ProcessGroup& pg, int64_t seq, const std::string& group,
+                               const std::string& what, const std::exception& e);
 
 }  // namespace dtensor::comm::detail

@@ -345,6 +345,27 @@ TEST(CollectiveFaults, ReportFailureStopsAPeerInABarrier) {
   EXPECT_LT(out[0].seconds, 1.5) << describe(out);
 }
 
+// A receive that a failure stops before it starts names its end of the channel and the peer.
+TEST(CollectiveFaults, AMessageNotStartedNamesItsDirectionAndPeer) {
+  auto out = traced(run_ranks_collect(
+      2,
+      [](int rank) {
+        loop(2, [](int) {});
+        if (rank == 1) {
+          comm::report_failure("rank 1 gave up on purpose");
+          std::this_thread::sleep_for(std::chrono::milliseconds(1500));
+          return;
+        }
+        std::this_thread::sleep_for(std::chrono::milliseconds(800));  // the report arrives
+        comm::recv(at::ones({4}), 1, *comm::world_group());
+      },
+      kOpts));
+  EXPECT_TRUE(exited(out[0], 2)) << describe(out);
+  EXPECT_CONTAINS(out[0].message,
+                  "recv float32[4] from global rank 1 (message #1 on channel world:1->0) not "
+                  "started: rank 1 failed: rank 1 gave up on purpose");
+}
+
 // ---- what a person reads ---------------------------------------------------------------------
 
 // An uncaught error in a rank prints its message once, without LibTorch's C++ stack trace or
