@@ -24,6 +24,7 @@
 #include "support/temp_dir.h"
 
 using namespace dtensor;
+using dtensor::testing::describe_outcomes;
 using dtensor::testing::RankOutcome;
 using dtensor::testing::run_ranks_collect;
 
@@ -59,25 +60,9 @@ void claim(int rank, int world_size, int port) {
   ::unsetenv("TORCHELASTIC_USE_AGENT_STORE");
 }
 
-std::string describe(const std::vector<RankOutcome>& out) {
-  std::ostringstream o;
-  for (size_t r = 0; r < out.size(); ++r) {
-    o << "process " << r << ": ";
-    if (out[r].hung) {
-      o << "HUNG";
-    } else if (WIFSIGNALED(out[r].status)) {
-      o << "signal " << WTERMSIG(out[r].status);
-    } else {
-      o << "exit " << WEXITSTATUS(out[r].status);
-    }
-    o << " after " << out[r].seconds << " s: " << out[r].message << "\n";
-  }
-  return o.str();
-}
-
 // DTENSOR_TEST_TRACE=1 prints how every rank ended, also when the test passes.
 std::vector<RankOutcome> traced(std::vector<RankOutcome> out) {
-  if (std::getenv("DTENSOR_TEST_TRACE")) std::fprintf(stderr, "%s", describe(out).c_str());
+  if (std::getenv("DTENSOR_TEST_TRACE")) std::fprintf(stderr, "%s", describe_outcomes(out).c_str());
   return out;
 }
 
@@ -91,13 +76,13 @@ bool exited(const RankOutcome& o, int code) {
 void expect_divergence_named(const std::vector<RankOutcome>& out, const std::string& divergence) {
   bool named = false;
   for (const auto& o : out) {
-    EXPECT_FALSE(o.hung) << describe(out);
-    EXPECT_LT(o.seconds, kTimeout + 2.0) << describe(out);
+    EXPECT_FALSE(o.hung) << describe_outcomes(out);
+    EXPECT_LT(o.seconds, kTimeout + 2.0) << describe_outcomes(out);
     if (o.message.empty()) continue;
     EXPECT_CONTAINS(o.message, divergence);
     named = true;
   }
-  EXPECT_TRUE(named) << describe(out);
+  EXPECT_TRUE(named) << describe_outcomes(out);
 }
 
 // A loop of all_reduces on the world; `fault(i)` runs on every rank before collective i+1.
@@ -126,7 +111,7 @@ TEST(RendezvousFaults, RankWithoutRankZeroFailsWithinTheTimeoutNamingRankZero) {
         EXPECT_LT(seconds_since(t0), kTimeout + 1.0);
       },
       no_init()));
-  EXPECT_TRUE(exited(out[0], 0)) << describe(out);
+  EXPECT_TRUE(exited(out[0], 0)) << describe_outcomes(out);
 }
 
 TEST(RendezvousFaults, WorldSizeMismatchIsNamedOnEveryRank) {
@@ -143,7 +128,7 @@ TEST(RendezvousFaults, WorldSizeMismatchIsNamedOnEveryRank) {
         EXPECT_LT(seconds_since(t0), kFaultSeenWithin);
       },
       no_init(kArrivalBound)));
-  EXPECT_TRUE(exited(out[0], 0) && exited(out[1], 0)) << describe(out);
+  EXPECT_TRUE(exited(out[0], 0) && exited(out[1], 0)) << describe_outcomes(out);
 }
 
 // Rank 0 hosts the store: when rank 2 never comes, rank 1 must not die with the store's bare
@@ -163,7 +148,7 @@ TEST(RendezvousFaults, EveryRankNamesTheRankThatNeverCame) {
       },
       // Ranks 0 and 1 must both have joined by then to be told apart from rank 2.
       no_init(std::chrono::seconds(6))));
-  EXPECT_TRUE(exited(out[0], 0) && exited(out[1], 0)) << describe(out);
+  EXPECT_TRUE(exited(out[0], 0) && exited(out[1], 0)) << describe_outcomes(out);
 }
 
 TEST(RendezvousFaults, TwoProcessesClaimingOneRankAllFailNamingBoth) {
@@ -179,9 +164,9 @@ TEST(RendezvousFaults, TwoProcessesClaimingOneRankAllFailNamingBoth) {
       },
       no_init(kArrivalBound)));
   for (size_t p = 0; p < out.size(); ++p) {
-    EXPECT_TRUE(exited(out[p], 2)) << describe(out);
+    EXPECT_TRUE(exited(out[p], 2)) << describe_outcomes(out);
     EXPECT_CONTAINS(out[p].message, "rank 1 joined twice (pid ");
-    EXPECT_LT(out[p].seconds, kFaultSeenWithin) << describe(out);
+    EXPECT_LT(out[p].seconds, kFaultSeenWithin) << describe_outcomes(out);
   }
 }
 
@@ -200,10 +185,10 @@ std::vector<RankOutcome> rank1_throws(int at, int delay_ms, const std::string& w
         });
       },
       kOpts));
-  EXPECT_TRUE(exited(out[1], 2)) << describe(out);
-  EXPECT_TRUE(exited(out[0], 2)) << describe(out);
+  EXPECT_TRUE(exited(out[1], 2)) << describe_outcomes(out);
+  EXPECT_TRUE(exited(out[0], 2)) << describe_outcomes(out);
   EXPECT_CONTAINS(out[0].message, "rank 1 failed: rank 1 threw: " + what);
-  EXPECT_LT(out[0].seconds - out[1].seconds, 2.0) << describe(out);
+  EXPECT_LT(out[0].seconds - out[1].seconds, 2.0) << describe_outcomes(out);
   return out;
 }
 
@@ -229,12 +214,12 @@ TEST(CollectiveFaults, KilledRankIsNamedByTheOthersWithinTwoSeconds) {
         });
       },
       kOpts));
-  ASSERT_TRUE(!out[1].hung && WIFSIGNALED(out[1].status)) << describe(out);
-  EXPECT_TRUE(exited(out[0], 2)) << describe(out);
+  ASSERT_TRUE(!out[1].hung && WIFSIGNALED(out[1].status)) << describe_outcomes(out);
+  EXPECT_TRUE(exited(out[0], 2)) << describe_outcomes(out);
   EXPECT_CONTAINS(out[0].message, "rank 0: all_reduce float32[4]");
   EXPECT_CONTAINS(out[0].message, "collective #11 on group world");
   EXPECT_CONTAINS(out[0].message, "rank 1 did not answer");
-  EXPECT_LT(out[0].seconds - out[1].seconds, 2.0) << describe(out);
+  EXPECT_LT(out[0].seconds - out[1].seconds, 2.0) << describe_outcomes(out);
 }
 
 TEST(CollectiveFaults, StoppedRankIsNamedWithinTheTimeoutAndEndsWhenContinued) {
@@ -253,16 +238,16 @@ TEST(CollectiveFaults, StoppedRankIsNamedWithinTheTimeoutAndEndsWhenContinued) {
         });
       },
       kOpts));
-  EXPECT_TRUE(exited(out[0], 2)) << describe(out);
+  EXPECT_TRUE(exited(out[0], 2)) << describe_outcomes(out);
   EXPECT_CONTAINS(out[0].message, "rank 0: all_reduce float32[4]");
   EXPECT_CONTAINS(out[0].message, "collective #6 on group world");
   EXPECT_CONTAINS(out[0].message, "rank 1 did not answer");
   // Within the timeout: the backend waits the timeout less the time the diagnosis may take.
-  EXPECT_LT(out[0].seconds, kTimeout + 0.5) << describe(out);
+  EXPECT_LT(out[0].seconds, kTimeout + 0.5) << describe_outcomes(out);
   // Continued, rank 1 learns of rank 0's failure at its next collective.
-  EXPECT_TRUE(exited(out[1], 2)) << describe(out);
+  EXPECT_TRUE(exited(out[1], 2)) << describe_outcomes(out);
   EXPECT_CONTAINS(out[1].message, "rank 0 failed");
-  EXPECT_LT(out[1].seconds, kStopped + 2.0) << describe(out);
+  EXPECT_LT(out[1].seconds, kStopped + 2.0) << describe_outcomes(out);
 }
 
 TEST(CollectiveFaults, SkippedCollectiveNamesTheFirstDivergentFingerprint) {
@@ -297,11 +282,11 @@ TEST(CollectiveFaults, CheckModeNamesADifferentShapeBeforeIssuingIt) {
       kOpts));
   ::unsetenv("DTENSOR_CHECK_COLLECTIVES");
   for (int r = 0; r < 2; ++r) {
-    EXPECT_TRUE(exited(out[r], 2)) << describe(out);
+    EXPECT_TRUE(exited(out[r], 2)) << describe_outcomes(out);
     EXPECT_CONTAINS(out[r].message,
                     "ranks diverge at collective #6 on group world: rank 0 "
                     "all_reduce float32[1,4], rank 1 all_reduce float32[2,4]");
-    EXPECT_LT(out[r].seconds, 2.0) << describe(out);
+    EXPECT_LT(out[r].seconds, 2.0) << describe_outcomes(out);
   }
 }
 
@@ -330,7 +315,7 @@ TEST(CollectiveFaults, NormalExitAtDifferentTimesDoesNotFire) {
         comm::destroy_process_group();
       },
       kOpts));
-  EXPECT_TRUE(exited(out[0], 0) && exited(out[1], 0)) << describe(out);
+  EXPECT_TRUE(exited(out[0], 0) && exited(out[1], 0)) << describe_outcomes(out);
 }
 
 TEST(CollectiveFaults, ReportFailureStopsAPeerInABarrier) {
@@ -346,10 +331,10 @@ TEST(CollectiveFaults, ReportFailureStopsAPeerInABarrier) {
         comm::barrier();
       },
       kOpts));
-  EXPECT_TRUE(exited(out[1], 0)) << describe(out);
-  EXPECT_TRUE(exited(out[0], 2)) << describe(out);
+  EXPECT_TRUE(exited(out[1], 0)) << describe_outcomes(out);
+  EXPECT_TRUE(exited(out[0], 2)) << describe_outcomes(out);
   EXPECT_CONTAINS(out[0].message, "barrier not started: rank 1 failed: rank 1 gave up on purpose");
-  EXPECT_LT(out[0].seconds, 1.5) << describe(out);
+  EXPECT_LT(out[0].seconds, 1.5) << describe_outcomes(out);
 }
 
 // A receive that a failure stops before it starts names its end of the channel and the peer.
@@ -367,7 +352,7 @@ TEST(CollectiveFaults, AMessageNotStartedNamesItsDirectionAndPeer) {
         comm::recv(at::ones({4}), 1, *comm::world_group());
       },
       kOpts));
-  EXPECT_TRUE(exited(out[0], 2)) << describe(out);
+  EXPECT_TRUE(exited(out[0], 2)) << describe_outcomes(out);
   EXPECT_CONTAINS(out[0].message,
                   "recv float32[4] from global rank 1 (message #1 on channel world:1->0) not "
                   "started: rank 1 failed: rank 1 gave up on purpose");
@@ -399,6 +384,6 @@ TEST(CollectiveFaults, UncaughtErrorIsOneMessageWithoutAStackTrace) {
     EXPECT_EQ(text.find("frame #"), std::string::npos) << text;
     EXPECT_EQ(text.find("Exception raised from"), std::string::npos) << text;
   }
-  EXPECT_TRUE(exited(out[0], 2)) << describe(out);
+  EXPECT_TRUE(exited(out[0], 2)) << describe_outcomes(out);
   EXPECT_CONTAINS(out[0].message, "rank 1 failed: uncaught exception: injected uncaught failure");
 }

@@ -44,18 +44,6 @@ const RunOptions kOpts{.timeout = std::chrono::seconds(60),
 enum class Kind { OneFOneB, Interleaved };
 enum class Fault { Throw, Kill };
 
-std::string describe(const std::vector<RankOutcome>& out) {
-  std::ostringstream o;
-  for (size_t r = 0; r < out.size(); ++r) {
-    o << "rank " << r << ": "
-      << (out[r].hung                  ? std::string("HUNG")
-          : WIFSIGNALED(out[r].status) ? "signal " + std::to_string(WTERMSIG(out[r].status))
-                                       : "exit " + std::to_string(WEXITSTATUS(out[r].status)))
-      << " after " << out[r].seconds << " s: " << out[r].message << "\n";
-  }
-  return o.str();
-}
-
 // One step of this rank's stages; rank kFailed meets `fault`.
 void train(int rank, Kind kind, Fault fault) {
   auto mesh = init_device_mesh("cpu", {2, 2, 2}, {"pp", "dp", "tp"});
@@ -123,7 +111,7 @@ void expect_named(const RankOutcome& o, int r, const std::string& what) {
 std::vector<RankOutcome> run(Kind kind, Fault fault) {
   auto out = run_ranks_collect(
       kRanks, [kind, fault](int rank) { train(rank, kind, fault); }, kOpts);
-  if (std::getenv("DTENSOR_TEST_TRACE")) std::fprintf(stderr, "%s", describe(out).c_str());
+  if (std::getenv("DTENSOR_TEST_TRACE")) std::fprintf(stderr, "%s", describe_outcomes(out).c_str());
   return out;
 }
 
@@ -133,7 +121,7 @@ TEST(LlamaPipelineFaults, ARankKilledMidStepEndsEveryRankNamingIt) {
   for (Kind kind : {Kind::OneFOneB, Kind::Interleaved}) {
     SCOPED_TRACE(kind_name(kind));
     auto out = run(kind, Fault::Kill);
-    const std::string what = describe(out);
+    const std::string what = describe_outcomes(out);
     ASSERT_EQ(out.size(), static_cast<size_t>(kRanks));
     ASSERT_TRUE(!out[kFailed].hung && WIFSIGNALED(out[kFailed].status)) << what;
     for (int r = 0; r < kRanks; ++r) {
@@ -152,7 +140,7 @@ TEST(LlamaPipelineFaults, AStageThatRaisesEndsEveryRankNamingIt) {
   for (Kind kind : {Kind::OneFOneB, Kind::Interleaved}) {
     SCOPED_TRACE(kind_name(kind));
     auto out = run(kind, Fault::Throw);
-    const std::string what = describe(out);
+    const std::string what = describe_outcomes(out);
     ASSERT_EQ(out.size(), static_cast<size_t>(kRanks));
     EXPECT_CONTAINS(out[kFailed].message,
                     std::string("rank 5 threw: dtensor: pipeline stage 1 of ") +

@@ -23,6 +23,7 @@
 
 using namespace dtensor;
 using namespace dtensor::models;
+using dtensor::testing::describe_outcomes;
 using dtensor::testing::RankOutcome;
 using dtensor::testing::run_ranks_collect;
 
@@ -45,14 +46,8 @@ struct Point {
 std::string describe(const std::vector<RankOutcome>& out, const Point& p) {
   std::ostringstream o;
   o << "fault at step " << p.step << (p.backward ? ", gradient of " : ", forward of ") << p.where
-    << "\n";
-  for (size_t r = 0; r < out.size(); ++r) {
-    o << "rank " << r << ": "
-      << (out[r].hung                  ? std::string("HUNG")
-          : WIFSIGNALED(out[r].status) ? "signal " + std::to_string(WTERMSIG(out[r].status))
-                                       : "exit " + std::to_string(WEXITSTATUS(out[r].status)))
-      << " after " << out[r].seconds << " s: " << out[r].message << "\n";
-  }
+    << "\n"
+    << describe_outcomes(out);
   return o.str();
 }
 

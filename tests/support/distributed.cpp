@@ -307,4 +307,20 @@ void run_ranks(int world_size, const std::function<void(int)>& body, const RunOp
          << e;
 }
 
+std::string describe_outcomes(const std::vector<RankOutcome>& out) {
+  std::ostringstream o;
+  for (size_t r = 0; r < out.size(); ++r) {
+    o << "rank " << r << ": ";
+    if (out[r].hung) {
+      o << "HUNG";
+    } else if (WIFSIGNALED(out[r].status)) {
+      o << "signal " << WTERMSIG(out[r].status);
+    } else {
+      o << "exit " << WEXITSTATUS(out[r].status);
+    }
+    o << " after " << out[r].seconds << " s: " << out[r].message << "\n";
+  }
+  return o.str();
+}
+
 }  // namespace dtensor::testing

@@ -20,4 +20,7 @@ struct RankOutcome {
 std::vector<RankOutcome> run_ranks_collect(int world_size, const std::function<void(int)>& body,
                                            const RunOptions& options);
 
+// One line per rank: how it ended (exit code, signal or HUNG), when, and its message.
+std::string describe_outcomes(const std::vector<RankOutcome>& out);
+
 }  // namespace dtensor::testing
