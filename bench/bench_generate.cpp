@@ -47,7 +47,8 @@ same run (bench/hf_generate.py; left out when python3 cannot import transformers
          greedy_matches_hf=<1 when HF's greedy tokens of prompt 0 equal ours at TP=1>
 
 options:
-  --preset NAME    model preset with random weights (default bench; tiny, demo)
+  --preset NAME    model preset with random weights (default bench; tiny, demo), or qwen3:
+                   Qwen3-0.6B's layer shape (head_dim 128, q/k norms, tied) with 6 layers
   --batch N        prompts (default 1)
   --prompt N       tokens per prompt (default 128)
   --new N          new tokens per prompt (default 64, at least 2)
@@ -73,9 +74,30 @@ struct Numbers {
   std::string tokens;  // prompt 0's new tokens, comma-separated
 };
 
+// Qwen3-0.6B's layer (width 1024, 16 heads of 128 = twice 1024 / 16, 8 KV heads, FFN 3072,
+// q/k norms, tied embeddings, rope base 1e6) with 6 layers and a 32k vocabulary, so that
+// the four runs take minutes on one core each. save_hf_llama writes it as Qwen3ForCausalLM.
+models::LlamaConfig qwen3_shaped() {
+  models::LlamaConfig c;
+  c.dim = 1024;
+  c.n_layers = 6;
+  c.n_heads = 16;
+  c.n_kv_heads = 8;
+  c.head_size = 128;
+  c.ffn_hidden_dim = 3072;
+  c.vocab_size = 32000;
+  c.qk_norm = true;
+  c.tie_embeddings = true;
+  c.rope_theta = 1e6;
+  c.norm_eps = 1e-6;
+  c.max_seq_len = 4096;
+  return c;
+}
+
 // The same model on every rank and in the HF copy: the preset, parameters from seed 0.
 models::Transformer make_model(const Options& o) {
-  return models::Transformer(models::LlamaConfig::preset(o.preset));
+  return models::Transformer(o.preset == "qwen3" ? qwen3_shaped()
+                                                 : models::LlamaConfig::preset(o.preset));
 }
 
 // The prompts: seed 1, uniform token ids.
@@ -262,7 +284,7 @@ int main(int argc, char** argv) {
   namespace cli = dtensor::cli;
   Options o;
   CLI::App app("", "bench_generate");
-  app.add_option("--preset", o.preset)->check(cli::one_of({"tiny", "demo", "bench"}));
+  app.add_option("--preset", o.preset)->check(cli::one_of({"tiny", "demo", "bench", "qwen3"}));
   app.add_option("--batch", o.batch)->check(cli::integer(1));
   app.add_option("--prompt", o.prompt)->check(cli::integer(1));
   app.add_option("--new", o.new_tokens)->check(cli::integer(2));

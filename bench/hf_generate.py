@@ -2,7 +2,8 @@
 """Hugging Face transformers' side of bench_generate: greedy prefill + decode with the KV cache.
 
 bench_generate saves its model with save_hf_llama and the prompts as lines of token ids, then
-runs this script. It loads the checkpoint with LlamaForCausalLM (float32, PyTorch eager, HF's
+runs this script. It loads the checkpoint with AutoModelForCausalLM (the family config.json
+names: Llama, Qwen3, ...; float32, PyTorch eager, HF's
 default attention; --device cuda --dtype bfloat16 for bench_cuda), one intra-op thread, and
 times what generate() in C++ times: the prefill
 (one forward over the prompts, first new token by argmax) and the decode steps (one forward of
@@ -28,7 +29,7 @@ def main():
     a = p.parse_args()
     try:
         import torch
-        from transformers import LlamaForCausalLM
+        from transformers import AutoModelForCausalLM
     except ImportError as e:
         print(f"skip {e}")
         return 0
@@ -39,7 +40,7 @@ def main():
         print("skip prompts of different lengths are not supported here")
         return 0
     dtype = getattr(torch, a.dtype)
-    model = LlamaForCausalLM.from_pretrained(a.model, dtype=dtype).to(a.device).eval()
+    model = AutoModelForCausalLM.from_pretrained(a.model, dtype=dtype).to(a.device).eval()
     ids = torch.tensor(rows, dtype=torch.long, device=a.device)
     # CUDA runs asynchronously: wait for the GPU before reading the clock.
     sync = torch.cuda.synchronize if a.device.startswith("cuda") else (lambda: None)
