@@ -431,9 +431,7 @@ void init_process_group(const InitOptions& options_in) {
   so.isServer = e.rank == 0 && !agent_store;
   so.numWorkers = e.world_size;
   so.waitWorkers = false;  // rendezvous() below works whoever hosts the store
-  // Connecting is joining too (the host of the store may be slow to answer on a busy machine);
-  // the store's operations get the timeout once connected.
-  so.timeout = join_bound;
+  so.timeout = options.timeout;
   if (!so.isServer && !wait_for_listener(e.master_addr, e.master_port, deadline)) {
     TORCH_CHECK(false, "dtensor: rank ", e.rank, ": no ", agent_store ? "launcher store" : "rank 0",
                 " at ", where(e), " after ", seconds(join_bound),
@@ -443,7 +441,6 @@ void init_process_group(const InitOptions& options_in) {
   c10::intrusive_ptr<c10d::TCPStore> store;
   try {
     store = c10::make_intrusive<c10d::TCPStore>(e.master_addr, so);
-    store->setTimeout(options.timeout);
   } catch (const std::exception& ex) {
     TORCH_CHECK(false, "dtensor: rank ", e.rank, " could not rendezvous with ", e.world_size,
                 " ranks at ", where(e), " within ", seconds(join_bound),
