@@ -12,6 +12,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
+#include <functional>
 #include <iterator>
 #include <sstream>
 #include <thread>
@@ -318,19 +319,24 @@ TEST(CollectiveFaults, NormalExitAtDifferentTimesDoesNotFire) {
   EXPECT_TRUE(exited(out[0], 0) && exited(out[1], 0)) << describe_outcomes(out);
 }
 
-TEST(CollectiveFaults, ReportFailureStopsAPeerInABarrier) {
-  auto out = traced(run_ranks_collect(
+// Rank 1 reports a failure after two collectives and lingers 1.5 s; rank 0 then runs `next`.
+std::vector<RankOutcome> rank1_reports_failure(const std::function<void()>& next) {
+  return traced(run_ranks_collect(
       2,
-      [](int rank) {
+      [&next](int rank) {
         loop(2, [](int) {});
         if (rank == 1) {
           comm::report_failure("rank 1 gave up on purpose");
           std::this_thread::sleep_for(std::chrono::milliseconds(1500));
           return;
         }
-        comm::barrier();
+        next();
       },
       kOpts));
+}
+
+TEST(CollectiveFaults, ReportFailureStopsAPeerInABarrier) {
+  auto out = rank1_reports_failure([] { comm::barrier(); });
   EXPECT_TRUE(exited(out[1], 0)) << describe_outcomes(out);
   EXPECT_TRUE(exited(out[0], 2)) << describe_outcomes(out);
   EXPECT_CONTAINS(out[0].message, "barrier not started: rank 1 failed: rank 1 gave up on purpose");
@@ -339,19 +345,10 @@ TEST(CollectiveFaults, ReportFailureStopsAPeerInABarrier) {
 
 // A receive that a failure stops before it starts names its end of the channel and the peer.
 TEST(CollectiveFaults, AMessageNotStartedNamesItsDirectionAndPeer) {
-  auto out = traced(run_ranks_collect(
-      2,
-      [](int rank) {
-        loop(2, [](int) {});
-        if (rank == 1) {
-          comm::report_failure("rank 1 gave up on purpose");
-          std::this_thread::sleep_for(std::chrono::milliseconds(1500));
-          return;
-        }
-        std::this_thread::sleep_for(std::chrono::milliseconds(800));  // the report arrives
-        comm::recv(at::ones({4}), 1, *comm::world_group());
-      },
-      kOpts));
+  auto out = rank1_reports_failure([] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(800));  // the report arrives
+    comm::recv(at::ones({4}), 1, *comm::world_group());
+  });
   EXPECT_TRUE(exited(out[0], 2)) << describe_outcomes(out);
   EXPECT_CONTAINS(out[0].message,
                   "recv float32[4] from global rank 1 (message #1 on channel world:1->0) not "
