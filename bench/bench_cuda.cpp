@@ -27,6 +27,7 @@
 #include "dtensor/models/generate.h"
 #include "dtensor/models/hf_checkpoint.h"
 #include "dtensor/models/llama.h"
+#include "hf_generate.h"
 
 using namespace dtensor;
 using Clock = std::chrono::steady_clock;
@@ -158,49 +159,19 @@ Decode time_decode(const Options& o, const DeviceMesh& mesh) {
 }
 
 std::optional<Decode> time_hf(const Options& o) {
-  namespace fs = std::filesystem;
-  const fs::path dir = fs::temp_directory_path() / ("bench_cuda." + std::to_string(::getpid()));
-  fs::create_directories(dir);
-  struct Cleanup {
-    fs::path dir;
-    ~Cleanup() {
-      std::error_code ec;
-      fs::remove_all(dir, ec);
-    }
-  } cleanup{dir};
-  {
-    models::Transformer model(models::LlamaConfig::preset(o.preset));
-    model->init_weights(0);
-    models::save_hf_llama((dir / "model").string(), *model);
-    std::ofstream prompts(dir / "prompts.txt");
-    for (const auto& row : make_prompts(o, model->config().vocab_size)) {
-      for (size_t i = 0; i < row.size(); ++i) prompts << (i ? " " : "") << row[i];
-      prompts << "\n";
-    }
-  }
-  const std::string cmd =
-      "TRANSFORMERS_VERBOSITY=error HF_HUB_DISABLE_PROGRESS_BARS=1 " + o.python + " " +
-      dtensor::bench::find_script(o.hf_script) + " --model " + (dir / "model").string() +
-      " --prompts " + (dir / "prompts.txt").string() + " --new " + std::to_string(o.new_tokens) +
-      " --rounds 3 --device cuda --dtype bfloat16";
-  const auto r = dtensor::bench::run_command(cmd);
-  const std::string out = r ? r->out : "";
-  const auto at = out.rfind("ok ");
-  if (!r || r->status != 0 || at == std::string::npos) {
-    std::printf("transformers left out: %s\n",
-                out.empty() ? "the script failed (see above)" : out.c_str());
+  models::Transformer model(models::LlamaConfig::preset(o.preset));
+  model->init_weights(0);
+  std::string why;
+  const auto f = dtensor::bench::hf_generate(*model, make_prompts(o, model->config().vocab_size),
+                                             o.python, o.hf_script, o.new_tokens,
+                                             "--rounds 3 --device cuda --dtype bfloat16", &why);
+  if (!f) {
+    std::printf("transformers left out: %s\n", why.c_str());
     return std::nullopt;
   }
   Decode d;
-  std::istringstream in(out.substr(at + 3));
-  std::string field;
-  while (in >> field) {
-    const auto eq = field.find('=');
-    if (eq == std::string::npos) continue;
-    const std::string key = field.substr(0, eq), value = field.substr(eq + 1);
-    if (key == "decode_tps") d.tps = std::stod(value);
-    if (key == "tokens") d.tokens = value;
-  }
+  if (f->count("decode_tps")) d.tps = std::stod(f->at("decode_tps"));
+  if (f->count("tokens")) d.tokens = f->at("tokens");
   return d;
 }
 

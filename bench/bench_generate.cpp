@@ -32,6 +32,7 @@
 #include "dtensor/mesh/device_mesh.h"
 #include "dtensor/models/generate.h"
 #include "dtensor/models/hf_checkpoint.h"
+#include "hf_generate.h"
 
 namespace {
 
@@ -230,51 +231,20 @@ std::optional<Numbers> run_tp2_mpi(const Options& o, int port) {
 // Transformers on the same weights and prompts; nullopt (with the reason on stderr) when it
 // cannot run here.
 std::optional<Numbers> run_hf(const Options& o) {
-  namespace fs = std::filesystem;
-  const fs::path dir = fs::temp_directory_path() / ("bench_generate." + std::to_string(::getpid()));
-  fs::create_directories(dir);
-  struct Cleanup {
-    fs::path dir;
-    ~Cleanup() {
-      std::error_code ec;
-      fs::remove_all(dir, ec);
-    }
-  } cleanup{dir};
-  {
-    models::Transformer model = make_model(o);
-    model->init_weights(0);
-    models::save_hf_llama((dir / "model").string(), *model);
-    std::ofstream prompts(dir / "prompts.txt");
-    for (const auto& row : make_prompts(o, model->config().vocab_size)) {
-      for (size_t i = 0; i < row.size(); ++i) prompts << (i ? " " : "") << row[i];
-      prompts << "\n";
-    }
-  }
-  const std::string cmd =
-      "OMP_NUM_THREADS=1 TRANSFORMERS_VERBOSITY=error HF_HUB_DISABLE_PROGRESS_BARS=1 python3 " +
-      dtensor::bench::find_script(o.hf_script) + " --model " + (dir / "model").string() +
-      " --prompts " + (dir / "prompts.txt").string() + " --new " + std::to_string(o.new_tokens) +
-      " --rounds " + std::to_string(o.rounds);
-  const auto r = dtensor::bench::run_command(cmd);
-  if (!r) return std::nullopt;
-  const std::string& out = r->out;
-  const auto at = out.rfind("ok ");
-  if (r->status != 0 || at == std::string::npos) {
-    std::cerr << "bench_generate: transformers left out: "
-              << (out.empty() ? "the script failed (see above)" : out) << "\n";
+  models::Transformer model = make_model(o);
+  model->init_weights(0);
+  std::string why;
+  const auto f = dtensor::bench::hf_generate(*model, make_prompts(o, model->config().vocab_size),
+                                             "OMP_NUM_THREADS=1 python3", o.hf_script, o.new_tokens,
+                                             "--rounds " + std::to_string(o.rounds), &why);
+  if (!f) {
+    std::cerr << "bench_generate: transformers left out: " << why << "\n";
     return std::nullopt;
   }
   Numbers x;
-  std::istringstream in(out.substr(at + 3));
-  std::string field;
-  while (in >> field) {
-    const auto eq = field.find('=');
-    if (eq == std::string::npos) continue;
-    const std::string key = field.substr(0, eq), value = field.substr(eq + 1);
-    if (key == "prefill_tps") x.prefill_tps = std::stod(value);
-    if (key == "decode_tps") x.decode_tps = std::stod(value);
-    if (key == "tokens") x.tokens = value;
-  }
+  if (f->count("prefill_tps")) x.prefill_tps = std::stod(f->at("prefill_tps"));
+  if (f->count("decode_tps")) x.decode_tps = std::stod(f->at("decode_tps"));
+  if (f->count("tokens")) x.tokens = f->at("tokens");
   return x;
 }
 
