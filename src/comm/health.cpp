@@ -48,10 +48,19 @@ std::string show(const Fingerprint& f) {
   return key_of(f) + (f.module.empty() ? "" : " (in " + f.module + ")");
 }
 
+// A collective a rank is waiting in, on any of its groups: in an answer to a peer's question,
+// so that a peer stuck behind this rank learns what this rank itself waits for.
+struct Wait {
+  std::string group, label;
+  std::vector<int> members;
+  Fingerprint fingerprint;
+};
+
 struct History {
   int64_t seq = 0;    // last sequence number issued
   bool left = false;  // the rank destroyed its process group normally
   std::deque<Fingerprint> ring;
+  std::vector<Wait> waits;  // filled in answers only
   const Fingerprint* at(int64_t s) const {
     for (const auto& f : ring) {
       if (f.seq == s) return &f;
@@ -89,6 +98,9 @@ struct Health {
   bool check = false;
   std::map<std::string, GroupState> groups;
   std::map<const c10d::Work*, WorkContext> works;
+  // Collectives a thread is waiting in now (wait_collective).
+  std::map<uint64_t, WorkContext> waiting;
+  uint64_t next_waiting = 0;
   // Work without a future being waited on (Gloo send/recv): aborted when a peer fails.
   std::set<c10d::Work*> abortable;
   std::string peer_failure;
@@ -139,6 +151,12 @@ std::string serialize(const History& h) {
   o << (h.left ? "left" : "at") << "\t" << h.seq << "\n";
   for (const auto& f : h.ring)
     o << f.seq << "\t" << f.op << "\t" << f.sig << "\t" << f.module << "\n";
+  for (const auto& w : h.waits) {
+    o << "waits\t" << w.group << "\t" << w.label << "\t";
+    for (size_t i = 0; i < w.members.size(); ++i) o << (i ? "," : "") << w.members[i];
+    const auto& f = w.fingerprint;
+    o << "\t" << f.seq << "\t" << f.op << "\t" << f.sig << "\t" << f.module << "\n";
+  }
   return o.str();
 }
 
@@ -152,6 +170,16 @@ History deserialize(const std::string& text) {
     if (p.size() == 2) h.seq = std::stoll(p[1]);
   }
   while (std::getline(in, line)) {
+    if (line.rfind("waits\t", 0) == 0) {
+      auto p = split(line, '\t', 8);
+      if (p.size() != 8) continue;
+      Wait w{p[1], p[2], {}, {std::stoll(p[4]), p[5], p[6], p[7]}};
+      for (const auto& r : split(p[3], ',', SIZE_MAX)) {
+        if (!r.empty()) w.members.push_back(std::stoi(r));
+      }
+      h.waits.push_back(std::move(w));
+      continue;
+    }
     auto p = split(line, '\t', 4);
     if (p.size() != 4) continue;
     h.ring.push_back({std::stoll(p[0]), p[1], p[2], p[3]});
@@ -161,6 +189,23 @@ History deserialize(const std::string& text) {
 
 std::string history_key(const std::string& prefix, const std::string& group, int rank) {
   return prefix + "hist/" + group + "/" + std::to_string(rank);
+}
+
+// What this rank's threads wait in now (collectives, MPI calls). Call with health().mu held.
+std::vector<Wait> current_waits_locked() {
+  auto& h = health();
+  std::vector<WorkContext> contexts;
+  for (const auto& [id, c] : h.waiting) contexts.push_back(c);
+  for (const auto& [id, b] : h.blocked) contexts.push_back(b.context);
+  std::vector<Wait> out;
+  for (const auto& c : contexts) {
+    auto it = h.groups.find(c.group);
+    if (it == h.groups.end()) continue;
+    const Fingerprint* f = it->second.history.at(c.seq);
+    out.push_back({c.group, it->second.label, it->second.members,
+                   f ? *f : Fingerprint{c.seq, "collective", "", ""}});
+  }
+  return out;
 }
 
 void wake_waiters() {
@@ -205,7 +250,9 @@ void handle_event(c10d::Store& store, const std::string& event) {
       std::lock_guard<std::mutex> g(h.mu);
       auto it = h.groups.find(p[2]);
       if (it == h.groups.end()) return;
-      text = serialize(it->second.history);
+      History answer = it->second.history;
+      answer.waits = current_waits_locked();
+      text = serialize(answer);
     }
     store.set(history_key(h.prefix, p[2], h.rank), text);
   }
@@ -336,8 +383,9 @@ std::chrono::milliseconds diagnosis_budget(std::chrono::milliseconds timeout) {
 namespace {
 
 // For a failed collective whose store did not answer either (`how`): the store's host is
-// unreachable from here too, so the peers the collective waited for most likely are (a network
-// down between hosts, or their host stopped). Later reports skip the store.
+// unreachable from here, and the peers the collective waited for are beyond it or wait for a
+// rank beyond it (a TP peer on this host stuck in an FSDP collective across the dead link);
+// without the store this rank cannot tell which. Later reports skip the store.
 std::string unreachable(const WorkContext& c, const std::string& how) {
   auto& h = health();
   h.store_lost.store(true);
@@ -351,10 +399,78 @@ std::string unreachable(const WorkContext& c, const std::string& how) {
       }
     }
   }
-  return "rank(s) " + peers + " of group " + label + " unreachable from rank " +
-         std::to_string(h.rank) + ": the collective failed and the store at " + h.store_where +
-         " did not answer either " + how +
-         "; the network between them is down, or their host stopped. ";
+  return "rank(s) " + peers + " of group " + label + " stopped answering rank " +
+         std::to_string(h.rank) + ", and the store at " + h.store_where +
+         " did not answer either " + how + ": the network to the store's host is down, or that " +
+         "host stopped; rank(s) " + peers + " are beyond it or wait for a rank beyond it. ";
+}
+
+// The histories that `members` of `group` (all but this rank) wrote to the store in answer to
+// a "diag" event, each waited for until `deadline`; the others go to `silent`.
+void collect_answers(c10d::Store& store, const std::string& group, const std::vector<int>& members,
+                     Clock::time_point deadline, std::map<int, History>* answers,
+                     std::vector<int>* silent) {
+  auto& h = health();
+  for (int r : members) {
+    if (r == h.rank) continue;
+    const std::string key = history_key(h.prefix, group, r);
+    bool have = store.check({key});
+    while (!have && Clock::now() < deadline) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+      have = store.check({key});
+    }
+    if (have) {
+      (*answers)[r] = deserialize(to_string(store.get(key)));
+    } else {
+      silent->push_back(r);
+    }
+  }
+}
+
+// A peer behind this rank on the failed group is often itself waiting in a collective on
+// another group (a cross-host FSDP group whose link is down, while this rank waits in a TP
+// group on its own host): names that collective and asks its group why it does not complete,
+// so the message points at the rank that is really missing.
+std::string explain_waits(c10d::Store& store, const std::string& failed_group, int64_t my_seq,
+                          const std::map<int, History>& others, Clock::time_point deadline) {
+  auto& h = health();
+  std::string out;
+  std::set<std::string> asked;
+  for (const auto& [r, theirs] : others) {
+    if (theirs.left || theirs.seq >= my_seq) continue;
+    for (const auto& w : theirs.waits) {
+      if (w.group == failed_group) continue;
+      History waiter;
+      waiter.seq = w.fingerprint.seq;
+      waiter.ring.push_back(w.fingerprint);
+      std::map<int, History> answers;
+      std::vector<int> silent, ask;
+      for (int m : w.members) {
+        if (m == r) continue;
+        if (m != h.rank) {
+          ask.push_back(m);
+          continue;
+        }
+        std::lock_guard<std::mutex> g(h.mu);
+        if (auto it = h.groups.find(w.group); it != h.groups.end()) {
+          answers[m] = it->second.history;
+        }
+      }
+      if (!ask.empty() && asked.insert(w.group).second) {
+        post_event(store, h.prefix, "diag\t" + std::to_string(h.rank) + "\t" + w.group);
+      }
+      const auto start = Clock::now();
+      collect_answers(store, w.group, ask, std::max(deadline, start + kPoll * 3), &answers,
+                      &silent);
+      const auto waited =
+          std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - start);
+      out += "rank " + std::to_string(r) + " is itself waiting in collective #" +
+             std::to_string(w.fingerprint.seq) + " " + show(w.fingerprint) + " on group " +
+             w.label + ": " + compare_histories(w.label, r, waiter, answers, silent, waited);
+      break;
+    }
+  }
+  return out;
 }
 
 // Asks the group's members where they are and names the problem. Called with a failed
@@ -373,7 +489,7 @@ std::string diagnose(const WorkContext& c) {
   auto waited = diagnosis_budget(c.timeout);
   std::map<int, History> others;
   std::vector<int> silent;
-  std::string failed;
+  std::string failed, behind;
   try {
     // A rank that reported its own failure explains the rest: do not wait for answers.
     failed = peer_failure_in_store(*store, h.prefix, h.rank);
@@ -381,25 +497,16 @@ std::string diagnose(const WorkContext& c) {
     store->set(history_key(h.prefix, c.group, h.rank), serialize(group.history));
     post_event(*store, h.prefix, "diag\t" + std::to_string(h.rank) + "\t" + c.group);
     const auto deadline = Clock::now() + waited;
-    for (int r : group.members) {
-      if (r == h.rank) continue;
-      const std::string key = history_key(h.prefix, c.group, r);
-      bool have = store->check({key});
-      while (!have && Clock::now() < deadline) {
-        std::this_thread::sleep_for(std::chrono::milliseconds(20));
-        have = store->check({key});
-      }
-      if (have) {
-        others[r] = deserialize(to_string(store->get(key)));
-      } else if (waited.count() > 0) {
-        silent.push_back(r);
-      }
+    collect_answers(*store, c.group, group.members, deadline, &others, &silent);
+    if (waited.count() == 0) silent.clear();
+    if (failed.empty()) {
+      behind = explain_waits(*store, c.group, group.history.seq, others, deadline);
     }
   } catch (const std::exception& e) {
     return failed + unreachable(c, "(" + error_message(e) + ")");
   }
   return (failed.empty() ? "" : failed + ". ") +
-         compare_histories(group.label, h.rank, group.history, others, silent, waited);
+         compare_histories(group.label, h.rank, group.history, others, silent, waited) + behind;
 }
 
 // head + diagnose(c) + tail, reported to the other ranks, computed aside: a call on a store
@@ -769,6 +876,21 @@ void wait_collective(c10d::Work& work, const std::string& what) {
   auto& h = health();
   WorkContext c;
   context_of(&work, &c);
+  // Peers that diagnose their own failure ask what this rank waits in.
+  struct WaitingHere {
+    uint64_t id = 0;
+    explicit WaitingHere(const WorkContext& c) {
+      auto& h = health();
+      std::lock_guard<std::mutex> g(h.mu);
+      id = h.next_waiting++;
+      h.waiting.emplace(id, c);
+    }
+    ~WaitingHere() {
+      auto& h = health();
+      std::lock_guard<std::mutex> g(h.mu);
+      h.waiting.erase(id);
+    }
+  } waiting_here{c};
   auto done = std::make_shared<std::atomic<bool>>(false);
   bool waitable = true;
   try {

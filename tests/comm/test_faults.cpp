@@ -355,6 +355,39 @@ TEST(CollectiveFaults, AMessageNotStartedNamesItsDirectionAndPeer) {
                   "started: rank 1 failed: rank 1 gave up on purpose");
 }
 
+// Rank 1 waits in a collective on group {0, 1} that rank 0 has not issued, because rank 0 itself
+// waits on group {0, 2} for rank 2, which is busy elsewhere (as a TP rank waits for its FSDP
+// peer across a dead link): rank 1's message goes past "rank 0 is behind" to what rank 0 waits
+// in and who is missing there.
+TEST(CollectiveFaults, PeerBehindIsFollowedToTheCollectiveItWaitsInAndTheRankMissingThere) {
+  auto out = traced(run_ranks_collect(
+      3,
+      [](int rank) {
+        auto a = comm::new_group({0, 1});
+        auto b = comm::new_group({0, 2});
+        if (a) comm::all_reduce(at::ones({4}), ReduceOp::Sum, *a);
+        if (b) comm::all_reduce(at::ones({4}), ReduceOp::Sum, *b);
+        comm::barrier();
+        if (rank == 1) comm::all_reduce(at::ones({4}), ReduceOp::Sum, *a);
+        if (rank == 0) {
+          std::this_thread::sleep_for(std::chrono::milliseconds(300));
+          comm::all_reduce(at::ones({3}), ReduceOp::Sum, *b);
+        }
+        if (rank == 2) {
+          std::this_thread::sleep_for(std::chrono::seconds(5));  // busy outside collectives
+          comm::all_reduce(at::ones({3}), ReduceOp::Sum, *b);
+        }
+      },
+      kOpts));
+  EXPECT_TRUE(exited(out[1], 2)) << describe_outcomes(out);
+  EXPECT_CONTAINS(out[1].message, "rank 0 has issued only 1 collectives on group group0[0,1]");
+  EXPECT_CONTAINS(out[1].message,
+                  "rank 0 is itself waiting in collective #2 all_reduce float32[3] on group "
+                  "group1[0,2]: rank 2 has issued only 1 collectives on group group1[0,2] while "
+                  "rank 0 waits in #2 all_reduce float32[3]");
+  for (const auto& o : out) EXPECT_FALSE(o.hung) << describe_outcomes(out);
+}
+
 // ---- what a person reads ---------------------------------------------------------------------
 
 // An uncaught error in a rank prints its message once, without LibTorch's C++ stack trace or

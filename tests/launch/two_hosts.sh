@@ -162,12 +162,12 @@ echo "case 2: host A's dtrun exited $code_a, host B's $code_b, ${took} s after t
   fail "case 2: a host's ranks were still running ${BOUND_S} s after the link went down"
 PIDS=()
 [ "$code_a" != 0 ] && [ "$code_b" != 0 ] || fail "case 2: a host's dtrun exited 0 without its peers"
-# Each host's failure names ranks of the other host (A: 2 or 3; B: 0 or 1): the store's host
-# (A) found them silent, the others found them and the store unreachable.
-names() { # names LOG R1 R2: a line naming rank R1 or R2 as silent or unreachable
-  grep -qE "rank [$2$3] did not answer|rank\(s\) ([0-9]+, )*[$2$3](, [0-9]+)* of group [^:]* unreachable" "$1"
-}
-names "$WORK/a.log" 2 3 || fail "case 2: host A's output names neither rank 2 nor rank 3"
-names "$WORK/b.log" 0 1 || fail "case 2: host B's output names neither rank 0 nor rank 1"
+# Each host's failure names the other host. The store's host (A) asks its peers and finds
+# rank 2 or 3 silent, directly or behind a rank of its own that waits for them. Host B cannot
+# reach the store and names it (at host A's address), or ranks 0 or 1 as beyond it.
+grep -qE "rank [23] did not answer" "$WORK/a.log" ||
+  fail "case 2: host A's output names neither rank 2 nor rank 3 as silent"
+grep -qE "store at $ADDR_A:$PORT did not answer|rank\(s\) ([0-9]+, )*[01](, [0-9]+)* of group [^:]* stopped answering" "$WORK/b.log" ||
+  fail "case 2: host B's output names neither host A's store nor rank 0 or 1"
 echo "case 2: passed"
 echo "2 passed, 0 failed"
