@@ -136,6 +136,11 @@ TIMEOUT_S=8
 BOUND_S=$((3 * TIMEOUT_S + 10))
 echo "case 2: link down mid-run (DTENSOR_TIMEOUT_S=$TIMEOUT_S, bound ${BOUND_S} s)"
 long_args=(--preset tiny --dp-shard 2 --steps 100000 --eval-every 0 --progress lines --log-every 1)
+# Emptied here, not only by the background launches' redirections: on a busy machine those may
+# run after the wait below has already counted case 1's step lines, and the link would go down
+# before case 2's ranks had even met (they then wait for the connect timeout, past the bound).
+: >"$WORK/a.log"
+: >"$WORK/b.log"
 host "$NS_A" 0 "$WORK/a.log" DTENSOR_TIMEOUT_S=$TIMEOUT_S GLOO_SOCKET_IFNAME="$VETH_A" -- \
   "${long_args[@]}" --out "$WORK/run_a"
 host "$NS_B" 1 "$WORK/b.log" DTENSOR_TIMEOUT_S=$TIMEOUT_S GLOO_SOCKET_IFNAME="$VETH_B" -- \
