@@ -4,6 +4,7 @@
 // decomposition writes into a plain global-size zeros tensor
 // (docs/ARCHITECTURE.md, "Why composite ops are routed to our kernel").
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/ops/_to_copy_compositeexplicitautograd_dispatch.h>
 #include <torch/library.h>
 
 #include <map>
@@ -65,6 +66,30 @@ int route_composite_ops() {
   return n;
 }
 
+// A copy to another dtype with `device=meta` spelled out (x.type_as(other), x.to(other.options()),
+// as at::rms_norm rounds its float32 result back to bfloat16) of a DTensor whose shards are meta
+// tensors (dtensor_plan): the device argument adds the Meta backend to the op's dispatch keys, and
+// Meta ranks above our key, so LibTorch's own kernel would copy the wrapper as a plain tensor of
+// the global size. This Meta kernel hands DTensors on to ours and plain tensors to LibTorch's.
+at::Tensor meta_to_copy(c10::DispatchKeySet, const at::Tensor& self,
+                        std::optional<at::ScalarType> dtype, std::optional<at::Layout> layout,
+                        std::optional<at::Device> device, std::optional<bool> pin_memory,
+                        bool non_blocking, std::optional<at::MemoryFormat> memory_format) {
+  const c10::DispatchKey key = dtensor_dispatch_key();
+  if (!self.key_set().has(key)) {
+    return at::compositeexplicitautograd::_to_copy(self, dtype, layout, device, pin_memory,
+                                                   non_blocking, memory_format);
+  }
+  static const auto op =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("aten::_to_copy", "")
+          .typed<at::Tensor(const at::Tensor&, std::optional<at::ScalarType>,
+                            std::optional<at::Layout>, std::optional<at::Device>,
+                            std::optional<bool>, bool, std::optional<at::MemoryFormat>)>();
+  return op.redispatch(c10::DispatchKeySet(key), self, dtype, layout, device, pin_memory,
+                       non_blocking, memory_format);
+}
+
 }  // namespace
 
 int registered_composite_ops() {
@@ -89,6 +114,8 @@ TORCH_LIBRARY_IMPL(_, PrivateUse1, m) {
   m.fallback(torch::CppFunction::makeFromBoxedFunction<&dtensor::dispatch::boxed>());
 }
 #endif
+
+TORCH_LIBRARY_IMPL(aten, Meta, m) { m.impl("_to_copy", TORCH_FN(dtensor::dispatch::meta_to_copy)); }
 
 namespace {
 // Route composite ops when the library loads (after LibTorch registered its operators).

@@ -3,6 +3,8 @@
 #include <gtest/gtest.h>
 
 #include <cstdio>
+#include <fstream>
+#include <iterator>
 #include <string>
 
 #include "plan/estimate.h"
@@ -86,13 +88,38 @@ TEST(PlanValidity, PipelineWithFsdpIsAValidLayout) {
       {.init_process_group = false});
 }
 
-// An error the library raises while simulating reaches the user as its message alone. The
-// trigger is a known gap (docs/PLANNING.md): bfloat16 FSDP over sequence-parallel TP fails on
-// the meta device; when the simulation learns it, trigger another library-side error here.
+// It used to fail on the meta device: at::rms_norm's copy back to bfloat16 names the meta
+// device, which bypassed the DTensor, and the attention got a doubled sequence. In a process of
+// its own, as above (after it, a 1-D tp simulation recorded an all_reduce on mesh dim 1).
+TEST(PlanValidity, BFloat16FsdpOverSequenceParallelTpPlans) {
+  dtensor::testing::run_ranks(1,
+                              [](int) {
+                                auto l = layout(4, {{"dp_shard", 2}}, 2);
+                                l.options.mixed_precision = "bf16";
+                                const plan::Plan p = plan::make_plan(l, {});
+                                EXPECT_TRUE(p.refusals.empty()) << p.refusals[0];
+                                EXPECT_EQ(p.ranks.size(), 1u);
+                              },
+                              {.init_process_group = false});
+}
+
+// An error the library raises while simulating reaches the user as its message alone. A TP plan
+// (dtensor_train --plan) whose attention output comes back whole while the residual stream stays
+// sequence-sharded passes every check made before simulating; the library's own error at the first
+// residual add refuses it.
 TEST(PlanValidity, ALibraryErrorWhileSimulatingIsRefusedWithoutAStackTrace) {
-  auto l = layout(4, {{"dp_shard", 2}}, 2);
-  l.options.mixed_precision = "bf16";
+  std::ifstream in(std::string(DTENSOR_TRAIN_PLANS) + "/llama_tp.json");
+  std::string plan_text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  const std::string wo = R"x("layers.*.attention.wo": "RowwiseParallel(output_layouts=Shard(1))")x";
+  const auto at = plan_text.find(wo);
+  ASSERT_NE(at, std::string::npos) << "the built-in plan no longer has " << wo;
+  plan_text.replace(at, wo.size(), R"x("layers.*.attention.wo": "RowwiseParallel()")x");
+  const std::string path = ::testing::TempDir() + "plan_validity_whole_attention_output.json";
+  std::ofstream(path) << plan_text;
+  auto l = layout(2, {}, 2);
+  l.options.plan_path = path;
   const plan::Plan p = plan::make_plan(l, {});
+  std::remove(path.c_str());
   ASSERT_EQ(p.refusals.size(), 1u);
   EXPECT_NE(p.refusals[0].find("the library refused this layout while simulating rank 0"),
             std::string::npos)

@@ -3,6 +3,7 @@
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
+#include "dtensor/comm/recording_backend.h"
 #include "dtensor/dtensor.h"
 #include "support/distributed.h"
 #include "support/errors.h"
@@ -117,6 +118,32 @@ TEST(Kernel, ViewsAndReshapesKeepShardsWhenTheyCan) {
     auto e = distribute_tensor(at::randn({1, 6}), mesh, {Shard(1)}).expand({5, 6});
     EXPECT_EQ(placements(e)[0], Shard(1));
   });
+}
+
+// dtensor_plan's DTensors hold meta shards, and a copy that names the meta device (type_as,
+// to(other.options()), the bfloat16 rounding at the end of at::rms_norm) used to bypass the
+// DTensor and return a plain tensor of the global size.
+TEST(Kernel, CopyNamingTheMetaDeviceKeepsAMetaDTensorADTensor) {
+  comm::init_simulated_process_group({2, 0});
+  {
+    auto mesh = init_device_mesh("meta", {2});
+    const auto on_meta = at::TensorOptions().device(at::kMeta);
+    auto x = from_local(at::empty({2, 6}, on_meta.dtype(at::kFloat)), mesh, {Shard(0)});
+    auto like = from_local(at::empty({2, 6}, on_meta.dtype(at::kBFloat16)), mesh, {Shard(0)});
+    for (const auto& y :
+         {x.type_as(like), x.to(like.options()), at::rms_norm(like, {6}, std::nullopt, 1e-6)}) {
+      ASSERT_TRUE(is_dtensor(y));
+      EXPECT_EQ(placements(y)[0], Shard(0));
+      EXPECT_EQ(y.sizes(), (at::IntArrayRef{4, 6}));
+      EXPECT_EQ(local_tensor(y).sizes(), (at::IntArrayRef{2, 6}));
+      EXPECT_EQ(y.scalar_type(), at::kBFloat16);
+    }
+    // Plain meta tensors still take LibTorch's kernel.
+    auto plain = at::empty({3}, on_meta).to(on_meta.dtype(at::kBFloat16));
+    EXPECT_FALSE(is_dtensor(plain));
+    EXPECT_EQ(plain.scalar_type(), at::kBFloat16);
+  }
+  comm::destroy_process_group();
 }
 
 // A rule registered under a misspelt name would never be reached: every name must resolve to
