@@ -98,9 +98,8 @@ struct Health {
   bool check = false;
   std::map<std::string, GroupState> groups;
   std::map<const c10d::Work*, WorkContext> works;
-  // Collectives a thread is waiting in now (wait_collective).
-  std::map<uint64_t, WorkContext> waiting;
-  uint64_t next_waiting = 0;
+  // Work a thread is waiting for now (wait_collective), moved here from `works`.
+  std::map<const c10d::Work*, WorkContext> waiting;
   // Work without a future being waited on (Gloo send/recv): aborted when a peer fails.
   std::set<c10d::Work*> abortable;
   std::string peer_failure;
@@ -195,7 +194,7 @@ std::string history_key(const std::string& prefix, const std::string& group, int
 std::vector<Wait> current_waits_locked() {
   auto& h = health();
   std::vector<WorkContext> contexts;
-  for (const auto& [id, c] : h.waiting) contexts.push_back(c);
+  for (const auto& [work, c] : h.waiting) contexts.push_back(c);
   for (const auto& [id, b] : h.blocked) contexts.push_back(b.context);
   std::vector<Wait> out;
   for (const auto& c : contexts) {
@@ -427,48 +426,48 @@ void collect_answers(c10d::Store& store, const std::string& group, const std::ve
   }
 }
 
+// Names the collective `w` that rank `r` waits in and asks the other members of its group why
+// it does not complete (this rank answers for itself), by `deadline` or 0.3 s from now.
+std::string follow_wait(c10d::Store& store, int r, const Wait& w, Clock::time_point deadline,
+                        std::set<std::string>* asked) {
+  auto& h = health();
+  History waiter;
+  waiter.seq = w.fingerprint.seq;
+  waiter.ring.push_back(w.fingerprint);
+  std::map<int, History> answers;
+  std::vector<int> silent, ask;
+  for (int m : w.members) {
+    if (m != r && m != h.rank) ask.push_back(m);
+  }
+  if (std::find(w.members.begin(), w.members.end(), h.rank) != w.members.end()) {
+    std::lock_guard<std::mutex> g(h.mu);
+    if (auto it = h.groups.find(w.group); it != h.groups.end())
+      answers[h.rank] = it->second.history;
+  }
+  if (!ask.empty() && asked->insert(w.group).second) {
+    post_event(store, h.prefix, "diag\t" + std::to_string(h.rank) + "\t" + w.group);
+  }
+  const auto start = Clock::now();
+  collect_answers(store, w.group, ask, std::max(deadline, start + kPoll * 3), &answers, &silent);
+  const auto waited = std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - start);
+  return "rank " + std::to_string(r) + " is itself waiting in collective #" +
+         std::to_string(w.fingerprint.seq) + " " + show(w.fingerprint) + " on group " + w.label +
+         ": " + compare_histories(w.label, r, waiter, answers, silent, waited);
+}
+
 // A peer behind this rank on the failed group is often itself waiting in a collective on
 // another group (a cross-host FSDP group whose link is down, while this rank waits in a TP
-// group on its own host): names that collective and asks its group why it does not complete,
-// so the message points at the rank that is really missing.
+// group on its own host): follows it there, so the message points at the rank that is really
+// missing.
 std::string explain_waits(c10d::Store& store, const std::string& failed_group, int64_t my_seq,
                           const std::map<int, History>& others, Clock::time_point deadline) {
-  auto& h = health();
   std::string out;
   std::set<std::string> asked;
   for (const auto& [r, theirs] : others) {
     if (theirs.left || theirs.seq >= my_seq) continue;
-    for (const auto& w : theirs.waits) {
-      if (w.group == failed_group) continue;
-      History waiter;
-      waiter.seq = w.fingerprint.seq;
-      waiter.ring.push_back(w.fingerprint);
-      std::map<int, History> answers;
-      std::vector<int> silent, ask;
-      for (int m : w.members) {
-        if (m == r) continue;
-        if (m != h.rank) {
-          ask.push_back(m);
-          continue;
-        }
-        std::lock_guard<std::mutex> g(h.mu);
-        if (auto it = h.groups.find(w.group); it != h.groups.end()) {
-          answers[m] = it->second.history;
-        }
-      }
-      if (!ask.empty() && asked.insert(w.group).second) {
-        post_event(store, h.prefix, "diag\t" + std::to_string(h.rank) + "\t" + w.group);
-      }
-      const auto start = Clock::now();
-      collect_answers(store, w.group, ask, std::max(deadline, start + kPoll * 3), &answers,
-                      &silent);
-      const auto waited =
-          std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - start);
-      out += "rank " + std::to_string(r) + " is itself waiting in collective #" +
-             std::to_string(w.fingerprint.seq) + " " + show(w.fingerprint) + " on group " +
-             w.label + ": " + compare_histories(w.label, r, waiter, answers, silent, waited);
-      break;
-    }
+    const auto w = std::find_if(theirs.waits.begin(), theirs.waits.end(),
+                                [&](const Wait& x) { return x.group != failed_group; });
+    if (w != theirs.waits.end()) out += follow_wait(store, r, *w, deadline, &asked);
   }
   return out;
 }
@@ -610,14 +609,23 @@ void guard_blocked_calls() {
   }
 }
 
-std::string context_of(const c10d::Work* w, WorkContext* out) {
+// The context of `w`, which a thread starts waiting for: peers that diagnose their own failure
+// ask what this rank waits in (current_waits_locked) until stop_waiting(w).
+WorkContext start_waiting(const c10d::Work* w) {
   auto& h = health();
   std::lock_guard<std::mutex> g(h.mu);
   auto it = h.works.find(w);
-  if (it == h.works.end()) return "";
-  *out = it->second;
+  if (it == h.works.end()) return {};
+  WorkContext c = it->second;
+  h.waiting.emplace(w, c);
   h.works.erase(it);
-  return out->group;
+  return c;
+}
+
+void stop_waiting(const c10d::Work* w) {
+  auto& h = health();
+  std::lock_guard<std::mutex> g(h.mu);
+  h.waiting.erase(w);
 }
 
 }  // namespace
@@ -874,23 +882,11 @@ BlockingSection::~BlockingSection() {
 
 void wait_collective(c10d::Work& work, const std::string& what) {
   auto& h = health();
-  WorkContext c;
-  context_of(&work, &c);
-  // Peers that diagnose their own failure ask what this rank waits in.
-  struct WaitingHere {
-    uint64_t id = 0;
-    explicit WaitingHere(const WorkContext& c) {
-      auto& h = health();
-      std::lock_guard<std::mutex> g(h.mu);
-      id = h.next_waiting++;
-      h.waiting.emplace(id, c);
-    }
-    ~WaitingHere() {
-      auto& h = health();
-      std::lock_guard<std::mutex> g(h.mu);
-      h.waiting.erase(id);
-    }
-  } waiting_here{c};
+  const WorkContext c = start_waiting(&work);
+  struct StopWaiting {
+    const c10d::Work* w;
+    ~StopWaiting() { stop_waiting(w); }
+  } stop_waiting_at_exit{&work};
   auto done = std::make_shared<std::atomic<bool>>(false);
   bool waitable = true;
   try {
