@@ -163,7 +163,7 @@ int run_rank(bool quick) {
   }
   e.gloo = dtensor::comm::detail::make_gloo_backend(
       c10::make_intrusive<c10d::PrefixStore>("gloo", store), rank, n, std::chrono::seconds(120),
-      "127.0.0.1");
+      std::chrono::seconds(120), "127.0.0.1");
   std::vector<int64_t> sizes;
   for (int64_t b = 16; b <= (64 << 20); b *= 4) sizes.push_back(b);
   if (quick) sizes = {16, 4096, 1 << 20, 16 << 20};

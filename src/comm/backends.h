@@ -11,8 +11,11 @@
 
 namespace dtensor::comm::detail {
 
+// Connecting the full mesh may take up to `connect_timeout` (peers arrive at their own pace on
+// a busy machine); collectives then time out after `timeout`.
 c10::intrusive_ptr<c10d::Backend> make_gloo_backend(const c10::intrusive_ptr<c10d::Store>& store,
                                                     int rank, int size,
+                                                    std::chrono::milliseconds connect_timeout,
                                                     std::chrono::milliseconds timeout,
                                                     const std::string& host);
 

@@ -271,8 +271,11 @@ void watch(std::string addr, int port, std::string prefix, std::chrono::millisec
     o.port = static_cast<uint16_t>(port);
     o.isServer = false;
     o.waitWorkers = false;
-    o.timeout = timeout;
+    // The store is up (this rank just joined through it), but a loaded machine can take
+    // longer than a short timeout to accept: a watchdog that gave up would answer no peer.
+    o.timeout = std::max<std::chrono::milliseconds>(timeout, std::chrono::seconds(10));
     store = c10::make_intrusive<c10d::TCPStore>(addr, o);
+    store->setTimeout(timeout);
   } catch (...) {
     return;
   }

@@ -330,9 +330,18 @@ ProcessGroup::~ProcessGroup() {
   }
 }
 
+namespace {
+
+// How long a group's first collective may take to connect its members: ranks reach it at their
+// own pace, so the connect bound, not only the timeout that detects a failed peer.
+std::chrono::milliseconds connect_bound(std::chrono::milliseconds timeout) {
+  return std::max<std::chrono::milliseconds>(state().options.connect_timeout, timeout);
+}
+
+}  // namespace
+
 void ProcessGroup::await_members(c10::DeviceType device_type) {
-  const auto& s = state();
-  const auto bound = std::max(s.options.connect_timeout, timeout_);
+  const auto bound = connect_bound(timeout_);
   const auto deadline = Clock::now() + bound;
   const std::string base = std::string("arrived/") + c10::DeviceTypeName(device_type) + "/";
   store_->set(base + std::to_string(rank_), "1");
@@ -363,7 +372,7 @@ c10d::Backend& ProcessGroup::backend(c10::DeviceType device_type) {
   if (device_type == c10::DeviceType::CUDA) {
     if (!cuda_ && state().cuda_backend == "gloo") {
       cuda_ = detail::make_gloo_backend(c10::make_intrusive<c10d::PrefixStore>("gloo_cuda", store_),
-                                        rank_, size(),
+                                        rank_, size(), connect_bound(timeout_),
                                         timeout_ - detail::diagnosis_budget(timeout_), gloo_host_);
     } else if (!cuda_) {
       TORCH_CHECK(detail::has_nccl(),
@@ -383,8 +392,8 @@ c10d::Backend& ProcessGroup::backend(c10::DeviceType device_type) {
   } else if (!cpu_) {
     await_members(device_type);
     cpu_ = detail::make_gloo_backend(c10::make_intrusive<c10d::PrefixStore>("gloo", store_), rank_,
-                                     size(), timeout_ - detail::diagnosis_budget(timeout_),
-                                     gloo_host_);
+                                     size(), connect_bound(timeout_),
+                                     timeout_ - detail::diagnosis_budget(timeout_), gloo_host_);
   }
   return *cpu_;
 }
@@ -430,8 +439,8 @@ void init_process_group(const InitOptions& options_in) {
   const bool agent_store = agent && (*agent == "True" || *agent == "true" || *agent == "1");
   so.isServer = e.rank == 0 && !agent_store;
   so.numWorkers = e.world_size;
-  so.waitWorkers = false;  // rendezvous() below works whoever hosts the store
-  so.timeout = options.timeout;
+  so.waitWorkers = false;   // rendezvous() below works whoever hosts the store
+  so.timeout = join_bound;  // the store's own connect; options.timeout once joined
   if (!so.isServer && !wait_for_listener(e.master_addr, e.master_port, deadline)) {
     TORCH_CHECK(false, "dtensor: rank ", e.rank, ": no ", agent_store ? "launcher store" : "rank 0",
                 " at ", where(e), " after ", seconds(join_bound),
@@ -463,6 +472,7 @@ void init_process_group(const InitOptions& options_in) {
   } catch (const std::exception& ex) {
     lost_store(ex);
   }
+  store->setTimeout(options.timeout);
   detail::health_start(store, prefix, e.rank, e.master_addr, store->getPort(), options.timeout,
                        e.world_size);
   s.env = e;

@@ -2,9 +2,12 @@
 // seconds here) with a message naming the rank, the collective and, where ranks disagree, the
 // first collective whose fingerprints differ. No rank may hang, none may fail alone.
 #include <ATen/ATen.h>
+#include <arpa/inet.h>
 #include <fcntl.h>
 #include <gtest/gtest.h>
+#include <netinet/in.h>
 #include <signal.h>
+#include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -59,6 +62,18 @@ void claim(int rank, int world_size, int port) {
   ::setenv("WORLD_SIZE", std::to_string(world_size).c_str(), 1);
   ::setenv("MASTER_PORT", std::to_string(port).c_str(), 1);
   ::unsetenv("TORCHELASTIC_USE_AGENT_STORE");
+}
+
+// Whether something listens on 127.0.0.1:`port`.
+bool accepts_connections(int port) {
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_port = htons(static_cast<uint16_t>(port));
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  const bool ok = ::connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0;
+  ::close(fd);
+  return ok;
 }
 
 // DTENSOR_TEST_TRACE=1 prints how every rank ended, also when the test passes.
@@ -169,6 +184,39 @@ TEST(RendezvousFaults, TwoProcessesClaimingOneRankAllFailNamingBoth) {
     EXPECT_CONTAINS(out[p].message, "rank 1 joined twice (pid ");
     EXPECT_LT(out[p].seconds, kFaultSeenWithin) << describe_outcomes(out);
   }
+}
+
+// Rank 1 joins while the store's host (rank 0) is frozen for 4.5 s, longer than the 3 s comm
+// timeout, as a loaded machine may deschedule it: joining is bounded by the connect bound (30 s),
+// so both ranks go on, and a collective then still has the short timeout.
+TEST(RendezvousFaults, AStoreHostSlowerThanTheTimeoutIsWaitedForUpToTheConnectBound) {
+  const int port = dtensor::launch::free_port();
+  dtensor::testing::TempDir dir;
+  const std::string pid_file = dir.file("rank0.pid");
+  auto out = traced(run_ranks_collect(
+      2,
+      [&](int rank) {
+        claim(rank, 2, port);
+        if (rank == 0) {
+          std::ofstream(pid_file) << ::getpid();
+        } else {
+          pid_t host = 0;
+          while (!accepts_connections(port) || !(std::ifstream(pid_file) >> host)) {
+            std::this_thread::sleep_for(std::chrono::milliseconds(10));
+          }
+          ::kill(host, SIGSTOP);
+          std::thread resume([host] {
+            std::this_thread::sleep_for(std::chrono::milliseconds(4500));
+            ::kill(host, SIGCONT);
+          });
+          resume.detach();
+        }
+        comm::init_process_group();
+        loop(3, [](int) {});
+        comm::destroy_process_group();
+      },
+      no_init(kArrivalBound)));
+  EXPECT_TRUE(exited(out[0], 0) && exited(out[1], 0)) << describe_outcomes(out);
 }
 
 // ---- collectives -----------------------------------------------------------------------------
@@ -358,8 +406,13 @@ TEST(CollectiveFaults, AMessageNotStartedNamesItsDirectionAndPeer) {
 // Rank 1 waits in a collective on group {0, 1} that rank 0 has not issued, because rank 0 itself
 // waits on group {0, 2} for rank 2, which is busy elsewhere (as a TP rank waits for its FSDP
 // peer across a dead link): rank 1's message goes past "rank 0 is behind" to what rank 0 waits
-// in and who is missing there.
+// in and who is missing there. Rank 1 must give up (5 s after it starts waiting: a 6 s comm
+// timeout less the diagnosis budget) while rank 0 still waits (from 2.5 s to 7.5 s): 2.5 s of
+// margin either side, which a loaded machine's scheduling keeps (0.3 s did not, in CI).
 TEST(CollectiveFaults, PeerBehindIsFollowedToTheCollectiveItWaitsInAndTheRankMissingThere) {
+  auto opts = kOpts;
+  opts.timeout = std::chrono::seconds(40);
+  opts.comm_timeout = std::chrono::seconds(6);
   auto out = traced(run_ranks_collect(
       3,
       [](int rank) {
@@ -370,15 +423,15 @@ TEST(CollectiveFaults, PeerBehindIsFollowedToTheCollectiveItWaitsInAndTheRankMis
         comm::barrier();
         if (rank == 1) comm::all_reduce(at::ones({4}), ReduceOp::Sum, *a);
         if (rank == 0) {
-          std::this_thread::sleep_for(std::chrono::milliseconds(300));
+          std::this_thread::sleep_for(std::chrono::milliseconds(2500));
           comm::all_reduce(at::ones({3}), ReduceOp::Sum, *b);
         }
         if (rank == 2) {
-          std::this_thread::sleep_for(std::chrono::seconds(5));  // busy outside collectives
+          std::this_thread::sleep_for(std::chrono::seconds(12));  // busy outside collectives
           comm::all_reduce(at::ones({3}), ReduceOp::Sum, *b);
         }
       },
-      kOpts));
+      opts));
   EXPECT_TRUE(exited(out[1], 2)) << describe_outcomes(out);
   EXPECT_CONTAINS(out[1].message, "rank 0 has issued only 1 collectives on group group0[0,1]");
   EXPECT_CONTAINS(out[1].message,
