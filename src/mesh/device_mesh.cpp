@@ -22,6 +22,9 @@ struct DeviceMesh::Impl {
   std::vector<std::string> names;
   std::optional<std::vector<int64_t>> coordinate;
   std::vector<std::shared_ptr<comm::ProcessGroup>> groups;  // null where this rank is absent
+  // The world the mesh was made in: a mesh of a destroyed world (its groups are gone) never
+  // equals one of the next, which a cached sharding decision would otherwise hand its groups.
+  std::shared_ptr<comm::ProcessGroup> world;
   size_t hash;
 };
 
@@ -85,6 +88,7 @@ DeviceMesh::DeviceMesh(c10::DeviceType device_type, std::vector<int64_t> shape,
   }
   auto impl = std::make_shared<Impl>();
   impl->id = next_mesh_id();
+  impl->world = comm::world_group();
   impl->device_type = device_type;
   impl->shape = std::move(shape);
   impl->ranks = std::move(ranks);
@@ -210,6 +214,7 @@ DeviceMesh DeviceMesh::slice(const std::vector<std::string>& names) const {
               " and cannot slice it");
   auto child = std::make_shared<Impl>();
   child->id = next_mesh_id();
+  child->world = impl_->world;
   child->device_type = impl_->device_type;
   child->device = impl_->device;
   const auto& coord = *impl_->coordinate;
@@ -244,9 +249,9 @@ DeviceMesh DeviceMesh::slice(const std::vector<std::string>& names) const {
 
 bool DeviceMesh::operator==(const DeviceMesh& o) const {
   if (impl_ == o.impl_) return true;
-  return impl_->hash == o.impl_->hash && impl_->device_type == o.impl_->device_type &&
-         impl_->shape == o.impl_->shape && impl_->ranks == o.impl_->ranks &&
-         impl_->names == o.impl_->names;
+  return impl_->hash == o.impl_->hash && impl_->world == o.impl_->world &&
+         impl_->device_type == o.impl_->device_type && impl_->shape == o.impl_->shape &&
+         impl_->ranks == o.impl_->ranks && impl_->names == o.impl_->names;
 }
 
 std::string DeviceMesh::str() const {

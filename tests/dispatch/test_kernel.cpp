@@ -146,6 +146,31 @@ TEST(Kernel, CopyNamingTheMetaDeviceKeepsAMetaDTensorADTensor) {
   comm::destroy_process_group();
 }
 
+// A cached sharding decision carries the mesh of its output. A mesh of a destroyed world may
+// equal one of the next by shape, ranks and names (the "tp" sub-mesh of [pp, dp, tp] and of
+// [pp, tp]) while its group is another (mesh dim 2, not 1): the new world's op must not get it.
+TEST(Kernel, ADecisionCachedInAnEarlierWorldDoesNotHandItsGroupsToTheNext) {
+  auto add_then_gather = [](const std::vector<int64_t>& shape,
+                            const std::vector<std::string>& names) {
+    comm::init_simulated_process_group({8, 0});
+    comm::clear_recorded_ops();
+    auto tp = init_device_mesh("cpu", shape, names)["tp"];
+    auto y = from_local(at::ones({2, 3}), tp, {Shard(0)}) + 1;
+    (void)full_tensor(y);
+    const auto ops = comm::recorded_ops();
+    comm::destroy_process_group();
+    return ops;
+  };
+  const auto first = add_then_gather({2, 2, 2}, {"pp", "dp", "tp"});
+  ASSERT_FALSE(first.empty());
+  EXPECT_EQ(first.back().mesh_dim, 2);
+  const auto next = add_then_gather({4, 2}, {"pp", "tp"});
+  ASSERT_FALSE(next.empty());
+  EXPECT_EQ(next.back().op, "all_gather_into_tensor");
+  EXPECT_EQ(next.back().mesh_dim, 1) << "gathered on " << next.back().group;
+  comm::clear_recorded_ops();
+}
+
 // A rule registered under a misspelt name would never be reached: every name must resolve to
 // an operator the dispatcher knows.
 TEST(Kernel, EveryRegisteredRuleNamesARealOperator) {

@@ -63,7 +63,8 @@ class DeviceMesh {
   /// Sub-mesh of the named dims, in the given order.
   DeviceMesh slice(const std::vector<std::string>& names) const;
 
-  /// Meshes are equal when they have the same device type, shape, ranks and names.
+  /// Meshes are equal when they have the same device type, shape, ranks and names and belong to
+  /// the same world (a mesh made before destroy_process_group() equals none made after it).
   bool operator==(const DeviceMesh& o) const;
   bool operator!=(const DeviceMesh& o) const { return !(*this == o); }  ///< Negation of ==.
   /// Unique per distinct mesh object (copies share it); used in cache keys.
