@@ -6,6 +6,7 @@
 
 #include "dtensor/comm/process_group.h"
 #include "dtensor/comm/recording_backend.h"
+#include "dtensor/dispatch/cache.h"
 #include "dtensor/mesh/device_mesh.h"
 #include "meta_kernels.h"
 
@@ -31,8 +32,11 @@ RankResult simulate_rank(const train::RunConfig& config, const RankClass& who) {
   cfg.meta = true;
   comm::init_simulated_process_group(
       {static_cast<int>(cfg.world_size), static_cast<int>(who.rank)});
+  // Nothing of this world outlives it: the thread's sharding decisions hold its meshes (and
+  // their groups) and tensors the next simulation's allocator accounting would otherwise see.
   struct Leave {
     ~Leave() {
+      dispatch::clear_cache();
       comm::destroy_process_group();
       comm::clear_recorded_ops();
     }

@@ -247,6 +247,26 @@ struct GatheredCall : torch::CustomClassHolder {
 
   explicit GatheredCall(std::shared_ptr<const UnitState> u) : unit(std::move(u)) {}
 
+  // The last strong reference is gone, but a weak one (the forward tracking of this thread)
+  // keeps the object, members included, until it is replaced: drop what it holds now, or the
+  // storages, a pending all-gather and the chain of calls prefetch_prev reaches outlive the
+  // step (and the model: a second simulation in one process saw them freed in its own step).
+  void release_resources() override {
+    if (pending) {
+      try {
+        pending->wait();
+      } catch (...) {
+        // The collective failed: nobody is left to read it; the failure is reported elsewhere.
+      }
+    }
+    pending.reset();
+    prefetched = at::Tensor();
+    prefetch_prev = nullptr;
+    views.clear();
+    storages.clear();
+    unit.reset();
+  }
+
   void remember(const torch::autograd::variable_list& params) {
     std::unordered_set<const c10::StorageImpl*> seen;
     for (const at::Tensor& t : params) {

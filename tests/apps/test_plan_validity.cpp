@@ -9,6 +9,8 @@
 
 #include "plan/estimate.h"
 #include "support/distributed.h"
+#include "support/shell.h"
+#include "support/temp_dir.h"
 
 using namespace dtensor;
 
@@ -75,32 +77,20 @@ TEST(PlanValidity, PipelineWithPlainDataParallelIsNotSupportedYet) {
   expect_refused(layout(4, {{"pp", 2}, {"dp", 2}}), {"--pp 2 cannot be combined with --dp"});
 }
 
-// In a process of its own: a (pp, dp, tp) simulation leaves state behind that a later
-// simulation in the same process can trip over (docs/PLANNING.md, "Weak points").
 TEST(PlanValidity, PipelineWithFsdpIsAValidLayout) {
-  dtensor::testing::run_ranks(
-      1,
-      [](int) {
-        const plan::Plan p = plan::make_plan(layout(8, {{"pp", 2}, {"dp_shard", 2}}), {});
-        EXPECT_TRUE(p.refusals.empty()) << p.refusals[0];
-        EXPECT_EQ(p.ranks.size(), 2u);  // one rank per stage
-      },
-      {.init_process_group = false});
+  const plan::Plan p = plan::make_plan(layout(8, {{"pp", 2}, {"dp_shard", 2}}), {});
+  EXPECT_TRUE(p.refusals.empty()) << p.refusals[0];
+  EXPECT_EQ(p.ranks.size(), 2u);  // one rank per stage
 }
 
 // It used to fail on the meta device: at::rms_norm's copy back to bfloat16 names the meta
-// device, which bypassed the DTensor, and the attention got a doubled sequence. In a process of
-// its own, as above (after it, a 1-D tp simulation recorded an all_reduce on mesh dim 1).
+// device, which bypassed the DTensor, and the attention got a doubled sequence.
 TEST(PlanValidity, BFloat16FsdpOverSequenceParallelTpPlans) {
-  dtensor::testing::run_ranks(1,
-                              [](int) {
-                                auto l = layout(4, {{"dp_shard", 2}}, 2);
-                                l.options.mixed_precision = "bf16";
-                                const plan::Plan p = plan::make_plan(l, {});
-                                EXPECT_TRUE(p.refusals.empty()) << p.refusals[0];
-                                EXPECT_EQ(p.ranks.size(), 1u);
-                              },
-                              {.init_process_group = false});
+  auto l = layout(4, {{"dp_shard", 2}}, 2);
+  l.options.mixed_precision = "bf16";
+  const plan::Plan p = plan::make_plan(l, {});
+  EXPECT_TRUE(p.refusals.empty()) << p.refusals[0];
+  EXPECT_EQ(p.ranks.size(), 1u);
 }
 
 // An error the library raises while simulating reaches the user as its message alone. A TP plan
@@ -114,18 +104,26 @@ TEST(PlanValidity, ALibraryErrorWhileSimulatingIsRefusedWithoutAStackTrace) {
   const auto at = plan_text.find(wo);
   ASSERT_NE(at, std::string::npos) << "the built-in plan no longer has " << wo;
   plan_text.replace(at, wo.size(), R"x("layers.*.attention.wo": "RowwiseParallel()")x");
-  const std::string path = ::testing::TempDir() + "plan_validity_whole_attention_output.json";
+  dtensor::testing::TempDir dir;
+  const std::string path = dir.file("whole_attention_output.json");
   std::ofstream(path) << plan_text;
   auto l = layout(2, {}, 2);
   l.options.plan_path = path;
   const plan::Plan p = plan::make_plan(l, {});
-  std::remove(path.c_str());
   ASSERT_EQ(p.refusals.size(), 1u);
   EXPECT_NE(p.refusals[0].find("the library refused this layout while simulating rank 0"),
             std::string::npos)
       << p.refusals[0];
   EXPECT_EQ(p.refusals[0].find("Exception raised from"), std::string::npos) << p.refusals[0];
   EXPECT_EQ(p.refusals[0].find("frame #"), std::string::npos) << p.refusals[0];
+  // The same from the command line: dtensor_plan --plan, exit status 3 (refused).
+  const auto r = dtensor::testing::shell(std::string(DTENSOR_PLAN_PATH) +
+                                         " --preset tiny --world-size 2 --plan " + path);
+  EXPECT_EQ(r.exit_code, 3) << r.output;
+  EXPECT_NE(r.output.find("refused: the library refused this layout while simulating rank 0"),
+            std::string::npos)
+      << r.output;
+  EXPECT_EQ(r.output.find("frame #"), std::string::npos) << r.output;
 }
 
 TEST(PlanValidity, BatchDoesNotSplitIntoMicrobatches) {
@@ -186,4 +184,45 @@ TEST(PlanValidity, RingAlphaBeta) {
               1e-12);
   EXPECT_NEAR(plan::collective_seconds("all_reduce", 1'000'000'000, 4, true, hw), 0.015, 1e-12);
   EXPECT_EQ(plan::collective_seconds("send", 1'000'000'000, 2, true, hw), 0);
+}
+
+// A simulation leaves nothing behind for the next in the same process (--search and
+// --compare-ac make several). Two things did. The thread's sharding-decision cache kept specs
+// whose mesh, equal by shape, ranks and names to the new world's "tp" sub-mesh, carried the old
+// world's group (mesh dim 2 of a 3-D mesh): a [pp, tp] plan after a [pp, dp_shard, tp] one
+// recorded its TP all_reduces on mesh dim 2 and failed. And FSDP's last forward call, held
+// weakly by the thread, kept its gathered storages: a second FSDP plan saw them freed during
+// its own step and reported a peak 5% too low. In a fresh process, so that "alone" is alone.
+TEST(PlanValidity, APlanAfterOtherLayoutsInOneProcessEqualsItsPlanAlone) {
+  dtensor::testing::run_ranks(
+      1,
+      [](int) {
+        const auto ledger_of = [](const plan::Plan& p) {
+          std::vector<std::tuple<std::string, std::string, std::string, int64_t, int64_t>> rows;
+          for (const auto& r : p.ranks)
+            for (const auto& row : r.ledger)
+              rows.emplace_back(row.op, row.dim, row.phase, row.count, row.bytes);
+          return rows;
+        };
+        auto bf16 = layout(4, {{"dp_shard", 2}}, 2);
+        bf16.options.mixed_precision = "bf16";
+        const auto fsdp_tp = layout(4, {{"dp_shard", 2}}, 2);
+        const auto pp_tp = layout(4, {{"pp", 2}, {"microbatches", 4}});
+        std::vector<plan::Plan> alone;
+        for (const auto& l : {fsdp_tp, pp_tp}) alone.push_back(plan::make_plan(l, {}));
+        for (const auto& before :
+             {bf16, layout(8, {{"pp", 2}, {"dp_shard", 2}}), layout(4, {{"kv_heads", 2}})}) {
+          const plan::Plan first = plan::make_plan(before, {});
+          ASSERT_TRUE(first.refusals.empty()) << first.refusals.front();
+          size_t i = 0;
+          for (const auto& l : {fsdp_tp, pp_tp}) {
+            const plan::Plan again = plan::make_plan(l, {});
+            ASSERT_TRUE(again.refusals.empty()) << again.refusals.front();
+            EXPECT_EQ(ledger_of(again), ledger_of(alone[i]));
+            EXPECT_EQ(again.peak_bytes, alone[i].peak_bytes);
+            ++i;
+          }
+        }
+      },
+      {.init_process_group = false});
 }
