@@ -58,6 +58,7 @@ Layout (as dtensor_train takes it):
   --mixed-precision P    none | bf16 (FSDP: bfloat16 compute, float32 reduce)
   --dtype T              float32 | float64 (parameters; default float32)
   --no-sequence-parallel
+  --plan PATH            a TP plan file instead of the built-in one (as dtensor_train --plan)
   --search               rank every valid (dp, tp, pp) split of --world-size instead
   --compare-ac           also simulate the layout without activation checkpointing (with
                          --ac full when --ac none) and print both peaks
@@ -317,6 +318,7 @@ int main(int argc, char** argv) {
       ->check(dtensor::cli::one_of({"none", "bf16"}));
   app.add_option("--dtype", o.dtype)->check(dtensor::cli::one_of({"float32", "float64"}));
   app.add_flag("--no-sequence-parallel", cli.no_sp);
+  app.add_option("--plan", o.plan_path)->check(dtensor::cli::non_empty());
   app.add_flag("--search", cli.search);
   app.add_flag("--compare-ac", cli.compare_ac);
   app.add_option("--device-memory", cli.hw.device_memory_gib)
