@@ -275,6 +275,25 @@ TEST(TrainFinetune, AppFineTunesUnderFsdpAndPipelineAndExportsTheTrainedWeights)
   }
 }
 
+// A checkpoint whose output head is tied to the embedding (Qwen's and Gemma's small models) under
+// FSDP: the head computes with the embedding's gathered weight. Before, it kept the weight it
+// was built with while FSDP swapped the embedding's for its shard, and trained away from one
+// device.
+TEST(TrainFinetune, TiedCheckpointFineTunesUnderFsdpAsOnOneDevice) {
+  FixtureCopy copy(kFixtures + "/finetune/", "qwen3");
+  auto j = copy.config();
+  j["tie_word_embeddings"] = true;
+  copy.set_config(j);
+  TempDir tmp;
+  std::ostringstream args;
+  args << "--hf " << copy.dir << " --data " << kFixtures << "/corpus.txt"
+       << " --steps 3 --batch-size 4 --seq-len 16 --lr 1e-2 --warmup 0 --eval-batches 1"
+       << " --verify-tp1 --dp-shard 2 --out " << tmp.file("run");
+  const auto r = shell(train_command(2, args.str()));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("verify-tp1: PASS"), std::string::npos) << r.output;
+}
+
 TEST(TrainFinetune, BadInputFailsWithOneMessageNamingTheFileOrFlag) {
   TempDir tmp;
   const std::string out = " --steps 1 --out " + tmp.file("run");

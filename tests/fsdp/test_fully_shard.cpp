@@ -79,11 +79,12 @@ int64_t count_of(const std::map<CommType, int64_t>& counts, CommType type) {
   return it == counts.end() ? 0 : it->second;
 }
 
-void expect_training_matches(const DeviceMesh& mesh, ShardSetup setup) {
-  SCOPED_TRACE("dp=" + std::to_string(mesh.size()) + " " + setup.str());
+void expect_training_matches(const DeviceMesh& mesh, ShardSetup setup,
+                             const LlamaConfig& config = tiny()) {
+  SCOPED_TRACE("dp=" + std::to_string(mesh.size()) + " " + setup.str() +
+               (config.tie_embeddings ? " tied" : ""));
   const int64_t dp = mesh.size();
   const int64_t rank = mesh.get_local_rank();
-  const auto config = tiny();
   Transformer ref = make_model(config), model = make_model(config);
   shard_model(*model, mesh, setup);
   const auto in_use = record_parameters_in_use(*model);
@@ -238,6 +239,17 @@ TEST(FullyShard, LlamaTrainingMatchesOneDeviceDp2) {
 
 TEST(FullyShard, LlamaTrainingMatchesOneDeviceDp4) {
   run_ranks(4, [](int) { expect_training_matches_all(4); });
+}
+
+// A tied output head (Qwen's and Gemma's small checkpoints) computes with the embedding's
+// gathered weight: one all-gather and one reduce-scatter for both uses, the gradient of both.
+TEST(FullyShard, TiedEmbeddingTrainingMatchesOneDeviceDp2) {
+  run_ranks(2, [](int) {
+    auto mesh = init_device_mesh("cpu", {2}, {"dp"});
+    auto config = tiny();
+    config.tie_embeddings = true;
+    for (bool reshard : {false, true}) expect_training_matches(mesh, ShardSetup{reshard}, config);
+  });
 }
 
 // The graph of a forward holds what its backward needs (the unit's sharding and process group),
