@@ -294,15 +294,19 @@ TEST(FullyShard, RefusesBadMeshes) {
 
 // FSDP over tensor parallelism on a (dp=2, tp=2) mesh: each parameter's tp-local tensor is
 // sharded over dp; three AdamW steps match one device on the whole batch, with and without
-// reshard_after_forward and activation checkpointing.
+// reshard_after_forward and activation checkpointing, and with a tied output head.
 TEST(FullyShard, OverTensorParallelMatchesOneDeviceDp2Tp2) {
   run_ranks(4, [](int) {
     auto mesh = init_device_mesh("cpu", {2, 2}, {"dp", "tp"});
     const DeviceMesh dp_mesh = mesh["dp"], tp_mesh = mesh["tp"];
     const int64_t dp_rank = dp_mesh.get_local_rank();
-    for (const ShardSetup setup : {ShardSetup{false, false}, ShardSetup{true, true}}) {
-      SCOPED_TRACE(setup.str());
-      const auto config = tiny();
+    // The last case ties the output head to the embedding (both Shard(0) over tp, then dp).
+    for (const auto& [setup, tied] :
+         {std::pair{ShardSetup{false, false}, false}, std::pair{ShardSetup{true, true}, false},
+          std::pair{ShardSetup{true, false}, true}}) {
+      SCOPED_TRACE(setup.str() + (tied ? " tied" : ""));
+      auto config = tiny();
+      config.tie_embeddings = tied;
       Transformer ref = make_model(config), model = make_model(config);
       apply_tensor_parallel(*model, tp_mesh);
       std::map<std::string, DTensorSpec> tp_specs;
