@@ -37,11 +37,16 @@ class CountingAllocator final : public c10::Allocator {
 
   c10::DataPtr allocate(size_t n) override;
   void copy_data(void* dest, const void* src, std::size_t count) const override;
+  // Memory with an address (the CPU's) is handed out with the address as its context, as
+  // LibTorch's own allocators do: kernels that take raw blocks (raw_allocate, e.g. bfloat16
+  // matmuls) need that.
+  c10::DeleterFnPtr raw_deleter() const override { return &release_block; }
 
  private:
   explicit CountingAllocator(c10::DeviceType device);
   struct Ctx;
   static void release(void* ctx);
+  static void release_block(void* data);
   c10::Allocator* base_;
   std::atomic<int64_t> live_{0}, peak_{0}, origin_{0};
 };
