@@ -66,7 +66,7 @@ PipelinePart::PipelinePart(models::TransformerImpl& whole, const RunConfig& conf
       tp.loss_parallel = config.loss_parallel;
       models::apply_tensor_parallel(*stages_[k], mesh, tp);
     }
-    if (config.fsdp) shard_over_dp(*stages_[k], mesh["dp"]);
+    if (config.fsdp) shard_over_dp(*stages_[k], mesh["dp"], config);
     chunks_->register_module(std::to_string(k), stages_[k].ptr());
     pipes_.push_back(models::make_llama_pipeline_stage(stages_[k], mesh));
     pipes.push_back(pipes_.back().get());
@@ -76,14 +76,17 @@ PipelinePart::PipelinePart(models::TransformerImpl& whole, const RunConfig& conf
     // told the (micro-batch, sequence, dim) activation its neighbours exchange.
     const at::Tensor like = at::empty(
         {config.batch_size / config.dp / config.microbatches, config.seq_len, config.model.dim},
-        at::TensorOptions().device(mesh.device()).dtype(config.dtype));
+        at::TensorOptions()
+            .device(mesh.device())
+            .dtype(config.bf16 ? at::kBFloat16 : config.dtype));  // the blocks' compute dtype
     for (auto& p : pipes_) {
       p->set_boundary_activations(p->is_first() ? std::nullopt : std::optional(like),
                                   p->is_last() ? std::nullopt : std::optional(like));
     }
   }
-  auto loss = [](const at::Tensor& out, const at::Tensor& target) {
-    return models::token_cross_entropy(out, target);
+  // Mixed precision: the loss in float32 from bfloat16 logits, as Trainer::float_logits does.
+  auto loss = [bf16 = config.bf16](const at::Tensor& out, const at::Tensor& target) {
+    return models::token_cross_entropy(bf16 ? out.to(at::kFloat) : out, target);
   };
   if (config.pp_schedule == "gpipe") {
     schedule_ = std::make_unique<pp::ScheduleGPipe>(*pipes[0], config.microbatches, loss);
@@ -96,18 +99,18 @@ PipelinePart::PipelinePart(models::TransformerImpl& whole, const RunConfig& conf
   }
 }
 
-// torchtitan's FSDP layout inside a stage: every block a unit resharded after forward, the
+// FSDP inside a stage, as over the whole model (fsdp_unit_options): every block a unit, the
 // stage itself (embedding, final norm, head) the root unit; after TP, before the
 // PipelineStage (which then defers the reduce-scatters to the last micro-batch).
-void PipelinePart::shard_over_dp(models::LlamaStageImpl& stage, const DeviceMesh& dp_mesh) {
+void PipelinePart::shard_over_dp(models::LlamaStageImpl& stage, const DeviceMesh& dp_mesh,
+                                 const RunConfig& config) {
   std::unordered_set<std::string> replicated;  // by name: fully_shard makes plain shards
   for (const auto& p : stage.named_parameters())
     if (!is_dtensor(p.value()) || spec_of(p.value()).is_replicated()) replicated.insert(p.key());
-  fsdp::FullyShardOptions block_options;
-  block_options.reshard_after_forward = true;
   for (const auto& item : *stage.layers)
-    fsdp::fully_shard(*item.value()->as<models::TransformerBlockImpl>(), dp_mesh, block_options);
-  fsdp::fully_shard(stage, dp_mesh);
+    fsdp::fully_shard(*item.value()->as<models::TransformerBlockImpl>(), dp_mesh,
+                      fsdp_unit_options(config, /*root=*/false));
+  fsdp::fully_shard(stage, dp_mesh, fsdp_unit_options(config, /*root=*/true));
   for (const auto& p : stage.named_parameters())
     if (replicated.count(p.key())) tp_replicated_.insert(p.value().unsafeGetTensorImpl());
 }

@@ -69,7 +69,8 @@ class PipelinePart {
  private:
   // The pp rank that holds the whole model's parameter `name`.
   int64_t owner_of(const std::string& name) const;
-  void shard_over_dp(models::LlamaStageImpl& stage, const DeviceMesh& dp_mesh);
+  void shard_over_dp(models::LlamaStageImpl& stage, const DeviceMesh& dp_mesh,
+                     const RunConfig& config);
   // This rank's parameters by their names in the whole model.
   std::vector<std::pair<std::string, at::Tensor>> named_parameters() const;
 

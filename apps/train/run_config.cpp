@@ -205,7 +205,6 @@ void resolve_parallelism(const TrainOptions& o, int64_t world_size, RunConfig& c
     // (4.6e-4 measured on the tiny preset over 6 steps), so the one-device check allows 1%.
     if (!o.verify_rtol) c.verify_rtol = 1e-2;
   }
-  if (c.bf16 && c.pp > 1) bad("--mixed-precision bf16 is not combined with --pp yet");
   if (world_size % (c.dp * c.pp) != 0) {
     bad((c.fsdp ? "--dp-shard " : "--dp ") + std::to_string(c.dp) + " does not divide the " +
         std::to_string(world_size) + " ranks of this launch" +
@@ -277,6 +276,16 @@ std::string RunConfig::to_json() const {
   if (!hf_dir.empty()) js << ", \"hf\": " << std::quoted(hf_dir);
   js << "}\n}\n";
   return js.str();
+}
+
+fsdp::FullyShardOptions fsdp_unit_options(const RunConfig& config, bool root) {
+  fsdp::FullyShardOptions o;
+  o.reshard_after_forward = !root;
+  if (config.bf16) {
+    o.param_dtype = at::kBFloat16;
+    o.reduce_dtype = at::kFloat;
+  }
+  return o;
 }
 
 }  // namespace dtensor::train

@@ -9,6 +9,7 @@
 #include <optional>
 #include <string>
 
+#include "dtensor/fsdp/fully_shard.h"
 #include "dtensor/models/llama.h"
 #include "dtensor/pp/pipeline.h"
 #include "lr_schedule.h"
@@ -67,6 +68,12 @@ struct RunConfig {
 
 // The same run on one device with plain LibTorch (--verify-tp1, --pp checkpoints).
 RunConfig one_device(const RunConfig& config);
+
+// FSDP's options for a unit of the run, in torchtitan's layout (the whole model or each
+// pipeline stage): every block a unit whose parameters are whole only while it runs (forward,
+// then backward); the root (embedding, final norm, head) keeps them from its forward to its
+// backward, which starts right away. With bf16: compute in bfloat16, reduce in float32.
+fsdp::FullyShardOptions fsdp_unit_options(const RunConfig& config, bool root);
 
 // Throws std::invalid_argument with a message that names the option to change.
 RunConfig resolve_run_config(const TrainOptions& options, int64_t world_size);

@@ -73,20 +73,10 @@ Trainer::Trainer(const RunConfig& config, std::optional<DeviceMesh> mesh)
     std::unordered_set<std::string> replicated;  // by name: fully_shard makes plain shards
     for (const auto& p : unique_named_parameters(*model_))
       if (!is_dtensor(p.value()) || spec_of(p.value()).is_replicated()) replicated.insert(p.key());
-    // torchtitan's layout: every block a unit whose parameters are whole only while it runs
-    // (forward, then backward); the root (embedding, final norm, output) keeps them from its
-    // forward to its backward, which starts right away.
     const DeviceMesh dp_mesh = mesh_->ndim() == 1 ? *mesh_ : (*mesh_)["dp"];
-    fsdp::FullyShardOptions block_options;
-    block_options.reshard_after_forward = true;
-    if (config_.bf16) {  // torchtitan's policy: compute in bfloat16, reduce in float32
-      block_options.param_dtype = at::kBFloat16;
-      block_options.reduce_dtype = at::kFloat;
-    }
-    fsdp::FullyShardOptions root_options = block_options;
-    root_options.reshard_after_forward = false;
-    for (auto& block : *model_->layers) fsdp::fully_shard(*block, dp_mesh, block_options);
-    fsdp::fully_shard(*model_, dp_mesh, root_options);
+    for (auto& block : *model_->layers)
+      fsdp::fully_shard(*block, dp_mesh, fsdp_unit_options(config_, /*root=*/false));
+    fsdp::fully_shard(*model_, dp_mesh, fsdp_unit_options(config_, /*root=*/true));
     for (const auto& p : unique_named_parameters(*model_))
       tp_replicated_.push_back(replicated.count(p.key()) > 0);
   }

@@ -145,3 +145,11 @@ TEST(PlanExact, PipelineTimesTensorParallel4FullAcRecomputingCollectives) {
   o.ac_recompute_collectives = true;
   expect_simulation_exact(o, 4, "1f1b");
 }
+
+// bf16 mixed precision inside pipeline stages: bfloat16 gathers and activations between stages,
+// float32 reduce-scatters, on the real run and in the plan alike.
+TEST(PlanExact, PipelineTimesFsdpTimesTensorParallel8Bf16) {
+  auto o = tiny({{"pp", 2}, {"dp_shard", 2}, {"microbatches", 2}});
+  o.mixed_precision = "bf16";
+  expect_simulation_exact(o, 8, "1f1b");
+}
