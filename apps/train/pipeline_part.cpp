@@ -78,15 +78,15 @@ PipelinePart::PipelinePart(models::TransformerImpl& whole, const RunConfig& conf
         {config.batch_size / config.dp / config.microbatches, config.seq_len, config.model.dim},
         at::TensorOptions()
             .device(mesh.device())
-            .dtype(config.bf16 ? at::kBFloat16 : config.dtype));  // the blocks' compute dtype
+            .dtype(  // the blocks' compute dtype
+                fsdp_unit_options(config, /*root=*/false).param_dtype.value_or(config.dtype)));
     for (auto& p : pipes_) {
       p->set_boundary_activations(p->is_first() ? std::nullopt : std::optional(like),
                                   p->is_last() ? std::nullopt : std::optional(like));
     }
   }
-  // Mixed precision: the loss in float32 from bfloat16 logits, as Trainer::float_logits does.
-  auto loss = [bf16 = config.bf16](const at::Tensor& out, const at::Tensor& target) {
-    return models::token_cross_entropy(bf16 ? out.to(at::kFloat) : out, target);
+  auto loss = [config](const at::Tensor& out, const at::Tensor& target) {
+    return models::token_cross_entropy(logits_for_loss(config, out), target);
   };
   if (config.pp_schedule == "gpipe") {
     schedule_ = std::make_unique<pp::ScheduleGPipe>(*pipes[0], config.microbatches, loss);

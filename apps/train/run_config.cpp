@@ -288,4 +288,8 @@ fsdp::FullyShardOptions fsdp_unit_options(const RunConfig& config, bool root) {
   return o;
 }
 
+at::Tensor logits_for_loss(const RunConfig& config, const at::Tensor& logits) {
+  return config.bf16 ? logits.to(at::kFloat) : logits;
+}
+
 }  // namespace dtensor::train

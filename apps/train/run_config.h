@@ -75,6 +75,10 @@ RunConfig one_device(const RunConfig& config);
 // backward, which starts right away. With bf16: compute in bfloat16, reduce in float32.
 fsdp::FullyShardOptions fsdp_unit_options(const RunConfig& config, bool root);
 
+// The logits the loss is computed from: float32 with bf16 mixed precision (as torchtitan
+// computes it), else as they are.
+at::Tensor logits_for_loss(const RunConfig& config, const at::Tensor& logits);
+
 // Throws std::invalid_argument with a message that names the option to change.
 RunConfig resolve_run_config(const TrainOptions& options, int64_t world_size);
 

@@ -100,11 +100,6 @@ Trainer::Trainer(const RunConfig& config, std::optional<DeviceMesh> mesh)
   optimizer_ = std::make_unique<torch::optim::AdamW>(std::move(groups), options);
 }
 
-// Mixed precision: the loss in float32 (as torchtitan computes it), from bfloat16 logits.
-at::Tensor Trainer::float_logits(const at::Tensor& logits) const {
-  return config_.bf16 ? logits.to(at::kFloat) : logits;
-}
-
 at::Tensor Trainer::dp_slice(const at::Tensor& t) const {
   if (!mesh_ || config_.dp == 1) return t;
   const int64_t rows = t.size(0) / config_.dp;
@@ -221,7 +216,7 @@ at::Tensor Trainer::forward_backward(const Batch& global_batch) {
     if (config_.tp > 1) models::reduce_partial_grads(pp_->stage());
     return loss;
   }
-  auto logits = float_logits(model_->forward(dp_slice(global_batch.inputs)));
+  auto logits = logits_for_loss(config_, model_->forward(dp_slice(global_batch.inputs)));
   auto loss = models::loss_and_backward(logits, dp_slice(global_batch.targets));
   if (mesh_ && !config_.fsdp) {  // FSDP's backward already reduce-scattered the gradients
     models::reduce_partial_grads(*model_);
@@ -306,7 +301,7 @@ double Trainer::evaluate(const BatchSampler& val, int64_t n_batches) {
       if (logits.defined()) total += models::token_cross_entropy(logits, b.targets).item<double>();
       continue;
     }
-    auto logits = float_logits(model_->forward(dp_slice(b.inputs)));
+    auto logits = logits_for_loss(config_, model_->forward(dp_slice(b.inputs)));
     total += models::token_cross_entropy(logits, dp_slice(b.targets)).item<double>();
   }
   module().train();

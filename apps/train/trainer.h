@@ -89,7 +89,6 @@ class Trainer {
 
  private:
   at::Tensor dp_slice(const at::Tensor& t) const;
-  at::Tensor float_logits(const at::Tensor& logits) const;
   void all_reduce_dp_grads();
   double clip_grad_norm(double max_norm);          // returns the global norm before clipping
   double clip_sharded_grad_norm(double max_norm);  // the same for FSDP's gradient shards

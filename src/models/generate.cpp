@@ -60,9 +60,7 @@ Decoder::Decoder(const TransformerImpl& model) : config_(model.config()) {
   embedding_ = local_part(model.tok_embeddings->weight, rows, tp_, "tok_embeddings.weight");
   vocab_offset_ = chunk_range(c.vocab_size, tp_, rank_).offset;
   norm_ = local_part(model.norm->weight, std::nullopt, tp_, "norm.weight");
-  // A tied head: the embedding's weight (the head's member follows it only inside forward).
-  output_ = local_part(c.tie_embeddings ? model.tok_embeddings->weight : model.output->weight, rows,
-                       tp_, "output.weight");
+  output_ = local_part(model.output->weight, rows, tp_, "output.weight");
   const bool kv_sharded = c.kv_heads() % tp_ == 0;
   const at::Tensor kv_index = kv_heads_of_rank(c.n_heads, c.kv_heads(), rank_, tp_);
   for (size_t i = 0; i < model.layers->size(); ++i) {

@@ -237,7 +237,7 @@ at::Tensor TransformerImpl::forward(const at::Tensor& tokens) {
         const int64_t seqlen = tokens.size(1);
         // FSDP swaps the embedding's weight for its gathered tensor around each forward (and TP
         // for its DTensor): a tied head computes with whatever the embedding holds now.
-        if (config_.tie_embeddings) output->weight = tok_embeddings->weight;
+        if (config_.tie_embeddings) tie_output_to_embedding();
         if (tp_state_ && tp_state_->sequence_parallel) {
           const int64_t tp = tp_state_->mesh.size();
           TORCH_CHECK(seqlen % tp == 0, "sequence length ", seqlen, " is not divisible by tp=", tp,
