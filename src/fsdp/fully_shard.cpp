@@ -157,17 +157,17 @@ bool kept_valid(const UnitState& st) {
 
 // The unit's gathered parameters as [dp, segment]: the kept ones when valid, else `ready` (an
 // all-gather already done), else a new all-gather. Kept for later calls while gradient sync is
-// off. (With dp = 1 the parameters are views of the buffer and are freed with it: a copy.)
+// off (the parameters are copies of it: see unpack).
 at::Tensor gathered_shards(const UnitState& st, const at::Tensor& ready) {
   std::lock_guard<std::mutex> l(st.sync->mu);
   SyncState& s = *st.sync;
-  if (kept_valid(st)) return st.dp == 1 ? s.kept.clone() : s.kept;
+  if (kept_valid(st)) return s.kept;
   at::Tensor gathered = ready.defined() ? ready : all_gather_shards(st);
   if (s.requires_sync) {
     s.kept = at::Tensor();
     return gathered;
   }
-  s.kept = st.dp == 1 ? gathered.clone() : gathered;
+  s.kept = gathered;
   s.kept_versions = shard_versions(st);
   return gathered;
 }
@@ -210,15 +210,18 @@ struct UnitRuntime {
   std::vector<int64_t> shard_versions() const { return fsdp::shard_versions(*st); }
 };
 
-// Parameter i, whole, from the gathered buffer (a copy, or a view when dp is 1).
+// Parameter i, whole, from the gathered buffer: always a copy, whose storage free() may empty
+// while the buffer lives on (kept while gradient sync is off). A view would empty the buffer
+// too: with dp = 1, or a unit of one parameter, reshape and contiguous() copy nothing.
 at::Tensor unpack(const UnitState& st, const at::Tensor& gathered, size_t i) {
   const auto& p = st.params[i];
   std::vector<int64_t> padded = p.full_shape;
   padded[0] = st.dp * p.chunk_rows;
-  return gathered.narrow(1, p.offset, p.chunk_rows * p.row_numel)
-      .reshape(padded)
-      .narrow(0, 0, p.full_shape[0])
-      .contiguous();
+  at::Tensor whole = gathered.narrow(1, p.offset, p.chunk_rows * p.row_numel)
+                         .reshape(padded)
+                         .narrow(0, 0, p.full_shape[0])
+                         .contiguous();
+  return whole.storage().is_alias_of(gathered.storage()) ? whole.clone() : whole;
 }
 
 // The gathered parameters of one forward call of a unit, by storage: their values can be freed
@@ -481,7 +484,10 @@ ShardInfo shard_info(const at::Tensor& param) {
   const ShardEntry* e = find_shard(param);
   TORCH_CHECK(e, "fsdp::shard_info: the tensor (shape ", param.sizes(),
               ") is not a parameter shard created by fully_shard");
-  return e->info;
+  ShardInfo info = e->info;
+  info.dp_group = e->pg;
+  info.tp_spec = e->tp_spec;
+  return info;
 }
 
 namespace {
@@ -559,7 +565,7 @@ void shard_parameters(UnitState& st, int64_t rank) {
     const bool rg = p.shard.requires_grad();
     p.shard = p.shard.detach().narrow(0, begin, end - begin).clone().set_requires_grad(rg);
     replace_parameter(*p.owner, p.name, p.shard);
-    infos.push_back(ShardInfo{rows, begin});
+    infos.push_back(ShardInfo{rows, begin, nullptr, nullptr});
   }
   std::lock_guard<std::mutex> l(shards_mu());
   for (size_t i = 0; i < st.params.size(); ++i)

@@ -233,6 +233,35 @@ TEST(FullyShard, DeferredGradientSyncGathersAndReduceScattersOncePerStep) {
   });
 }
 
+// A unit of one parameter with gradient sync off, forwarded again after a deferred backward (as
+// a pipeline's first stage with its embedding alone in the root unit, when 1F1B runs a
+// forward after a backward): the parameter gathered from the kept buffer must be a copy, since
+// the backward empties the parameter's storage. It was a view of the whole buffer, and the
+// second forward read an empty one ("setStorage: ... out of bounds for storage of size 0").
+TEST(FullyShard, OneParameterUnitForwardsAgainAfterADeferredBackward) {
+  run_ranks(2, [](int rank) {
+    auto mesh = init_device_mesh("cpu", {2}, {"dp"});
+    dtensor::nn::Linear ref(torch::nn::LinearOptions(4, 6).bias(false)),
+        lin(torch::nn::LinearOptions(4, 6).bias(false));
+    ref->to(at::kDouble);
+    lin->to(at::kDouble);
+    {
+      at::NoGradGuard no_grad;
+      lin->weight.copy_(ref->weight);
+    }
+    fsdp::fully_shard(*lin, mesh);
+    ASSERT_EQ(fsdp::set_requires_gradient_sync(*lin, false), 1);
+    auto x = at::randn({4, 4}, at::kDouble);  // two micro-batches of 1 row per rank
+    ref->forward(x).pow(2).sum().backward();
+    for (int64_t i = 0; i < 2; ++i) {
+      if (i == 1) fsdp::set_requires_gradient_sync(*lin, true);
+      lin->forward(x.narrow(0, 2 * rank + i, 1)).pow(2).sum().mul(2).backward();  // mean over dp
+    }
+    const at::Tensor& w = lin->weight;
+    EXPECT_TRUE(close_to_scale(w.grad(), ref->weight.grad().narrow(0, 3 * rank, 3), 1e-12));
+  });
+}
+
 TEST(FullyShard, LlamaTrainingMatchesOneDeviceDp2) {
   run_ranks(2, [](int) { expect_training_matches_all(2); });
 }

@@ -40,8 +40,11 @@
 #include <c10/core/ScalarType.h>
 #include <torch/nn/module.h>
 
+#include <memory>
 #include <optional>
 
+#include "dtensor/comm/process_group.h"
+#include "dtensor/core/dtensor_spec.h"
 #include "dtensor/mesh/device_mesh.h"
 
 namespace dtensor::fsdp {
@@ -87,10 +90,14 @@ int64_t set_requires_gradient_sync(torch::nn::Module& module, bool requires_grad
 /// Whether `param` is a sharded leaf created by fully_shard.
 bool is_fsdp_shard(const at::Tensor& param);
 
-/// The sharding of a leaf from fully_shard: the full dim-0 size and this rank's first row.
+/// The sharding of a leaf from fully_shard: the full dim-0 size, this rank's first row, the
+/// group its rows are split over and, for a parameter TP had made a DTensor, that DTensor's
+/// spec (the leaf holds rows of its local tensor).
 struct ShardInfo {
-  int64_t full_rows = 0;   ///< Size of dim 0 of the unsharded parameter.
+  int64_t full_rows = 0;   ///< Size of dim 0 of the unsharded (tp-local) parameter.
   int64_t row_offset = 0;  ///< First row of the unsharded parameter this rank holds.
+  std::shared_ptr<comm::ProcessGroup> dp_group;  ///< The "dp" group of its unit.
+  std::shared_ptr<const DTensorSpec> tp_spec;    ///< nullptr: a plain parameter.
 };
 /// The sharding of `param` (throws when it is not from fully_shard).
 ShardInfo shard_info(const at::Tensor& param);
