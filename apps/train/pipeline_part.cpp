@@ -46,96 +46,57 @@ const torch::optim::AdamWParamState* adam_state(torch::optim::AdamW& opt, const 
 
 PipelinePart::PipelinePart(models::TransformerImpl& whole, const RunConfig& config,
                            const DeviceMesh& mesh)
-    : config_(config),
-      stages_(models::split_llama_stages(whole, mesh, config.virtual_stages)),
-      chunks_(std::make_shared<torch::nn::Module>()) {
+    : config_(config), chunks_(std::make_shared<torch::nn::Module>()) {
   // A real run gives memory to this rank's stages only (a plan keeps them shapes), drawn from
   // the seed or read from --hf.
+  std::function<void(models::TransformerImpl&)> fill;
   if (!config.meta && config.hf_dir.empty()) {
-    models::init_stage_weights(stages_, whole, config.seed);
+    fill = [seed = config.seed](models::TransformerImpl& w) { w.init_weights(seed); };
   } else if (!config.meta) {
-    models::materialize_stages(stages_, whole, [&](models::TransformerImpl& w) {
-      models::load_hf_weights(config.hf_dir, w);
-    });
+    fill = [dir = config.hf_dir](models::TransformerImpl& w) { models::load_hf_weights(dir, w); };
   }
-  std::vector<pp::PipelineStage*> pipes;
-  for (size_t k = 0; k < stages_.size(); ++k) {
-    if (config.tp > 1) {
-      models::TensorParallelOptions tp;
-      tp.sequence_parallel = false;  // activations cross the stage boundaries replicated
-      tp.loss_parallel = config.loss_parallel;
-      models::apply_tensor_parallel(*stages_[k], mesh, tp);
-    }
-    if (config.fsdp) shard_over_dp(*stages_[k], mesh["dp"], config);
-    chunks_->register_module(std::to_string(k), stages_[k].ptr());
-    pipes_.push_back(models::make_llama_pipeline_stage(stages_[k], mesh));
-    pipes.push_back(pipes_.back().get());
-  }
+  const models::ParallelizeOptions par = parallelize_options(config);
+  models::PipelineOptions schedule{
+      .schedule = config.pp_schedule,
+      .virtual_stages = config.virtual_stages,
+      .microbatches = config.microbatches,
+      .loss = [config](const at::Tensor& out, const at::Tensor& target) {
+        return models::token_cross_entropy(logits_for_loss(config, out), target);
+      }};
+  pipeline_ = models::parallelize_pipeline(whole, mesh, par, schedule, fill);
+  for (size_t k = 0; k < pipeline_.stages.size(); ++k)
+    chunks_->register_module(std::to_string(k), pipeline_.stages[k].ptr());
   if (config.meta) {
     // Meta activations carry no values, so the shape message cannot be read: every stage is
-    // told the (micro-batch, sequence, dim) activation its neighbours exchange.
+    // told the (micro-batch, sequence, dim) activation its neighbours exchange, in the blocks'
+    // compute dtype.
     const at::Tensor like = at::empty(
         {config.batch_size / config.dp / config.microbatches, config.seq_len, config.model.dim},
         at::TensorOptions()
             .device(mesh.device())
-            .dtype(  // the blocks' compute dtype
-                fsdp_unit_options(config, /*root=*/false).param_dtype.value_or(config.dtype)));
-    for (auto& p : pipes_) {
+            .dtype(par.fsdp.param_dtype.value_or(config.dtype)));
+    for (auto& p : pipeline_.pipes) {
       p->set_boundary_activations(p->is_first() ? std::nullopt : std::optional(like),
                                   p->is_last() ? std::nullopt : std::optional(like));
     }
   }
-  auto loss = [config](const at::Tensor& out, const at::Tensor& target) {
-    return models::token_cross_entropy(logits_for_loss(config, out), target);
-  };
-  if (config.pp_schedule == "gpipe") {
-    schedule_ = std::make_unique<pp::ScheduleGPipe>(*pipes[0], config.microbatches, loss);
-  } else if (config.pp_schedule == "interleaved") {
-    schedule_ = std::make_unique<pp::ScheduleInterleaved1F1B>(pipes, config.microbatches, loss);
-  } else {
-    TORCH_CHECK(config.pp_schedule == "1f1b", "unknown pipeline schedule '", config.pp_schedule,
-                "': expected gpipe, 1f1b or interleaved");
-    schedule_ = std::make_unique<pp::Schedule1F1B>(*pipes[0], config.microbatches, loss);
-  }
-}
-
-// FSDP inside a stage, as over the whole model (fsdp_unit_options): every block a unit, the
-// stage itself (embedding, final norm, head) the root unit; after TP, before the
-// PipelineStage (which then defers the reduce-scatters to the last micro-batch).
-void PipelinePart::shard_over_dp(models::LlamaStageImpl& stage, const DeviceMesh& dp_mesh,
-                                 const RunConfig& config) {
-  std::unordered_set<std::string> replicated;  // by name: fully_shard makes plain shards
-  for (const auto& p : stage.named_parameters())
-    if (!is_dtensor(p.value()) || spec_of(p.value()).is_replicated()) replicated.insert(p.key());
-  for (const auto& item : *stage.layers)
-    fsdp::fully_shard(*item.value()->as<models::TransformerBlockImpl>(), dp_mesh,
-                      fsdp_unit_options(config, /*root=*/false));
-  fsdp::fully_shard(stage, dp_mesh, fsdp_unit_options(config, /*root=*/true));
-  for (const auto& p : stage.named_parameters())
-    if (replicated.count(p.key())) tp_replicated_.insert(p.value().unsafeGetTensorImpl());
-}
-
-bool PipelinePart::is_tied_copy(const at::Tensor& param) const {
-  for (const auto& st : stages_)
-    if (st->tied_across_stages() && param.is_same(st->output->weight)) return true;
-  return false;
 }
 
 std::vector<std::pair<std::string, at::Tensor>> PipelinePart::named_parameters() const {
   std::vector<std::pair<std::string, at::Tensor>> out;
-  for (const auto& st : stages_)
+  for (const auto& st : pipeline_.stages)
     for (const auto& item : st->named_parameters()) out.emplace_back(item.key(), item.value());
   return out;
 }
 
 at::Tensor PipelinePart::run_schedule(const Batch& batch) {
-  return schedule_->step(pipe().is_first() ? batch.inputs : at::Tensor(),
-                         pipes_.back()->is_last() ? batch.targets : at::Tensor());
+  return pipeline_.schedule->step(pipe().is_first() ? batch.inputs : at::Tensor(),
+                                  pipeline_.pipes.back()->is_last() ? batch.targets : at::Tensor());
 }
 
 PipelinePart::StepResult PipelinePart::step_values(const at::Tensor& loss) {
-  const bool last = pipes_.back()->is_last();
-  const pp::StepTiming& t = schedule_->last_timing();
+  const bool last = pipeline_.pipes.back()->is_last();
+  const pp::StepTiming& t = pipeline_.schedule->last_timing();
   const double idle = t.total_s > 0 ? std::clamp(1 - t.compute_s / t.total_s, 0.0, 1.0) : 0.0;
   // One all_reduce carries both: the loss from the last stage, the idle shares from all.
   at::Tensor v = at::tensor(std::vector<double>{last ? loss.item<double>() : 0.0, idle});
@@ -160,8 +121,8 @@ at::Tensor PipelinePart::forward(const at::Tensor& tokens) {
   at::NoGradGuard no_grad;
   auto& pg = pipe().pp_mesh().group(0);
   at::Tensor h;
-  for (size_t k = 0; k < stages_.size(); ++k) {
-    const pp::PipelineStage& p = *pipes_[k];
+  for (size_t k = 0; k < pipeline_.stages.size(); ++k) {
+    const pp::PipelineStage& p = *pipeline_.pipes[k];
     const int64_t g = p.stage_index();
     h = tokens;
     if (!p.is_first()) {
@@ -169,7 +130,7 @@ at::Tensor PipelinePart::forward(const at::Tensor& tokens) {
                                at::TensorOptions().dtype(config_.dtype)),
                      static_cast<int>(p.rank_of(g - 1)), pg, kForwardOnlyTag);
     }
-    h = stages_[k]->forward(h);
+    h = pipeline_.stages[k]->forward(h);
     if (p.is_last()) return h;
     comm::send(h.contiguous(), static_cast<int>(p.rank_of(g + 1)), pg, kForwardOnlyTag);
   }

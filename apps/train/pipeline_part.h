@@ -11,12 +11,12 @@
 #include <cstdint>
 #include <memory>
 #include <string>
-#include <unordered_set>
 #include <vector>
 
 #include "corpus.h"
 #include "dtensor/mesh/device_mesh.h"
 #include "dtensor/models/llama_pipeline.h"
+#include "dtensor/models/parallelize.h"
 #include "dtensor/pp/pipeline.h"
 #include "run_config.h"
 
@@ -24,21 +24,20 @@ namespace dtensor::train {
 
 class PipelinePart {
  public:
-  // Splits `whole` (built on the meta device) over the "pp" dimension of `mesh` ([pp, tp] or
-  // [pp, dp, tp]), gives this rank's stages memory and the values whole.init_weights(seed)
-  // draws (a plan keeps them shapes), and parallelizes them over "tp" (and shards over "dp").
+  // models::parallelize_pipeline: splits `whole` (built on the meta device) over the "pp"
+  // dimension of `mesh` ([pp, tp] or [pp, dp, tp]), gives this rank's stages memory and the
+  // values whole.init_weights(seed) draws or --hf's (a plan keeps them shapes), and parallelizes
+  // them as parallelize_options(config) says.
   PipelinePart(models::TransformerImpl& whole, const RunConfig& config, const DeviceMesh& mesh);
 
   // This rank's stages, as submodules "0", "1", ... (its v virtual stages in order).
   torch::nn::Module& stage() { return *chunks_; }
-  const pp::PipelineStage& pipe() const { return *pipes_.front(); }
-  // Whether the FSDP shard `param` (under --dp-shard) is of a parameter TP replicates.
-  bool tp_replicated(const at::Tensor& param) const {
-    return tp_replicated_.count(param.unsafeGetTensorImpl()) > 0;
-  }
+  const pp::PipelineStage& pipe() const { return *pipeline_.pipes.front(); }
   // The last stage's copy of a tied embedding: its gradient equals the first stage's after the
   // step, so the global gradient norm counts it once (on the first stage).
-  bool is_tied_copy(const at::Tensor& param) const;
+  bool is_tied_copy(const at::Tensor& param) const { return pipeline_.is_tied_copy(param); }
+  // fsdp::clip_grad_norm_'s options for this rank's stages.
+  fsdp::ClipGradNormOptions clip_options() const { return pipeline_.clip_options(); }
 
   struct StepResult {
     double loss = 0;    // mean over the batch, on every rank
@@ -69,17 +68,12 @@ class PipelinePart {
  private:
   // The pp rank that holds the whole model's parameter `name`.
   int64_t owner_of(const std::string& name) const;
-  void shard_over_dp(models::LlamaStageImpl& stage, const DeviceMesh& dp_mesh,
-                     const RunConfig& config);
   // This rank's parameters by their names in the whole model.
   std::vector<std::pair<std::string, at::Tensor>> named_parameters() const;
 
   RunConfig config_;
-  std::vector<models::LlamaStage> stages_;
+  models::LlamaPipeline pipeline_;
   std::shared_ptr<torch::nn::Module> chunks_;
-  std::vector<std::unique_ptr<pp::PipelineStage>> pipes_;
-  std::unordered_set<const c10::TensorImpl*> tp_replicated_;
-  std::unique_ptr<pp::Schedule> schedule_;
 };
 
 }  // namespace dtensor::train

@@ -8,6 +8,7 @@
 #include <stdexcept>
 
 #include "corpus.h"
+#include "dtensor/ac/checkpoint.h"
 #include "dtensor/comm/error_message.h"
 #include "dtensor/models/hf_checkpoint.h"
 #include "tokenizer.h"
@@ -278,12 +279,22 @@ std::string RunConfig::to_json() const {
   return js.str();
 }
 
-fsdp::FullyShardOptions fsdp_unit_options(const RunConfig& config, bool root) {
-  fsdp::FullyShardOptions o;
-  o.reshard_after_forward = !root;
-  if (config.bf16) {
-    o.param_dtype = at::kBFloat16;
-    o.reduce_dtype = at::kFloat;
+models::ParallelizeOptions parallelize_options(const RunConfig& config) {
+  models::ParallelizeOptions o;
+  o.tp.sequence_parallel = config.sequence_parallel;
+  o.tp.loss_parallel = config.loss_parallel;
+  o.tp.overlap_comm = config.overlap_comm;
+  if (config.plan) {
+    o.tp_plan = [plan = *config.plan](models::TransformerImpl& model, const DeviceMesh& tp_mesh) {
+      apply_plan_file(model, tp_mesh, plan);
+    };
+  }
+  o.ac = ac::parse_ac_mode(config.ac);
+  o.ac_options.replay_collectives = config.ac_replay_collectives;
+  o.fully_shard = config.fsdp;
+  if (config.bf16) {  // compute in bfloat16, reduce in float32 (torchtitan's default)
+    o.fsdp.param_dtype = at::kBFloat16;
+    o.fsdp.reduce_dtype = at::kFloat;
   }
   return o;
 }

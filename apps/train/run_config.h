@@ -9,8 +9,8 @@
 #include <optional>
 #include <string>
 
-#include "dtensor/fsdp/fully_shard.h"
 #include "dtensor/models/llama.h"
+#include "dtensor/models/parallelize.h"
 #include "dtensor/pp/pipeline.h"
 #include "lr_schedule.h"
 #include "options.h"
@@ -69,11 +69,10 @@ struct RunConfig {
 // The same run on one device with plain LibTorch (--verify-tp1, --pp checkpoints).
 RunConfig one_device(const RunConfig& config);
 
-// FSDP's options for a unit of the run, in torchtitan's layout (the whole model or each
-// pipeline stage): every block a unit whose parameters are whole only while it runs (forward,
-// then backward); the root (embedding, final norm, head) keeps them from its forward to its
-// backward, which starts right away. With bf16: compute in bfloat16, reduce in float32.
-fsdp::FullyShardOptions fsdp_unit_options(const RunConfig& config, bool root);
+// The library's parallelize options for the run (models/parallelize.h): the TP plan (built-in
+// or --plan), AC, and FSDP over "dp" with --dp-shard (with bf16: compute in bfloat16, reduce
+// in float32), for the whole model and for each pipeline stage alike.
+models::ParallelizeOptions parallelize_options(const RunConfig& config);
 
 // The logits the loss is computed from: float32 with bf16 mixed precision (as torchtitan
 // computes it), else as they are.

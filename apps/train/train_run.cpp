@@ -15,6 +15,8 @@
 #include <optional>
 #include <sstream>
 #include <stdexcept>
+#include <string>
+#include <vector>
 
 #include "checkpoints.h"
 #include "corpus.h"
@@ -80,14 +82,16 @@ std::string model_line(const RunConfig& c) {
   return s.str();
 }
 
-// "FSDP=2", "FSDP=2 x TP=2".
-std::string run_name(const RunConfig& c) {
-  return "FSDP=" + std::to_string(c.dp) + (c.tp > 1 ? " x TP=" + std::to_string(c.tp) : "");
-}
-
-// "PP=2 x TP=2".
-std::string pp_name(const RunConfig& c) {
-  return "PP=" + std::to_string(c.pp) + (c.tp > 1 ? " x TP=" + std::to_string(c.tp) : "");
+// The layout in short: "PP=2 x FSDP=2 x TP=2", "FSDP=2", "TP=2 x DP=2", "TP=1".
+std::string layout_name(const RunConfig& c) {
+  std::vector<std::string> parts;
+  if (c.pp > 1) parts.push_back("PP=" + std::to_string(c.pp));
+  if (c.fsdp) parts.push_back("FSDP=" + std::to_string(c.dp));
+  if (c.tp > 1 || parts.empty()) parts.push_back("TP=" + std::to_string(c.tp));
+  if (!c.fsdp && c.dp > 1) parts.push_back("DP=" + std::to_string(c.dp));
+  std::string out;
+  for (const auto& p : parts) out += (out.empty() ? "" : " x ") + p;
+  return out;
 }
 
 std::string pipeline_line(const RunConfig& c, int64_t threads) {
@@ -338,12 +342,7 @@ class TrainingRun {
     if (losses_.empty()) evaluate();
     if (rank0_ && metrics_) {
       write_loss_curve_svg((out_dir_ / "loss.svg").string(), metrics_->rows(),
-                           "dtensor_train: " + cfg_.model_source +
-                               (cfg_.pp > 1 ? ", " + pp_name(cfg_)
-                                : cfg_.fsdp ? ", " + run_name(cfg_)
-                                            : ", TP=" + std::to_string(cfg_.tp) +
-                                                  (cfg_.dp > 1 ? " x DP=" + std::to_string(cfg_.dp)
-                                                               : std::string())));
+                           "dtensor_train: " + cfg_.model_source + ", " + layout_name(cfg_));
     }
   }
 
@@ -437,10 +436,7 @@ class TrainingRun {
         });
     vbar.finish();
     std::ostringstream table;
-    print_verify_report(table, report,
-                        cfg_.pp > 1 ? pp_name(cfg_)
-                        : cfg_.fsdp ? run_name(cfg_)
-                                    : "TP=" + std::to_string(cfg_.tp));
+    print_verify_report(table, report, layout_name(cfg_));
     std::printf("%s", table.str().c_str());
     std::printf("verify-tp1: %.1f s\n", seconds_since(t));
     std::fflush(stdout);

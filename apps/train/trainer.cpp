@@ -2,21 +2,17 @@
 
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
-#include <torch/nn/utils/clip_grad.h>
 
 #include <algorithm>
-#include <cmath>
 #include <limits>
 #include <string>
-#include <unordered_set>
 
 #include "dtensor/ac/checkpoint.h"
 #include "dtensor/comm/collectives.h"
 #include "dtensor/core/api.h"
 #include "dtensor/core/distribute_module.h"
 #include "dtensor/core/dtensor_impl.h"
-#include "dtensor/dispatch/implicit_replication.h"
-#include "dtensor/fsdp/fully_shard.h"
+#include "dtensor/fsdp/clip_grad_norm.h"
 #include "dtensor/models/hf_checkpoint.h"
 #include "dtensor/models/meta_init.h"
 #include "pipeline_part.h"
@@ -34,6 +30,7 @@ DeviceMesh make_train_mesh(const RunConfig& cfg, const std::string& device_type)
 
 Trainer::Trainer(const RunConfig& config, std::optional<DeviceMesh> mesh)
     : config_(config), mesh_(std::move(mesh)) {
+  const models::ParallelizeOptions par = parallelize_options(config_);
   if (mesh_ && config_.pp > 1) {
     // No rank builds the whole model: it is cut as shapes, and only this rank's stages get
     // memory (the rest goes with `whole` at the end of this block).
@@ -52,34 +49,16 @@ Trainer::Trainer(const RunConfig& config, std::optional<DeviceMesh> mesh)
   }
   // --hf: each rank reads only the slices its TP plan keeps, after the plan, before FSDP shards
   // them further (the pipeline stages read theirs in PipelinePart).
-  const bool load_hf = !config_.hf_dir.empty() && !config_.meta;
-  if (!pp_ && mesh_ && (!config_.fsdp || config_.tp > 1)) {
-    const DeviceMesh tp_mesh = mesh_->ndim() == 1 ? *mesh_ : (*mesh_)["tp"];
-    if (config_.plan) {
-      apply_plan_file(*model_, tp_mesh, *config_.plan);
-    } else {
-      models::TensorParallelOptions tp;
-      tp.sequence_parallel = config_.sequence_parallel;
-      tp.loss_parallel = config_.loss_parallel;
-      tp.overlap_comm = config_.overlap_comm;
-      models::apply_tensor_parallel(*model_, tp_mesh, tp);
-    }
+  auto load_hf = [this](models::TransformerImpl& m) {
+    if (!config_.hf_dir.empty() && !config_.meta) models::load_hf_weights(config_.hf_dir, m);
+  };
+  if (!pp_ && mesh_) {
+    models::parallelize(*model_, *mesh_, par, load_hf);
+  } else if (!pp_) {  // one device: plain LibTorch, checkpointed as the parallel runs are
+    load_hf(*model_);
+    ac::apply_ac<models::TransformerBlockImpl>(*model_, par.ac, par.ac_options);
   }
-  if (load_hf && !pp_) models::load_hf_weights(config_.hf_dir, *model_);
   torch::nn::Module& trained = module();
-  ac::apply_ac<models::TransformerBlockImpl>(trained, ac::parse_ac_mode(config_.ac),
-                                             {.replay_collectives = config_.ac_replay_collectives});
-  if (mesh_ && config_.fsdp && !pp_) {           // under --pp the PipelinePart shards its stages
-    std::unordered_set<std::string> replicated;  // by name: fully_shard makes plain shards
-    for (const auto& p : unique_named_parameters(*model_))
-      if (!is_dtensor(p.value()) || spec_of(p.value()).is_replicated()) replicated.insert(p.key());
-    const DeviceMesh dp_mesh = mesh_->ndim() == 1 ? *mesh_ : (*mesh_)["dp"];
-    for (auto& block : *model_->layers)
-      fsdp::fully_shard(*block, dp_mesh, fsdp_unit_options(config_, /*root=*/false));
-    fsdp::fully_shard(*model_, dp_mesh, fsdp_unit_options(config_, /*root=*/true));
-    for (const auto& p : unique_named_parameters(*model_))
-      tp_replicated_.push_back(replicated.count(p.key()) > 0);
-  }
 
   // Decay the matrices (projections and embeddings), not the norm weights, as GPT-style
   // recipes do. A tied weight is listed (and so optimized) once.
@@ -136,66 +115,10 @@ void Trainer::all_reduce_dp_grads() {
   }
 }
 
-// FSDP: every rank holds a slice of each gradient (of its tp share under TP), so the squares
-// are summed over dp, and over tp for what TP shards, and under --pp over the stages (the last
-// stage's copy of a tied embedding left out); then the scaling of LibTorch's
-// clip_grad_norm_.
-double Trainer::clip_sharded_grad_norm(double max_norm) {
-  at::NoGradGuard no_grad;
-  std::vector<at::Tensor> grads;
-  at::Tensor squares = at::zeros({2}, at::kDouble);  // [tp-sharded, tp-replicated]
-  for (size_t i = 0; i < params_.size(); ++i) {
-    const at::Tensor& g = params_[i].grad();
-    if (!g.defined()) continue;
-    grads.push_back(g);
-    if (pp_ && pp_->is_tied_copy(params_[i])) continue;  // counted on the first stage
-    const bool replicated = pp_ ? pp_->tp_replicated(params_[i]) : tp_replicated_[i];
-    squares.narrow(0, replicated ? 1 : 0, 1).add_(g.to(at::kDouble).pow(2).sum());
-  }
-  squares = comm::all_reduce(squares, ReduceOp::Sum, mesh_->group(mesh_->dim_index("dp")));
-  at::Tensor sharded = squares.narrow(0, 0, 1).clone();
-  if (config_.tp > 1)
-    sharded = comm::all_reduce(sharded, ReduceOp::Sum, mesh_->group(mesh_->dim_index("tp")));
-  double total = sharded.item<double>() + squares[1].item<double>();
-  if (pp_) total = pp_->sum_over_stages(total);  // each stage's shards once
-  const double norm = std::sqrt(total);
-  const double coef = max_norm / (norm + 1e-6);
-  if (coef < 1)
-    for (auto& g : grads) g.mul_(coef);
-  return norm;
-}
-
-// LibTorch's clip_grad_norm_ runs on DTensor gradients (pending p-norms, one all_reduce for the
-// sharded ones); the plain gradients of the norm weights without sequence parallelism join them
-// as replicated values.
+// One function for every layout (FSDP shards, DTensors, plain tensors, pipeline stages).
 double Trainer::clip_grad_norm(double max_norm) {
-  if (mesh_ && config_.fsdp) return clip_sharded_grad_norm(max_norm);
-  if (pp_) return clip_pipeline_grad_norm(max_norm);
-  ImplicitReplication plain_gradients_are_replicated;
-  return torch::nn::utils::clip_grad_norm_(params_, max_norm);
-}
-
-// Each stage's norm as above, then the squares summed over the stages; the last stage's copy of
-// a tied embedding has the first stage's gradient and is counted there only.
-double Trainer::clip_pipeline_grad_norm(double max_norm) {
-  at::NoGradGuard no_grad;
-  std::vector<at::Tensor> counted, grads;
-  for (const auto& p : params_) {
-    if (!p.grad().defined()) continue;
-    grads.push_back(p.grad());
-    if (!pp_->is_tied_copy(p)) counted.push_back(p);
-  }
-  double stage_norm = 0;
-  {
-    ImplicitReplication plain_gradients_are_replicated;
-    stage_norm =
-        torch::nn::utils::clip_grad_norm_(counted, std::numeric_limits<double>::infinity());
-  }
-  const double norm = std::sqrt(pp_->sum_over_stages(stage_norm * stage_norm));
-  const double coef = max_norm / (norm + 1e-6);
-  if (coef < 1)
-    for (auto& g : grads) g.mul_(coef);
-  return norm;
+  return fsdp::clip_grad_norm_(params_, max_norm,
+                               pp_ ? pp_->clip_options() : fsdp::ClipGradNormOptions{});
 }
 
 models::TransformerImpl& Trainer::model() {

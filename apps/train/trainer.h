@@ -90,21 +90,14 @@ class Trainer {
  private:
   at::Tensor dp_slice(const at::Tensor& t) const;
   void all_reduce_dp_grads();
-  double clip_grad_norm(double max_norm);          // returns the global norm before clipping
-  double clip_sharded_grad_norm(double max_norm);  // the same for FSDP's gradient shards
+  double clip_grad_norm(double max_norm);  // returns the global norm before clipping
   double mean_over_dp(double v) const;
-
-  // --pp: the gradient norm over the stages.
-  double clip_pipeline_grad_norm(double max_norm);
 
   RunConfig config_;
   std::optional<DeviceMesh> mesh_;
   models::Transformer model_{nullptr};
   std::unique_ptr<torch::optim::AdamW> optimizer_;
   std::vector<at::Tensor> params_;
-  // FSDP: per entry of params_, whether TP replicates it (or there is no TP): its gradient is
-  // equal on the tp ranks and counts once in the norm.
-  std::vector<bool> tp_replicated_;
   std::shared_ptr<PipelinePart> pp_;  // --pp: this rank's stage, its schedule
 };
 

@@ -1,16 +1,19 @@
-// The Llama pipeline composed with FSDP and TP on a 3-D mesh ("pp", "dp", "tp"), in
-// KempnerForge's order: each stage's blocks get TP (no sequence parallelism), then AC, then
-// fully_shard over "dp" (every block a unit with reshard_after_forward, the stage's root with
-// the embedding, norm and head). At (pp, dp, tp) = (2, 2, 1), (2, 1, 2) and (2, 2, 2), GPipe,
-// 1F1B and interleaved 1F1B (v = 2) with M = 2 micro-batches per dp rank, tied and untied
-// embeddings, three AdamW steps give the loss, every gradient and every parameter of one device
-// on the whole batch (float64, 1e-9). Per step, every rank issues exactly one all-gather and
-// one reduce-scatter per FSDP unit on its dp group (the schedule defers the gradient sync to
-// each stage's last micro-batch, and the units keep their gathered parameters meanwhile), and
-// the point-to-point messages of the pipeline alone; the TP all_reduces summed over the stages
-// of a pp group are the whole model's under the same plan, M times.
+// The Llama pipeline composed with FSDP and TP on a 3-D mesh ("pp", "dp", "tp") by the library's
+// entry point, parallelize_pipeline, in KempnerForge's order: each stage's blocks get TP (no
+// sequence parallelism), then AC, then fully_shard over "dp" (every block a unit with
+// reshard_after_forward, the stage's root with the embedding, norm and head). At (pp, dp, tp) =
+// (2, 2, 1), (2, 1, 2), (2, 2, 2) and (4, 2, 1), GPipe, 1F1B and interleaved 1F1B (v = 2) with
+// M = 2 and 4 micro-batches per dp rank, tied and untied embeddings, three AdamW steps give the
+// loss, every gradient (clipped by one fsdp::clip_grad_norm_ to a max norm below the norm) and
+// every parameter of one device on the whole batch (float64, 1e-9). Per step, every rank issues
+// exactly one all-gather and one reduce-scatter per FSDP unit on its dp group (the schedule
+// defers the gradient sync to each stage's last micro-batch, and the units keep their gathered
+// parameters meanwhile), and the point-to-point messages of the pipeline alone; the TP
+// all_reduces summed over the stages of a pp group are the whole model's under the same plan,
+// M times.
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
+#include <torch/nn/utils/clip_grad.h>
 #include <torch/optim/adamw.h>
 
 #include <map>
@@ -24,6 +27,7 @@
 #include "dtensor/fsdp/fully_shard.h"
 #include "dtensor/models/llama_pipeline.h"
 #include "dtensor/models/meta_init.h"
+#include "dtensor/models/parallelize.h"
 #include "dtensor/pp/pipeline.h"
 #include "support/distributed.h"
 #include "support/llama_stages.h"
@@ -35,49 +39,40 @@ using namespace dtensor::testing;
 
 namespace {
 
-constexpr int64_t kBatch = 4, kSeq = 8, kMicrobatches = 2;
+constexpr int64_t kSeq = 8;
 
 enum class Kind { GPipe, OneFOneB, Interleaved };
 const char* kind_name(Kind k) {
   return k == Kind::GPipe ? "GPipe" : k == Kind::OneFOneB ? "1F1B" : "interleaved";
 }
 
-// This rank's stages of the tiny Llama from seed 11 on `mesh`, parallelized in KempnerForge's
-// order, and their schedule.
+// This rank's stages of the tiny Llama from seed 11 on `mesh`, parallelized by the library's
+// entry point (models/parallelize.h), and their schedule.
 struct Built : LlamaStages {
   int64_t fsdp_units = 0;  // on this rank
+  fsdp::ClipGradNormOptions clip;
 };
 
-Built build(const DeviceMesh& mesh, const LlamaConfig& config, Kind kind, bool ac) {
+Built build(const DeviceMesh& mesh, const LlamaConfig& config, Kind kind, bool ac,
+            int64_t microbatches) {
   Transformer whole = meta_transformer(config);  // no rank holds the whole model
   whole->to(at::kDouble);
+  ParallelizeOptions par{.tp = {.loss_parallel = true},
+                         .ac = ac ? ac::ACMode::full : ac::ACMode::none,
+                         .fully_shard = true};
+  LlamaPipeline p = parallelize_pipeline(*whole, mesh, par,
+                                         {.schedule = kind == Kind::GPipe      ? "gpipe"
+                                                      : kind == Kind::OneFOneB ? "1f1b"
+                                                                               : "interleaved",
+                                          .virtual_stages = kind == Kind::Interleaved ? 2 : 1,
+                                          .microbatches = microbatches},
+                                         [](TransformerImpl& w) { w.init_weights(11); });
   Built b;
-  b.stages = split_llama_stages(*whole, mesh, kind == Kind::Interleaved ? 2 : 1);
-  init_stage_weights(b.stages, *whole, 11);
-  const DeviceMesh dp_mesh = mesh["dp"];
-  std::vector<pp::PipelineStage*> ptrs;
-  for (auto& st : b.stages) {
-    if (mesh.size(mesh.dim_index("tp")) > 1)
-      apply_tensor_parallel(*st, mesh, {.loss_parallel = true});
-    if (ac) ac::apply_ac<TransformerBlockImpl>(*st, ac::ACMode::full);
-    for (const auto& item : *st->layers)
-      fsdp::fully_shard(*item.value()->as<TransformerBlockImpl>(), dp_mesh,
-                        {.reshard_after_forward = true});
-    fsdp::fully_shard(*st, dp_mesh);
-    b.fsdp_units += fsdp::set_requires_gradient_sync(*st, true);
-    b.pipes.push_back(make_llama_pipeline_stage(st, mesh));
-    ptrs.push_back(b.pipes.back().get());
-  }
-  auto loss = [](const at::Tensor& out, const at::Tensor& target) {
-    return token_cross_entropy(out, target);
-  };
-  if (kind == Kind::GPipe) {
-    b.schedule = std::make_unique<pp::ScheduleGPipe>(*ptrs[0], kMicrobatches, loss);
-  } else if (kind == Kind::OneFOneB) {
-    b.schedule = std::make_unique<pp::Schedule1F1B>(*ptrs[0], kMicrobatches, loss);
-  } else {
-    b.schedule = std::make_unique<pp::ScheduleInterleaved1F1B>(ptrs, kMicrobatches, loss);
-  }
+  b.clip = p.clip_options();
+  b.stages = std::move(p.stages);
+  b.pipes = std::move(p.pipes);
+  b.schedule = std::move(p.schedule);
+  for (auto& st : b.stages) b.fsdp_units += fsdp::set_requires_gradient_sync(*st, true);
   return b;
 }
 
@@ -94,22 +89,25 @@ int64_t count(const CommCounts& c, CommType t) {
   return it == c.end() ? 0 : it->second;
 }
 
-void expect_layout_matches(int64_t pp, int64_t dp, int64_t tp) {
-  run_ranks(static_cast<int>(pp * dp * tp), [pp, dp, tp](int) {
+// M = `microbatches` per dp rank; the batch has max(4, dp M) rows.
+void expect_layout_matches(int64_t pp, int64_t dp, int64_t tp, int64_t microbatches) {
+  run_ranks(static_cast<int>(pp * dp * tp), [pp, dp, tp, microbatches](int) {
     auto mesh = init_device_mesh("cpu", {pp, dp, tp}, {"pp", "dp", "tp"});
+    const int64_t kMicrobatches = microbatches, kBatch = std::max<int64_t>(4, dp * microbatches);
     const int64_t dp_rank = mesh.get_local_rank("dp"), rows = kBatch / dp;
     auto& dp_group = mesh.group(mesh.dim_index("dp"));
     for (bool tied : {false, true}) {
       for (Kind kind : {Kind::GPipe, Kind::OneFOneB, Kind::Interleaved}) {
         const bool ac = tied;  // AC on half of the cases keeps the suite short
         SCOPED_TRACE("(pp, dp, tp) = (" + std::to_string(pp) + ", " + std::to_string(dp) + ", " +
-                     std::to_string(tp) + ") " + kind_name(kind) + (tied ? " tied" : " untied") +
-                     (ac ? " AC" : ""));
-        const auto config = tiny_pipeline_llama(tied);
+                     std::to_string(tp) + ") M = " + std::to_string(microbatches) + " " +
+                     kind_name(kind) + (tied ? " tied" : " untied") + (ac ? " AC" : ""));
+        // Enough blocks for pp stages of v = 2.
+        const auto config = tiny_pipeline_llama(tied, std::max<int64_t>(4, 2 * pp));
         Transformer ref(config);
         ref->to(at::kDouble);
         ref->init_weights(11);
-        Built b = build(mesh, config, kind, ac);
+        Built b = build(mesh, config, kind, ac, kMicrobatches);
         // FSDP units on this rank: each of its stages' blocks, and the stage itself where it
         // holds the embedding or the norm and head (stages 0 and S - 1).
         const int64_t v = kind == Kind::Interleaved ? 2 : 1, stages = v * pp;
@@ -141,6 +139,12 @@ void expect_layout_matches(int64_t pp, int64_t dp, int64_t tp) {
                                        targets.narrow(0, dp_rank * rows, rows));
           for (auto& st : b.stages) reduce_partial_grads(*st);
           debug.exit();
+          // One clip_grad_norm_ for the layout: the norm of one device's gradients, and the
+          // gradients scaled as LibTorch's clip_grad_norm_ scales them (max_norm below the norm).
+          const double ref_norm = torch::nn::utils::clip_grad_norm_(unique_parameters(*ref), 0.5);
+          const double norm = fsdp::clip_grad_norm_(b.parameters(), 0.5, b.clip);
+          EXPECT_NEAR(norm, ref_norm, 1e-9 * ref_norm) << "gradient norm";
+          EXPECT_GT(ref_norm, 0.5);
           counts = debug.get_comm_counts();
           // One all-gather and one reduce-scatter per unit and step (dp > 1: a 1-rank group's
           // collectives are not issued).
@@ -231,6 +235,15 @@ TEST(LlamaPipeline, InitStageWeightsGivesMemoryToThisRanksStagesOnly) {
   });
 }
 
-TEST(LlamaPipelineFsdp, TrainingMatchesOneDevicePp2Dp2) { expect_layout_matches(2, 2, 1); }
-TEST(LlamaPipelineFsdp, TrainingMatchesOneDevicePp2Tp2) { expect_layout_matches(2, 1, 2); }
-TEST(LlamaPipelineFsdp, TrainingMatchesOneDevicePp2Dp2Tp2) { expect_layout_matches(2, 2, 2); }
+TEST(LlamaPipelineFsdp, TrainingMatchesOneDevicePp2Dp2) {
+  for (int64_t m : {2, 4}) expect_layout_matches(2, 2, 1, m);
+}
+TEST(LlamaPipelineFsdp, TrainingMatchesOneDevicePp2Tp2) {
+  for (int64_t m : {2, 4}) expect_layout_matches(2, 1, 2, m);
+}
+TEST(LlamaPipelineFsdp, TrainingMatchesOneDevicePp2Dp2Tp2) {
+  for (int64_t m : {2, 4}) expect_layout_matches(2, 2, 2, m);
+}
+TEST(LlamaPipelineFsdp, TrainingMatchesOneDevicePp4Dp2) {
+  for (int64_t m : {2, 4}) expect_layout_matches(4, 2, 1, m);
+}

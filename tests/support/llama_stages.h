@@ -13,11 +13,12 @@
 
 namespace dtensor::testing {
 
-// The tiny preset with a 64-token vocabulary and 4 layers (enough for 4 stages, or 2 with v=2).
-inline models::LlamaConfig tiny_pipeline_llama(bool tied) {
+// The tiny preset with a 64-token vocabulary and 4 layers (enough for 4 stages, or 2 with v=2),
+// or `n_layers`.
+inline models::LlamaConfig tiny_pipeline_llama(bool tied, int64_t n_layers = 4) {
   auto c = models::LlamaConfig::preset("tiny");
   c.vocab_size = 64;
-  c.n_layers = 4;
+  c.n_layers = n_layers;
   c.tie_embeddings = tied;
   return c;
 }

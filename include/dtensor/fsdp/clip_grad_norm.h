@@ -1,0 +1,40 @@
+#pragma once
+// clip_grad_norm_ for the parameters of any layout the library composes (models/parallelize.h):
+// FSDP shards over "dp" (of TP's DTensors or of plain parameters), TP's DTensors, plain tensors,
+// and the stages of a pipeline, each rank holding its own. Like torch::nn::utils::clip_grad_norm_
+// (the 2-norm of all gradients together; each gradient scaled by max_norm / (norm + 1e-6) when
+// that is below 1), with every element of the global gradients counted exactly once: an FSDP
+// shard's squares are summed over its dp group, and over its tp group where TP shards the
+// parameter; DTensor gradients go through LibTorch's clip_grad_norm_ (a pending p-norm, one
+// all_reduce for the sharded ones); the stages' squares are summed over the pp group.
+//
+// Collectives per call: with FSDP shards, one all_reduce on the dp group and, where TP shards
+// some of them over more than one rank, one on the tp group; DTensor gradients, what LibTorch's
+// clip_grad_norm_ issues on them; with a stage group, one all_reduce on it.
+#include <ATen/core/Tensor.h>
+
+#include <functional>
+#include <memory>
+#include <vector>
+
+#include "dtensor/comm/process_group.h"
+
+namespace dtensor::fsdp {
+
+/// Options of clip_grad_norm_.
+struct ClipGradNormOptions {
+  /// Pipeline parallelism: the group whose ranks hold the other stages (the "pp" group); their
+  /// squared norms are summed over it. nullptr: the parameters are the whole model.
+  std::shared_ptr<comm::ProcessGroup> stage_group;
+  /// Parameters whose gradients are scaled but not counted: a copy whose gradient another
+  /// stage counts (the last stage's copy of a tied embedding).
+  std::function<bool(const at::Tensor& param)> counted_elsewhere;
+};
+
+/// Scales the gradients of `params` in place so that their global 2-norm is at most
+/// `max_norm` (infinity: never), and returns the global norm before scaling (equal on every
+/// rank). Parameters without a gradient are skipped.
+double clip_grad_norm_(const std::vector<at::Tensor>& params, double max_norm,
+                       const ClipGradNormOptions& options = {});
+
+}  // namespace dtensor::fsdp
