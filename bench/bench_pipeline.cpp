@@ -5,6 +5,15 @@
 // (pp=1, tp=2) on the same model and batch.
 //
 //   build/bench/bench_pipeline [--preset demo] [--batch 8] [--seq 128] [--steps 5]
+//   build/bench/bench_pipeline --layouts    # 8 ranks: (pp, dp, tp) layouts side by side
+//
+// --layouts runs on 8 ranks instead: one training step (forward, backward, gradient clipping,
+// AdamW) of the same model and batch at (pp, dp, tp) = (1, 1, 8), (1, 8, 1), (1, 2, 4), (2, 1, 4)
+// and (2, 2, 2) with 1F1B and interleaved 1F1B (v = 2), M = 4, each composed by
+// models::parallelize / parallelize_pipeline (FSDP wherever dp > 1), reported as ratios to
+// (1, 1, 8). On a machine with fewer cores than 8 the ranks share them: the ratios then compare
+// the layouts' total work and messages, not what 8 devices would give. Its last line is
+//   RESULT layout_ms_1_1_8=<> ... ratio_2_2_2_interleaved=<>
 //
 // Alone it starts itself on 2 local ranks (loopback); under a launcher (RANK set) it runs as
 // those ranks. A step is the schedule's forward and backward over the batch and AdamW's step;
@@ -32,6 +41,7 @@
 #include "dtensor/comm/backend.h"
 #include "dtensor/dtensor.h"
 #include "dtensor/models/llama_pipeline.h"
+#include "dtensor/models/parallelize.h"
 #include "launch/local_ranks.h"
 
 namespace {
@@ -50,6 +60,8 @@ options:
   --batch N       sequences per step, divisible by 8 (default 8)
   --seq N         sequence length (default 128)
   --steps N       timed steps per configuration, after one warm-up step (default 5)
+  --layouts       on 8 ranks: (pp, dp, tp) = (1,1,8), (1,8,1), (1,2,4), (2,1,4), (2,2,2) 1F1B
+                  and interleaved (M = 4), step time and ratio to (1,1,8); RESULT layout_ms_*
   --help          print this help
 )";
 
@@ -59,6 +71,7 @@ using namespace dtensor;
 struct Options {
   std::string preset = "demo";
   int64_t batch = 8, seq = 128, steps = 5;
+  bool layouts = false;
 };
 
 double median(std::vector<double> v) {
@@ -152,17 +165,98 @@ double run_tp2(const Options& opt, const models::LlamaConfig& config, const at::
   }));
 }
 
-// Starts this program on 2 local ranks and returns the first failing exit code (or 0).
-int launch_two_ranks(char** argv) {
+// One layout of --layouts: (pp, dp, tp), the schedule under pp.
+struct Layout {
+  int64_t pp, dp, tp;
+  std::string schedule;  // empty without pp
+  std::string key() const {
+    return std::to_string(pp) + "_" + std::to_string(dp) + "_" + std::to_string(tp) +
+           (schedule.empty() ? "" : "_" + schedule);
+  }
+};
+
+// The median step time of `layout` on the 8 ranks: forward and backward of the global batch
+// (each dp rank its rows), the gradients clipped by their global norm, AdamW.
+double run_layout(const Options& opt, const models::LlamaConfig& config, const at::Tensor& x,
+                  const at::Tensor& y, const Layout& l) {
+  models::ParallelizeOptions par;
+  par.fully_shard = l.dp > 1;
+  const int64_t rows = opt.batch / l.dp;
+  if (l.pp == 1) {
+    auto mesh = init_device_mesh("cpu", {l.dp, l.tp}, {"dp", "tp"});
+    const int64_t first = mesh.get_local_rank("dp") * rows;
+    models::Transformer model(config);
+    model->init_weights(0);
+    models::parallelize(*model, mesh, par);
+    torch::optim::AdamW adam(model->parameters(), torch::optim::AdamWOptions(1e-4));
+    return median(time_steps(opt, [&] {
+      adam.zero_grad();
+      models::loss_and_backward(model->forward(x.narrow(0, first, rows)), y.narrow(0, first, rows));
+      models::reduce_partial_grads(*model);
+      fsdp::clip_grad_norm_(model->parameters(), 1.0);
+      adam.step();
+    }));
+  }
+  auto mesh = init_device_mesh("cpu", {l.pp, l.dp, l.tp}, {"pp", "dp", "tp"});
+  const int64_t first = mesh.get_local_rank("dp") * rows;
+  models::Transformer whole = models::meta_transformer(config);
+  models::LlamaPipeline p =
+      models::parallelize_pipeline(*whole, mesh, par,
+                                   {.schedule = l.schedule,
+                                    .virtual_stages = l.schedule == "interleaved" ? 2 : 1,
+                                    .microbatches = 4},
+                                   [](models::TransformerImpl& w) { w.init_weights(0); });
+  const auto params = p.parameters();
+  const auto clip = p.clip_options();
+  torch::optim::AdamW adam(params, torch::optim::AdamWOptions(1e-4));
+  return median(time_steps(opt, [&] {
+    adam.zero_grad();
+    p.schedule->step(x.narrow(0, first, rows), y.narrow(0, first, rows));
+    for (auto& st : p.stages) models::reduce_partial_grads(*st);
+    fsdp::clip_grad_norm_(params, 1.0, clip);
+    adam.step();
+  }));
+}
+
+int run_layouts(const Options& opt, const models::LlamaConfig& config, const at::Tensor& x,
+                const at::Tensor& y) {
+  const bool rank0 = comm::get_rank() == 0;
+  const std::vector<Layout> layouts{{1, 1, 8, ""},     {1, 8, 1, ""},     {1, 2, 4, ""},
+                                    {2, 1, 4, "1f1b"}, {2, 2, 2, "1f1b"}, {2, 2, 2, "interleaved"}};
+  if (rank0) {
+    std::printf("%-24s %10s %14s\n", "(pp, dp, tp) schedule", "step ms", "vs (1, 1, 8)");
+  }
+  std::string result;
+  char buf[160];
+  double base = 0;
+  for (const Layout& l : layouts) {
+    const double ms = run_layout(opt, config, x, y, l);
+    if (base == 0) base = ms;
+    if (!rank0) continue;
+    const std::string name = "(" + std::to_string(l.pp) + ", " + std::to_string(l.dp) + ", " +
+                             std::to_string(l.tp) + ") " +
+                             (l.schedule.empty() ? (l.dp > 1 ? "FSDP" : "TP") : l.schedule);
+    std::printf("%-24s %10.1f %13.2fx\n", name.c_str(), ms, ms / base);
+    std::fflush(stdout);
+    std::snprintf(buf, sizeof buf, "layout_ms_%s=%.2f ratio_%s=%.3f ", l.key().c_str(), ms,
+                  l.key().c_str(), ms / base);
+    result += buf;
+  }
+  if (rank0) std::printf("RESULT %s\n", result.c_str());
+  return 0;
+}
+
+// Starts this program on `n` local ranks and returns the first failing exit code (or 0).
+int launch_ranks(char** argv, int n) {
   namespace launch = dtensor::launch;
   const int port = launch::free_port();
   std::vector<std::string> args{"/proc/self/exe"};
   for (char** a = argv + 1; *a; ++a) args.emplace_back(*a);
   launch::Children children;
   children.forward_termination_signals();
-  for (int rank = 0; rank < 2; ++rank) {
+  for (int rank = 0; rank < n; ++rank) {
     launch::ChildSetup setup;
-    setup.env = launch::rank_env(rank, 2, port);
+    setup.env = launch::rank_env(rank, n, port);
     setup.env.push_back({"OMP_NUM_THREADS", "1"});
     setup.die_with_parent = true;
     children.add(launch::spawn_program(args, setup).pid);
@@ -185,6 +279,7 @@ int main(int argc, char** argv) {
   app.add_option("--batch", opt.batch)->check(cli::integer(8));
   app.add_option("--seq", opt.seq)->check(cli::integer(1));
   app.add_option("--steps", opt.steps)->check(cli::integer(1));
+  app.add_flag("--layouts", opt.layouts);
   const bool worker = std::getenv("RANK") != nullptr;
   if (auto code = cli::parse(app, argc, argv, kUsage, /*quiet=*/worker)) return *code;
   if (opt.batch % 8 != 0) {
@@ -192,13 +287,14 @@ int main(int argc, char** argv) {
                  static_cast<long long>(opt.batch));
     return 2;
   }
-  if (!worker) return launch_two_ranks(argv);
+  const int world = opt.layouts ? 8 : 2;
+  if (!worker) return launch_ranks(argv, world);
 
   comm::init_process_group();
   at::set_num_threads(1);
   const bool rank0 = comm::get_rank() == 0;
-  TORCH_CHECK(comm::get_world_size() == 2, "bench_pipeline runs on 2 ranks, got ",
-              comm::get_world_size());
+  TORCH_CHECK(comm::get_world_size() == world, "bench_pipeline runs on ", world,
+              " ranks here, got ", comm::get_world_size());
   auto config = models::LlamaConfig::preset(opt.preset);
   config.max_seq_len = opt.seq;
   auto gen = at::make_generator<at::CPUGeneratorImpl>(1);
@@ -210,11 +306,15 @@ int main(int argc, char** argv) {
   if (rank0) {
     std::printf(
         "bench_pipeline: preset %s (%lld layers, dim %lld, %.2fM parameters), batch %lld x "
-        "%lld tokens, 2 CPU ranks x 1 thread, %s, median of %lld steps\n\n",
+        "%lld tokens, %d CPU ranks x 1 thread on %ld cores, %s, median of %lld steps\n\n",
         opt.preset.c_str(), static_cast<long long>(config.n_layers),
         static_cast<long long>(config.dim), static_cast<double>(config.num_parameters()) / 1e6,
-        static_cast<long long>(opt.batch), static_cast<long long>(opt.seq),
-        comm::cpu_backend_name().c_str(), static_cast<long long>(opt.steps));
+        static_cast<long long>(opt.batch), static_cast<long long>(opt.seq), world,
+        sysconf(_SC_NPROCESSORS_ONLN), comm::cpu_backend_name().c_str(),
+        static_cast<long long>(opt.steps));
+  }
+  if (opt.layouts) return run_layouts(opt, config, x, y);
+  if (rank0) {
     std::printf("%-12s %4s %10s %14s %13s %9s\n", "schedule", "M", "step ms", "bubble (mean)",
                 "bubble (max)", "formula");
   }

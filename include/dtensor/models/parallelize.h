@@ -75,7 +75,7 @@ struct PipelineOptions {
   int64_t virtual_stages = 1;     ///< stages per rank (interleaved)
   int64_t microbatches = 1;       ///< per step, of this rank's dp slice of the batch
   /// The loss of the last stage's output; default token_cross_entropy.
-  pp::LossFn loss;
+  pp::LossFn loss = {};
 };
 
 /// This rank's part of a pipelined model: its stages (parallelized), their PipelineStages and
