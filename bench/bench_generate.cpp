@@ -8,12 +8,17 @@
 //   RESULT decode_tps_tp1=<new tokens/s> decode_tps_tp2=<Gloo> decode_tps_tp2_mpi=<...>
 //          decode_tps_hf=<...>
 //          speedup_vs_hf_tp1=<decode_tps_tp1 / decode_tps_hf> greedy_matches_hf=<0|1>
-// Decode tokens/s counts every generated token of the batch over the decode steps' time.
+// Decode tokens/s counts every generated token of the batch over the decode steps' time. The
+// rows "modules, no cache" run the training modules' forward (DTensors under TP) on the same
+// model: over the prompts, and once per new token over its mean context, which is what
+// generating through them (they keep no KV cache) would cost; RESULT adds
+//          prefill_tps_tp1=<> modules_prefill_tps_tp1=<> modules_decode_tps_tp1=<> (and _tp2)
 #include <ATen/ATen.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -72,6 +77,10 @@ struct Options {
 
 struct Numbers {
   double prefill_tps = 0, decode_tps = 0;
+  // The training modules' forward (TransformerImpl::forward, DTensors under TP, no KV cache)
+  // on the same model: over the prompts, and per new token over its mean context (prompt +
+  // new / 2), which is what generation through them would cost.
+  double modules_prefill_tps = 0, modules_decode_tps = 0;
   std::string tokens;  // prompt 0's new tokens, comma-separated
 };
 
@@ -119,7 +128,7 @@ double median(std::vector<double> v) {
 }
 
 // This process's rank (from the launcher's environment) measures; rank 0 writes
-// "prefill_tps decode_tps tokens" to `fd`.
+// "prefill_tps decode_tps modules_prefill_tps modules_decode_tps tokens" to `fd`.
 int measure(const Options& o, int fd) {
   at::set_num_threads(1);
   comm::init_process_group();
@@ -144,9 +153,34 @@ int measure(const Options& o, int fd) {
     tokens.clear();
     for (int64_t t : res.tokens.at(0)) tokens += (tokens.empty() ? "" : ",") + std::to_string(t);
   }
+  // The same model through the training modules, forward only.
+  std::vector<double> modules_prefill, modules_decode;
+  {
+    at::NoGradGuard no_grad;
+    model->eval();
+    at::manual_seed(2);
+    const int64_t vocab = model->config().vocab_size;
+    const at::Tensor ids = at::randint(vocab, {o.batch, o.prompt}, at::kLong);
+    const at::Tensor context =
+        at::randint(vocab, {o.batch, o.prompt + o.new_tokens / 2}, at::kLong);
+    for (int r = 0; r <= o.rounds; ++r) {
+      const auto t0 = std::chrono::steady_clock::now();
+      at::Tensor logits = model->forward(ids);
+      const auto t1 = std::chrono::steady_clock::now();
+      logits = model->forward(context);
+      const auto t2 = std::chrono::steady_clock::now();
+      if (r == 0) continue;  // warm-up
+      modules_prefill.push_back(static_cast<double>(ids.numel()) /
+                                std::chrono::duration<double>(t1 - t0).count());
+      modules_decode.push_back(static_cast<double>(o.batch) /
+                               std::chrono::duration<double>(t2 - t1).count());
+    }
+  }
   if (rank == 0) {
     const std::string line = std::to_string(median(prefill)) + " " +
-                             std::to_string(median(decode)) + " " + tokens + "\n";
+                             std::to_string(median(decode)) + " " +
+                             std::to_string(median(modules_prefill)) + " " +
+                             std::to_string(median(modules_decode)) + " " + tokens + "\n";
     if (::write(fd, line.data(), line.size()) < 0) return 1;
   }
   comm::destroy_process_group();
@@ -164,11 +198,12 @@ int run_rank(const Options& o, int rank, int world, int port, int fd) {
   return measure(o, fd);
 }
 
-// "prefill_tps decode_tps tokens" as rank 0 wrote it.
+// "prefill_tps decode_tps modules_prefill_tps modules_decode_tps tokens" as rank 0 wrote it.
 Numbers parse_numbers(const std::string& reply, const std::string& what) {
   Numbers x;
   std::istringstream in(reply);
-  if (!(in >> x.prefill_tps >> x.decode_tps >> x.tokens))
+  if (!(in >> x.prefill_tps >> x.decode_tps >> x.modules_prefill_tps >> x.modules_decode_tps >>
+        x.tokens))
     throw std::runtime_error(what + " sent no numbers");
   return x;
 }
@@ -279,6 +314,10 @@ int main(int argc, char** argv) {
     std::printf("%-26s %18s %18s\n", "run", "prefill tokens/s", "decode tokens/s");
     std::printf("%-26s %18.1f %18.1f\n", "dtensor TP=1", tp1.prefill_tps, tp1.decode_tps);
     std::printf("%-26s %18.1f %18.1f\n", "dtensor TP=2 Gloo", tp2.prefill_tps, tp2.decode_tps);
+    std::printf("%-26s %18.1f %18.1f\n", "  modules, no cache, TP=1", tp1.modules_prefill_tps,
+                tp1.modules_decode_tps);
+    std::printf("%-26s %18.1f %18.1f\n", "  modules, no cache, TP=2", tp2.modules_prefill_tps,
+                tp2.modules_decode_tps);
     if (tp2_mpi) {
       std::printf("%-26s %18.1f %18.1f\n", "dtensor TP=2 MPI", tp2_mpi->prefill_tps,
                   tp2_mpi->decode_tps);
@@ -295,17 +334,27 @@ int main(int argc, char** argv) {
     std::printf("greedy tokens of prompt 0: TP=2 %s TP=1", tp_same ? "==" : "!=");
     if (hf) std::printf(", HF %s TP=1", hf->tokens == tp1.tokens ? "==" : "!=");
     std::printf("\n");
+    // The Decoder (local shards, KV cache) against the training modules' forward.
+    char modules_buf[256];
+    std::snprintf(modules_buf, sizeof modules_buf,
+                  "prefill_tps_tp1=%.1f modules_prefill_tps_tp1=%.1f modules_decode_tps_tp1=%.1f "
+                  "prefill_tps_tp2=%.1f modules_prefill_tps_tp2=%.1f modules_decode_tps_tp2=%.1f",
+                  tp1.prefill_tps, tp1.modules_prefill_tps, tp1.modules_decode_tps, tp2.prefill_tps,
+                  tp2.modules_prefill_tps, tp2.modules_decode_tps);
+    const std::string modules = modules_buf;
     if (hf) {
       std::printf(
           "RESULT decode_tps_tp1=%.1f decode_tps_tp2=%.1f decode_tps_tp2_mpi=%.1f "
-          "decode_tps_hf=%.1f speedup_vs_hf_tp1=%.3f greedy_matches_hf=%d\n",
+          "decode_tps_hf=%.1f speedup_vs_hf_tp1=%.3f greedy_matches_hf=%d %s\n",
           tp1.decode_tps, tp2.decode_tps, tp2_mpi ? tp2_mpi->decode_tps : std::nan(""),
-          hf->decode_tps, tp1.decode_tps / hf->decode_tps, hf->tokens == tp1.tokens ? 1 : 0);
+          hf->decode_tps, tp1.decode_tps / hf->decode_tps, hf->tokens == tp1.tokens ? 1 : 0,
+          modules.c_str());
     } else {
       std::printf(
           "RESULT decode_tps_tp1=%.1f decode_tps_tp2=%.1f decode_tps_tp2_mpi=%.1f "
-          "decode_tps_hf=nan speedup_vs_hf_tp1=nan greedy_matches_hf=nan\n",
-          tp1.decode_tps, tp2.decode_tps, tp2_mpi ? tp2_mpi->decode_tps : std::nan(""));
+          "decode_tps_hf=nan speedup_vs_hf_tp1=nan greedy_matches_hf=nan %s\n",
+          tp1.decode_tps, tp2.decode_tps, tp2_mpi ? tp2_mpi->decode_tps : std::nan(""),
+          modules.c_str());
     }
   } catch (const std::exception& e) {
     std::cerr << "bench_generate: " << e.what() << "\n";
