@@ -20,8 +20,11 @@
 
 #include "checkpoints.h"
 #include "corpus.h"
+#include "counting_allocator.h"
 #include "dtensor/comm/backend.h"
+#include "dtensor/comm/collectives.h"
 #include "dtensor/comm/error_message.h"
+#include "dtensor/comm/process_group.h"
 #include "dtensor/mesh/device_mesh.h"
 #include "dtensor/pp/pipeline.h"
 #include "hf_export.h"
@@ -285,9 +288,21 @@ class TrainingRun {
   int train() {
     for (int64_t step = start_step_; step < cfg_.stop_at; ++step) {
       const Batch batch = train_batches_.get(step);
+      // The run's second step (its first when it has one) is measured by the CPU allocator:
+      // the first allocates AdamW's moments, which then belong to the state.
+      CountingAllocator* memory = nullptr;
+      if (step == std::min(start_step_ + 1, cfg_.stop_at - 1)) {
+        memory = &CountingAllocator::of(c10::DeviceType::CPU);
+        memory->install();
+        memory->set_origin();
+      }
       const auto t0 = Clock::now();
       const StepStats s = trainer_.train_step(step, batch);
       const double dt = seconds_since(t0);
+      if (memory) {
+        memory->restore();
+        report_step_peak(step, memory->peak());
+      }
       train_s_ += dt;
       step_seconds_.push_back(dt);
       losses_.push_back(s.loss);
@@ -305,6 +320,22 @@ class TrainingRun {
     }
     bar_.finish();
     return 0;
+  }
+
+  // The most a rank allocated during the measured step beyond what it held at its start, over
+  // the ranks (one all_reduce), on the progress display and in the summary.
+  void report_step_peak(int64_t step, int64_t bytes) {
+    at::Tensor v = at::tensor({static_cast<double>(bytes)}, at::kDouble);
+    step_peak_bytes_ = static_cast<int64_t>(
+        comm::all_reduce(v, ReduceOp::Max, *comm::world_group()).item<double>());
+    step_peak_at_ = step + 1;
+    bar_.message("step " + std::to_string(step_peak_at_) + " allocated " + step_peak_text());
+  }
+  std::string step_peak_text() const {
+    return "up to " + format_bytes(step_peak_bytes_) +
+           " per rank beyond the state (activations, gradients, gathered FSDP parameters, "
+           "temporaries; the largest rank in step " +
+           std::to_string(step_peak_at_) + ")";
   }
 
   // Metrics row (with a validation loss when one is due) and the progress display.
@@ -376,8 +407,10 @@ class TrainingRun {
     print_row("model", model_line(cfg_));
     print_row("parallelism", parallel_line(cfg_, o_.threads));
     if (!losses_.empty()) {
-      print_row("memory", "per rank " + format_bytes(trainer_.state_bytes_per_rank()) +
-                              " of parameters, gradients and AdamW state after the last step");
+      print_row("memory",
+                "per rank " + format_bytes(trainer_.state_bytes_per_rank()) +
+                    " of parameters, gradients and AdamW state after the last step" +
+                    (step_peak_at_ > 0 ? "; a step allocates " + step_peak_text() : std::string()));
       const int64_t tokens = cfg_.tokens_per_step();
       print_row("steps", std::to_string(start_step_ + 1) + " to " + std::to_string(cfg_.stop_at) +
                              " of " + std::to_string(cfg_.steps) + ", " + grouped(tokens) +
@@ -463,6 +496,7 @@ class TrainingRun {
   ProgressBar bar_;
 
   std::vector<double> losses_, step_seconds_, bubbles_;
+  int64_t step_peak_bytes_ = 0, step_peak_at_ = 0;  // see report_step_peak
   double last_val_ = std::numeric_limits<double>::quiet_NaN();
   double train_s_ = 0, eval_s_ = 0, ckpt_s_ = 0, hf_s_ = 0;
   std::string hf_out_;

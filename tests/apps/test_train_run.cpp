@@ -191,6 +191,39 @@ TEST(TrainRun, RunsAloneWithoutALauncher) {
   EXPECT_NE(r.output.find("TP=1"), std::string::npos) << r.output;
 }
 
+// The step whose memory is measured: "step 2 allocated up to 2.48 MiB per rank ..." (bytes).
+double step_peak_bytes(const std::string& output) {
+  const std::string key = "allocated up to ";
+  const size_t at = output.find(key);
+  if (at == std::string::npos) return -1;
+  std::istringstream in(output.substr(at + key.size()));
+  double v = 0;
+  std::string unit;
+  in >> v >> unit;
+  const double scale = unit == "GiB"   ? 1 << 30
+                       : unit == "MiB" ? 1 << 20
+                       : unit == "KiB" ? 1 << 10
+                                       : 1;
+  return v * scale;
+}
+
+// The progress display and the summary give what a step allocates beyond the state, measured
+// by the CPU allocator in the run's second step; full activation checkpointing lowers it (the
+// blocks' activations are recomputed in backward instead of kept).
+TEST(TrainRun, AStepsPeakAllocationIsMeasuredAndActivationCheckpointingLowersIt) {
+  TempDir dir;
+  double peak[2] = {0, 0};
+  for (int ac = 0; ac < 2; ++ac) {
+    const auto r = run({DTENSOR_TRAIN_PATH, "--preset", "tiny", "--steps", "2", "--ac",
+                        ac ? "full" : "none", "--out", dir.file(ac ? "ac" : "no_ac")});
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    EXPECT_EQ(count(r.output, "allocates up to"), 1u) << r.output;  // the summary
+    peak[ac] = step_peak_bytes(r.output);
+    EXPECT_GT(peak[ac], 0) << r.output;
+  }
+  EXPECT_LT(peak[1], 0.8 * peak[0]) << "AC full " << peak[1] << " bytes, none " << peak[0];
+}
+
 TEST(TrainRun, PlanFileEqualToTheBuiltInPlanTrainsToTheSameLosses) {
   TempDir dir;
   const std::string plan = std::string(DTENSOR_TRAIN_PLANS) + "/llama_tp.json";
