@@ -19,9 +19,9 @@
 #include <vector>
 
 #include "dtensor/dtensor.h"
-#include "dtensor/fsdp/fully_shard.h"
 #include "dtensor/models/llama_pipeline.h"
 #include "dtensor/models/meta_init.h"
+#include "dtensor/models/parallelize.h"
 #include "dtensor/pp/pipeline.h"
 #include "support/distributed.h"
 #include "support/errors.h"
@@ -49,39 +49,25 @@ void train(int rank, Kind kind, Fault fault) {
   auto mesh = init_device_mesh("cpu", {2, 2, 2}, {"pp", "dp", "tp"});
   const auto config = tiny_pipeline_llama(false);
   Transformer whole = meta_transformer(config);
-  LlamaStages b;
-  b.stages = split_llama_stages(*whole, mesh, kind == Kind::Interleaved ? 2 : 1);
-  init_stage_weights(b.stages, *whole, 11);
-  const DeviceMesh dp_mesh = mesh["dp"];
-  std::vector<pp::PipelineStage*> ptrs;
+  LlamaPipeline p =
+      parallelize_pipeline(*whole, mesh, {.tp = {.loss_parallel = true}, .fully_shard = true},
+                           {.schedule = kind == Kind::Interleaved ? "interleaved" : "1f1b",
+                            .virtual_stages = kind == Kind::Interleaved ? 2 : 1,
+                            .microbatches = 2},
+                           [](TransformerImpl& w) { w.init_weights(11); });
   int calls = 0;
-  for (auto& st : b.stages) {
-    apply_tensor_parallel(*st, mesh, {.loss_parallel = true});
-    for (const auto& item : *st->layers)
-      fsdp::fully_shard(*item.value()->as<TransformerBlockImpl>(), dp_mesh,
-                        {.reshard_after_forward = true});
-    fsdp::fully_shard(*st, dp_mesh);
-    if (rank == kFailed && st.get() == b.stages.front().get()) {
-      // The stage's first block, after the stage's own FSDP and TP pre-hooks have run.
-      auto* block = st->layers->begin()->value()->as<TransformerBlockImpl>();
-      block->register_forward_pre_hook([&calls, fault](torch::nn::Module&, tp::ModuleCall&) {
-        if (++calls != 2) return;
-        if (fault == Fault::Kill) ::raise(SIGKILL);
-        TORCH_CHECK(false, "injected failure");
-      });
-    }
-    b.pipes.push_back(make_llama_pipeline_stage(st, mesh));
-    ptrs.push_back(b.pipes.back().get());
-  }
-  auto loss = [](const at::Tensor& o, const at::Tensor& t) { return token_cross_entropy(o, t); };
-  if (kind == Kind::OneFOneB) {
-    b.schedule = std::make_unique<pp::Schedule1F1B>(*ptrs[0], 2, loss);
-  } else {
-    b.schedule = std::make_unique<pp::ScheduleInterleaved1F1B>(ptrs, 2, loss);
+  if (rank == kFailed) {
+    // The first stage's first block, after the stage's own FSDP and TP pre-hooks have run.
+    auto* block = p.stages.front()->layers->begin()->value()->as<TransformerBlockImpl>();
+    block->register_forward_pre_hook([&calls, fault](torch::nn::Module&, tp::ModuleCall&) {
+      if (++calls != 2) return;
+      if (fault == Fault::Kill) ::raise(SIGKILL);
+      TORCH_CHECK(false, "injected failure");
+    });
   }
   auto tokens = at::randint(config.vocab_size, {2, 8}, at::kLong);
   try {
-    b.schedule->step(tokens, tokens);
+    p.schedule->step(tokens, tokens);
   } catch (...) {
     // The failed rank lingers (its connections stay open): the others must end on its failure
     // report, not on broken connections.
