@@ -51,32 +51,6 @@ double collective_seconds(const std::string& op, int64_t bytes, int64_t n, bool 
   return 0;                                   // send: counted at the receiver
 }
 
-double rank_flops(const train::RunConfig& c, const RankResult& r) {
-  const auto& m = c.model;
-  const double dim = static_cast<double>(m.dim), hd = static_cast<double>(m.head_dim());
-  const double per_layer_params = dim * static_cast<double>(m.n_heads) * hd * 2 +
-                                  dim * static_cast<double>(m.kv_heads()) * hd * 2 +
-                                  3 * dim * static_cast<double>(m.hidden_dim());
-  int64_t first = 0, end = m.n_layers;
-  const bool last = c.pp <= 1 || r.who.coordinate.at(0) == c.pp - 1;
-  if (c.pp > 1)
-    std::tie(first, end) = pp::stage_layer_range(m.n_layers, r.who.coordinate.at(0), c.pp);
-  const double layers = static_cast<double>(end - first);
-  const double tokens = static_cast<double>(c.batch_size) * static_cast<double>(c.seq_len) /
-                        static_cast<double>(c.dp);
-  const double s = static_cast<double>(c.seq_len);
-  // Forward FLOPs per token: the matmuls (2 per weight), attention's QK^T and AV over the
-  // whole sequence (as torchtitan counts them, causal masking not subtracted), the head.
-  double fwd = layers * (2 * per_layer_params + 4 * s * dim);
-  double head = last ? 2 * dim * static_cast<double>(m.vocab_size) : 0;
-  double recompute_layers = 0;
-  if (c.ac == "full") recompute_layers = layers;
-  if (c.ac == "selective") recompute_layers = std::floor(layers / 2);
-  const double per_token =
-      3 * (fwd + head) + recompute_layers * (2 * per_layer_params + 4 * s * dim);
-  return per_token * tokens / static_cast<double>(c.tp);
-}
-
 std::vector<std::tuple<int64_t, int64_t, int64_t>> splits_of(int64_t world) {
   std::vector<std::tuple<int64_t, int64_t, int64_t>> out;
   for (int64_t pp = 1; pp <= world; ++pp) {
@@ -163,7 +137,7 @@ Plan make_plan(const Layout& layout, const Hardware& hw,
       }
     }
     for (auto& [k, row] : rows) rp.ledger.push_back(row);
-    rp.flops = rank_flops(c, rp.sim);
+    rp.flops = rp.sim.step.flops;
     const double bubble = c.pp > 1 ? static_cast<double>(c.microbatches + c.pp - 1) /
                                          static_cast<double>(c.microbatches)
                                    : 1.0;

@@ -46,7 +46,7 @@ struct RankPlan {
   int64_t total_count = 0, total_bytes = 0;
   double comm_exposed_s = 0;       // TP, plain dp all_reduce, optimizer: the compute waits
   double comm_overlappable_s = 0;  // FSDP gathers/reduce-scatters and pipeline messages
-  double flops = 0;                // this rank's per step (forward, backward, recompute)
+  double flops = 0;  // this rank's per step (forward, backward, recompute), from its ops
   double step_low_s = 0, step_high_s = 0;
   int64_t peak_bytes = 0;  // steady state, by the meta allocator
 };
@@ -73,10 +73,6 @@ struct Layout {
 // each representative rank and estimates. `progress(done, total, label)` is told as ranks finish.
 Plan make_plan(const Layout& layout, const Hardware& hw,
                const std::function<void(int64_t, int64_t, const std::string&)>& progress = {});
-
-// The per-step FLOPs of the rank simulated in `r` (analytic: 2 per multiply-add of each matmul,
-// attention's two S x S products, x3 for forward and backward, + a forward per recomputed block).
-double rank_flops(const train::RunConfig& c, const RankResult& r);
 
 // Alpha-beta time of one recorded collective on a group of `n` ranks, intra-node or not.
 double collective_seconds(const std::string& op, int64_t bytes, int64_t n, bool intra,

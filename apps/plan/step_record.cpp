@@ -6,6 +6,7 @@
 #include <algorithm>
 
 #include "dtensor/comm/recording_backend.h"
+#include "flop_counter.h"
 
 namespace dtensor::plan {
 
@@ -15,7 +16,11 @@ StepRecord record_step(train::Trainer& trainer, const train::Batch& batch,
   CommDebugMode comm;
   out.start_bytes = memory.live();
   memory.reset_peak();
-  { at::Tensor loss = trainer.forward_backward(batch); }
+  {
+    FlopCounter counter;
+    at::Tensor loss = trainer.forward_backward(batch);
+    out.flops = counter.flops();
+  }
   out.fb_peak_bytes = memory.peak();
   const size_t backward_end = comm.records().size();
   memory.reset_peak();

@@ -29,14 +29,18 @@ struct StepRecord {
   int64_t start_bytes = 0;     // live before the step (parameters; buffers)
   int64_t fb_peak_bytes = 0;   // highest live during forward and backward
   int64_t opt_peak_bytes = 0;  // highest live during the optimizer step
+  // This rank's FLOPs in forward and backward (activation checkpointing's recompute included),
+  // counted from the ops that ran (FlopCounter).
+  double flops = 0;
   // The highest live of the step (of a steady-state step when a step ran before: AdamW then
   // holds its moments from the start).
   int64_t peak_bytes() const { return std::max(fb_peak_bytes, opt_peak_bytes); }
 };
 
 // Runs Trainer::forward_backward on `batch`, then the optimizer step (phase "optimizer"),
-// counting collectives and `memory`'s bytes. The steps train_step adds between them (clipping
-// by the global gradient norm, reducing the loss) are not run: they read values.
+// counting collectives, `memory`'s bytes and forward and backward's FLOPs. The steps train_step
+// adds between them (clipping by the global gradient norm, reducing the loss) are not run: they
+// read values.
 StepRecord record_step(train::Trainer& trainer, const train::Batch& batch,
                        CountingAllocator& memory);
 

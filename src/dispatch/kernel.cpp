@@ -7,6 +7,7 @@
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_strided.h>
 #include <ATen/ops/zeros.h>
+#include <ATen/record_function.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <c10/util/Exception.h>
 #include <c10/util/SmallVector.h>
@@ -261,6 +262,8 @@ std::vector<std::optional<TensorMeta>> meta_outputs(const c10::OperatorHandle& o
   }
   {
     at::AutoDispatchBelowADInplaceOrView guard;
+    // Shape inference, not work: profilers and FLOP counters (RecordFunction) do not see it.
+    at::DisableRecordFunctionGuard not_work;
     op.callBoxed(st);
   }
   std::vector<std::optional<TensorMeta>> out(info.num_returns);

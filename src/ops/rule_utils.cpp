@@ -2,6 +2,7 @@
 
 #include <ATen/core/LegacyTypeDispatch.h>
 #include <ATen/ops/ones.h>
+#include <ATen/record_function.h>
 
 namespace dtensor::ops {
 namespace {
@@ -88,6 +89,7 @@ at::ScalarType proxy_result_dtype(const OpCall& call, size_t ret) {
     if (v.isDevice()) v = c10::IValue(c10::Device(c10::kCPU));
   }
   at::AutoDispatchBelowADInplaceOrView guard;
+  at::DisableRecordFunctionGuard not_work;  // dtype inference: invisible to profilers
   call.op().callBoxed(st);
   return st.at(ret).toTensor().scalar_type();
 }
