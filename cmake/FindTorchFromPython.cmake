@@ -17,9 +17,20 @@ macro(dtensor_find_torch)
   endif()
   # TORCH_INSTALL_PREFIX is set by TorchConfig.cmake.
   message(STATUS "dtensor: LibTorch ${Torch_VERSION} at ${TORCH_INSTALL_PREFIX}")
-  if(TARGET torch_cuda OR TORCH_CUDA_LIBRARIES)
-    set(DTENSOR_TORCH_HAS_CUDA ON)
-  else()
-    set(DTENSOR_TORCH_HAS_CUDA OFF)
+  # The 2.11 wheels' libtorch.so exports std::filesystem functions from the libstdc++ it was
+  # built with, which call libstdc++ internals (weak symbols) that this toolchain's libstdc++
+  # lacks. Listed before libstdc++ among a program's libraries, it takes our calls:
+  # std::filesystem::remove_all jumped to address 0. With libstdc++ first, the dynamic linker
+  # binds every caller (LibTorch's too) to libstdc++'s own. Other versions need nothing.
+  find_library(_dtensor_libtorch torch PATHS "${TORCH_INSTALL_PREFIX}/lib" NO_DEFAULT_PATH)
+  if(_dtensor_libtorch AND CMAKE_NM)
+    execute_process(COMMAND "${CMAKE_NM}" -D "${_dtensor_libtorch}"
+                    OUTPUT_VARIABLE _dtensor_torch_symbols ERROR_QUIET)
+    if(_dtensor_torch_symbols MATCHES " w _ZNSt10filesystem")
+      add_link_options("SHELL:-Wl,--push-state,--no-as-needed -lstdc++ -Wl,--pop-state")
+      message(STATUS "dtensor: ${_dtensor_libtorch} carries its own std::filesystem; "
+                     "libstdc++ is linked first so that programs use libstdc++'s")
+    endif()
+    unset(_dtensor_torch_symbols)
   endif()
 endmacro()
