@@ -157,7 +157,7 @@ bool kept_valid(const UnitState& st) {
 
 // The unit's gathered parameters as [dp, segment]: the kept ones when valid, else `ready` (an
 // all-gather already done), else a new all-gather. Kept for later calls while gradient sync is
-// off (the parameters are copies of it: see unpack).
+// off (the calls that take views of it do not free them: GatheredCall::kept_storage).
 at::Tensor gathered_shards(const UnitState& st, const at::Tensor& ready) {
   std::lock_guard<std::mutex> l(st.sync->mu);
   SyncState& s = *st.sync;
@@ -210,18 +210,16 @@ struct UnitRuntime {
   std::vector<int64_t> shard_versions() const { return fsdp::shard_versions(*st); }
 };
 
-// Parameter i, whole, from the gathered buffer: always a copy, whose storage free() may empty
-// while the buffer lives on (kept while gradient sync is off). A view would empty the buffer
-// too: with dp = 1, or a unit of one parameter, reshape and contiguous() copy nothing.
+// Parameter i, whole, from the gathered buffer: a copy, or a view of the buffer when reshaping
+// copies nothing (dp = 1, or a unit of one parameter); see GatheredCall::kept_storage.
 at::Tensor unpack(const UnitState& st, const at::Tensor& gathered, size_t i) {
   const auto& p = st.params[i];
   std::vector<int64_t> padded = p.full_shape;
   padded[0] = st.dp * p.chunk_rows;
-  at::Tensor whole = gathered.narrow(1, p.offset, p.chunk_rows * p.row_numel)
-                         .reshape(padded)
-                         .narrow(0, 0, p.full_shape[0])
-                         .contiguous();
-  return whole.storage().is_alias_of(gathered.storage()) ? whole.clone() : whole;
+  return gathered.narrow(1, p.offset, p.chunk_rows * p.row_numel)
+      .reshape(padded)
+      .narrow(0, 0, p.full_shape[0])
+      .contiguous();
 }
 
 // The gathered parameters of one forward call of a unit, by storage: their values can be freed
@@ -237,6 +235,9 @@ struct GatheredCall : torch::CustomClassHolder {
   std::shared_ptr<const UnitState> unit;                  // shared: backward may outlive the module
   std::vector<View> views;                                // one per parameter
   std::vector<std::pair<c10::Storage, size_t>> storages;  // distinct storages, full byte size
+  // The unit's kept buffer (gradient sync off) when the parameters came from it: views of it
+  // (unpack) are neither freed nor gathered again, since later forwards read the buffer.
+  c10::Storage kept_storage;
   bool freed = false;
   std::mutex mu;          // backward hooks of one call may run on different engine threads
   at::Tensor prefetched;  // the forward's all-gather, when started ahead (consumed by forward)
@@ -267,8 +268,11 @@ struct GatheredCall : torch::CustomClassHolder {
     prefetch_prev = nullptr;
     views.clear();
     storages.clear();
+    kept_storage = c10::Storage();
     unit.reset();
   }
+
+  bool is_kept(const c10::Storage& s) const { return kept_storage && s.is_alias_of(kept_storage); }
 
   void remember(const torch::autograd::variable_list& params) {
     std::unordered_set<const c10::StorageImpl*> seen;
@@ -287,7 +291,8 @@ struct GatheredCall : torch::CustomClassHolder {
       pending.reset();
     }
     if (freed) return;
-    for (auto& [s, nbytes] : storages) s.unsafeGetStorageImpl()->reset();
+    for (auto& [s, nbytes] : storages)
+      if (!is_kept(s)) s.unsafeGetStorageImpl()->reset();
     freed = true;
   }
 
@@ -320,6 +325,7 @@ struct GatheredCall : torch::CustomClassHolder {
         gathered_shards(st, pending ? pending->wait().view({st.dp, st.segment}) : at::Tensor());
     pending.reset();
     for (auto& [s, nbytes] : storages) {
+      if (is_kept(s)) continue;  // never freed
       c10::StorageImpl* impl = s.unsafeGetStorageImpl();
       TORCH_CHECK(impl->allocator() != nullptr, "fully_shard(", st.unit_name,
                   "): the gathered parameters' storage has no allocator to gather them again "
@@ -331,6 +337,7 @@ struct GatheredCall : torch::CustomClassHolder {
       // A new tensor over the storage: writing through it leaves the saved tensors' version
       // counters alone, so autograd does not see an in-place change.
       const View& v = views[i];
+      if (is_kept(v.storage)) continue;
       at::Tensor alias =
           at::empty({0}, gathered.options()).set_(v.storage, v.offset, v.sizes, v.strides);
       alias.copy_(unpack(st, gathered, i));
@@ -348,6 +355,11 @@ struct GatherParams : torch::autograd::Function<GatherParams> {
     TORCH_INTERNAL_ASSERT(shards.size() == st.params.size());
     const at::Tensor gathered = gathered_shards(st, call->prefetched);
     call->prefetched = at::Tensor();
+    {
+      std::lock_guard<std::mutex> l(st.sync->mu);
+      if (st.sync->kept.defined() && st.sync->kept.is_same(gathered))
+        call->kept_storage = gathered.storage();
+    }
     torch::autograd::variable_list out;
     out.reserve(st.params.size());
     for (size_t i = 0; i < st.params.size(); ++i) out.push_back(unpack(st, gathered, i));
