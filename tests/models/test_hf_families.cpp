@@ -445,46 +445,50 @@ TEST(HfFamilies, NothingIsHalfLoaded) {
 }
 
 // Each family from a checkpoint sharded over two files (model.safetensors.index.json) in
-// bfloat16, as large checkpoints are published, read at TP=2 (Qwen2: 3) in float32: every rank's
-// parameters are its slices of the single float32 file's tensors rounded to bfloat16.
-TEST(HfFamilies, EachLoadsFromABfloat16IndexOfShardFiles) {
-  for (const auto& [name, tp] : std::vector<std::pair<std::string, int>>{
-           {"qwen3", 2}, {"qwen2", 3}, {"mistral", 2}, {"gemma3", 2}}) {
-    SCOPED_TRACE(name);
-    FixtureCopy copy(kModels, name);
-    const auto original = safetensors::load_file(kModels + name + "/model.safetensors");
-    std::map<std::string, at::Tensor> files[2];
-    nlohmann::json weight_map = nlohmann::json::object();
-    int64_t total = 0, i = 0;
-    for (const auto& [key, value] : original) {
-      const int f = static_cast<int>(i++ % 2);
-      files[f][key] = value.to(at::kBFloat16);
-      weight_map[key] = "model-0000" + std::to_string(f + 1) + "-of-00002.safetensors";
-      total += value.numel() * 2;
-    }
-    for (int f = 0; f < 2; ++f)
-      safetensors::save_file(
-          files[f], copy.dir + "/model-0000" + std::to_string(f + 1) + "-of-00002.safetensors");
-    std::ofstream(copy.dir + "/model.safetensors.index.json")
-        << nlohmann::json{{"metadata", {{"total_size", total}}}, {"weight_map", weight_map}}.dump();
-    fs::remove(copy.dir + "/model.safetensors");
-    auto config = copy.config();
-    config[config.contains("dtype") ? "dtype" : "torch_dtype"] = "bfloat16";
-    copy.set_config(config);
-    run_ranks(tp, [&](int) {
-      auto mesh = init_device_mesh("cpu", {tp});
-      HfLlama single = load_hf_llama(kModels + name, mesh, {.dtype = at::kFloat});
-      HfLlama sharded = load_hf_llama(copy.dir, mesh, {.dtype = at::kFloat});
-      const auto want = single.model->named_parameters();
-      const auto got = sharded.model->named_parameters();
-      ASSERT_EQ(got.size(), want.size());
-      for (const auto& p : want) {
-        const at::Tensor w = is_dtensor(p.value()) ? local_tensor(p.value()) : p.value();
-        const at::Tensor g = is_dtensor(got[p.key()]) ? local_tensor(got[p.key()]) : got[p.key()];
-        EXPECT_TRUE(at::equal(g, w.to(at::kBFloat16).to(at::kFloat))) << p.key();
+// bfloat16, as large checkpoints are published, and in float16, read at TP=2 (Qwen2: 3) in
+// float32: every rank's parameters are its slices of the single float32 file's tensors rounded
+// to that dtype.
+TEST(HfFamilies, EachLoadsFromABfloat16OrFloat16IndexOfShardFiles) {
+  for (const auto& [dtype, dtype_name] : std::vector<std::pair<at::ScalarType, std::string>>{
+           {at::kBFloat16, "bfloat16"}, {at::kHalf, "float16"}})
+    for (const auto& [name, tp] : std::vector<std::pair<std::string, int>>{
+             {"qwen3", 2}, {"qwen2", 3}, {"mistral", 2}, {"gemma3", 2}}) {
+      SCOPED_TRACE(name + " " + dtype_name);
+      FixtureCopy copy(kModels, name);
+      const auto original = safetensors::load_file(kModels + name + "/model.safetensors");
+      std::map<std::string, at::Tensor> files[2];
+      nlohmann::json weight_map = nlohmann::json::object();
+      int64_t total = 0, i = 0;
+      for (const auto& [key, value] : original) {
+        const int f = static_cast<int>(i++ % 2);
+        files[f][key] = value.to(dtype);
+        weight_map[key] = "model-0000" + std::to_string(f + 1) + "-of-00002.safetensors";
+        total += value.numel() * 2;
       }
-    });
-  }
+      for (int f = 0; f < 2; ++f)
+        safetensors::save_file(
+            files[f], copy.dir + "/model-0000" + std::to_string(f + 1) + "-of-00002.safetensors");
+      std::ofstream(copy.dir + "/model.safetensors.index.json") << nlohmann::json{
+          {"metadata", {{"total_size", total}}},
+          {"weight_map", weight_map}}.dump();
+      fs::remove(copy.dir + "/model.safetensors");
+      auto config = copy.config();
+      config[config.contains("dtype") ? "dtype" : "torch_dtype"] = dtype_name;
+      copy.set_config(config);
+      run_ranks(tp, [&](int) {
+        auto mesh = init_device_mesh("cpu", {tp});
+        HfLlama single = load_hf_llama(kModels + name, mesh, {.dtype = at::kFloat});
+        HfLlama sharded = load_hf_llama(copy.dir, mesh, {.dtype = at::kFloat});
+        const auto want = single.model->named_parameters();
+        const auto got = sharded.model->named_parameters();
+        ASSERT_EQ(got.size(), want.size());
+        for (const auto& p : want) {
+          const at::Tensor w = is_dtensor(p.value()) ? local_tensor(p.value()) : p.value();
+          const at::Tensor g = is_dtensor(got[p.key()]) ? local_tensor(got[p.key()]) : got[p.key()];
+          EXPECT_TRUE(at::equal(g, w.to(dtype).to(at::kFloat))) << p.key();
+        }
+      });
+    }
 }
 
 // Saved from TP=2 (Qwen2: 3), each family's directory holds the very tensors transformers wrote and
