@@ -104,11 +104,6 @@ PipelinePart::StepResult PipelinePart::step_values(const at::Tensor& loss) {
   return {v[0].item<double>(), v[1].item<double>() / static_cast<double>(config_.pp)};
 }
 
-double PipelinePart::sum_over_stages(double v) {
-  return comm::all_reduce(at::full({1}, v, at::kDouble), ReduceOp::Sum, pipe().pp_mesh().group(0))
-      .item<double>();
-}
-
 double PipelinePart::from_last_stage(double v) {
   return comm::broadcast(at::full({1}, v, at::kDouble), static_cast<int>(config_.pp - 1),
                          pipe().pp_mesh().group(0))

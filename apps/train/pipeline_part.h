@@ -49,8 +49,6 @@ class PipelinePart {
   // The step's loss and bubble on every rank, from run_schedule's result (one all_reduce).
   StepResult step_values(const at::Tensor& loss);
 
-  // Sum of `v` over the stages (one all_reduce on the pp group).
-  double sum_over_stages(double v);
   // The last stage's logits for `tokens`, without gradients (undefined on the other stages).
   at::Tensor forward(const at::Tensor& tokens);
   // The last stage's `v` on every stage.

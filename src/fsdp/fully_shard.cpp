@@ -35,11 +35,8 @@ namespace {
 // pruned, so a later tensor cannot take its address and pass for a shard.
 struct ShardEntry {
   c10::weak_intrusive_ptr<c10::TensorImpl> impl;
-  ShardInfo info;
-  // How the shard maps to the global tensor, for checkpoints.
-  std::shared_ptr<comm::ProcessGroup> pg;
-  int64_t chunk_rows = 0;
-  std::shared_ptr<const DTensorSpec> tp_spec;
+  ShardInfo info;          // rows, the dp group, the TP spec
+  int64_t chunk_rows = 0;  // for checkpoints: rows per rank in the padded layout
 };
 std::mutex& shards_mu() {
   static std::mutex mu;
@@ -496,10 +493,7 @@ ShardInfo shard_info(const at::Tensor& param) {
   const ShardEntry* e = find_shard(param);
   TORCH_CHECK(e, "fsdp::shard_info: the tensor (shape ", param.sizes(),
               ") is not a parameter shard created by fully_shard");
-  ShardInfo info = e->info;
-  info.dp_group = e->pg;
-  info.tp_spec = e->tp_spec;
-  return info;
+  return e->info;
 }
 
 namespace {
@@ -518,23 +512,23 @@ std::optional<checkpoint::ShardedLayout> layout_of(const at::Tensor& param) {
   checkpoint::ShardedLayout layout;
   std::vector<int64_t> local_shape = param.sizes().vec();
   local_shape[0] = e.info.full_rows;
-  layout.global_shape = e.tp_spec ? e.tp_spec->shape() : local_shape;
+  layout.global_shape = e.info.tp_spec ? e.info.tp_spec->shape() : local_shape;
   layout.gather = [e, local_shape](const at::Tensor& local) {
     std::vector<int64_t> padded_shape = local_shape;
     padded_shape[0] = e.chunk_rows;
     at::Tensor padded = at::zeros(padded_shape, local.options());
     padded.narrow(0, 0, local.size(0)).copy_(local);
-    at::Tensor rows = comm::all_gather_into_tensor(padded, 0, *e.pg).narrow(0, 0, e.info.full_rows);
-    if (!e.tp_spec) return rows;
-    const DTensorSpec& s = *e.tp_spec;
+    at::Tensor rows = comm::all_gather_into_tensor(padded, 0, *e.info.dp_group).narrow(0, 0, e.info.full_rows);
+    if (!e.info.tp_spec) return rows;
+    const DTensorSpec& s = *e.info.tp_spec;
     return full_tensor(from_local(rows.contiguous(), s.mesh(), s.placements(),
                                   FromLocalOptions{.shape = s.shape(), .stride = s.stride()}));
   };
   const int64_t shard_rows = param.size(0);
   layout.part = [e, shard_rows](const at::Tensor& global) {
     at::Tensor part = global;
-    if (e.tp_spec) {
-      const LocalShard mine = e.tp_spec->local_shard();
+    if (e.info.tp_spec) {
+      const LocalShard mine = e.info.tp_spec->local_shard();
       for (int64_t d = 0; d < part.dim(); ++d) part = part.narrow(d, mine.offset[d], mine.shape[d]);
     }
     return part.narrow(0, e.info.row_offset, shard_rows);
@@ -577,14 +571,14 @@ void shard_parameters(UnitState& st, int64_t rank) {
     const bool rg = p.shard.requires_grad();
     p.shard = p.shard.detach().narrow(0, begin, end - begin).clone().set_requires_grad(rg);
     replace_parameter(*p.owner, p.name, p.shard);
-    infos.push_back(ShardInfo{rows, begin, nullptr, nullptr});
+    infos.push_back(ShardInfo{rows, begin, st.pg, p.tp_spec});
   }
   std::lock_guard<std::mutex> l(shards_mu());
   for (size_t i = 0; i < st.params.size(); ++i)
     shards().insert_or_assign(
         st.params[i].shard.unsafeGetTensorImpl(),
         ShardEntry{c10::weak_intrusive_ptr<c10::TensorImpl>(st.params[i].shard.getIntrusivePtr()),
-                   infos[i], st.pg, st.params[i].chunk_rows, st.params[i].tp_spec});
+                   infos[i], st.params[i].chunk_rows});
 }
 
 // The call between the pre-hook and the hook of one forward (not in UnitState: a call holds
