@@ -518,7 +518,8 @@ std::optional<checkpoint::ShardedLayout> layout_of(const at::Tensor& param) {
     padded_shape[0] = e.chunk_rows;
     at::Tensor padded = at::zeros(padded_shape, local.options());
     padded.narrow(0, 0, local.size(0)).copy_(local);
-    at::Tensor rows = comm::all_gather_into_tensor(padded, 0, *e.info.dp_group).narrow(0, 0, e.info.full_rows);
+    at::Tensor rows =
+        comm::all_gather_into_tensor(padded, 0, *e.info.dp_group).narrow(0, 0, e.info.full_rows);
     if (!e.info.tp_spec) return rows;
     const DTensorSpec& s = *e.info.tp_spec;
     return full_tensor(from_local(rows.contiguous(), s.mesh(), s.placements(),
