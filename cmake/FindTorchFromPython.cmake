@@ -17,6 +17,12 @@ macro(dtensor_find_torch)
   endif()
   # TORCH_INSTALL_PREFIX is set by TorchConfig.cmake.
   message(STATUS "dtensor: LibTorch ${Torch_VERSION} at ${TORCH_INSTALL_PREFIX}")
+  # NcclHeaders.cmake compiles the NCCL backend in only for a CUDA LibTorch.
+  if(TARGET torch_cuda OR TORCH_CUDA_LIBRARIES)
+    set(DTENSOR_TORCH_HAS_CUDA ON)
+  else()
+    set(DTENSOR_TORCH_HAS_CUDA OFF)
+  endif()
   # The 2.11 wheels' libtorch.so exports std::filesystem functions from the libstdc++ it was
   # built with, which call libstdc++ internals (weak symbols) that this toolchain's libstdc++
   # lacks. Listed before libstdc++ among a program's libraries, it takes our calls:
