@@ -400,7 +400,7 @@ class Launcher {
 // beat Gloo's loopback TCP at every size measured, docs/PERFORMANCE.md), else "gloo". Not for
 // one rank (nothing to communicate, and mpirun costs a start-up), nor for more ranks than
 // cores: MPI ranks poll while they wait, and oversubscribed they take the CPU from each other.
-std::string fastest_backend(int nproc) {
+std::string fastest_backend([[maybe_unused]] int nproc) {
 #ifdef DTRUN_HAS_MPI
   const long cores = ::sysconf(_SC_NPROCESSORS_ONLN);
   if (nproc < 2 || (cores > 0 && nproc > cores)) return "gloo";
