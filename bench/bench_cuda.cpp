@@ -5,16 +5,19 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <ATen/detail/CUDAHooksInterface.h>
+#include <ATen/record_function.h>
 #include <torch/cuda.h>
 #include <torch/optim/adamw.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <iostream>
 #include <optional>
 #include <sstream>
@@ -23,6 +26,8 @@
 
 #include "bench_support.h"
 #include "cli/cli.h"
+#include "dtensor/comm/comm_debug_mode.h"
+#include "dtensor/dispatch/cache.h"
 #include "dtensor/dtensor.h"
 #include "dtensor/models/generate.h"
 #include "dtensor/models/hf_checkpoint.h"
@@ -84,9 +89,32 @@ models::Transformer make_model(const Options& o, const DeviceMesh* tp_mesh) {
   return m;
 }
 
+// What one step of a variant launches and what its host side costs: where a gap to plain
+// LibTorch comes from (the CPU issuing more or slower work, or the GPU running more kernels).
+struct StepShape {
+  double host_ms = 0;  // the CPU's time to issue a step, without waiting for the GPU
+  int64_t aten_ops = 0, dtensor_ops = 0, collectives = 0;
+};
+
 struct StepResult {
   double ms_plain = 0, ms_tp1 = 0, first_loss_plain = 0, first_loss_tp1 = 0;
+  StepShape plain, tp1;
 };
+
+// ATen ops one call of `f` runs (every op, nested ones too).
+int64_t count_aten_ops(const std::function<void()>& f) {
+  static std::atomic<int64_t> n{0};
+  n = 0;
+  const auto handle =
+      at::addGlobalCallback(at::RecordFunctionCallback([](const at::RecordFunction&)
+                                                           -> std::unique_ptr<at::ObserverContext> {
+                              n.fetch_add(1, std::memory_order_relaxed);
+                              return nullptr;
+                            }).scopes({at::RecordScope::FUNCTION}));
+  f();
+  at::removeCallback(handle);
+  return n.load();
+}
 
 StepResult time_steps(const Options& o, const DeviceMesh& mesh) {
   struct Variant {
@@ -111,12 +139,15 @@ StepResult time_steps(const Options& o, const DeviceMesh& mesh) {
     x.opt->step();
     return loss;
   };
+  std::vector<double> host[2];
   for (int r = 0; r <= o.rounds; ++r) {
-    for (auto& x : v) {
+    for (int i = 0; i < 2; ++i) {
+      auto& x = v[i];
       torch::cuda::synchronize();
       const auto t = Clock::now();
       at::Tensor loss;
       for (int s = 0; s < o.steps; ++s) loss = step(x);
+      if (r > 0) host[i].push_back(seconds_since(t) * 1e3 / o.steps);
       torch::cuda::synchronize();
       if (r == 0) {
         x.first_loss = (is_dtensor(loss) ? full_tensor(loss) : loss).item<double>();
@@ -125,7 +156,18 @@ StepResult time_steps(const Options& o, const DeviceMesh& mesh) {
       }
     }
   }
-  return {median(v[0].ms), median(v[1].ms), v[0].first_loss, v[1].first_loss};
+  StepShape shape[2];
+  for (int i = 0; i < 2; ++i) {
+    shape[i].host_ms = median(host[i]);
+    const auto before = dispatch::cache_stats();
+    CommDebugMode comms;
+    shape[i].aten_ops = count_aten_ops([&] { step(v[i]); });
+    const auto after = dispatch::cache_stats();
+    shape[i].dtensor_ops = (after.hits + after.misses) - (before.hits + before.misses);
+    shape[i].collectives = comms.get_total_counts();
+    torch::cuda::synchronize();
+  }
+  return {median(v[0].ms), median(v[1].ms), v[0].first_loss, v[1].first_loss, shape[0], shape[1]};
 }
 
 std::vector<std::vector<int64_t>> make_prompts(const Options& o, int64_t vocab) {
@@ -213,10 +255,19 @@ int main(int argc, char** argv) {
         "rounds of %d steps\n",
         o.preset.c_str(), static_cast<long long>(o.batch), static_cast<long long>(o.seq), o.rounds,
         o.steps);
-    std::printf("  plain LibTorch     %9.2f ms/step  %11.0f tokens/s  first loss %.4f\n",
-                s.ms_plain, o.batch * o.seq / s.ms_plain * 1e3, s.first_loss_plain);
-    std::printf("  dtensor TP=1       %9.2f ms/step  %11.0f tokens/s  first loss %.4f  (%+.2f%%)\n",
-                s.ms_tp1, o.batch * o.seq / s.ms_tp1 * 1e3, s.first_loss_tp1, overhead);
+    std::printf("  %-16s %9s %11s %10s %10s %9s %9s %12s\n", "", "ms/step", "tokens/s",
+                "first loss", "host ms", "ATen ops", "DTensor", "collectives");
+    auto row = [&](const char* name, double ms, double loss, const StepShape& sh) {
+      std::printf("  %-16s %9.2f %11.0f %10.4f %10.2f %9lld %9lld %12lld\n", name, ms,
+                  o.batch * o.seq / ms * 1e3, loss, sh.host_ms, static_cast<long long>(sh.aten_ops),
+                  static_cast<long long>(sh.dtensor_ops), static_cast<long long>(sh.collectives));
+    };
+    row("plain LibTorch", s.ms_plain, s.first_loss_plain, s.plain);
+    row("dtensor TP=1", s.ms_tp1, s.first_loss_tp1, s.tp1);
+    std::printf(
+        "  TP=1 over plain: %+.2f%%  (host ms: the CPU's time to issue a step; a step "
+        "whose host ms is near its ms/step waits on the CPU)\n",
+        overhead);
     std::fflush(stdout);
     const Decode ours = time_decode(o, mesh);
     const std::optional<Decode> hf = o.hf ? time_hf(o) : std::nullopt;

@@ -8,11 +8,23 @@
 namespace dtensor::ops {
 namespace {
 
-enum class Linearity { None, Unary, Additive, Multiplicative };
+// Shift: a scalar added or subtracted. mean, max and min commute with it (mean(x) + c =
+// mean(x + c)), a sum does not; so P(avg), P(max) and P(min) survive. CUDA's composite
+// rms_norm adds eps in place to the mean of squares, P(avg) when the normalized dim is sharded.
+enum class Linearity { None, Unary, Additive, Multiplicative, Shift };
 
 bool reducible_linearly(const Placement& p) {
   return p.is_partial() && !p.is_norm_partial() &&
          (p.reduce_op() == ReduceOp::Sum || p.reduce_op() == ReduceOp::Avg);
+}
+
+bool survives(const Placement& p, Linearity lin) {
+  if (lin == Linearity::Shift) {
+    return p.is_partial() && !p.is_norm_partial() &&
+           (p.reduce_op() == ReduceOp::Avg || p.reduce_op() == ReduceOp::Max ||
+            p.reduce_op() == ReduceOp::Min);
+  }
+  return lin != Linearity::None && reducible_linearly(p);
 }
 
 // Fresh: a new result. InPlace: written into input 0 (`self`). Out: written into the `out=`
@@ -91,7 +103,7 @@ Decision pointwise(const OpCall& call, Linearity lin, Write write) {
   for (const auto& p : f.placements()) {
     if (p.is_shard()) {
       out.push_back(Shard(p.dim() + out_nd - f.ndim()));
-    } else if (p.is_partial() && lin != Linearity::None && reducible_linearly(p)) {
+    } else if (p.is_partial() && survives(p, lin)) {
       out.push_back(p);
     } else {
       out.push_back(Replicate());
@@ -120,6 +132,7 @@ Decision pointwise(const OpCall& call, Linearity lin, Write write) {
         tp.push_back(broadcast ? Replicate() : Shard(d));
       } else if (o.is_partial()) {
         const bool partial = lin == Linearity::Additive || lin == Linearity::Unary ||
+                             lin == Linearity::Shift ||
                              (lin == Linearity::Multiplicative && j == follow);
         tp.push_back(partial ? o : Replicate());
       } else {
@@ -157,8 +170,6 @@ DTENSOR_RULES(pointwise) {
   reg({"aten::div.Tensor",
        "aten::div.Tensor_mode",
        "aten::div.Scalar_mode",
-       "aten::add.Scalar",
-       "aten::sub.Scalar",
        "aten::rsub.Tensor",
        "aten::rsub.Scalar",
        "aten::pow.Tensor_Scalar",
@@ -277,9 +288,9 @@ DTENSOR_RULES(pointwise) {
        "aten::hardsigmoid",
        "aten::hardswish"},
       L::None);
-  reg({"aten::add_.Scalar",
-       "aten::sub_.Scalar",
-       "aten::div_.Tensor",
+  reg({"aten::add.Scalar", "aten::sub.Scalar"}, L::Shift);
+  reg({"aten::add_.Scalar", "aten::sub_.Scalar"}, L::Shift, Write::InPlace);
+  reg({"aten::div_.Tensor",
        "aten::div_.Tensor_mode",
        "aten::pow_.Scalar",
        "aten::pow_.Tensor",

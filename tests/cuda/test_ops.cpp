@@ -191,20 +191,22 @@ TEST(CudaOps, AttentionMatchesOneGpu) {
   }
 }
 
-// Every pair of placements (R, S(0), S(1), P) on an uneven tensor: all-gather, reduce-scatter,
+// From each of R, S(0), S(1), P to each of R, S(0), S(1) on an uneven tensor: all-gather, reduce-scatter,
 // all-to-all, all-reduce and local chunking on CUDA tensors, the values exact.
-TEST(CudaOps, RedistributeBetweenEveryPlacementPairIsExact) {
+TEST(CudaOps, RedistributeFromEveryPlacementToEveryPublicTargetIsExact) {
   SKIP_WITHOUT_CUDA();
   for (const auto& s : cuda_settings()) {
     run_cuda_ranks(s, [&](int) {
       auto mesh = init_device_mesh("cuda", {s.world_size});
       const std::vector<Placements> all = {{Replicate()}, {Shard(0)}, {Shard(1)}, {Partial()}};
+      // Partial is a source only: redistribute refuses it as a target, as PyTorch does.
+      const std::vector<Placements> targets(all.begin(), all.end() - 1);
       for (const auto& d : kDtypes) {
         // Small integers: every sum is exact in bfloat16 too.
         const auto x = at::randint(-8, 8, {5, 6}, at::kFloat).to(at::kCUDA).to(d.dtype);
         int cases = 0;
         for (const auto& from : all) {
-          for (const auto& to : all) {
+          for (const auto& to : targets) {
             SCOPED_TRACE(dtype_name(d.dtype) + " " + to_string(from) + " -> " + to_string(to));
             at::Tensor dt;
             if (from[0].is_partial()) {
@@ -220,7 +222,7 @@ TEST(CudaOps, RedistributeBetweenEveryPlacementPairIsExact) {
             ++cases;
           }
         }
-        EXPECT_EQ(cases, 16);
+        EXPECT_EQ(cases, 12);
       }
     });
   }

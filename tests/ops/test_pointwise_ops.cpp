@@ -155,3 +155,37 @@ TEST(PointwiseOut, MaximumAndMinimumOutWriteIntoTheOutDTensorInItsLayout) {
                  c10::Error, "aten::maximum.out", "P(sum)");
   });
 }
+
+// mean, max and min commute with adding a scalar, a sum does not: P(avg), P(max) and P(min)
+// stay Partial through add/sub of a scalar (in place too: CUDA's composite rms_norm adds eps
+// in place to a mean over the sharded dim), P(sum) is reduced first.
+TEST(PointwiseShift, AScalarAddedToAPartialKeepsItOnlyWhereTheReductionCommutesWithIt) {
+  run_ranks(2, [](int rank) {
+    auto mesh = init_device_mesh("cpu", {2});
+    // Every rank draws the same two tensors (a common seed); rank r holds base + r * delta.
+    const at::Tensor base = at::randn({3, 4}, at::kDouble), delta = at::randn({3, 4}, at::kDouble);
+    const at::Tensor local = base + rank * delta;
+    const at::Tensor stacked = at::stack({base, base + delta});
+    for (const auto& [op, whole] :
+         std::vector<std::pair<ReduceOp, at::Tensor>>{{ReduceOp::Avg, stacked.mean(0)},
+                                                      {ReduceOp::Max, stacked.amax(0)},
+                                                      {ReduceOp::Min, stacked.amin(0)},
+                                                      {ReduceOp::Sum, stacked.sum(0)}}) {
+      SCOPED_TRACE(reduce_op_name(op));
+      const Placements kept =
+          op == ReduceOp::Sum ? Placements{Replicate()} : Placements{Partial(op)};
+      const at::Tensor p = from_local(local, mesh, {Partial(op)});
+      const at::Tensor added = p + 1.5, subtracted = p - 0.25;
+      EXPECT_EQ(placements(added), kept);
+      EXPECT_EQ(placements(subtracted), kept);
+      EXPECT_TENSOR_CLOSE(full_tensor(added), whole + 1.5, 1e-12, 1e-12);
+      EXPECT_TENSOR_CLOSE(full_tensor(subtracted), whole - 0.25, 1e-12, 1e-12);
+      if (op != ReduceOp::Sum) {
+        at::Tensor q = from_local(local.clone(), mesh, {Partial(op)});
+        q.add_(1e-6);
+        EXPECT_EQ(placements(q), kept);
+        EXPECT_TENSOR_CLOSE(full_tensor(q), whole + 1e-6, 1e-12, 1e-12);
+      }
+    }
+  });
+}
