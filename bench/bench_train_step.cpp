@@ -47,6 +47,7 @@
 
 #include "bench_support.h"
 #include "cli/cli.h"
+#include "dtensor/checkpoint/remove_directory.h"
 #include "dtensor/checkpoint/safetensors.h"
 #include "dtensor/dtensor.h"
 #include "dtensor/models/llama.h"
@@ -751,7 +752,7 @@ int run_controller(const Options& opt, const char* self) {
   busy_loops.wait_all({});
   for (auto& v : variants) v.quit();
   g_children.wait_all({});
-  std::filesystem::remove_all(dir);
+  dtensor::checkpoint::remove_directory(dir);
   for (int i : {kPlain, kTp1, kTp2Gloo}) {
     if (variants[i].rounds.size() != static_cast<size_t>(opt.rounds))
       die(variants[i].label + " failed part-way; no RESULT");

@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "bench_support.h"
+#include "dtensor/checkpoint/remove_directory.h"
 #include "dtensor/models/hf_checkpoint.h"
 #include "dtensor/models/llama.h"
 
@@ -33,8 +34,10 @@ inline std::optional<std::map<std::string, std::string>> hf_generate(
   struct Cleanup {
     fs::path dir;
     ~Cleanup() {
-      std::error_code ec;
-      fs::remove_all(dir, ec);
+      try {
+        checkpoint::remove_directory(dir);
+      } catch (const fs::filesystem_error&) {
+      }
     }
   } cleanup{dir};
   models::save_hf_llama((dir / "model").string(), model);

@@ -5,6 +5,7 @@
 #include "dtensor/checkpoint/checkpoint_manager.h"
 #include "dtensor/checkpoint/crc32c.h"
 #include "dtensor/checkpoint/rank0_outcome.h"
+#include "dtensor/checkpoint/remove_directory.h"
 #include "dtensor/checkpoint/safetensors.h"
 #include "dtensor/checkpoint/sharded_layout.h"
 #include "dtensor/comm/backend.h"

@@ -222,7 +222,7 @@ TEST(TrainFinetune, AppFineTunesAtTp2AndWritesAnHfDirectoryThatReloads) {
 
   const auto [tokens, logits] = expect_export_is_the_trained_model(out);
   if (const char* keep = std::getenv("DTENSOR_KEEP_FINETUNED")) {
-    fs::remove_all(keep);
+    checkpoint::remove_directory(keep);
     fs::copy(hf, keep, fs::copy_options::recursive);
     safetensors::save_file({{"tokens", tokens}, {"logits", logits.contiguous()}},
                            std::string(keep) + "/dtensor_logits.safetensors");

@@ -8,6 +8,8 @@
 #include <string>
 #include <vector>
 
+#include "dtensor/checkpoint/remove_directory.h"
+
 namespace dtensor::testing {
 
 class TempDir {
@@ -16,7 +18,7 @@ class TempDir {
     std::string pattern = (std::filesystem::temp_directory_path() / "dtensor_test_XXXXXX").string();
     path_ = ::mkdtemp(pattern.data());
   }
-  ~TempDir() { std::filesystem::remove_all(path_); }
+  ~TempDir() { checkpoint::remove_directory(path_); }
   TempDir(const TempDir&) = delete;
   TempDir& operator=(const TempDir&) = delete;
 
