@@ -206,8 +206,14 @@ comm::PendingResult redistribute_local(const at::Tensor& local, const DTensorSpe
     const bool async = options.async_op && last;
     const int64_t i = st.mesh_dim;
     const int64_t k = mesh.size(i);
-    comm::ProcessGroup& pg = mesh.group(i);
     const Placement from = st.src, to = st.dst;
+    if (k == 1) {
+      // One rank along this dim: its shard is the whole, its partial value the reduced one.
+      // A relabel, no collective: a 1-rank mesh (TP=1) costs what plain LibTorch does.
+      cur[i] = to;
+      continue;
+    }
+    comm::ProcessGroup& pg = mesh.group(i);
     if (from.is_shard() && to.is_replicate()) {
       pending = shard_to_replicate(t, from.dim(), logical_size(src, cur, i, from.dim()), pg, async);
     } else if (from.is_partial() && to.is_replicate()) {

@@ -266,3 +266,38 @@ TEST(Redistribute1D, ThreeRanksShardAndGatherUnevenSizes) {
     }
   });
 }
+
+// A mesh dim of one rank holds the whole along it: every transition over it is a relabel, with
+// no collective (TP=1 then issues what plain LibTorch does). On a (2, 1) mesh only dim 0 talks.
+TEST(Redistribute2D, AOneRankMeshDimIsARelabelWithoutCollectives) {
+  run_ranks(2, [](int) {
+    auto mesh = init_device_mesh("cpu", {2, 1}, {"dp", "tp"});
+    const std::vector<Placement> all = {Replicate(), Shard(0), Shard(1), Partial(),
+                                        Partial(ReduceOp::Avg)};
+    const auto global = at::randn({6, 5}, at::kDouble);
+    int cases = 0;
+    for (const auto& dp : {Placement(Replicate()), Placement(Shard(0))}) {
+      for (const auto& from : all) {
+        for (const auto& to : all) {
+          if (to.is_partial()) continue;  // a public target is never Partial
+          SCOPED_TRACE(name({dp, from}, {dp, to}, global.sizes()));
+          const Placements src = {dp, from}, dst = {dp, to};
+          auto dt = make(global, mesh, src);
+          CommDebugMode comm;
+          auto out = redistribute(dt, dst);
+          EXPECT_EQ(comm.get_total_counts(), 0);
+          EXPECT_EQ(placements(out), dst);
+          EXPECT_TENSOR_EQ(local_tensor(out), expected_local(global, mesh, dst));
+          ++cases;
+        }
+      }
+    }
+    EXPECT_EQ(cases, 2 * 5 * 3);
+    // Across both dims: only the 2-rank one issues its all-gather.
+    auto dt = make(global, mesh, {Shard(0), Shard(1)});
+    CommDebugMode comm;
+    auto out = redistribute(dt, {Replicate(), Replicate()});
+    EXPECT_EQ(comm.get_total_counts(), 1);
+    EXPECT_TENSOR_EQ(local_tensor(out), global);
+  });
+}
