@@ -367,15 +367,17 @@ TEST(CollectiveFaults, NormalExitAtDifferentTimesDoesNotFire) {
   EXPECT_TRUE(exited(out[0], 0) && exited(out[1], 0)) << describe_outcomes(out);
 }
 
-// Rank 1 reports a failure after two collectives and lingers 1.5 s; rank 0 then runs `next`.
-std::vector<RankOutcome> rank1_reports_failure(const std::function<void()>& next) {
+// Rank 1 reports a failure after two collectives and lingers `linger_ms`; rank 0 then runs
+// `next`.
+std::vector<RankOutcome> rank1_reports_failure(const std::function<void()>& next,
+                                               int linger_ms = 1500) {
   return traced(run_ranks_collect(
       2,
-      [&next](int rank) {
+      [&next, linger_ms](int rank) {
         loop(2, [](int) {});
         if (rank == 1) {
           comm::report_failure("rank 1 gave up on purpose");
-          std::this_thread::sleep_for(std::chrono::milliseconds(1500));
+          std::this_thread::sleep_for(std::chrono::milliseconds(linger_ms));
           return;
         }
         next();
@@ -393,10 +395,15 @@ TEST(CollectiveFaults, ReportFailureStopsAPeerInABarrier) {
 
 // A receive that a failure stops before it starts names its end of the channel and the peer.
 TEST(CollectiveFaults, AMessageNotStartedNamesItsDirectionAndPeer) {
-  auto out = rank1_reports_failure([] {
-    std::this_thread::sleep_for(std::chrono::milliseconds(800));  // the report arrives
-    comm::recv(at::ones({4}), 1, *comm::world_group());
-  });
+  // The watchdog sees the report within a few hundred milliseconds when idle; 3 s keeps that
+  // true on a loaded machine (800 ms did not, beside ctest -j2 and a spinning process), and rank
+  // 1 stays until after it, so that the receive meets the report and not a closed connection.
+  auto out = rank1_reports_failure(
+      [] {
+        std::this_thread::sleep_for(std::chrono::milliseconds(3000));
+        comm::recv(at::ones({4}), 1, *comm::world_group());
+      },
+      /*linger_ms=*/5000);
   EXPECT_TRUE(exited(out[0], 2)) << describe_outcomes(out);
   EXPECT_CONTAINS(out[0].message,
                   "recv float32[4] from global rank 1 (message #1 on channel world:1->0) not "
