@@ -31,7 +31,7 @@
 #include "dtensor/dtensor.h"
 #include "dtensor/models/generate.h"
 #include "dtensor/models/hf_checkpoint.h"
-#include "dtensor/models/llama.h"
+#include "dtensor/models/transformer.h"
 #include "hf_generate.h"
 
 using namespace dtensor;
@@ -82,7 +82,7 @@ double seconds_since(Clock::time_point t) {
 }
 
 models::Transformer make_model(const Options& o, const DeviceMesh* tp_mesh) {
-  models::Transformer m(models::LlamaConfig::preset(o.preset));
+  models::Transformer m(models::DecoderConfig::preset(o.preset));
   m->init_weights(0);  // on the CPU: the same weights in every variant and in the HF copy
   m->to(at::kCUDA, at::kBFloat16);
   if (tp_mesh) models::apply_tensor_parallel(*m, *tp_mesh);
@@ -201,7 +201,7 @@ Decode time_decode(const Options& o, const DeviceMesh& mesh) {
 }
 
 std::optional<Decode> time_hf(const Options& o) {
-  models::Transformer model(models::LlamaConfig::preset(o.preset));
+  models::Transformer model(models::DecoderConfig::preset(o.preset));
   model->init_weights(0);
   std::string why;
   const auto f = dtensor::bench::hf_generate(*model, make_prompts(o, model->config().vocab_size),

@@ -1,6 +1,6 @@
 // Prefill and decode throughput of models::generate (KV cache, greedy) at TP=1 and TP=2 on
 // local CPU ranks, one thread per rank, and of Hugging Face transformers on the same model in
-// the same run (bench/hf_generate.py: the model saved with save_hf_llama, PyTorch eager).
+// the same run (bench/hf_generate.py: the model saved with save_hf, PyTorch eager).
 //
 //   bench_generate [--preset bench] [--batch 1] [--prompt 128] [--new 64] [--rounds 3]
 //
@@ -86,9 +86,9 @@ struct Numbers {
 
 // Qwen3-0.6B's layer (width 1024, 16 heads of 128 = twice 1024 / 16, 8 KV heads, FFN 3072,
 // q/k norms, tied embeddings, rope base 1e6) with 6 layers and a 32k vocabulary, so that
-// the four runs take minutes on one core each. save_hf_llama writes it as Qwen3ForCausalLM.
-models::LlamaConfig qwen3_shaped() {
-  models::LlamaConfig c;
+// the four runs take minutes on one core each. save_hf writes it as Qwen3ForCausalLM.
+models::DecoderConfig qwen3_shaped() {
+  models::DecoderConfig c;
   c.dim = 1024;
   c.n_layers = 6;
   c.n_heads = 16;
@@ -107,7 +107,7 @@ models::LlamaConfig qwen3_shaped() {
 // The same model on every rank and in the HF copy: the preset, parameters from seed 0.
 models::Transformer make_model(const Options& o) {
   return models::Transformer(o.preset == "qwen3" ? qwen3_shaped()
-                                                 : models::LlamaConfig::preset(o.preset));
+                                                 : models::DecoderConfig::preset(o.preset));
 }
 
 // The prompts: seed 1, uniform token ids.

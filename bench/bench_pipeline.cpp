@@ -40,8 +40,8 @@
 #include "cli/cli.h"
 #include "dtensor/comm/backend.h"
 #include "dtensor/dtensor.h"
-#include "dtensor/models/llama_pipeline.h"
 #include "dtensor/models/parallelize.h"
+#include "dtensor/models/transformer_stage.h"
 #include "launch/local_ranks.h"
 
 namespace {
@@ -104,17 +104,17 @@ std::vector<double> time_steps(const Options& opt, Step&& step) {
   return ms;
 }
 
-Measured run_pipeline(const Options& opt, const models::LlamaConfig& config, const at::Tensor& x,
+Measured run_pipeline(const Options& opt, const models::DecoderConfig& config, const at::Tensor& x,
                       const at::Tensor& y, const std::string& kind, int64_t m) {
   auto mesh = init_device_mesh("cpu", {2, 1}, {"pp", "tp"});
   models::Transformer whole(config);
   whole->init_weights(0);
-  auto stages = models::split_llama_stages(*whole, mesh, kind == "interleaved" ? 2 : 1);
+  auto stages = models::split_transformer_stages(*whole, mesh, kind == "interleaved" ? 2 : 1);
   std::vector<std::unique_ptr<pp::PipelineStage>> pipes;
   std::vector<pp::PipelineStage*> ptrs;
   std::vector<at::Tensor> params;
   for (auto& stage : stages) {
-    pipes.push_back(models::make_llama_pipeline_stage(stage, mesh));
+    pipes.push_back(models::make_pipeline_stage(stage, mesh));
     ptrs.push_back(pipes.back().get());
     for (const auto& p : stage->parameters()) params.push_back(p);
   }
@@ -147,7 +147,7 @@ Measured run_pipeline(const Options& opt, const models::LlamaConfig& config, con
   return r;
 }
 
-double run_tp2(const Options& opt, const models::LlamaConfig& config, const at::Tensor& x,
+double run_tp2(const Options& opt, const models::DecoderConfig& config, const at::Tensor& x,
                const at::Tensor& y) {
   auto mesh = init_device_mesh("cpu", {2}, {"tp"});
   models::Transformer model(config);
@@ -177,7 +177,7 @@ struct Layout {
 
 // The median step time of `layout` on the 8 ranks: forward and backward of the global batch
 // (each dp rank its rows), the gradients clipped by their global norm, AdamW.
-double run_layout(const Options& opt, const models::LlamaConfig& config, const at::Tensor& x,
+double run_layout(const Options& opt, const models::DecoderConfig& config, const at::Tensor& x,
                   const at::Tensor& y, const Layout& l) {
   models::ParallelizeOptions par;
   par.fully_shard = l.dp > 1;
@@ -200,7 +200,7 @@ double run_layout(const Options& opt, const models::LlamaConfig& config, const a
   auto mesh = init_device_mesh("cpu", {l.pp, l.dp, l.tp}, {"pp", "dp", "tp"});
   const int64_t first = mesh.get_local_rank("dp") * rows;
   models::Transformer whole = models::meta_transformer(config);
-  models::LlamaPipeline p =
+  models::TransformerPipeline p =
       models::parallelize_pipeline(*whole, mesh, par,
                                    {.schedule = l.schedule,
                                     .virtual_stages = l.schedule == "interleaved" ? 2 : 1,
@@ -218,7 +218,7 @@ double run_layout(const Options& opt, const models::LlamaConfig& config, const a
   }));
 }
 
-int run_layouts(const Options& opt, const models::LlamaConfig& config, const at::Tensor& x,
+int run_layouts(const Options& opt, const models::DecoderConfig& config, const at::Tensor& x,
                 const at::Tensor& y) {
   const bool rank0 = comm::get_rank() == 0;
   const std::vector<Layout> layouts{{1, 1, 8, ""},     {1, 8, 1, ""},     {1, 2, 4, ""},
@@ -295,7 +295,7 @@ int main(int argc, char** argv) {
   const bool rank0 = comm::get_rank() == 0;
   TORCH_CHECK(comm::get_world_size() == world, "bench_pipeline runs on ", world,
               " ranks here, got ", comm::get_world_size());
-  auto config = models::LlamaConfig::preset(opt.preset);
+  auto config = models::DecoderConfig::preset(opt.preset);
   config.max_seq_len = opt.seq;
   auto gen = at::make_generator<at::CPUGeneratorImpl>(1);
   const at::Tensor tokens =

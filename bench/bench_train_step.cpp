@@ -50,7 +50,7 @@
 #include "dtensor/checkpoint/remove_directory.h"
 #include "dtensor/checkpoint/safetensors.h"
 #include "dtensor/dtensor.h"
-#include "dtensor/models/llama.h"
+#include "dtensor/models/transformer.h"
 #include "launch/local_ranks.h"
 
 namespace {
@@ -166,7 +166,7 @@ class Worker {
       : tp_(kind != "plain"), fsdp_(kind == "fsdp") {
     at::set_num_threads(1);  // one intra-op thread per rank
     checkpoint::safetensors::File file(opt.inputs);
-    config_ = models::LlamaConfig::from_json(file.metadata().at("config"));
+    config_ = models::DecoderConfig::from_json(file.metadata().at("config"));
     batches_ = file.tensor("bench.tokens");
     model_ = models::Transformer(config_);
     {
@@ -283,7 +283,7 @@ class Worker {
 
   bool tp_;  // distributed: TP, or FSDP when fsdp_
   bool fsdp_;
-  models::LlamaConfig config_;
+  models::DecoderConfig config_;
   at::Tensor batches_;  // (n, B, S + 1) int64
   models::Transformer model_{nullptr};
   std::shared_ptr<dtensor::comm::ProcessGroup> world_;
@@ -466,7 +466,8 @@ double median(std::vector<double> v) {
 }
 
 // The model's initial parameters (torchtitan names), the token batches and the config.
-void write_inputs(const Options& opt, const models::LlamaConfig& config, const std::string& path) {
+void write_inputs(const Options& opt, const models::DecoderConfig& config,
+                  const std::string& path) {
   models::Transformer model(config);
   model->init_weights(opt.seed);
   std::map<std::string, at::Tensor> tensors;
@@ -562,7 +563,7 @@ std::vector<Variant> start_variants(const Options& opt, const char* self,
   return variants;
 }
 
-void print_intro(const Options& opt, const models::LlamaConfig& config) {
+void print_intro(const Options& opt, const models::DecoderConfig& config) {
   std::printf(
       "bench_train_step: Llama preset \"%s\" (%lld parameters), batch %lld x %lld tokens,"
       " AdamW lr %g\n",
@@ -728,7 +729,7 @@ void print_report(const Options& opt, const std::vector<Variant>& variants) {
 }
 
 int run_controller(const Options& opt, const char* self) {
-  const auto config = models::LlamaConfig::preset(opt.preset);
+  const auto config = models::DecoderConfig::preset(opt.preset);
   config.validate_tp(2);
   TORCH_CHECK(opt.seq % 2 == 0 && opt.seq <= config.max_seq_len, "--seq must be even (sequence ",
               "parallel on 2 ranks) and at most max_seq_len=", config.max_seq_len);

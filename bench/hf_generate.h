@@ -17,7 +17,7 @@
 #include "bench_support.h"
 #include "dtensor/checkpoint/remove_directory.h"
 #include "dtensor/models/hf_checkpoint.h"
-#include "dtensor/models/llama.h"
+#include "dtensor/models/transformer.h"
 
 namespace dtensor::bench {
 
@@ -40,7 +40,7 @@ inline std::optional<std::map<std::string, std::string>> hf_generate(
       }
     }
   } cleanup{dir};
-  models::save_hf_llama((dir / "model").string(), model);
+  models::save_hf((dir / "model").string(), model);
   {
     std::ofstream out(dir / "prompts.txt");
     for (const auto& row : prompts) {

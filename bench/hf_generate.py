@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Hugging Face transformers' side of bench_generate: greedy prefill + decode with the KV cache.
 
-bench_generate saves its model with save_hf_llama and the prompts as lines of token ids, then
+bench_generate saves its model with save_hf and the prompts as lines of token ids, then
 runs this script. It loads the checkpoint with AutoModelForCausalLM (the family config.json
 names: Llama, Qwen3, ...; float32, PyTorch eager, HF's
 default attention; --device cuda --dtype bfloat16 for bench_cuda), one intra-op thread, and
@@ -20,7 +20,7 @@ import time
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", required=True, help="directory written by save_hf_llama")
+    p.add_argument("--model", required=True, help="directory written by save_hf")
     p.add_argument("--prompts", required=True, help="one prompt per line, token ids separated by spaces")
     p.add_argument("--new", type=int, required=True, help="new tokens per prompt")
     p.add_argument("--rounds", type=int, default=3, help="timed rounds after one warm-up")

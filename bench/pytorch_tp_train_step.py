@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Training steps of dtensor-cpp's Llama model under PyTorch's own (Python) tensor parallelism.
 
-The reference for bench_train_step: the same architecture as include/dtensor/models/llama.h
+The reference for bench_train_step: the same architecture as include/dtensor/models/transformer.h
 (module and parameter names, rotary formulation, RMSNorm eps, GQA through SDPA, SwiGLU), the
 same torchtitan TP plan as apply_tensor_parallel() (sequence parallel + loss parallel) applied
 with parallelize_module on a CPU Gloo group, AdamW, and the same initial parameters and token
@@ -78,7 +78,7 @@ def load_safetensors(path):
 
 
 # ---------------------------------------------------------------------------------------------
-# The model: same names and math as src/models/llama.cpp.
+# The model: same names and math as src/models/transformer.cpp.
 
 
 class Config:
@@ -90,7 +90,7 @@ class Config:
         self.n_kv_heads = d.get("n_kv_heads") or self.n_heads
         self.multiple_of = d.get("multiple_of", 32)
         hidden = d.get("ffn_hidden_dim") or 0
-        if not hidden:  # Llama's rule (LlamaConfig::hidden_dim)
+        if not hidden:  # Llama's rule (DecoderConfig::hidden_dim)
             hidden = 2 * (4 * self.dim) // 3
             if d.get("ffn_dim_multiplier"):
                 hidden = int(d["ffn_dim_multiplier"] * hidden)

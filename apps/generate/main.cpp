@@ -126,7 +126,7 @@ int main(int argc, char** argv) {
   model_group->add_option("--model", o.source.hf_model,
                           "a Hugging Face checkpoint directory (config.json, safetensors)");
   model_group->add_option("--preset", o.source.preset, "random weights for a preset (no download)")
-      ->check(CLI::IsMember(models::LlamaConfig::preset_names()));
+      ->check(CLI::IsMember(models::DecoderConfig::preset_names()));
   model_group->require_option(1);
   app.add_option("--prompt", o.prompts, "prompt text; repeat for a batch")->required();
   app.add_option("--max-new-tokens", o.generate.max_new_tokens, "tokens to generate per prompt")

@@ -31,9 +31,9 @@ std::string resolve_checkpoint(const std::string& what) {
 
 namespace {
 
-// The trainer stores its run configuration: {"model": {LlamaConfig}, "train": {"dtype", ...}}.
-// A bare LlamaConfig object is accepted too.
-void read_config(const std::string& path, const std::string& text, models::LlamaConfig& config,
+// The trainer stores its run configuration: {"model": {DecoderConfig}, "train": {"dtype", ...}}.
+// A bare DecoderConfig object is accepted too.
+void read_config(const std::string& path, const std::string& text, models::DecoderConfig& config,
                  c10::ScalarType& dtype) {
   nlohmann::json j;
   try {
@@ -45,7 +45,7 @@ void read_config(const std::string& path, const std::string& text, models::Llama
   if (!j.is_object() || (j.contains("model") && !j["model"].is_object()))
     throw std::runtime_error("checkpoint '" + path +
                              "': expected a config object with a \"model\" object");
-  config = models::LlamaConfig::from_json(j.contains("model") ? j["model"].dump() : j.dump());
+  config = models::DecoderConfig::from_json(j.contains("model") ? j["model"].dump() : j.dump());
   dtype = c10::kFloat;
   if (j.contains("train") && j["train"].value("dtype", "float32") == "float64")
     dtype = c10::kDouble;
@@ -67,7 +67,7 @@ LoadedModel load_hf_model(const ModelSource& source, const DeviceMesh& mesh) {
   models::HfLoadOptions options;
   options.dtype = parse_dtype(source.dtype, c10::kFloat);
   options.tp.sequence_parallel = false;
-  auto hf = models::load_hf_llama(dir.string(), mesh, options);
+  auto hf = models::load_hf(dir.string(), mesh, options);
   LoadedModel out{hf.model,
                   "Hugging Face checkpoint " + dir.string() + " (this rank read " +
                       std::to_string(hf.stats.bytes_read) + " of " +
@@ -81,7 +81,7 @@ LoadedModel load_hf_model(const ModelSource& source, const DeviceMesh& mesh) {
 
 LoadedModel load_model(const ModelSource& source, const DeviceMesh& mesh) {
   if (!source.hf_model.empty()) return load_hf_model(source, mesh);
-  models::LlamaConfig config;
+  models::DecoderConfig config;
   c10::ScalarType dtype = c10::kFloat;
   std::string path, description;
   if (!source.checkpoint.empty()) {
@@ -89,7 +89,7 @@ LoadedModel load_model(const ModelSource& source, const DeviceMesh& mesh) {
     read_config(path, checkpoint::read_checkpoint_metadata(path).config, config, dtype);
     description = "checkpoint " + path;
   } else {
-    config = models::LlamaConfig::preset(source.preset);
+    config = models::DecoderConfig::preset(source.preset);
     description =
         "preset " + source.preset + ", random weights (seed " + std::to_string(source.seed) + ")";
   }

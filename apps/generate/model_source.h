@@ -7,7 +7,7 @@
 #include <string>
 
 #include "dtensor/mesh/device_mesh.h"
-#include "dtensor/models/llama.h"
+#include "dtensor/models/transformer.h"
 
 namespace dtensor::generate_app {
 

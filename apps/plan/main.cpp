@@ -38,7 +38,7 @@ simulated.
 Model (one of):
   --model NAME           llama3-8b | llama3-70b | llama3-405b (Meta's shapes), or
   --preset NAME          dtensor_train's presets: tiny | demo | bench (default demo)
-  --config PATH          a LlamaConfig JSON file (as dtensor_train --config)
+  --config PATH          a DecoderConfig JSON file (as dtensor_train --config)
   --hf-config PATH       a Hugging Face config.json (or its folder); no weights are read
   --seq-len N            sequence length (default: the model's)
   --batch N              global batch in sequences (default: dp x microbatches)
@@ -118,7 +118,7 @@ std::string temp_config_from_hf(const std::string& path) {
   namespace fs = std::filesystem;
   const fs::path p(path);
   const std::string dir = fs::is_directory(p) ? p.string() : p.parent_path().string();
-  const auto hf = dtensor::models::read_hf_llama_config(dir.empty() ? "." : dir);
+  const auto hf = dtensor::models::read_hf_config(dir.empty() ? "." : dir);
   const std::string out =
       (fs::temp_directory_path() / ("dtensor_plan_" + std::to_string(::getpid()) + ".json"))
           .string();

@@ -31,9 +31,9 @@ std::vector<std::string> export_hf_checkpoint(Trainer& trainer, const std::strin
   options.dtype = config.hf_dtype;  // a bfloat16 checkpoint stays bfloat16
   if (trainer.pipelined()) {
     Trainer one = trainer.gather_to_one_device();
-    models::save_hf_llama(dir, one.model(), options);
+    models::save_hf(dir, one.model(), options);
   } else {
-    models::save_hf_llama(dir, trainer.model(), options);
+    models::save_hf(dir, trainer.model(), options);
   }
   std::vector<std::string> copied;
   std::exception_ptr error;

@@ -1,7 +1,7 @@
 #pragma once
 // --hf: the fine-tuned model written back as a Hugging Face directory that transformers'
 // from_pretrained loads (config.json and model.safetensors in the checkpoint's architecture and
-// dtype, by models::save_hf_llama), with the checkpoint's tokenizer files copied beside them.
+// dtype, by models::save_hf), with the checkpoint's tokenizer files copied beside them.
 #include <string>
 #include <vector>
 

@@ -35,7 +35,7 @@ model:
                          256); default --lr 2e-5, --steps 60, --batch-size 8
   --hf-out DIR           where --hf writes the fine-tuned model (default OUT/hf)
   --preset NAME          tiny | demo | bench (default demo)
-  --config FILE          model config as JSON (LlamaConfig fields), replaces the preset
+  --config FILE          model config as JSON (DecoderConfig fields), replaces the preset
   --dim N                hidden size
   --layers N             transformer blocks
   --heads N              attention heads

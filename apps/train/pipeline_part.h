@@ -1,7 +1,7 @@
 #pragma once
 // dtensor_train --pp: this rank's pipeline stages (one, or --virtual-stages of them
 // interleaved) of the Llama model
-// (dtensor/models/llama_pipeline.h) with tensor parallelism inside it (no sequence
+// (dtensor/models/transformer_stage.h) with tensor parallelism inside it (no sequence
 // parallelism), its schedule, the forward-only passes of evaluation and generation, and the
 // exchange of the whole model's state with a plain one-device Trainer for checkpoints. A
 // Trainer holds one when pipelined.
@@ -15,8 +15,8 @@
 
 #include "corpus.h"
 #include "dtensor/mesh/device_mesh.h"
-#include "dtensor/models/llama_pipeline.h"
 #include "dtensor/models/parallelize.h"
+#include "dtensor/models/transformer_stage.h"
 #include "dtensor/pp/pipeline.h"
 #include "run_config.h"
 
@@ -70,7 +70,7 @@ class PipelinePart {
   std::vector<std::pair<std::string, at::Tensor>> named_parameters() const;
 
   RunConfig config_;
-  models::LlamaPipeline pipeline_;
+  models::TransformerPipeline pipeline_;
   std::shared_ptr<torch::nn::Module> chunks_;
 };
 

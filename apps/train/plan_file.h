@@ -8,7 +8,7 @@
 #include <string>
 
 #include "dtensor/mesh/device_mesh.h"
-#include "dtensor/models/llama.h"
+#include "dtensor/models/transformer.h"
 #include "dtensor/tp/parallelize_module.h"
 
 namespace dtensor::train {

@@ -91,9 +91,9 @@ void resolve_hf_model(const TrainOptions& o, RunConfig& c) {
     bad("--hf " + o.hf_dir + " gives the model (its config.json): drop --config and the " +
         "model-shape flags");
   if (!std::filesystem::is_directory(o.hf_dir)) bad("--hf: no such directory '" + o.hf_dir + "'");
-  models::HfLlamaConfig hf;
+  models::HfConfig hf;
   try {
-    hf = models::read_hf_llama_config(o.hf_dir);
+    hf = models::read_hf_config(o.hf_dir);
   } catch (const std::exception& e) {
     bad("--hf: " + comm::error_message(e));
   }
@@ -118,8 +118,8 @@ void resolve_model(const TrainOptions& o, RunConfig& c) {
   if (!o.hf_dir.empty()) return resolve_hf_model(o, c);
   c.preset = o.preset;
   c.model_source = o.config_path.empty() ? "preset " + o.preset : o.config_path;
-  c.model = o.config_path.empty() ? models::LlamaConfig::preset(o.preset)
-                                  : models::LlamaConfig::from_json(read_text_file(o.config_path));
+  c.model = o.config_path.empty() ? models::DecoderConfig::preset(o.preset)
+                                  : models::DecoderConfig::from_json(read_text_file(o.config_path));
   if (o.dim) c.model.dim = *o.dim;
   if (o.layers) c.model.n_layers = *o.layers;
   if (o.heads) c.model.n_heads = *o.heads;

@@ -9,8 +9,8 @@
 #include <optional>
 #include <string>
 
-#include "dtensor/models/llama.h"
 #include "dtensor/models/parallelize.h"
+#include "dtensor/models/transformer.h"
 #include "dtensor/pp/pipeline.h"
 #include "lr_schedule.h"
 #include "options.h"
@@ -21,7 +21,7 @@ namespace dtensor::train {
 struct RunConfig {
   std::string preset;        // training defaults come from it
   std::string model_source;  // "preset demo", the --config path or the --hf checkpoint
-  models::LlamaConfig model;
+  models::DecoderConfig model;
   // --hf: the checkpoint directory whose weights the model starts from, its architecture and
   // the dtype of its stored weights (the fine-tuned model is written back in both).
   std::string hf_dir;

@@ -12,7 +12,7 @@
 
 #include "corpus.h"
 #include "dtensor/mesh/device_mesh.h"
-#include "dtensor/models/llama.h"
+#include "dtensor/models/transformer.h"
 #include "run_config.h"
 
 namespace dtensor::train {

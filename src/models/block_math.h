@@ -40,7 +40,7 @@ at::Tensor attention_mask(int64_t start, int64_t S, const at::Tensor& padding, i
 at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                   const at::Tensor& mask, LayerCache* cache = nullptr, double scale = 0);
 
-// The gated MLP's middle: act(gate) * up, act LlamaConfig::activation's ("silu": SwiGLU,
+// The gated MLP's middle: act(gate) * up, act DecoderConfig::activation's ("silu": SwiGLU,
 // "gelu_tanh": GeGLU).
 at::Tensor gated_activation(const at::Tensor& gate, const at::Tensor& up,
                             const std::string& activation = "silu");

@@ -49,7 +49,7 @@ uint64_t mix(uint64_t a, uint64_t b) {
 // ---- Decoder ----
 
 Decoder::Decoder(const TransformerImpl& model) : config_(model.config()) {
-  const LlamaConfig& c = config_;
+  const DecoderConfig& c = config_;
   if (model.tp_state()) {
     mesh_ = model.tp_state()->mesh;
     tp_ = mesh_->size();
@@ -143,7 +143,7 @@ at::Tensor Decoder::embed(const at::Tensor& tokens) const {
 namespace {
 
 // The model's RMSNorm (dtensor::nn::rms_norm) over the last dimension.
-at::Tensor norm(const at::Tensor& x, const at::Tensor& weight, const LlamaConfig& c, double eps) {
+at::Tensor norm(const at::Tensor& x, const at::Tensor& weight, const DecoderConfig& c, double eps) {
   return dtensor::nn::rms_norm(x, x.size(-1), weight, eps, c.norm_weight_offset);
 }
 

@@ -1,4 +1,4 @@
-// Hugging Face Llama checkpoints in: config.json to LlamaConfig, HF names to ours, q/k rows from
+// Hugging Face Llama checkpoints in: config.json to DecoderConfig, HF names to ours, q/k rows from
 // rotate-half order to interleaved pairs, and each rank's slices read straight from the files.
 #include "dtensor/models/hf_checkpoint.h"
 
@@ -21,7 +21,7 @@
 #include "dtensor/core/dtensor_impl.h"
 #include "dtensor/models/meta_init.h"
 #include "hf_families.h"
-#include "llama_meta.h"
+#include "meta_construction.h"
 
 namespace dtensor::models {
 
@@ -120,11 +120,11 @@ at::Tensor interleave_rotary_rows(const at::Tensor& rows, int64_t head_dim) {
 
 }  // namespace
 
-HfLlamaConfig read_hf_llama_config(const std::string& dir) {
+HfConfig read_hf_config(const std::string& dir) {
   const std::string path = (fs::path(dir) / "config.json").string();
   const detail::HfConfigRead read =
       detail::parse_hf_config(read_json(path, "Hugging Face config"), path);
-  HfLlamaConfig out;
+  HfConfig out;
   out.config = read.config;
   out.dtype = read.dtype;
   out.architecture = read.family->architecture;
@@ -141,7 +141,7 @@ HfLoadStats read_hf_parts(
     const std::string& dir, TransformerImpl& model,
     const std::function<void(const std::string&, const at::Tensor&, at::Tensor)>& take,
     bool skip_meta = false) {
-  const LlamaConfig& config = model.config();
+  const DecoderConfig& config = model.config();
   Checkpoint ckpt(dir);
   HfLoadStats stats;
 
@@ -226,10 +226,10 @@ HfLoadStats load_hf_weights(const std::string& dir, TransformerImpl& model) {
   return stats;
 }
 
-HfLlama load_hf_llama(const std::string& dir, const std::optional<DeviceMesh>& mesh,
-                      const HfLoadOptions& options) {
-  const HfLlamaConfig hf = read_hf_llama_config(dir);
-  HfLlama out;
+HfModel load_hf(const std::string& dir, const std::optional<DeviceMesh>& mesh,
+                const HfLoadOptions& options) {
+  const HfConfig hf = read_hf_config(dir);
+  HfModel out;
   out.config = hf.config;
   if (options.max_seq_len) out.config.max_seq_len = *options.max_seq_len;
   // Built on the meta device and cut by the plan before any memory is allocated: each part read
@@ -242,17 +242,17 @@ HfLlama load_hf_llama(const std::string& dir, const std::optional<DeviceMesh>& m
       read_hf_parts(dir, *model, [&](const std::string& name, const at::Tensor&, at::Tensor part) {
         parts.emplace(name, std::move(part));
       });
-  detail::materialize_parameters(*model, [&](const std::string& name, const at::Tensor& local,
-                                             c10::Device device) {
-    const auto it = parts.find(name);
-    // A rank outside the mesh holds empty parts and reads nothing.
-    if (it == parts.end() && local.numel() == 0)
-      return at::empty(local.sizes(), local.options().device(device));
-    TORCH_CHECK(it != parts.end(), "load_hf_llama: no part of parameter \"", name, "\" was read");
-    at::Tensor part = std::move(it->second);
-    parts.erase(it);
-    return part;
-  });
+  detail::materialize_parameters(
+      *model, [&](const std::string& name, const at::Tensor& local, c10::Device device) {
+        const auto it = parts.find(name);
+        // A rank outside the mesh holds empty parts and reads nothing.
+        if (it == parts.end() && local.numel() == 0)
+          return at::empty(local.sizes(), local.options().device(device));
+        TORCH_CHECK(it != parts.end(), "load_hf: no part of parameter \"", name, "\" was read");
+        at::Tensor part = std::move(it->second);
+        parts.erase(it);
+        return part;
+      });
   out.model = model;
   return out;
 }

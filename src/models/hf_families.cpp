@@ -138,8 +138,8 @@ HfConfigRead parse_hf_config(const json& j, const std::string& path) {
                 "\" is not supported; the model uses SwiGLU (\"silu\")");
   }
 
-  HfConfigRead out{LlamaConfig{}, family, at::kFloat};
-  LlamaConfig& c = out.config;
+  HfConfigRead out{DecoderConfig{}, family, at::kFloat};
+  DecoderConfig& c = out.config;
   c.vocab_size = get_int("vocab_size");
   c.dim = get_int("hidden_size");
   c.n_layers = get_int("num_hidden_layers");
@@ -288,7 +288,7 @@ HfConfigRead parse_hf_config(const json& j, const std::string& path) {
 namespace {
 
 // Whether the Gemma features of `c` are all Gemma's (gemma) or all absent (the others).
-bool block_is(const LlamaConfig& c, bool gemma) {
+bool block_is(const DecoderConfig& c, bool gemma) {
   if (gemma) {
     return c.norm_weight_offset == 1 && c.post_norms && c.scale_embeddings &&
            c.activation == "gelu_tanh" && !c.rope_scaling;
@@ -305,7 +305,7 @@ json number(double x) {
 
 }  // namespace
 
-const HfFamily& hf_family_for(const LlamaConfig& c) {
+const HfFamily& hf_family_for(const DecoderConfig& c) {
   bool every_layer_slides = true;
   for (bool s : c.sliding_layers) every_layer_slides = every_layer_slides && s;
   for (const auto& f : hf_families()) {
@@ -317,11 +317,11 @@ const HfFamily& hf_family_for(const LlamaConfig& c) {
       continue;
     return f;
   }
-  TORCH_CHECK(false, "save_hf_llama: no Hugging Face family expresses this configuration (",
-              c.to_json(), "); supported: ", supported_architectures());
+  TORCH_CHECK(false, "save_hf: no Hugging Face family expresses this configuration (", c.to_json(),
+              "); supported: ", supported_architectures());
 }
 
-std::string hf_config_json(const LlamaConfig& c, const HfFamily& f, const std::string& dtype) {
+std::string hf_config_json(const DecoderConfig& c, const HfFamily& f, const std::string& dtype) {
   nlohmann::ordered_json j;
   j["architectures"] = {f.architecture};
   j["model_type"] = f.model_type;
@@ -438,7 +438,7 @@ const std::map<std::string, std::string>& post_norm_layer_names() {
 
 }  // namespace
 
-std::string hf_parameter_name(const std::string& name, const LlamaConfig& config) {
+std::string hf_parameter_name(const std::string& name, const DecoderConfig& config) {
   if (name == "tok_embeddings.weight") return "model.embed_tokens.weight";
   if (name == "norm.weight") return "model.norm.weight";
   if (name == "output.weight") return "lm_head.weight";

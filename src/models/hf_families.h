@@ -9,7 +9,7 @@
 #include <string>
 #include <vector>
 
-#include "dtensor/models/llama.h"
+#include "dtensor/models/transformer.h"
 
 namespace dtensor::models::detail {
 
@@ -40,17 +40,17 @@ const std::vector<HfFamily>& hf_families();
 // config.json (parsed from `path`) as a DecoderConfig, the family it names, and the stored
 // dtype; throws naming the file, the key and its value for what is not built.
 struct HfConfigRead {
-  LlamaConfig config;
+  DecoderConfig config;
   const HfFamily* family;
   c10::ScalarType dtype;
 };
 HfConfigRead parse_hf_config(const nlohmann::json& j, const std::string& path);
 
-// The family save_hf_llama writes `config` as (the first that can express it); throws when none.
-const HfFamily& hf_family_for(const LlamaConfig& config);
+// The family save_hf writes `config` as (the first that can express it); throws when none.
+const HfFamily& hf_family_for(const DecoderConfig& config);
 
 // config.json for `config` as `family` (transformers 4's spelling, which 5 reads as well).
-std::string hf_config_json(const LlamaConfig& config, const HfFamily& family,
+std::string hf_config_json(const DecoderConfig& config, const HfFamily& family,
                            const std::string& dtype_name);
 
 // Whether our parameter `name` holds per-head rows in rotary order (q/k weights, biases and

@@ -38,7 +38,7 @@ std::string torch_dtype_name(c10::ScalarType t) {
     case at::kDouble:
       return "float64";
     default:
-      TORCH_CHECK(false, "save_hf_llama: dtype ", t,
+      TORCH_CHECK(false, "save_hf: dtype ", t,
                   " is not a Hugging Face weight dtype; use float32, bfloat16, float16 or float64");
   }
 }
@@ -55,18 +55,17 @@ void write_text_atomically(const std::string& path, const std::string& text) {
     std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
     out << text;
     out.flush();
-    TORCH_CHECK(out.good(), "save_hf_llama: writing '", tmp, "' failed");
+    TORCH_CHECK(out.good(), "save_hf: writing '", tmp, "' failed");
   }
   std::error_code ec;
   fs::rename(tmp, path, ec);
-  TORCH_CHECK(!ec, "save_hf_llama: renaming '", tmp, "' to '", path, "' failed: ", ec.message());
+  TORCH_CHECK(!ec, "save_hf: renaming '", tmp, "' to '", path, "' failed: ", ec.message());
 }
 
 }  // namespace
 
-void save_hf_llama(const std::string& dir, const TransformerImpl& model,
-                   const HfSaveOptions& options) {
-  const LlamaConfig& config = model.config();
+void save_hf(const std::string& dir, const TransformerImpl& model, const HfSaveOptions& options) {
+  const DecoderConfig& config = model.config();
   struct Item {
     std::string hf_name;
     at::Tensor param;
@@ -92,7 +91,7 @@ void save_hf_llama(const std::string& dir, const TransformerImpl& model,
     family = nullptr;
     for (const auto& f : detail::hf_families())
       if (*options.architecture == f.architecture) family = &f;
-    TORCH_CHECK(family, "save_hf_llama: architecture \"", *options.architecture,
+    TORCH_CHECK(family, "save_hf: architecture \"", *options.architecture,
                 "\" is not one the saver writes");
   }
   for (const auto& item : items) {
@@ -139,7 +138,7 @@ void save_hf_llama(const std::string& dir, const TransformerImpl& model,
     }
   }
   writer.reset();
-  checkpoint::detail::share_rank0_outcome(error, "save_hf_llama('" + dir + "')");
+  checkpoint::detail::share_rank0_outcome(error, "save_hf('" + dir + "')");
 }
 
 }  // namespace dtensor::models

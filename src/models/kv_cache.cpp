@@ -7,7 +7,7 @@
 namespace dtensor::models {
 
 int64_t KVCache::local_kv_heads(const TransformerImpl& model) {
-  const LlamaConfig& c = model.config();
+  const DecoderConfig& c = model.config();
   if (!model.tp_state()) return c.kv_heads();
   const DeviceMesh& mesh = model.tp_state()->mesh;
   return kv_heads_of_rank(c.n_heads, c.kv_heads(), mesh.get_local_rank(), mesh.size()).numel();
@@ -15,7 +15,7 @@ int64_t KVCache::local_kv_heads(const TransformerImpl& model) {
 
 KVCache::KVCache(const TransformerImpl& model, int64_t batch, int64_t max_len)
     : batch_(batch), max_len_(max_len) {
-  const LlamaConfig& c = model.config();
+  const DecoderConfig& c = model.config();
   TORCH_CHECK(batch > 0, "KVCache: batch must be positive, got ", batch);
   TORCH_CHECK(max_len > 0 && max_len <= c.max_seq_len, "KVCache: max_len must be in [1, ",
               "max_seq_len=", c.max_seq_len, "] (the rotary table's length), got ", max_len);

@@ -61,7 +61,8 @@ void parallelize(TransformerImpl& model, const DeviceMesh& mesh, const Paralleli
   checkpoint_and_shard(model, blocks, mesh, options);
 }
 
-void parallelize(LlamaStageImpl& stage, const DeviceMesh& mesh, const ParallelizeOptions& options) {
+void parallelize(TransformerStageImpl& stage, const DeviceMesh& mesh,
+                 const ParallelizeOptions& options) {
   TORCH_CHECK(!options.tp_plan,
               "parallelize: a pipeline stage runs the built-in plan (without sequence "
               "parallelism); tp_plan applies to whole models");
@@ -76,7 +77,7 @@ void parallelize(LlamaStageImpl& stage, const DeviceMesh& mesh, const Paralleliz
   checkpoint_and_shard(stage, blocks, mesh, options);
 }
 
-std::vector<at::Tensor> LlamaPipeline::parameters() const {
+std::vector<at::Tensor> TransformerPipeline::parameters() const {
   std::vector<at::Tensor> out;
   for (const auto& st : stages)
     for (const auto& p : st->parameters()) out.push_back(p);
@@ -84,36 +85,36 @@ std::vector<at::Tensor> LlamaPipeline::parameters() const {
 }
 
 namespace {
-bool tied_copy_in(const std::vector<LlamaStage>& stages, const at::Tensor& param) {
+bool tied_copy_in(const std::vector<TransformerStage>& stages, const at::Tensor& param) {
   for (const auto& st : stages)
     if (st->tied_across_stages() && param.is_same(st->output->weight)) return true;
   return false;
 }
 }  // namespace
 
-bool LlamaPipeline::is_tied_copy(const at::Tensor& param) const {
+bool TransformerPipeline::is_tied_copy(const at::Tensor& param) const {
   return tied_copy_in(stages, param);
 }
 
-fsdp::ClipGradNormOptions LlamaPipeline::clip_options() const {
+fsdp::ClipGradNormOptions TransformerPipeline::clip_options() const {
   fsdp::ClipGradNormOptions o;
   o.stage_group = pipes.front()->pp_mesh().get_group(0);
-  // The stages by value: the options may outlive a moved-from LlamaPipeline.
+  // The stages by value: the options may outlive a moved-from TransformerPipeline.
   o.counted_elsewhere = [stages = stages](const at::Tensor& p) { return tied_copy_in(stages, p); };
   return o;
 }
 
-LlamaPipeline parallelize_pipeline(TransformerImpl& whole, const DeviceMesh& mesh,
-                                   const ParallelizeOptions& options,
-                                   const PipelineOptions& pipeline,
-                                   const std::function<void(TransformerImpl& whole)>& fill) {
-  LlamaPipeline out;
-  out.stages = split_llama_stages(whole, mesh, pipeline.virtual_stages);
+TransformerPipeline parallelize_pipeline(TransformerImpl& whole, const DeviceMesh& mesh,
+                                         const ParallelizeOptions& options,
+                                         const PipelineOptions& pipeline,
+                                         const std::function<void(TransformerImpl& whole)>& fill) {
+  TransformerPipeline out;
+  out.stages = split_transformer_stages(whole, mesh, pipeline.virtual_stages);
   if (fill) materialize_stages(out.stages, whole, fill);
   std::vector<pp::PipelineStage*> pipes;
   for (auto& st : out.stages) {
     parallelize(*st, mesh, options);
-    out.pipes.push_back(make_llama_pipeline_stage(st, mesh));
+    out.pipes.push_back(make_pipeline_stage(st, mesh));
     pipes.push_back(out.pipes.back().get());
   }
   pp::LossFn loss = pipeline.loss;

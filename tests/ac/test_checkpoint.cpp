@@ -24,14 +24,14 @@ using dtensor::ac::ACMode;
 
 namespace {
 
-LlamaConfig tiny() {
-  auto c = LlamaConfig::preset("tiny");
+DecoderConfig tiny() {
+  auto c = DecoderConfig::preset("tiny");
   c.vocab_size = 64;
   return c;
 }
 
 // The model under test: TP over `mesh` (or none), then AC in `mode`.
-Transformer make_model(const LlamaConfig& c, const DeviceMesh* mesh, ACMode mode,
+Transformer make_model(const DecoderConfig& c, const DeviceMesh* mesh, ACMode mode,
                        std::vector<std::string>* wrapped = nullptr, bool replay = true,
                        bool sequence_parallel = true) {
   Transformer m(c);

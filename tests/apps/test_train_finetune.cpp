@@ -106,7 +106,7 @@ void expect_finetune_like_one_device(const std::string& family, int world,
     }
     std::map<std::string, at::Tensor> ref_params;
     for (const auto& p : one.model().named_parameters()) ref_params[p.key()] = p.value();
-    const auto original = models::load_hf_llama(dir, std::nullopt, {.dtype = at::kDouble});
+    const auto original = models::load_hf(dir, std::nullopt, {.dtype = at::kDouble});
     std::map<std::string, at::Tensor> start;
     for (const auto& p : original.model->named_parameters()) start[p.key()] = p.value();
     std::set<std::string> checked;
@@ -158,8 +158,8 @@ void expect_clear_error(const dtensor::testing::ShellResult& r, const std::strin
 // and the logits of the reloaded model.
 std::pair<at::Tensor, at::Tensor> expect_export_is_the_trained_model(const std::string& out) {
   const std::string hf = out + "/hf";
-  auto tuned = models::load_hf_llama(hf);
-  auto original = models::load_hf_llama(kFinetune);
+  auto tuned = models::load_hf(hf);
+  auto original = models::load_hf(kFinetune);
   std::map<std::string, at::Tensor> start;
   for (const auto& p : original.model->named_parameters()) start[p.key()] = p.value();
   for (const auto& p : tuned.model->named_parameters())

@@ -384,7 +384,7 @@ TEST(TrainRunConfig, PresetDefaultsOverridesAndTpChecks) {
   ASSERT_TRUE(o);
   auto c = resolve_run_config(*o, 2);
   EXPECT_EQ(c.model.dim, 64);
-  EXPECT_EQ(c.model.n_layers, dtensor::models::LlamaConfig::preset("tiny").n_layers);
+  EXPECT_EQ(c.model.n_layers, dtensor::models::DecoderConfig::preset("tiny").n_layers);
   EXPECT_EQ(c.steps, 30);
   EXPECT_EQ(c.stop_at, 30);
   EXPECT_EQ(c.schedule.warmup, 3);

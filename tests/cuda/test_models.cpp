@@ -11,7 +11,7 @@
 
 #include "dtensor/dtensor.h"
 #include "dtensor/models/generate.h"
-#include "dtensor/models/llama.h"
+#include "dtensor/models/transformer.h"
 #include "support/cuda.h"
 #include "support/distributed.h"
 #include "support/model_compare.h"
@@ -22,15 +22,15 @@ using namespace dtensor::testing;
 
 namespace {
 
-LlamaConfig tiny() {
-  auto c = LlamaConfig::preset("tiny");
+DecoderConfig tiny() {
+  auto c = DecoderConfig::preset("tiny");
   c.vocab_size = 64;
   c.n_kv_heads = 2;
   return c;
 }
 
 // Weights drawn on the CPU (init_weights' generator), then moved: the same model everywhere.
-Transformer cuda_model(const LlamaConfig& config, at::ScalarType dtype) {
+Transformer cuda_model(const DecoderConfig& config, at::ScalarType dtype) {
   Transformer m(config);
   m->init_weights(11);
   m->to(at::kCUDA, dtype);

@@ -72,7 +72,8 @@ void sweep(const DeviceMesh& mesh, int rank, const std::vector<std::vector<Place
   SweepCounter counter;
   // Where a shard's local sizes make the local kernel choose another dim order than the global
   // result has (shards of one row, stride ties), the kernel re-lays the local result out; the
-  // count is reported, and a Llama training step asserts it stays 0 (test_models_llama_tp).
+  // count is reported, and a Llama training step asserts it stays 0
+  // (test_models_tensor_parallel_plan).
   const int64_t copies_before = dispatch::cache_stats().layout_copies;
   for (const auto& op : ops()) {
     for (const auto& pl : layouts) {

@@ -18,7 +18,7 @@
 #include <vector>
 
 #include "dtensor/dtensor.h"
-#include "dtensor/models/llama.h"
+#include "dtensor/models/transformer.h"
 #include "support/distributed.h"
 #include "support/errors.h"
 #include "support/memory.h"
@@ -30,14 +30,14 @@ using namespace dtensor::testing;
 
 namespace {
 
-LlamaConfig tiny() {
-  auto c = LlamaConfig::preset("tiny");
+DecoderConfig tiny() {
+  auto c = DecoderConfig::preset("tiny");
   c.vocab_size = 66;  // 66 rows split unevenly over 4 ranks (17, 17, 17, 15)
   return c;
 }
 
 // A float64 model with the weights every test starts from.
-Transformer make_model(const LlamaConfig& config) {
+Transformer make_model(const DecoderConfig& config) {
   Transformer m(config);
   m->to(at::kDouble);
   m->init_weights(11);
@@ -80,7 +80,7 @@ int64_t count_of(const std::map<CommType, int64_t>& counts, CommType type) {
 }
 
 void expect_training_matches(const DeviceMesh& mesh, ShardSetup setup,
-                             const LlamaConfig& config = tiny()) {
+                             const DecoderConfig& config = tiny()) {
   SCOPED_TRACE("dp=" + std::to_string(mesh.size()) + " " + setup.str() +
                (config.tie_embeddings ? " tied" : ""));
   const int64_t dp = mesh.size();
@@ -493,7 +493,7 @@ struct StepMemory {
 };
 
 // The tiny Llama with 4 blocks, so that one block is a small part of the model.
-LlamaConfig memory_config() {
+DecoderConfig memory_config() {
   auto config = tiny();
   config.n_layers = 4;
   config.max_seq_len = 32;

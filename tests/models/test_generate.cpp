@@ -13,7 +13,7 @@
 
 #include "dtensor/dtensor.h"
 #include "dtensor/models/generate.h"
-#include "dtensor/models/llama.h"
+#include "dtensor/models/transformer.h"
 #include "support/distributed.h"
 #include "support/errors.h"
 
@@ -25,7 +25,7 @@ namespace {
 
 using Tokens = std::vector<int64_t>;
 
-Transformer make_model(const LlamaConfig& config, uint64_t seed = 5) {
+Transformer make_model(const DecoderConfig& config, uint64_t seed = 5) {
   Transformer model(config);
   model->to(at::kDouble);
   model->init_weights(seed);
@@ -34,8 +34,8 @@ Transformer make_model(const LlamaConfig& config, uint64_t seed = 5) {
 
 // Divisible by TP 1-4 in heads and FFN; 2 KV heads (replicated at TP 3 and 4); a vocabulary
 // that splits unevenly at TP 3 (84, 84, 82) and 4 (63, 63, 63, 61).
-LlamaConfig tp_config() {
-  LlamaConfig c;
+DecoderConfig tp_config() {
+  DecoderConfig c;
   c.vocab_size = 250;
   c.dim = 48;
   c.n_layers = 2;
@@ -106,7 +106,7 @@ const std::vector<Tokens> kPrompts = {{5, 17, 200, 3, 99, 42}, {7}, {120, 1, 2, 
 }  // namespace
 
 TEST(Generate, CachedGreedyEqualsRecomputingWithoutCache) {
-  auto model = make_model(LlamaConfig::preset("tiny"));
+  auto model = make_model(DecoderConfig::preset("tiny"));
   const Tokens prompt = {10, 20, 30, 40, 50};
   const Generated run = run_generate(*model, {prompt}, greedy(12));
   expect_matches(run, 0, recompute_greedy(model, prompt, 12));
@@ -189,7 +189,7 @@ TEST(Generate, RefusesWhatDoesNotFit) {
 }
 
 TEST(Generate, CacheBytesFollowTheFormulaWithoutTP) {
-  auto model = make_model(LlamaConfig::preset("tiny"));  // 2 layers, 2 KV heads of 8
+  auto model = make_model(DecoderConfig::preset("tiny"));  // 2 layers, 2 KV heads of 8
   KVCache cache(*model, 3, 20);
   EXPECT_EQ(cache.bytes(), 2 * 2 * 3 * 20 * 2 * 8 * 8);
 }

@@ -49,7 +49,7 @@ Reference reference(const std::string& name) {
 // Bytes a rank is expected to read: each tensor's local part under the plan, computed here from
 // the plan's rules (not from the loader): vocab and head/FFN rows or columns split by
 // torch.chunk, norms whole, and wk/wv whole when the KV heads do not split over tp.
-uint64_t expected_bytes(const LlamaConfig& c, int64_t tp, int64_t rank, size_t elem,
+uint64_t expected_bytes(const DecoderConfig& c, int64_t tp, int64_t rank, size_t elem,
                         uint64_t* replicated) {
   auto rows = [&](int64_t n) { return chunk_range(n, tp, rank).size; };
   const int64_t hd = c.head_dim(), kv = c.kv_heads() * hd;
@@ -92,7 +92,7 @@ TEST_P(LogitsMatchHF, AtEveryTPDegree) {
   ASSERT_EQ(want.scalar_type(), precision.dtype);
   run_ranks(tp, [&, fixture = fixture, tp = tp, precision = precision](int rank) {
     auto mesh = init_device_mesh("cpu", {tp});
-    HfLlama hf = load_hf_llama(dir, mesh, {.dtype = precision.dtype});
+    HfModel hf = load_hf(dir, mesh, {.dtype = precision.dtype});
     at::Tensor logits;
     {
       at::NoGradGuard no_grad;
@@ -136,7 +136,7 @@ INSTANTIATE_TEST_SUITE_P(
     });
 
 // Loading never holds the whole model: every byte a rank allocates through LibTorch while
-// load_hf_llama runs (counted by the CPU allocator, not reported by the loader) stays within the
+// load_hf runs (counted by the CPU allocator, not reported by the loader) stays within the
 // parameters it keeps (its shards plus the replicated norms and KV projections) and the
 // transient copies of one tensor being read and converted. At TP=4 the whole model is 2.8 to
 // 3.9 times what a rank keeps, so building the whole model first cannot pass (it peaked at
@@ -151,10 +151,10 @@ TEST_P(LoadAllocatesOnlyLocalParameters, PeakBytesPerRank) {
     auto mesh = init_device_mesh("cpu", {tp});
     const int64_t elem = 4;  // loaded in float32
     int64_t peak = 0;
-    HfLlama hf;
+    HfModel hf;
     {
       CountCpuBytes count;
-      hf = load_hf_llama(dir, mesh, {.dtype = at::kFloat});
+      hf = load_hf(dir, mesh, {.dtype = at::kFloat});
       peak = count.peak();
     }
     int64_t local = 0, largest = 0;
@@ -163,7 +163,7 @@ TEST_P(LoadAllocatesOnlyLocalParameters, PeakBytesPerRank) {
       local += n;
       largest = std::max(largest, n);
     }
-    const LlamaConfig& c = hf.config;
+    const DecoderConfig& c = hf.config;
     const int64_t whole = c.num_parameters() * elem;
     // One tensor in flight: its slice as stored (at most 4 bytes an element here) and the q/k
     // row permutation's copy; the rotary table (float64 cos and sin per position and frequency)
@@ -204,7 +204,7 @@ TEST_P(GreedyMatchesHFGenerate, TokenForToken) {
     auto mesh = init_device_mesh("cpu", {tp});
     HfLoadOptions options{.dtype = at::kFloat};
     options.tp.sequence_parallel = false;
-    HfLlama hf = load_hf_llama(kModels + name, mesh, options);
+    HfModel hf = load_hf(kModels + name, mesh, options);
     for (const auto& row : rows) {
       const auto prompt = row.at("prompt").get<std::vector<int64_t>>();
       const auto want = row.at("greedy").get<std::vector<int64_t>>();
@@ -226,8 +226,8 @@ INSTANTIATE_TEST_SUITE_P(Fixtures, GreedyMatchesHFGenerate,
                          });
 
 TEST(HfCheckpoint, ReadsTheConfig) {
-  const auto hf = read_hf_llama_config(kModels + "llama3_rope");
-  const LlamaConfig& c = hf.config;
+  const auto hf = read_hf_config(kModels + "llama3_rope");
+  const DecoderConfig& c = hf.config;
   EXPECT_EQ(hf.dtype, at::kBFloat16);
   EXPECT_EQ(c.dim, 48);
   EXPECT_EQ(c.n_layers, 2);
@@ -242,9 +242,9 @@ TEST(HfCheckpoint, ReadsTheConfig) {
   EXPECT_EQ(c.rope_scaling->original_max_position_embeddings, 16);
   EXPECT_DOUBLE_EQ(c.rope_scaling->factor, 8.0);
   // Round trip through our JSON form.
-  EXPECT_EQ(LlamaConfig::from_json(c.to_json()).to_json(), c.to_json());
+  EXPECT_EQ(DecoderConfig::from_json(c.to_json()).to_json(), c.to_json());
   // transformers 5's form (rope_parameters, dtype).
-  const auto v5 = read_hf_llama_config(kModels + "single");
+  const auto v5 = read_hf_config(kModels + "single");
   EXPECT_EQ(v5.dtype, at::kHalf);
   EXPECT_FALSE(v5.config.rope_scaling.has_value());
   EXPECT_EQ(hf_parameter_name("layers.1.feed_forward.w2.weight"),
@@ -260,7 +260,7 @@ TEST(HfCheckpoint, TokenizerGivesTheReferencePrompt) {
   const at::Tensor tokens = reference("single").tokens;
   EXPECT_TRUE(
       at::equal(tokens[0], at::tensor(std::vector<int64_t>(ids.begin(), ids.begin() + 12))));
-  EXPECT_EQ(tok.vocab_size(), read_hf_llama_config(kModels + "single").config.vocab_size);
+  EXPECT_EQ(tok.vocab_size(), read_hf_config(kModels + "single").config.vocab_size);
 }
 
 // A copy of a fixture to damage.
@@ -272,7 +272,7 @@ TEST(HfCheckpoint, BadInputNamesTheFileAndTensor) {
   {
     Copy c("sharded");
     fs::remove(c.dir + "/model-00002-of-00003.safetensors");
-    const auto msg = message_of([&] { load_hf_llama(c.dir); });
+    const auto msg = message_of([&] { load_hf(c.dir); });
     EXPECT_CONTAINS(msg, "shard '" + c.dir + "/model-00002-of-00003.safetensors' is missing");
     EXPECT_CONTAINS(msg, "holds tensor \"model.layers.0.input_layernorm.weight\"");
   }
@@ -281,7 +281,7 @@ TEST(HfCheckpoint, BadInputNamesTheFileAndTensor) {
     auto j = c.config();
     j["intermediate_size"] = 36;
     c.set_config(j);
-    const auto msg = message_of([&] { load_hf_llama(c.dir); });
+    const auto msg = message_of([&] { load_hf(c.dir); });
     EXPECT_CONTAINS(msg, "safetensors file '" + c.dir +
                              "/model.safetensors', tensor "
                              "\"model.layers.0.mlp.gate_proj.weight\"");
@@ -292,7 +292,7 @@ TEST(HfCheckpoint, BadInputNamesTheFileAndTensor) {
     auto j = c.config();
     j["rope_parameters"]["rope_type"] = "yarn";
     c.set_config(j);
-    const auto msg = message_of([&] { load_hf_llama(c.dir); });
+    const auto msg = message_of([&] { load_hf(c.dir); });
     EXPECT_CONTAINS(msg, c.dir + "/config.json");
     EXPECT_CONTAINS(msg, "rope type \"yarn\" is not supported; supported: default, llama3");
   }
@@ -301,7 +301,7 @@ TEST(HfCheckpoint, BadInputNamesTheFileAndTensor) {
     auto j = c.config();
     j["rope_scaling"]["rope_type"] = "dynamic";
     c.set_config(j);
-    EXPECT_CONTAINS(message_of([&] { read_hf_llama_config(c.dir); }),
+    EXPECT_CONTAINS(message_of([&] { read_hf_config(c.dir); }),
                     "rope type \"dynamic\" is not supported");
   }
   {
@@ -309,7 +309,7 @@ TEST(HfCheckpoint, BadInputNamesTheFileAndTensor) {
     auto j = c.config();
     j["architectures"] = {"GemmaForCausalLM"};
     c.set_config(j);
-    EXPECT_CONTAINS(message_of([&] { load_hf_llama(c.dir); }),
+    EXPECT_CONTAINS(message_of([&] { load_hf(c.dir); }),
                     "config.json': architecture GemmaForCausalLM is not supported; supported: "
                     "LlamaForCausalLM, Qwen3ForCausalLM, Qwen2ForCausalLM, MistralForCausalLM");
   }
@@ -317,14 +317,14 @@ TEST(HfCheckpoint, BadInputNamesTheFileAndTensor) {
     Copy c("sharded");
     const std::string shard = c.dir + "/model-00003-of-00003.safetensors";
     fs::resize_file(shard, fs::file_size(shard) - 100);
-    const auto msg = message_of([&] { load_hf_llama(c.dir); });
+    const auto msg = message_of([&] { load_hf(c.dir); });
     EXPECT_CONTAINS(msg, "safetensors file '" + shard + "' is truncated");
     EXPECT_CONTAINS(msg, "holds tensor \"lm_head.weight\"");
   }
   {
     Copy c("single");
     fs::remove(c.dir + "/model.safetensors");
-    EXPECT_CONTAINS(message_of([&] { load_hf_llama(c.dir); }),
+    EXPECT_CONTAINS(message_of([&] { load_hf(c.dir); }),
                     "has neither model.safetensors nor model.safetensors.index.json");
   }
 }
@@ -335,7 +335,7 @@ TEST(HfCheckpoint, NothingIsHalfLoaded) {
   Copy c("sharded");
   const std::string shard = c.dir + "/model-00003-of-00003.safetensors";
   fs::resize_file(shard, fs::file_size(shard) - 2);
-  Transformer model(read_hf_llama_config(c.dir).config);
+  Transformer model(read_hf_config(c.dir).config);
   model->init_weights(5);
   std::map<std::string, at::Tensor> before;
   for (const auto& p : model->named_parameters()) before[p.key()] = p.value().clone();
@@ -362,8 +362,8 @@ TEST(HfCheckpoint, SavesWhatItLoadedFromAnyTPDegree) {
     const std::string out = tmp.file("saved");
     run_ranks(2, [&](int rank) {
       auto mesh = init_device_mesh("cpu", {2});
-      HfLlama hf = load_hf_llama(kModels + name, mesh, {.dtype = at::kFloat});
-      save_hf_llama(out, *hf.model, {.dtype = dtype});
+      HfModel hf = load_hf(kModels + name, mesh, {.dtype = at::kFloat});
+      save_hf(out, *hf.model, {.dtype = dtype});
     });
     const auto original = safetensors::load_file(kModels + name + "/model.safetensors");
     safetensors::File saved(out + "/model.safetensors");
@@ -372,7 +372,7 @@ TEST(HfCheckpoint, SavesWhatItLoadedFromAnyTPDegree) {
     for (const auto& [tensor, value] : original) {
       EXPECT_TRUE(at::equal(saved.tensor(tensor), value)) << tensor;
     }
-    const auto back = read_hf_llama_config(out), orig = read_hf_llama_config(kModels + name);
+    const auto back = read_hf_config(out), orig = read_hf_config(kModels + name);
     EXPECT_EQ(back.config.to_json(), orig.config.to_json());
     EXPECT_EQ(back.dtype, dtype);
     // For tests/fixtures/hf/check_saved.py: keep the directories to load them in transformers.

@@ -27,7 +27,7 @@
 #include "dtensor/dtensor.h"
 #include "dtensor/models/generate.h"
 #include "dtensor/models/hf_checkpoint.h"
-#include "dtensor/models/llama_pipeline.h"
+#include "dtensor/models/transformer_stage.h"
 #include "support/distributed.h"
 #include "support/errors.h"
 #include "support/fixture_copy.h"
@@ -74,7 +74,7 @@ TEST_P(FamilyMatchesHF, LogitsInFloat32AndFloat64) {
     auto mesh = init_device_mesh("cpu", {c.tp});
     for (const auto& [dtype, key, tolerance] :
          {std::tuple{at::kFloat, "logits", 1e-5}, std::tuple{at::kDouble, "logits_f64", 1e-12}}) {
-      HfLlama hf = load_hf_llama(kModels + c.family, mesh, {.dtype = dtype});
+      HfModel hf = load_hf(kModels + c.family, mesh, {.dtype = dtype});
       at::Tensor logits;
       {
         at::NoGradGuard no_grad;
@@ -100,7 +100,7 @@ TEST_P(FamilyMatchesHF, GreedyGenerationPastTheWindow) {
   const at::Tensor tokens = ref.at("tokens"), greedy = ref.at("greedy");
   run_ranks(c.tp, [&](int) {
     auto mesh = init_device_mesh("cpu", {c.tp});
-    HfLlama hf = load_hf_llama(kModels + c.family, mesh, {.dtype = at::kFloat});
+    HfModel hf = load_hf(kModels + c.family, mesh, {.dtype = at::kFloat});
     GenerateOptions options;
     options.max_new_tokens = greedy.size(1);
     std::vector<std::vector<int64_t>> alone;
@@ -135,7 +135,7 @@ class FamilyGradients : public ::testing::TestWithParam<Case> {};
 std::map<std::string, at::Tensor> gradients(const std::string& family,
                                             const std::optional<DeviceMesh>& mesh) {
   const auto ref = reference(family);
-  HfLlama hf = load_hf_llama(kModels + family, mesh, {.dtype = at::kDouble});
+  HfModel hf = load_hf(kModels + family, mesh, {.dtype = at::kDouble});
   const at::Tensor tokens = ref.at("tokens");
   const at::Tensor targets = at::roll(tokens, -1, 1);
   loss_and_backward(hf.model->forward(tokens), targets);
@@ -185,8 +185,8 @@ INSTANTIATE_TEST_SUITE_P(Fixtures, FamilyGradients,
 // replicated) the logits and every gradient equal one device's, and generation (whose Decoder adds
 // wo's bias once after the all-reduce) gives one device's tokens, which equal greedy decoding by
 // recomputing the whole forward.
-LlamaConfig all_features() {
-  LlamaConfig c;
+DecoderConfig all_features() {
+  DecoderConfig c;
   c.vocab_size = 64;
   c.dim = 32;
   c.n_layers = 2;
@@ -254,7 +254,7 @@ TEST(HfFamilies, AllFeaturesUnderTPEqualOneDevice) {
 }
 
 TEST(HfFamilies, ReadsEachConfig) {
-  const auto qwen3 = read_hf_llama_config(kModels + "qwen3");
+  const auto qwen3 = read_hf_config(kModels + "qwen3");
   EXPECT_EQ(qwen3.architecture, "Qwen3ForCausalLM");
   EXPECT_EQ(qwen3.config.head_dim(), 8);
   EXPECT_EQ(qwen3.config.dim, 48);
@@ -262,20 +262,20 @@ TEST(HfFamilies, ReadsEachConfig) {
   EXPECT_FALSE(qwen3.config.qkv_bias);
   EXPECT_EQ(qwen3.config.window(0), 0);
   EXPECT_EQ(qwen3.config.rope_theta, 1000.0);  // rope_parameters (transformers 5)
-  const auto qwen2 = read_hf_llama_config(kModels + "qwen2");
+  const auto qwen2 = read_hf_config(kModels + "qwen2");
   EXPECT_EQ(qwen2.architecture, "Qwen2ForCausalLM");
   EXPECT_TRUE(qwen2.config.qkv_bias);
   EXPECT_FALSE(qwen2.config.wo_bias);
   EXPECT_EQ(qwen2.config.window(0), 0);  // max_window_layers=1 (no layer_types: transformers 4)
   EXPECT_EQ(qwen2.config.window(1), 5);
   EXPECT_EQ(qwen2.config.rope_theta, 500.0);  // top-level rope_theta (transformers 4)
-  const auto mistral = read_hf_llama_config(kModels + "mistral");
+  const auto mistral = read_hf_config(kModels + "mistral");
   EXPECT_EQ(mistral.architecture, "MistralForCausalLM");
   EXPECT_EQ(mistral.config.window(0), 5);
   EXPECT_EQ(mistral.config.window(1), 5);
-  const auto gemma = read_hf_llama_config(kModels + "gemma3");
+  const auto gemma = read_hf_config(kModels + "gemma3");
   EXPECT_EQ(gemma.architecture, "Gemma3ForCausalLM");
-  const LlamaConfig& g = gemma.config;
+  const DecoderConfig& g = gemma.config;
   EXPECT_EQ(g.head_dim(), 16);
   EXPECT_TRUE(g.qk_norm && g.post_norms && g.scale_embeddings && g.tie_embeddings);
   EXPECT_EQ(g.norm_weight_offset, 1.0);
@@ -300,14 +300,14 @@ TEST(HfFamilies, Gemma3FinalLogitSoftcapping) {
   auto j = c.config();
   j["final_logit_softcapping"] = 2.0;
   c.set_config(j);
-  EXPECT_EQ(read_hf_llama_config(c.dir).config.final_logit_softcap, 2.0);
+  EXPECT_EQ(read_hf_config(c.dir).config.final_logit_softcap, 2.0);
   for (int tp : {1, 2}) {
     run_ranks(tp, [&](int rank) {
       auto mesh = init_device_mesh("cpu", {tp});
       for (const auto& [dtype, key, tolerance] :
            {std::tuple{at::kFloat, "logits_softcap", 1e-5},
             std::tuple{at::kDouble, "logits_softcap_f64", 1e-12}}) {
-        HfLlama hf = load_hf_llama(c.dir, mesh, {.dtype = dtype});
+        HfModel hf = load_hf(c.dir, mesh, {.dtype = dtype});
         at::NoGradGuard no_grad;
         at::Tensor logits = hf.model->forward(ref.at("tokens"));
         if (is_dtensor(logits)) logits = full_tensor(logits);
@@ -331,15 +331,14 @@ TEST(HfFamilies, Gemma3UnderEveryPlanEqualsOneDevice) {
   at::Tensor want;
   {
     at::NoGradGuard no_grad;
-    want = load_hf_llama(kModels + "gemma3", std::nullopt, {.dtype = at::kDouble})
-               .model->forward(tokens);
+    want = load_hf(kModels + "gemma3", std::nullopt, {.dtype = at::kDouble}).model->forward(tokens);
   }
   for (const TensorParallelOptions& plan : {TensorParallelOptions{.sequence_parallel = false},
                                             TensorParallelOptions{.loss_parallel = false},
                                             TensorParallelOptions{.overlap_comm = true}}) {
     run_ranks(2, [&](int) {
       auto mesh = init_device_mesh("cpu", {2});
-      HfLlama hf = load_hf_llama(kModels + "gemma3", mesh, {.dtype = at::kDouble, .tp = plan});
+      HfModel hf = load_hf(kModels + "gemma3", mesh, {.dtype = at::kDouble, .tp = plan});
       at::NoGradGuard no_grad;
       at::Tensor logits = hf.model->forward(tokens);
       if (is_dtensor(logits)) logits = full_tensor(logits);
@@ -353,11 +352,11 @@ TEST(HfFamilies, Gemma3UnderEveryPlanEqualsOneDevice) {
 // Pipeline stages run the same blocks with each layer's own rotary table (local and global bases)
 // and the scaled embedding on the first stage: two stages equal the whole model.
 TEST(HfFamilies, Gemma3PipelineStagesEqualTheWholeModel) {
-  HfLlama hf = load_hf_llama(kModels + "gemma3", std::nullopt, {.dtype = at::kDouble});
+  HfModel hf = load_hf(kModels + "gemma3", std::nullopt, {.dtype = at::kDouble});
   const at::Tensor tokens = reference("gemma3").at("tokens");
   at::NoGradGuard no_grad;
   const at::Tensor want = hf.model->forward(tokens);
-  LlamaStage first(*hf.model, 0, 2), last(*hf.model, 1, 2);
+  TransformerStage first(*hf.model, 0, 2), last(*hf.model, 1, 2);
   EXPECT_EQ(first->end_layer(), last->first_layer());
   EXPECT_LE((last->forward(first->forward(tokens)) - want).abs().max().item<double>(), 1e-12);
 }
@@ -375,8 +374,8 @@ TEST(HfFamilies, ReadsGemma3InTransformers4Spelling) {
   j["rope_local_base_freq"] = 100.0;
   j["rope_scaling"] = nullptr;
   c.set_config(j);
-  EXPECT_EQ(read_hf_llama_config(c.dir).config.to_json(),
-            read_hf_llama_config(kModels + "gemma3").config.to_json());
+  EXPECT_EQ(read_hf_config(c.dir).config.to_json(),
+            read_hf_config(kModels + "gemma3").config.to_json());
 }
 
 struct Copy : dtensor::testing::FixtureCopy {
@@ -389,7 +388,7 @@ TEST(HfFamilies, RefusesWhatIsNotBuiltNamingFileKeyAndValue) {
     auto j = c.config();
     edit(j);
     c.set_config(j);
-    const std::string msg = message_of([&] { load_hf_llama(c.dir); });
+    const std::string msg = message_of([&] { load_hf(c.dir); });
     EXPECT_CONTAINS(msg, c.dir + "/");
     return msg;
   };
@@ -427,14 +426,14 @@ TEST(HfFamilies, RefusesWhatIsNotBuiltNamingFileKeyAndValue) {
   {
     Copy c("qwen2");
     fs::remove(c.dir + "/model.safetensors");
-    EXPECT_CONTAINS(message_of([&] { load_hf_llama(c.dir); }),
+    EXPECT_CONTAINS(message_of([&] { load_hf(c.dir); }),
                     "has neither model.safetensors nor model.safetensors.index.json");
   }
 }
 
 // A bad checkpoint leaves a loaded model as it was: every tensor is read and checked first.
 TEST(HfFamilies, NothingIsHalfLoaded) {
-  HfLlama hf = load_hf_llama(kModels + "qwen3", std::nullopt, {.dtype = at::kDouble});
+  HfModel hf = load_hf(kModels + "qwen3", std::nullopt, {.dtype = at::kDouble});
   std::map<std::string, at::Tensor> before;
   for (const auto& p : hf.model->named_parameters()) before[p.key()] = p.value().clone();
   // The Mistral fixture has the same hidden size and vocabulary but narrower heads.
@@ -477,8 +476,8 @@ TEST(HfFamilies, EachLoadsFromABfloat16OrFloat16IndexOfShardFiles) {
       copy.set_config(config);
       run_ranks(tp, [&](int) {
         auto mesh = init_device_mesh("cpu", {tp});
-        HfLlama single = load_hf_llama(kModels + name, mesh, {.dtype = at::kFloat});
-        HfLlama sharded = load_hf_llama(copy.dir, mesh, {.dtype = at::kFloat});
+        HfModel single = load_hf(kModels + name, mesh, {.dtype = at::kFloat});
+        HfModel sharded = load_hf(copy.dir, mesh, {.dtype = at::kFloat});
         const auto want = single.model->named_parameters();
         const auto got = sharded.model->named_parameters();
         ASSERT_EQ(got.size(), want.size());
@@ -502,15 +501,15 @@ TEST(HfFamilies, SaveFromTPWritesWhatWasLoaded) {
     const std::string out = tmp.file("saved");
     run_ranks(tp, [&](int) {
       auto mesh = init_device_mesh("cpu", {tp});
-      HfLlama hf = load_hf_llama(kModels + name, mesh, {.dtype = at::kFloat});
-      save_hf_llama(out, *hf.model);
+      HfModel hf = load_hf(kModels + name, mesh, {.dtype = at::kFloat});
+      save_hf(out, *hf.model);
     });
     const auto original = safetensors::load_file(kModels + name + "/model.safetensors");
     safetensors::File saved(out + "/model.safetensors");
     ASSERT_EQ(saved.tensors().size(), original.size());
     for (const auto& [tensor, value] : original)
       EXPECT_TRUE(at::equal(saved.tensor(tensor), value)) << tensor;
-    const auto back = read_hf_llama_config(out), orig = read_hf_llama_config(kModels + name);
+    const auto back = read_hf_config(out), orig = read_hf_config(kModels + name);
     EXPECT_EQ(back.config.to_json(), orig.config.to_json());
     EXPECT_EQ(back.architecture, orig.architecture);
     if (const char* keep = std::getenv("DTENSOR_KEEP_HF_SAVED")) {

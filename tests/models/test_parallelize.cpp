@@ -3,7 +3,7 @@
 // FSDP and AC, (4, 1) with FSDP, (1, 4) TP alone, tied and untied, two AdamW steps with clipping
 // give one device's loss, norm, clipped gradients and parameters (float64, 1e-9); the dp ranks
 // each train on their rows of the batch (FSDP averages the gradients). Pipeline stages are
-// tested in test_llama_pipeline.cpp.
+// tested in test_transformer_stage.cpp.
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 #include <torch/nn/utils/clip_grad.h>
@@ -26,8 +26,8 @@ namespace {
 
 constexpr int64_t kBatch = 4, kSeq = 8;
 
-LlamaConfig tiny(bool tied) {
-  auto c = LlamaConfig::preset("tiny");
+DecoderConfig tiny(bool tied) {
+  auto c = DecoderConfig::preset("tiny");
   c.vocab_size = 64;
   c.n_layers = 2;
   c.tie_embeddings = tied;

@@ -16,7 +16,7 @@
 #include <sstream>
 
 #include "dtensor/dtensor.h"
-#include "dtensor/models/llama.h"
+#include "dtensor/models/transformer.h"
 #include "support/distributed.h"
 #include "support/errors.h"
 #include "support/rank_outcomes.h"
@@ -52,7 +52,7 @@ std::string describe(const std::vector<RankOutcome>& out, const Point& p) {
 }
 
 Transformer make_model(const DeviceMesh& mesh) {
-  auto c = LlamaConfig::preset("tiny");
+  auto c = DecoderConfig::preset("tiny");
   c.vocab_size = 64;
   Transformer model(c);
   apply_tensor_parallel(*model, mesh);
@@ -107,7 +107,7 @@ void train(int rank, const Point& p) {
 // Fault points drawn from a fixed seed over the model's hooked modules and parameters.
 std::vector<Point> draw_points() {
   auto mesh_free = [] {
-    auto c = LlamaConfig::preset("tiny");
+    auto c = DecoderConfig::preset("tiny");
     c.vocab_size = 64;
     return Transformer(c);
   }();

@@ -22,7 +22,7 @@
 
 #include "dtensor/ac/checkpoint.h"
 #include "dtensor/dtensor.h"
-#include "dtensor/models/llama_pipeline.h"
+#include "dtensor/models/transformer_stage.h"
 #include "dtensor/pp/pipeline.h"
 #include "support/distributed.h"
 #include "support/errors.h"
@@ -57,22 +57,22 @@ struct Built : LlamaStages {
   }
 };
 
-Built build(const DeviceMesh& mesh, const LlamaConfig& config, Kind kind, int64_t m,
+Built build(const DeviceMesh& mesh, const DecoderConfig& config, Kind kind, int64_t m,
             bool ac = false) {
   Transformer whole(config);
   whole->to(at::kDouble);
   whole->init_weights(11);
   Built b;
   if (kind == Kind::Interleaved) {
-    b.stages = split_llama_stages(*whole, mesh, /*virtual_stages=*/2);
+    b.stages = split_transformer_stages(*whole, mesh, /*virtual_stages=*/2);
   } else {
-    b.stages.push_back(split_llama_stage(*whole, mesh));
+    b.stages.push_back(split_transformer_stage(*whole, mesh));
   }
   std::vector<pp::PipelineStage*> ptrs;
   for (auto& st : b.stages) {
     if (mesh.ndim() > 1) apply_tensor_parallel(*st, mesh, {.loss_parallel = true});
     if (ac) ac::apply_ac<TransformerBlockImpl>(*st, ac::ACMode::full);
-    b.pipes.push_back(make_llama_pipeline_stage(st, mesh));
+    b.pipes.push_back(make_pipeline_stage(st, mesh));
     ptrs.push_back(b.pipes.back().get());
   }
   auto loss = [](const at::Tensor& out, const at::Tensor& target) {
@@ -88,7 +88,7 @@ Built build(const DeviceMesh& mesh, const LlamaConfig& config, Kind kind, int64_
   return b;
 }
 
-void expect_training_matches(const DeviceMesh& mesh, const LlamaConfig& config, Kind kind,
+void expect_training_matches(const DeviceMesh& mesh, const DecoderConfig& config, Kind kind,
                              int64_t m, bool ac = false) {
   Transformer ref(config);
   ref->to(at::kDouble);
@@ -318,11 +318,15 @@ TEST(PipelineSchedule, InterleavedIsDeadlockFreeAndMeetsTheBubbleFormula) {
   }
 }
 
-TEST(LlamaPipeline, TrainingMatchesOneDevicePp2) { expect_parity_for_layout(2, 1); }
-TEST(LlamaPipeline, TrainingMatchesOneDevicePp4) { expect_parity_for_layout(4, 1); }
-TEST(LlamaPipeline, TrainingMatchesOneDevicePp2Tp2) { expect_parity_for_layout(2, 2); }
-TEST(LlamaPipeline, InterleavedTrainingMatchesOneDevicePp2) { expect_interleaved_parity(2, 1); }
-TEST(LlamaPipeline, InterleavedTrainingMatchesOneDevicePp4) { expect_interleaved_parity(4, 1); }
+TEST(TransformerPipeline, TrainingMatchesOneDevicePp2) { expect_parity_for_layout(2, 1); }
+TEST(TransformerPipeline, TrainingMatchesOneDevicePp4) { expect_parity_for_layout(4, 1); }
+TEST(TransformerPipeline, TrainingMatchesOneDevicePp2Tp2) { expect_parity_for_layout(2, 2); }
+TEST(TransformerPipeline, InterleavedTrainingMatchesOneDevicePp2) {
+  expect_interleaved_parity(2, 1);
+}
+TEST(TransformerPipeline, InterleavedTrainingMatchesOneDevicePp4) {
+  expect_interleaved_parity(4, 1);
+}
 
 // Per step and pp group: 2 * (S - 1) * M sends and as many receives over S = v * pp stages
 // (one activation forward and one gradient backward per boundary and micro-batch; v = 1 but
@@ -331,7 +335,7 @@ TEST(LlamaPipeline, InterleavedTrainingMatchesOneDevicePp4) { expect_interleaved
 // Rank r runs v stages, of which the first (r = 0) has no previous and the last (r = pp - 1)
 // no next one. The TP collectives summed over the stages are the whole model's (plan without
 // sequence parallelism) M times.
-TEST(LlamaPipeline, MessagesPerStepFollowTheFormula) {
+TEST(TransformerPipeline, MessagesPerStepFollowTheFormula) {
   for (const auto& layout :
        std::vector<std::tuple<int64_t, int64_t, int64_t>>{{2, 1, 4}, {4, 1, 2}, {2, 2, 2}}) {
     const int64_t pp = std::get<0>(layout), tp = std::get<1>(layout), m = std::get<2>(layout);
@@ -404,7 +408,7 @@ TEST(LlamaPipeline, MessagesPerStepFollowTheFormula) {
 // waiting to receive micro-batch 0's gradient from it, ends promptly naming its own stage, the
 // receive and stage 1's failure. Interleaved (v = 2, stages 1 and 3 on rank 1): rank 1's second
 // forward is stage 1's of micro-batch 1, which rank 0 waits for as stage 2's input.
-TEST(LlamaPipeline, AStageThatRaisesEndsEveryRank) {
+TEST(TransformerPipeline, AStageThatRaisesEndsEveryRank) {
   SKIP_IN_MPI_JOB();
   for (Kind kind : {Kind::GPipe, Kind::OneFOneB, Kind::Interleaved}) {
     auto out = run_ranks_collect(
@@ -415,7 +419,7 @@ TEST(LlamaPipeline, AStageThatRaisesEndsEveryRank) {
           Transformer whole(config);
           whole->to(at::kDouble);
           const int64_t v = kind == Kind::Interleaved ? 2 : 1;
-          auto stages = split_llama_stages(*whole, mesh, v);
+          auto stages = split_transformer_stages(*whole, mesh, v);
           int calls = 0;
           std::vector<std::unique_ptr<pp::PipelineStage>> pipes;
           std::vector<pp::PipelineStage*> ptrs;

@@ -6,8 +6,8 @@
 #include <memory>
 #include <vector>
 
-#include "dtensor/models/llama.h"
-#include "dtensor/models/llama_pipeline.h"
+#include "dtensor/models/transformer.h"
+#include "dtensor/models/transformer_stage.h"
 #include "dtensor/pp/pipeline.h"
 #include "support/model_compare.h"
 
@@ -15,8 +15,8 @@ namespace dtensor::testing {
 
 // The tiny preset with a 64-token vocabulary and 4 layers (enough for 4 stages, or 2 with v=2),
 // or `n_layers`.
-inline models::LlamaConfig tiny_pipeline_llama(bool tied, int64_t n_layers = 4) {
-  auto c = models::LlamaConfig::preset("tiny");
+inline models::DecoderConfig tiny_pipeline_llama(bool tied, int64_t n_layers = 4) {
+  auto c = models::DecoderConfig::preset("tiny");
   c.vocab_size = 64;
   c.n_layers = n_layers;
   c.tie_embeddings = tied;
@@ -24,7 +24,7 @@ inline models::LlamaConfig tiny_pipeline_llama(bool tied, int64_t n_layers = 4) 
 }
 
 struct LlamaStages {
-  std::vector<models::LlamaStage> stages;
+  std::vector<models::TransformerStage> stages;
   std::vector<std::unique_ptr<pp::PipelineStage>> pipes;
   std::unique_ptr<pp::Schedule> schedule;
 

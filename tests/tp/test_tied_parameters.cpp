@@ -6,7 +6,7 @@
 #include <torch/optim/adam.h>
 
 #include "dtensor/dtensor.h"
-#include "dtensor/models/llama.h"
+#include "dtensor/models/transformer.h"
 #include "support/distributed.h"
 
 using namespace dtensor;
@@ -103,7 +103,7 @@ TEST(TiedParameters, AdamOnParametersOfATiedTpModelMatchesOneDevice) {
 TEST(TiedParameters, TiedLlamaListsEachTensorOnce) {
   run_ranks(2, [](int) {
     auto mesh = init_device_mesh("cpu", {2});
-    auto c = models::LlamaConfig::preset("tiny");
+    auto c = models::DecoderConfig::preset("tiny");
     c.vocab_size = 64;
     c.tie_embeddings = true;
     models::Transformer model(c);

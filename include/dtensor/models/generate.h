@@ -1,7 +1,7 @@
 #pragma once
 // Text generation for the Llama model with a KV cache, at any TP degree.
 //
-//   Transformer model(LlamaConfig::preset("tiny"));
+//   Transformer model(DecoderConfig::preset("tiny"));
 //   apply_tensor_parallel(*model, mesh, {.sequence_parallel = false});  // or any plan options
 //   GenerateOptions opts;
 //   opts.max_new_tokens = 32;
@@ -25,7 +25,7 @@
 #include <optional>
 #include <vector>
 
-#include "dtensor/models/llama.h"
+#include "dtensor/models/transformer.h"
 
 namespace dtensor::models {
 
@@ -80,8 +80,8 @@ class Decoder {
   /// every rank, and advances the cache by S.
   at::Tensor forward(const at::Tensor& tokens, KVCache& cache);
 
-  const LlamaConfig& config() const { return config_; }  ///< The model's configuration.
-  int64_t tp() const { return tp_; }                     ///< TP degree (1 without TP).
+  const DecoderConfig& config() const { return config_; }  ///< The model's configuration.
+  int64_t tp() const { return tp_; }                       ///< TP degree (1 without TP).
 
  private:
   struct Layer {
@@ -93,7 +93,7 @@ class Decoder {
   at::Tensor embed(const at::Tensor& tokens) const;
   at::Tensor all_reduce(const at::Tensor& t) const;
 
-  LlamaConfig config_;
+  DecoderConfig config_;
   std::optional<DeviceMesh> mesh_;
   int64_t tp_ = 1, rank_ = 0;
   at::Tensor embedding_, norm_, output_;  // local shards

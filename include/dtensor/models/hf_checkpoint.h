@@ -6,14 +6,14 @@
 // decoder, many families"):
 //
 //   auto mesh = init_device_mesh("cpu", {comm::get_world_size()});
-//   auto hf = load_hf_llama("Llama-3.2-1B", mesh, {.dtype = at::kFloat});
+//   auto hf = load_hf("Llama-3.2-1B", mesh, {.dtype = at::kFloat});
 //   at::Tensor logits = hf.model->forward(tokens);  // vocab-sharded DTensor under loss parallel
-//   // hf.config: the LlamaConfig; hf.stats.bytes_read: what this rank read
+//   // hf.config: the DecoderConfig; hf.stats.bytes_read: what this rank read
 //
 // Shard-on-read: each rank copies out of the (memory-mapped) files only the bytes of the slices
 // its parameters keep under the TP plan (apply_tensor_parallel), so it reads about
 // (sharded bytes) / tp + (replicated bytes): norms, and wk/wv where KV heads are replicated.
-// load_hf_llama allocates no more than that either: the model is built on the meta device
+// load_hf allocates no more than that either: the model is built on the meta device
 // (meta_init.h), cut by the plan, and the slices read become its parameters.
 // Parameter names map from HF's ("model.layers.0.self_attn.q_proj.weight") to ours
 // ("layers.0.attention.wq.weight"); q/k rows (and q/k biases and norm weights) are permuted from
@@ -26,13 +26,13 @@
 #include <string>
 
 #include "dtensor/mesh/device_mesh.h"
-#include "dtensor/models/llama.h"
+#include "dtensor/models/transformer.h"
 
 namespace dtensor::models {
 
-/// What config.json says beyond LlamaConfig.
-struct HfLlamaConfig {
-  LlamaConfig config;
+/// What config.json says beyond DecoderConfig.
+struct HfConfig {
+  DecoderConfig config;
   /// torch_dtype (transformers 4) or dtype (5): the dtype of the stored weights as saved.
   c10::ScalarType dtype = c10::ScalarType::Float;
   /// The family config.json names ("Qwen3ForCausalLM"; see docs/ARCHITECTURE.md, "Model
@@ -52,7 +52,7 @@ struct HfLlamaConfig {
 /// layers by layer_types or sliding_window_pattern. Throws naming the file, the key and its value
 /// for an unsupported architecture, rope type, activation, layer type or a feature that is not
 /// built (mixture of experts, MLP biases, attention soft-capping, ...).
-HfLlamaConfig read_hf_llama_config(const std::string& dir);
+HfConfig read_hf_config(const std::string& dir);
 
 struct HfLoadOptions {
   std::optional<c10::ScalarType> dtype;  // the model's dtype; default: config.json's
@@ -67,8 +67,8 @@ struct HfLoadStats {
   int64_t files = 0;              // safetensors files opened
 };
 
-struct HfLlama {
-  LlamaConfig config;
+struct HfModel {
+  DecoderConfig config;
   Transformer model{nullptr};
   HfLoadStats stats;
 };
@@ -77,8 +77,8 @@ struct HfLlama {
 /// parallelizes it over `mesh` when given (apply_tensor_parallel, no communication), and makes
 /// the slices it reads this rank's parameters: a rank never holds the whole model.
 /// Every rank calls it; no collective is issued, and every rank fails alike on bad input.
-HfLlama load_hf_llama(const std::string& dir, const std::optional<DeviceMesh>& mesh = std::nullopt,
-                      const HfLoadOptions& options = {});
+HfModel load_hf(const std::string& dir, const std::optional<DeviceMesh>& mesh = std::nullopt,
+                const HfLoadOptions& options = {});
 
 /// Loads the checkpoint in `dir` into an existing model (plain or parallelized, any dtype). All
 /// files, names, shapes and dtypes are checked and this rank's slices read before any parameter
@@ -99,13 +99,13 @@ struct HfSaveOptions {
 /// degree and FSDP sharding: every rank calls it, parameters are gathered with full_tensor (FSDP
 /// shards by their checkpoint::ShardedLayout), global rank 0 writes (the
 /// safetensors file atomically) and every rank throws if rank 0 failed.
-void save_hf_llama(const std::string& dir, const TransformerImpl& model,
-                   const HfSaveOptions& options = {});
+void save_hf(const std::string& dir, const TransformerImpl& model,
+             const HfSaveOptions& options = {});
 
 /// The Hugging Face name of one of our parameter names ("tok_embeddings.weight" ->
 /// "model.embed_tokens.weight") in a model with `config`, whose post_norms decide which HF norm
 /// ffn_norm is (Llama's post_attention_layernorm, Gemma's pre_feedforward_layernorm); throws for
 /// names that have none.
-std::string hf_parameter_name(const std::string& name, const LlamaConfig& config = {});
+std::string hf_parameter_name(const std::string& name, const DecoderConfig& config = {});
 
 }  // namespace dtensor::models

@@ -10,7 +10,7 @@
 //   auto mesh = init_device_mesh("cpu", {pp, dp, tp}, {"pp", "dp", "tp"});
 //   Transformer whole = meta_transformer(config);
 //   ParallelizeOptions par{.ac = ac::ACMode::full, .fully_shard = true};
-//   LlamaPipeline p = parallelize_pipeline(*whole, mesh, par,
+//   TransformerPipeline p = parallelize_pipeline(*whole, mesh, par,
 //       {.schedule = "interleaved", .virtual_stages = 2, .microbatches = 4},
 //       [&](TransformerImpl& w) { w.init_weights(seed); });
 //   torch::optim::AdamW opt(p.parameters(), ...);
@@ -32,8 +32,8 @@
 #include "dtensor/fsdp/clip_grad_norm.h"
 #include "dtensor/fsdp/fully_shard.h"
 #include "dtensor/mesh/device_mesh.h"
-#include "dtensor/models/llama.h"
-#include "dtensor/models/llama_pipeline.h"
+#include "dtensor/models/transformer.h"
+#include "dtensor/models/transformer_stage.h"
 #include "dtensor/pp/pipeline.h"
 
 namespace dtensor::models {
@@ -67,7 +67,8 @@ void parallelize(TransformerImpl& model, const DeviceMesh& mesh, const Paralleli
                  const std::function<void(TransformerImpl&)>& after_tensor_parallel = {});
 
 /// The same for one pipeline stage (TP without sequence parallelism, AC, FSDP).
-void parallelize(LlamaStageImpl& stage, const DeviceMesh& mesh, const ParallelizeOptions& options);
+void parallelize(TransformerStageImpl& stage, const DeviceMesh& mesh,
+                 const ParallelizeOptions& options);
 
 /// The pipeline's schedule and micro-batches.
 struct PipelineOptions {
@@ -80,8 +81,8 @@ struct PipelineOptions {
 
 /// This rank's part of a pipelined model: its stages (parallelized), their PipelineStages and
 /// the schedule that runs them.
-struct LlamaPipeline {
-  std::vector<LlamaStage> stages;
+struct TransformerPipeline {
+  std::vector<TransformerStage> stages;
   std::vector<std::unique_ptr<pp::PipelineStage>> pipes;
   std::unique_ptr<pp::Schedule> schedule;
 
@@ -99,9 +100,9 @@ struct LlamaPipeline {
 /// mesh's "pp" dim, gives them memory and values from `fill(whole)` (see materialize_stages;
 /// no `fill`: they stay shapes, for a dry run), parallelizes each (parallelize above) and
 /// schedules them.
-LlamaPipeline parallelize_pipeline(TransformerImpl& whole, const DeviceMesh& mesh,
-                                   const ParallelizeOptions& options,
-                                   const PipelineOptions& pipeline,
-                                   const std::function<void(TransformerImpl& whole)>& fill);
+TransformerPipeline parallelize_pipeline(TransformerImpl& whole, const DeviceMesh& mesh,
+                                         const ParallelizeOptions& options,
+                                         const PipelineOptions& pipeline,
+                                         const std::function<void(TransformerImpl& whole)>& fill);
 
 }  // namespace dtensor::models

@@ -10,7 +10,7 @@
 #include <vector>
 
 #include "dtensor/dtensor.h"
-#include "dtensor/models/llama.h"
+#include "dtensor/models/transformer.h"
 #include "dtensor/tp/overlap.h"
 #include "support/distributed.h"
 #include "support/errors.h"
@@ -26,20 +26,20 @@ constexpr auto AR = CommType::all_reduce;
 constexpr auto AG = CommType::all_gather_into_tensor;
 constexpr auto RS = CommType::reduce_scatter_tensor;
 
-LlamaConfig tiny(int64_t n_kv_heads) {
-  auto c = LlamaConfig::preset("tiny");
+DecoderConfig tiny(int64_t n_kv_heads) {
+  auto c = DecoderConfig::preset("tiny");
   c.vocab_size = 64;
   c.n_kv_heads = n_kv_heads;
   return c;
 }
 
-LlamaConfig tied(LlamaConfig c) {
+DecoderConfig tied(DecoderConfig c) {
   c.tie_embeddings = true;
   return c;
 }
 
 struct Case {
-  LlamaConfig config;
+  DecoderConfig config;
   bool loss_parallel = true;
   at::ScalarType dtype = at::kDouble;
   int64_t seqlen = 8;

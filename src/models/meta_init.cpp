@@ -1,12 +1,12 @@
 // The Llama built on the meta device and given only each rank's local parameters.
-#include "llama_meta.h"
+#include "dtensor/models/meta_init.h"
 
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 
 #include "dtensor/core/distribute_module.h"
 #include "dtensor/core/dtensor_impl.h"
-#include "dtensor/models/meta_init.h"
+#include "meta_construction.h"
 
 namespace dtensor::models {
 
@@ -77,12 +77,12 @@ void materialize_parameters(TransformerImpl& model, const MakeLocal& make) {
 
 }  // namespace detail
 
-Transformer meta_transformer(const LlamaConfig& config) {
+Transformer meta_transformer(const DecoderConfig& config) {
   detail::MetaConstructionGuard meta;
   return Transformer(config);
 }
 
-Transformer empty_transformer(const LlamaConfig& config, c10::ScalarType dtype,
+Transformer empty_transformer(const DecoderConfig& config, c10::ScalarType dtype,
                               const std::optional<DeviceMesh>& mesh,
                               const TensorParallelOptions& tp) {
   Transformer model = meta_transformer(config);

@@ -10,7 +10,7 @@
 #include <optional>
 #include <string>
 
-#include "dtensor/models/llama.h"
+#include "dtensor/models/transformer.h"
 
 namespace dtensor::models::detail {
 

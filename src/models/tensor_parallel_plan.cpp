@@ -7,8 +7,8 @@
 #include "dtensor/core/api.h"
 #include "dtensor/core/distribute_module.h"
 #include "dtensor/core/dtensor_impl.h"
-#include "dtensor/models/llama.h"
-#include "dtensor/models/llama_pipeline.h"
+#include "dtensor/models/transformer.h"
+#include "dtensor/models/transformer_stage.h"
 #include "dtensor/tp/parallelize_module.h"
 #include "dtensor/tp/styles.h"
 
@@ -94,7 +94,7 @@ class ReplicatedKVProjection : public tp::ParallelStyle {
 
 // q_norm / k_norm (one head's width): every rank normalises its own heads with the same weight,
 // so the weight is replicated; attention takes its local value with a Partial gradient
-// (llama.cpp's norm_weight), which reduce_partial_grads sums over the group.
+// (transformer.cpp's norm_weight), which reduce_partial_grads sums over the group.
 class ReplicatedHeadNorm : public tp::ParallelStyle {
  public:
   std::string repr() const override { return "ReplicatedHeadNorm()"; }
@@ -157,8 +157,8 @@ DeviceMesh tp_mesh_of(const DeviceMesh& device_mesh) {
   return *tp_mesh;
 }
 
-tp::ParallelizePlan llama_plan(const LlamaConfig& config, int64_t tp, bool sp, bool lp,
-                               const PlanParts& parts, bool overlap = false) {
+tp::ParallelizePlan decoder_plan(const DecoderConfig& config, int64_t tp, bool sp, bool lp,
+                                 const PlanParts& parts, bool overlap = false) {
   using namespace tp;
   const bool kv_sharded = config.kv_heads() % tp == 0;
   auto kv_style = [&]() -> Style {
@@ -239,7 +239,7 @@ void apply_tensor_parallel(TransformerImpl& model, const DeviceMesh& device_mesh
                            TensorParallelOptions options) {
   const DeviceMesh mesh = tp_mesh_of(device_mesh);
   TORCH_CHECK(!model.tp_state(), "apply_tensor_parallel: the model is already parallelized");
-  const LlamaConfig& config = model.config();
+  const DecoderConfig& config = model.config();
   config.validate_tp(mesh.size());
   const bool sp = options.sequence_parallel, lp = options.loss_parallel;
   if (options.overlap_comm) {
@@ -265,7 +265,7 @@ void apply_tensor_parallel(TransformerImpl& model, const DeviceMesh& device_mesh
   parts.head_shares_embedding = config.tie_embeddings;
   parts.layers = config.n_layers > 0;
   tp::parallelize_module(model, mesh,
-                         llama_plan(config, mesh.size(), sp, lp, parts, options.overlap_comm),
+                         decoder_plan(config, mesh.size(), sp, lp, parts, options.overlap_comm),
                          options.src_data_rank);
   if (options.overlap_comm) {
     for (const auto& layer : *model.layers) {
@@ -280,12 +280,12 @@ void apply_tensor_parallel(TransformerImpl& model, const DeviceMesh& device_mesh
   model.set_tp_state({mesh, sp, lp, head_chunks});
 }
 
-void apply_tensor_parallel(LlamaStageImpl& stage, const DeviceMesh& device_mesh,
+void apply_tensor_parallel(TransformerStageImpl& stage, const DeviceMesh& device_mesh,
                            TensorParallelOptions options) {
   const DeviceMesh mesh = tp_mesh_of(device_mesh);
   TORCH_CHECK(!stage.tp_state, "apply_tensor_parallel: ", "pipeline stage ", stage.stage_index(),
               " is already parallelized");
-  const LlamaConfig& config = stage.config();
+  const DecoderConfig& config = stage.config();
   config.validate_tp(mesh.size());
   // Sequence parallelism would leave sequence-sharded DTensors at the stage boundaries.
   const bool lp = options.loss_parallel;
@@ -297,7 +297,7 @@ void apply_tensor_parallel(LlamaStageImpl& stage, const DeviceMesh& device_mesh,
   parts.head = !stage.output.is_empty();
   parts.head_shares_embedding = parts.embedding && parts.head && config.tie_embeddings;
   parts.layers = !stage.layers->empty();
-  tp::parallelize_module(stage, mesh, llama_plan(config, mesh.size(), /*sp=*/false, lp, parts),
+  tp::parallelize_module(stage, mesh, decoder_plan(config, mesh.size(), /*sp=*/false, lp, parts),
                          options.src_data_rank);
   if (parts.head_shares_embedding) stage.output->weight = stage.tok_embeddings->weight;
   stage.tp_state = TransformerImpl::TensorParallelState{mesh, false, lp};

@@ -1,20 +1,22 @@
 // The Llama model split into pipeline stages.
-#include "dtensor/models/llama_pipeline.h"
+#include "dtensor/models/transformer_stage.h"
 
 #include <ATen/ATen.h>
 
 #include "block_math.h"
 #include "dtensor/core/dtensor_impl.h"
 #include "dtensor/fsdp/fully_shard.h"
-#include "llama_meta.h"
+#include "meta_construction.h"
 
 namespace dtensor::models {
 
-LlamaStageImpl::LlamaStageImpl(TransformerImpl& whole, int64_t stage, int64_t num_stages)
+TransformerStageImpl::TransformerStageImpl(TransformerImpl& whole, int64_t stage,
+                                           int64_t num_stages)
     : config_(whole.config()), stage_(stage), num_stages_(num_stages) {
-  TORCH_CHECK(!whole.tp_state(),
-              "split_llama_stage: split the model before apply_tensor_parallel (then parallelize "
-              "each stage with apply_tensor_parallel(stage, mesh))");
+  TORCH_CHECK(
+      !whole.tp_state(),
+      "split_transformer_stage: split the model before apply_tensor_parallel (then parallelize "
+      "each stage with apply_tensor_parallel(stage, mesh))");
   std::tie(first_layer_, end_layer_) = pp::stage_layer_range(config_.n_layers, stage, num_stages);
   const bool first = stage == 0, last = stage == num_stages - 1;
   if (first) tok_embeddings = register_module("tok_embeddings", whole.tok_embeddings);
@@ -26,7 +28,7 @@ LlamaStageImpl::LlamaStageImpl(TransformerImpl& whole, int64_t stage, int64_t nu
     norm = register_module("norm", whole.norm);
     if (config_.tie_embeddings && !first) {
       // The embedding lives on the first stage: this stage gets a copy of its own, kept equal
-      // by summing the two stages' gradients (make_llama_pipeline_stage ties them).
+      // by summing the two stages' gradients (make_pipeline_stage ties them).
       const at::Tensor& embedding = whole.tok_embeddings->weight;
       const auto make_output = [this] {
         output = dtensor::nn::Linear(
@@ -59,17 +61,17 @@ LlamaStageImpl::LlamaStageImpl(TransformerImpl& whole, int64_t stage, int64_t nu
         whole.rope(config_.max_seq_len, at::TensorOptions().dtype(at::kDouble), i));
 }
 
-at::Tensor LlamaStageImpl::forward(const at::Tensor& input) {
+at::Tensor TransformerStageImpl::forward(const at::Tensor& input) {
   return call_forward(
       [this](const at::Tensor& input) {
         at::Tensor h = input;
         if (!tok_embeddings.is_empty()) {
-          TORCH_CHECK(input.dim() == 2, "LlamaStage ", stage_,
+          TORCH_CHECK(input.dim() == 2, "TransformerStage ", stage_,
                       ": the first stage takes tokens (batch, seqlen), got ", input.sizes());
           h = detail::scale_embeddings(tok_embeddings(input), config_.dim,
                                        config_.scale_embeddings);
         } else {
-          TORCH_CHECK(input.dim() == 3 && input.size(2) == config_.dim, "LlamaStage ", stage_,
+          TORCH_CHECK(input.dim() == 3 && input.size(2) == config_.dim, "TransformerStage ", stage_,
                       ": expected hidden states (batch, seqlen, ", config_.dim, "), got ",
                       input.sizes());
         }
@@ -88,29 +90,30 @@ at::Tensor LlamaStageImpl::forward(const at::Tensor& input) {
       input);
 }
 
-LlamaStage split_llama_stage(TransformerImpl& whole, const DeviceMesh& mesh) {
+TransformerStage split_transformer_stage(TransformerImpl& whole, const DeviceMesh& mesh) {
   auto pp_mesh = pp::get_pp_mesh(mesh);
-  TORCH_CHECK(pp_mesh, "split_llama_stage needs a mesh with a dimension named \"pp\", got ",
+  TORCH_CHECK(pp_mesh, "split_transformer_stage needs a mesh with a dimension named \"pp\", got ",
               mesh.str());
   const int64_t pp = pp_mesh->size();
-  return LlamaStage(whole, pp_mesh->get_local_rank(), pp);
+  return TransformerStage(whole, pp_mesh->get_local_rank(), pp);
 }
 
-std::vector<LlamaStage> split_llama_stages(TransformerImpl& whole, const DeviceMesh& mesh,
-                                           int64_t virtual_stages) {
+std::vector<TransformerStage> split_transformer_stages(TransformerImpl& whole,
+                                                       const DeviceMesh& mesh,
+                                                       int64_t virtual_stages) {
   auto pp_mesh = pp::get_pp_mesh(mesh);
-  TORCH_CHECK(pp_mesh, "split_llama_stages needs a mesh with a dimension named \"pp\", got ",
+  TORCH_CHECK(pp_mesh, "split_transformer_stages needs a mesh with a dimension named \"pp\", got ",
               mesh.str());
-  TORCH_CHECK(virtual_stages >= 1, "split_llama_stages: virtual_stages must be >= 1, got ",
+  TORCH_CHECK(virtual_stages >= 1, "split_transformer_stages: virtual_stages must be >= 1, got ",
               virtual_stages);
   const int64_t pp = pp_mesh->size();
-  std::vector<LlamaStage> out;
+  std::vector<TransformerStage> out;
   for (int64_t k = 0; k < virtual_stages; ++k)
     out.emplace_back(whole, k * pp + pp_mesh->get_local_rank(), virtual_stages * pp);
   return out;
 }
 
-void materialize_stages(const std::vector<LlamaStage>& stages, TransformerImpl& whole,
+void materialize_stages(const std::vector<TransformerStage>& stages, TransformerImpl& whole,
                         const std::function<void(TransformerImpl& whole)>& fill) {
   const auto allocate = [](const std::string&, const at::Tensor& local, c10::Device device) {
     return at::empty(local.sizes(), local.options().device(device));
@@ -131,13 +134,13 @@ void materialize_stages(const std::vector<LlamaStage>& stages, TransformerImpl& 
     if (st->tied_across_stages()) st->output->weight.copy_(whole.tok_embeddings->weight);
 }
 
-void init_stage_weights(const std::vector<LlamaStage>& stages, TransformerImpl& whole,
+void init_stage_weights(const std::vector<TransformerStage>& stages, TransformerImpl& whole,
                         uint64_t seed) {
   materialize_stages(stages, whole, [seed](TransformerImpl& w) { w.init_weights(seed); });
 }
 
-std::unique_ptr<pp::PipelineStage> make_llama_pipeline_stage(LlamaStage stage,
-                                                             const DeviceMesh& mesh) {
+std::unique_ptr<pp::PipelineStage> make_pipeline_stage(TransformerStage stage,
+                                                       const DeviceMesh& mesh) {
   auto pipe = std::make_unique<pp::PipelineStage>(
       [stage](const at::Tensor& x) mutable { return stage->forward(x); }, mesh,
       stage->stage_index(), stage->num_stages());

@@ -1,9 +1,10 @@
 #pragma once
-// A Llama-style decoder (torchtitan's llama3 model) written against dtensor-cpp, and its
+// The decoder-only transformer of every family (torchtitan's llama3 model, with Qwen's, Mistral's
+// and Gemma's differences as configuration) written against dtensor-cpp, and its
 // tensor-parallel plan (docs/ARCHITECTURE.md, "The Llama plan"). Module and parameter names follow
 // torchtitan, so plans and checkpoints use the same paths ("layers.0.attention.wq.weight").
 //
-//   auto config = LlamaConfig::preset("tiny");
+//   auto config = DecoderConfig::preset("tiny");
 //   Transformer model(config);
 //   model->init_weights(/*seed=*/0);                 // same values for every TP degree
 //   auto mesh = init_device_mesh("cpu", {tp});
@@ -46,8 +47,9 @@ struct Llama3RopeScaling {
 /// Model hyperparameters of the decoder (torchtitan's ModelArgs, plus the features other
 /// families need: Qwen2's q/k/v biases, Qwen3's per-head q/k norms and decoupled head size,
 /// Mistral's and Qwen's sliding windows, Gemma 3's block). Fields left 0 are derived (see below);
-/// the defaults are Llama's. DecoderConfig names the same type for code that is not Llama-only.
-struct LlamaConfig {
+/// the defaults (and the presets) are Llama's; the families' differences are data here
+/// (docs/ARCHITECTURE.md, "Model families").
+struct DecoderConfig {
   int64_t vocab_size = 256;    ///< Tokens in the vocabulary.
   int64_t dim = 32;            ///< Model (embedding) width.
   int64_t n_layers = 2;        ///< Transformer blocks.
@@ -89,12 +91,12 @@ struct LlamaConfig {
 
   /// "tiny" (tests: dim 32, 2 layers, 4 heads, 2 KV heads), "demo" (~3M parameters, trains
   /// visibly in a minute at TP=2 on 2 CPU cores), "bench" (~30M parameters).
-  static LlamaConfig preset(const std::string& name);
+  static DecoderConfig preset(const std::string& name);
   /// The preset names: "tiny", "demo", "bench".
   static std::vector<std::string> preset_names();
   /// A JSON object with any of the fields above (others keep their defaults); unknown keys
   /// are an error. to_json() writes every field, resolved values included.
-  static LlamaConfig from_json(const std::string& json);
+  static DecoderConfig from_json(const std::string& json);
   /// Every field as a JSON object (see from_json).
   std::string to_json() const;
 
@@ -129,7 +131,7 @@ struct OverlapComm {
   int64_t chunks = 2;  ///< Pieces of the sequence shard (see tp::overlap_chunks).
 };
 
-/// The gated feed-forward: w2(act(w1(x)) * w3(x)), act as LlamaConfig::activation says (SwiGLU
+/// The gated feed-forward: w2(act(w1(x)) * w3(x)), act as DecoderConfig::activation says (SwiGLU
 /// with silu).
 class FeedForwardImpl : public dtensor::nn::Module {
  public:
@@ -139,7 +141,7 @@ class FeedForwardImpl : public dtensor::nn::Module {
   at::Tensor forward(const at::Tensor& x);
 
   dtensor::nn::Linear w1{nullptr}, w2{nullptr}, w3{nullptr};  ///< The three projections.
-  std::string activation;                                     ///< LlamaConfig::activation.
+  std::string activation;                                     ///< DecoderConfig::activation.
   std::optional<OverlapComm> overlap;  ///< Set by apply_tensor_parallel with overlap_comm.
 };
 /// Module holder of FeedForwardImpl.
@@ -151,7 +153,7 @@ TORCH_MODULE(FeedForward);
 class AttentionImpl : public dtensor::nn::Module {
  public:
   /// Projections (biases as config says) and q/k norms of layer `layer_id` of `config`.
-  explicit AttentionImpl(const LlamaConfig& config, int64_t layer_id = 0);
+  explicit AttentionImpl(const DecoderConfig& config, int64_t layer_id = 0);
   /// x: (B, S, dim). rope: (S, head_dim / 2, 2), cos and sin of the rotation angles (real, so
   /// Gloo can communicate it); the role of torchtitan's freqs_cis. The math after the
   /// projections is block_math.h's, which generation runs too.
@@ -160,7 +162,7 @@ class AttentionImpl : public dtensor::nn::Module {
   int64_t n_heads, n_kv_heads, head_dim;  ///< Query heads, KV heads (before TP) and head size.
   int64_t window;                         ///< Sliding window of this layer; 0: none.
   double norm_eps;                        ///< Epsilon of q_norm and k_norm.
-  double norm_offset;                     ///< LlamaConfig::norm_weight_offset of q/k norms.
+  double norm_offset;                     ///< DecoderConfig::norm_weight_offset of q/k norms.
   double scale;                           ///< Attention score scale (attention_scale()).
   /// Query, key, value and output projections.
   dtensor::nn::Linear wq{nullptr}, wk{nullptr}, wv{nullptr}, wo{nullptr};
@@ -177,7 +179,7 @@ TORCH_MODULE(Attention);
 class TransformerBlockImpl : public dtensor::nn::Module {
  public:
   /// Block `layer_id` of a model with `config`.
-  TransformerBlockImpl(int64_t layer_id, const LlamaConfig& config);
+  TransformerBlockImpl(int64_t layer_id, const DecoderConfig& config);
   /// x: (B, S, dim) -> (B, S, dim); rope as for AttentionImpl::forward (this layer's table:
   /// TransformerImpl::rope with its layer).
   at::Tensor forward(const at::Tensor& x, const at::Tensor& rope);
@@ -198,7 +200,7 @@ TORCH_MODULE(TransformerBlock);
 class TransformerImpl : public dtensor::nn::Module {
  public:
   /// Builds the modules (call init_weights next); throws when `config` is invalid.
-  explicit TransformerImpl(LlamaConfig config);
+  explicit TransformerImpl(DecoderConfig config);
 
   /// tokens: (B, S) int64 with S <= max_seq_len, identical on every rank. Returns logits
   /// (B, S, vocab): a plain tensor, or under loss-parallel TP a DTensor sharded on the vocab
@@ -218,7 +220,7 @@ class TransformerImpl : public dtensor::nn::Module {
   /// rope_theta.
   at::Tensor rope(int64_t seqlen, const at::TensorOptions& options, int64_t layer = -1) const;
 
-  const LlamaConfig& config() const { return config_; }  ///< The configuration it was built with.
+  const DecoderConfig& config() const { return config_; }  ///< The configuration it was built with.
 
   dtensor::nn::Embedding tok_embeddings{nullptr};  ///< Token embedding (vocab, dim).
   torch::nn::ModuleList layers{nullptr};           // TransformerBlock children "0", "1", ...
@@ -246,17 +248,13 @@ class TransformerImpl : public dtensor::nn::Module {
  private:
   at::Tensor overlapped_head(const at::Tensor& x);
 
-  LlamaConfig config_;
+  DecoderConfig config_;
   at::Tensor rope_table_;  // (max_seq_len, head_dim/2, 2) float64; not a buffer, never sharded
   at::Tensor local_rope_table_;  // the same for rope_local_theta; undefined when it is unset
   std::optional<TensorParallelState> tp_state_;
 };
 /// Module holder of TransformerImpl.
 TORCH_MODULE(Transformer);
-
-/// The configuration under a name that is not Llama's: the decoder serves every family whose
-/// differences are configuration (docs/ARCHITECTURE.md, "Model families").
-using DecoderConfig = LlamaConfig;
 
 // ---- tensor parallelism ----
 

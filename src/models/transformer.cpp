@@ -1,5 +1,5 @@
 // The Llama model (torchtitan's llama3), its deterministic initialisation and the loss.
-#include "dtensor/models/llama.h"
+#include "dtensor/models/transformer.h"
 
 #include <ATen/ATen.h>
 
@@ -11,7 +11,7 @@
 #include "dtensor/core/dtensor_impl.h"
 #include "dtensor/tp/loss_parallel.h"
 #include "dtensor/tp/overlap.h"
-#include "llama_meta.h"
+#include "meta_construction.h"
 
 namespace dtensor::models {
 
@@ -99,7 +99,7 @@ at::Tensor FeedForwardImpl::forward(const at::Tensor& x) {
       x);
 }
 
-AttentionImpl::AttentionImpl(const LlamaConfig& config, int64_t layer_id)
+AttentionImpl::AttentionImpl(const DecoderConfig& config, int64_t layer_id)
     : n_heads(config.n_heads),
       n_kv_heads(config.kv_heads()),
       head_dim(config.head_dim()),
@@ -151,7 +151,7 @@ at::Tensor AttentionImpl::forward(const at::Tensor& x, const at::Tensor& rope) {
       x, rope);
 }
 
-TransformerBlockImpl::TransformerBlockImpl(int64_t layer_id_, const LlamaConfig& config)
+TransformerBlockImpl::TransformerBlockImpl(int64_t layer_id_, const DecoderConfig& config)
     : layer_id(layer_id_) {
   dtensor::nn::RMSNormOptions norm_options(config.dim);
   norm_options.eps = config.norm_eps;
@@ -181,7 +181,7 @@ at::Tensor TransformerBlockImpl::forward(const at::Tensor& x, const at::Tensor& 
       x, rope);
 }
 
-TransformerImpl::TransformerImpl(LlamaConfig config) : config_(std::move(config)) {
+TransformerImpl::TransformerImpl(DecoderConfig config) : config_(std::move(config)) {
   config_.validate();
   tok_embeddings =
       register_module("tok_embeddings", dtensor::nn::Embedding(config_.vocab_size, config_.dim));

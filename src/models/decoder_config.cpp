@@ -1,4 +1,4 @@
-// LlamaConfig: presets, derived sizes, validation and a flat JSON form.
+// DecoderConfig: presets, derived sizes, validation and a flat JSON form.
 #include <c10/util/Exception.h>
 #include <c10/util/StringUtil.h>
 
@@ -8,12 +8,12 @@
 #include <set>
 #include <string>
 
-#include "dtensor/models/llama.h"
+#include "dtensor/models/transformer.h"
 
 namespace dtensor::models {
 
-LlamaConfig LlamaConfig::preset(const std::string& name) {
-  LlamaConfig c;
+DecoderConfig DecoderConfig::preset(const std::string& name) {
+  DecoderConfig c;
   if (name == "tiny") {
     // Tests: GQA (2 KV heads for 4 query heads), every size divisible by 1, 2 and 4.
     c.vocab_size = 256;
@@ -46,29 +46,29 @@ LlamaConfig LlamaConfig::preset(const std::string& name) {
   return c;
 }
 
-std::vector<std::string> LlamaConfig::preset_names() { return {"tiny", "demo", "bench"}; }
+std::vector<std::string> DecoderConfig::preset_names() { return {"tiny", "demo", "bench"}; }
 
-int64_t LlamaConfig::kv_heads() const { return n_kv_heads > 0 ? n_kv_heads : n_heads; }
+int64_t DecoderConfig::kv_heads() const { return n_kv_heads > 0 ? n_kv_heads : n_heads; }
 
-int64_t LlamaConfig::head_dim() const { return head_size > 0 ? head_size : dim / n_heads; }
+int64_t DecoderConfig::head_dim() const { return head_size > 0 ? head_size : dim / n_heads; }
 
-int64_t LlamaConfig::window(int64_t layer) const {
+int64_t DecoderConfig::window(int64_t layer) const {
   if (sliding_window <= 0) return 0;
   if (sliding_layers.empty()) return sliding_window;
   return sliding_layers.at(static_cast<size_t>(layer)) ? sliding_window : 0;
 }
 
-double LlamaConfig::rope_base(int64_t layer) const {
+double DecoderConfig::rope_base(int64_t layer) const {
   return layer >= 0 && window(layer) > 0 && rope_local_theta > 0 ? rope_local_theta : rope_theta;
 }
 
-double LlamaConfig::attention_scale() const {
+double DecoderConfig::attention_scale() const {
   const double d =
       query_pre_attn_scalar > 0 ? query_pre_attn_scalar : static_cast<double>(head_dim());
   return 1.0 / std::sqrt(d);
 }
 
-int64_t LlamaConfig::hidden_dim() const {
+int64_t DecoderConfig::hidden_dim() const {
   if (ffn_hidden_dim > 0) return ffn_hidden_dim;
   // Llama: 2/3 of 4*dim, scaled by ffn_dim_multiplier, rounded up to multiple_of.
   int64_t hidden = 2 * (4 * dim) / 3;
@@ -76,7 +76,7 @@ int64_t LlamaConfig::hidden_dim() const {
   return multiple_of * ((hidden + multiple_of - 1) / multiple_of);
 }
 
-int64_t LlamaConfig::num_parameters() const {
+int64_t DecoderConfig::num_parameters() const {
   const int64_t hd = head_dim();
   int64_t attention = dim * n_heads * hd + 2 * dim * kv_heads() * hd + n_heads * hd * dim;
   if (qkv_bias) attention += (n_heads + 2 * kv_heads()) * hd;
@@ -88,56 +88,59 @@ int64_t LlamaConfig::num_parameters() const {
   return embed + n_layers * block + dim + (tie_embeddings ? 0 : embed);
 }
 
-void LlamaConfig::validate() const {
-  TORCH_CHECK(vocab_size > 0, "LlamaConfig: vocab_size must be positive, got ", vocab_size);
-  TORCH_CHECK(dim > 0, "LlamaConfig: dim must be positive, got ", dim);
-  TORCH_CHECK(n_layers >= 0, "LlamaConfig: n_layers must be >= 0, got ", n_layers);
-  TORCH_CHECK(n_heads > 0, "LlamaConfig: n_heads must be positive, got ", n_heads);
-  TORCH_CHECK(head_size >= 0, "LlamaConfig: head_size must be >= 0 (0 means dim / n_heads), got ",
+void DecoderConfig::validate() const {
+  TORCH_CHECK(vocab_size > 0, "DecoderConfig: vocab_size must be positive, got ", vocab_size);
+  TORCH_CHECK(dim > 0, "DecoderConfig: dim must be positive, got ", dim);
+  TORCH_CHECK(n_layers >= 0, "DecoderConfig: n_layers must be >= 0, got ", n_layers);
+  TORCH_CHECK(n_heads > 0, "DecoderConfig: n_heads must be positive, got ", n_heads);
+  TORCH_CHECK(head_size >= 0, "DecoderConfig: head_size must be >= 0 (0 means dim / n_heads), got ",
               head_size);
-  TORCH_CHECK(head_size > 0 || dim % n_heads == 0, "LlamaConfig: dim=", dim,
+  TORCH_CHECK(head_size > 0 || dim % n_heads == 0, "DecoderConfig: dim=", dim,
               " is not divisible by n_heads=", n_heads, "; set head_size");
-  TORCH_CHECK(head_dim() % 2 == 0, "LlamaConfig: head_dim=", head_dim(),
+  TORCH_CHECK(head_dim() % 2 == 0, "DecoderConfig: head_dim=", head_dim(),
               " must be even for rotary embeddings");
-  TORCH_CHECK(sliding_window >= 0, "LlamaConfig: sliding_window must be >= 0 (0: none), got ",
+  TORCH_CHECK(sliding_window >= 0, "DecoderConfig: sliding_window must be >= 0 (0: none), got ",
               sliding_window);
   TORCH_CHECK(sliding_layers.empty() || static_cast<int64_t>(sliding_layers.size()) == n_layers,
-              "LlamaConfig: sliding_layers has ", sliding_layers.size(),
+              "DecoderConfig: sliding_layers has ", sliding_layers.size(),
               " entries for n_layers=", n_layers);
-  TORCH_CHECK(n_kv_heads >= 0, "LlamaConfig: n_kv_heads must be >= 0 (0 means n_heads), got ",
+  TORCH_CHECK(n_kv_heads >= 0, "DecoderConfig: n_kv_heads must be >= 0 (0 means n_heads), got ",
               n_kv_heads);
-  TORCH_CHECK(n_heads % kv_heads() == 0, "LlamaConfig: n_heads=", n_heads,
+  TORCH_CHECK(n_heads % kv_heads() == 0, "DecoderConfig: n_heads=", n_heads,
               " is not divisible by n_kv_heads=", kv_heads());
-  TORCH_CHECK(ffn_hidden_dim >= 0, "LlamaConfig: ffn_hidden_dim must be >= 0 (0 means derived)");
-  TORCH_CHECK(multiple_of > 0, "LlamaConfig: multiple_of must be positive, got ", multiple_of);
+  TORCH_CHECK(ffn_hidden_dim >= 0, "DecoderConfig: ffn_hidden_dim must be >= 0 (0 means derived)");
+  TORCH_CHECK(multiple_of > 0, "DecoderConfig: multiple_of must be positive, got ", multiple_of);
   TORCH_CHECK(!ffn_dim_multiplier || *ffn_dim_multiplier > 0,
-              "LlamaConfig: ffn_dim_multiplier must be positive");
-  TORCH_CHECK(hidden_dim() > 0, "LlamaConfig: the FFN hidden size must be positive");
-  TORCH_CHECK(max_seq_len > 0, "LlamaConfig: max_seq_len must be positive, got ", max_seq_len);
-  TORCH_CHECK(norm_eps > 0, "LlamaConfig: norm_eps must be positive, got ", norm_eps);
-  TORCH_CHECK(rope_theta > 0, "LlamaConfig: rope_theta must be positive, got ", rope_theta);
+              "DecoderConfig: ffn_dim_multiplier must be positive");
+  TORCH_CHECK(hidden_dim() > 0, "DecoderConfig: the FFN hidden size must be positive");
+  TORCH_CHECK(max_seq_len > 0, "DecoderConfig: max_seq_len must be positive, got ", max_seq_len);
+  TORCH_CHECK(norm_eps > 0, "DecoderConfig: norm_eps must be positive, got ", norm_eps);
+  TORCH_CHECK(rope_theta > 0, "DecoderConfig: rope_theta must be positive, got ", rope_theta);
   TORCH_CHECK(rope_local_theta >= 0,
-              "LlamaConfig: rope_local_theta must be >= 0 (0: rope_theta), got ", rope_local_theta);
+              "DecoderConfig: rope_local_theta must be >= 0 (0: rope_theta), got ",
+              rope_local_theta);
   TORCH_CHECK(query_pre_attn_scalar >= 0,
-              "LlamaConfig: query_pre_attn_scalar must be >= 0 (0: head_dim), got ",
+              "DecoderConfig: query_pre_attn_scalar must be >= 0 (0: head_dim), got ",
               query_pre_attn_scalar);
   TORCH_CHECK(final_logit_softcap >= 0,
-              "LlamaConfig: final_logit_softcap must be >= 0 (0: none), got ", final_logit_softcap);
-  TORCH_CHECK(std::isfinite(norm_weight_offset), "LlamaConfig: norm_weight_offset must be finite");
-  TORCH_CHECK(activation == "silu" || activation == "gelu_tanh", "LlamaConfig: activation \"",
+              "DecoderConfig: final_logit_softcap must be >= 0 (0: none), got ",
+              final_logit_softcap);
+  TORCH_CHECK(std::isfinite(norm_weight_offset),
+              "DecoderConfig: norm_weight_offset must be finite");
+  TORCH_CHECK(activation == "silu" || activation == "gelu_tanh", "DecoderConfig: activation \"",
               activation, "\" is not built; expected \"silu\" or \"gelu_tanh\"");
   if (rope_scaling) {
     const auto& r = *rope_scaling;
     TORCH_CHECK(r.factor > 0 && r.low_freq_factor > 0 && r.original_max_position_embeddings > 0,
-                "LlamaConfig: rope_scaling needs positive factor, low_freq_factor and "
+                "DecoderConfig: rope_scaling needs positive factor, low_freq_factor and "
                 "original_max_position_embeddings");
     TORCH_CHECK(r.high_freq_factor > r.low_freq_factor,
-                "LlamaConfig: rope_scaling.high_freq_factor (", r.high_freq_factor,
+                "DecoderConfig: rope_scaling.high_freq_factor (", r.high_freq_factor,
                 ") must exceed low_freq_factor (", r.low_freq_factor, ")");
   }
 }
 
-std::vector<int64_t> LlamaConfig::valid_tp_degrees() const {
+std::vector<int64_t> DecoderConfig::valid_tp_degrees() const {
   std::vector<int64_t> out;
   const int64_t g = std::gcd(n_heads, hidden_dim());
   for (int64_t d = 1; d <= g; ++d) {
@@ -146,7 +149,7 @@ std::vector<int64_t> LlamaConfig::valid_tp_degrees() const {
   return out;
 }
 
-void LlamaConfig::validate_tp(int64_t tp) const {
+void DecoderConfig::validate_tp(int64_t tp) const {
   validate();
   TORCH_CHECK(tp >= 1, "tensor parallel degree must be >= 1, got ", tp);
   auto valid = [this] { return c10::Join(", ", valid_tp_degrees()); };
@@ -167,12 +170,12 @@ using nlohmann::json;
 int64_t as_int(const std::string& key, const json& v) {
   TORCH_CHECK(v.is_number_integer() ||
                   (v.is_number_float() && std::floor(v.get<double>()) == v.get<double>()),
-              "LlamaConfig JSON: '", key, "' must be an integer");
+              "DecoderConfig JSON: '", key, "' must be an integer");
   return v.is_number_integer() ? v.get<int64_t>() : static_cast<int64_t>(v.get<double>());
 }
 
 double as_double(const std::string& key, const json& v) {
-  TORCH_CHECK(v.is_number(), "LlamaConfig JSON: '", key, "' must be a number");
+  TORCH_CHECK(v.is_number(), "DecoderConfig JSON: '", key, "' must be a number");
   return v.get<double>();
 }
 
@@ -184,21 +187,21 @@ json parse_object(const std::string& text) {
     j = json::parse(text, [&](int depth, json::parse_event_t event, json& parsed) {
       if (event == json::parse_event_t::key && depth == 1) {
         const auto key = parsed.get<std::string>();
-        TORCH_CHECK(seen.insert(key).second, "LlamaConfig JSON: duplicate key '", key, "'");
+        TORCH_CHECK(seen.insert(key).second, "DecoderConfig JSON: duplicate key '", key, "'");
       }
       return true;
     });
   } catch (const json::exception& e) {
-    TORCH_CHECK(false, "LlamaConfig JSON: ", e.what());
+    TORCH_CHECK(false, "DecoderConfig JSON: ", e.what());
   }
-  TORCH_CHECK(j.is_object(), "LlamaConfig JSON: expected an object, got ", j.type_name());
+  TORCH_CHECK(j.is_object(), "DecoderConfig JSON: expected an object, got ", j.type_name());
   return j;
 }
 
 }  // namespace
 
-LlamaConfig LlamaConfig::from_json(const std::string& text) {
-  LlamaConfig c;
+DecoderConfig DecoderConfig::from_json(const std::string& text) {
+  DecoderConfig c;
   const json object = parse_object(text);  // kept alive: items() only views it
   for (const auto& [key, v] : object.items()) {
     if (key == "vocab_size") {
@@ -232,7 +235,7 @@ LlamaConfig LlamaConfig::from_json(const std::string& text) {
         c.rope_scaling.reset();
         continue;
       }
-      TORCH_CHECK(v.is_object(), "LlamaConfig JSON: 'rope_scaling' must be null or an object");
+      TORCH_CHECK(v.is_object(), "DecoderConfig JSON: 'rope_scaling' must be null or an object");
       Llama3RopeScaling r;
       for (const auto& [k, x] : v.items()) {
         const std::string name = "rope_scaling." + k;
@@ -245,26 +248,27 @@ LlamaConfig LlamaConfig::from_json(const std::string& text) {
         } else if (k == "original_max_position_embeddings") {
           r.original_max_position_embeddings = as_int(name, x);
         } else {
-          TORCH_CHECK(false, "LlamaConfig JSON: unknown key '", name, "'");
+          TORCH_CHECK(false, "DecoderConfig JSON: unknown key '", name, "'");
         }
       }
       c.rope_scaling = r;
     } else if (key == "head_size") {
       c.head_size = v.is_null() ? 0 : as_int(key, v);
     } else if (key == "qkv_bias" || key == "wo_bias" || key == "qk_norm") {
-      TORCH_CHECK(v.is_boolean(), "LlamaConfig JSON: '", key, "' must be true or false");
+      TORCH_CHECK(v.is_boolean(), "DecoderConfig JSON: '", key, "' must be true or false");
       (key == "qkv_bias" ? c.qkv_bias : key == "wo_bias" ? c.wo_bias : c.qk_norm) = v.get<bool>();
     } else if (key == "sliding_window") {
       c.sliding_window = v.is_null() ? 0 : as_int(key, v);
     } else if (key == "sliding_layers") {
-      TORCH_CHECK(v.is_array(), "LlamaConfig JSON: 'sliding_layers' must be an array of booleans");
+      TORCH_CHECK(v.is_array(),
+                  "DecoderConfig JSON: 'sliding_layers' must be an array of booleans");
       c.sliding_layers.clear();
       for (const auto& b : v) {
-        TORCH_CHECK(b.is_boolean(), "LlamaConfig JSON: 'sliding_layers' must hold booleans");
+        TORCH_CHECK(b.is_boolean(), "DecoderConfig JSON: 'sliding_layers' must hold booleans");
         c.sliding_layers.push_back(b.get<bool>());
       }
     } else if (key == "tie_embeddings" || key == "post_norms" || key == "scale_embeddings") {
-      TORCH_CHECK(v.is_boolean(), "LlamaConfig JSON: '", key, "' must be true or false");
+      TORCH_CHECK(v.is_boolean(), "DecoderConfig JSON: '", key, "' must be true or false");
       (key == "tie_embeddings" ? c.tie_embeddings
        : key == "post_norms"   ? c.post_norms
                                : c.scale_embeddings) = v.get<bool>();
@@ -277,17 +281,17 @@ LlamaConfig LlamaConfig::from_json(const std::string& text) {
     } else if (key == "norm_weight_offset") {
       c.norm_weight_offset = as_double(key, v);
     } else if (key == "activation") {
-      TORCH_CHECK(v.is_string(), "LlamaConfig JSON: 'activation' must be a string");
+      TORCH_CHECK(v.is_string(), "DecoderConfig JSON: 'activation' must be a string");
       c.activation = v.get<std::string>();
     } else {
-      TORCH_CHECK(false, "LlamaConfig JSON: unknown key '", key, "'");
+      TORCH_CHECK(false, "DecoderConfig JSON: unknown key '", key, "'");
     }
   }
   c.validate();
   return c;
 }
 
-std::string LlamaConfig::to_json() const {
+std::string DecoderConfig::to_json() const {
   nlohmann::ordered_json j;
   j["vocab_size"] = vocab_size;
   j["dim"] = dim;

@@ -12,7 +12,7 @@
 #include <map>
 #include <string>
 
-#include "dtensor/models/llama.h"
+#include "dtensor/models/transformer.h"
 #include "support/distributed.h"
 
 using namespace dtensor;
@@ -34,7 +34,7 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
 }
 
 // Rotary embeddings as Llama writes them: consecutive pairs as complex numbers times e^{i p f}.
-at::Tensor rotary_complex(const at::Tensor& x, const LlamaConfig& c) {
+at::Tensor rotary_complex(const at::Tensor& x, const DecoderConfig& c) {
   const int64_t S = x.size(1), hd = c.head_dim();
   auto freqs = at::pow(c.rope_theta, -at::arange(0, hd, 2, at::kDouble) / static_cast<double>(hd));
   auto angles = at::outer(at::arange(S, at::kDouble), freqs);
@@ -44,7 +44,7 @@ at::Tensor rotary_complex(const at::Tensor& x, const LlamaConfig& c) {
 }
 
 // The Llama forward written out from the parameters alone.
-at::Tensor reference_forward(const LlamaConfig& c, Params P, const at::Tensor& tokens) {
+at::Tensor reference_forward(const DecoderConfig& c, Params P, const at::Tensor& tokens) {
   const int64_t B = tokens.size(0), S = tokens.size(1), hd = c.head_dim();
   const int64_t n_rep = c.n_heads / c.kv_heads();
   auto h = P.at("tok_embeddings.weight").index_select(0, tokens.flatten()).view({B, S, c.dim});
@@ -70,8 +70,8 @@ at::Tensor reference_forward(const LlamaConfig& c, Params P, const at::Tensor& t
   return at::matmul(rms_norm(h, P.at("norm.weight"), c.norm_eps), head.t());
 }
 
-LlamaConfig tiny(int64_t n_kv_heads = 2, bool tie = false) {
-  auto c = LlamaConfig::preset("tiny");
+DecoderConfig tiny(int64_t n_kv_heads = 2, bool tie = false) {
+  auto c = DecoderConfig::preset("tiny");
   c.vocab_size = 48;
   c.n_kv_heads = n_kv_heads;
   c.tie_embeddings = tie;
@@ -80,10 +80,10 @@ LlamaConfig tiny(int64_t n_kv_heads = 2, bool tie = false) {
 
 }  // namespace
 
-TEST(LlamaConfig, PresetsValidateAndCountTheirParameters) {
-  for (const auto& name : LlamaConfig::preset_names()) {
+TEST(DecoderConfig, PresetsValidateAndCountTheirParameters) {
+  for (const auto& name : DecoderConfig::preset_names()) {
     SCOPED_TRACE(name);
-    auto c = LlamaConfig::preset(name);
+    auto c = DecoderConfig::preset(name);
     EXPECT_NO_THROW(c.validate());
     EXPECT_EQ(c.hidden_dim() % c.multiple_of, 0);
     if (name == "tiny") {
@@ -105,11 +105,11 @@ TEST(LlamaConfig, PresetsValidateAndCountTheirParameters) {
       EXPECT_LT(c.num_parameters(), 35'000'000);
     }
   }
-  EXPECT_THROW(LlamaConfig::preset("huge"), c10::Error);
+  EXPECT_THROW(DecoderConfig::preset("huge"), c10::Error);
 }
 
-TEST(LlamaConfig, FfnHiddenSizeFollowsLlamasRule) {
-  LlamaConfig c;
+TEST(DecoderConfig, FfnHiddenSizeFollowsLlamasRule) {
+  DecoderConfig c;
   c.dim = 4096;
   c.multiple_of = 256;
   c.ffn_dim_multiplier = 1.3;
@@ -121,8 +121,8 @@ TEST(LlamaConfig, FfnHiddenSizeFollowsLlamasRule) {
 }
 
 // Gemma's fields (hf_families.cpp sets them from a Gemma3ForCausalLM config) survive JSON.
-TEST(LlamaConfig, GemmaFieldsRoundTripJson) {
-  LlamaConfig c = LlamaConfig::preset("tiny");
+TEST(DecoderConfig, GemmaFieldsRoundTripJson) {
+  DecoderConfig c = DecoderConfig::preset("tiny");
   c.rope_local_theta = 10000;
   c.query_pre_attn_scalar = 24;
   c.norm_weight_offset = 1;
@@ -131,7 +131,7 @@ TEST(LlamaConfig, GemmaFieldsRoundTripJson) {
   c.final_logit_softcap = 30;
   c.sliding_window = 4;
   c.sliding_layers = {true, false};
-  const LlamaConfig back = LlamaConfig::from_json(c.to_json());
+  const DecoderConfig back = DecoderConfig::from_json(c.to_json());
   EXPECT_EQ(back.to_json(), c.to_json());
   EXPECT_EQ(back.rope_base(0), 10000.0);
   EXPECT_EQ(back.rope_base(1), c.rope_theta);
@@ -139,20 +139,20 @@ TEST(LlamaConfig, GemmaFieldsRoundTripJson) {
   EXPECT_EQ(back.activation, "gelu_tanh");
   EXPECT_EQ(back.final_logit_softcap, 30.0);
   // Two norms more per block than Llama's.
-  LlamaConfig plain = c;
+  DecoderConfig plain = c;
   plain.post_norms = false;
   EXPECT_EQ(c.num_parameters() - plain.num_parameters(), 2 * c.n_layers * c.dim);
   c.activation = "relu";
   EXPECT_THROW(c.validate(), c10::Error);
 }
 
-TEST(LlamaConfig, JsonRoundTripsAndRejectsUnknownKeys) {
-  auto c = LlamaConfig::preset("demo");
+TEST(DecoderConfig, JsonRoundTripsAndRejectsUnknownKeys) {
+  auto c = DecoderConfig::preset("demo");
   c.tie_embeddings = true;
   c.ffn_dim_multiplier = 1.5;
   c.norm_eps = 1e-6;
   c.rope_theta = 500000;
-  auto back = LlamaConfig::from_json(c.to_json());
+  auto back = DecoderConfig::from_json(c.to_json());
   EXPECT_EQ(back.to_json(), c.to_json());
   EXPECT_EQ(back.dim, c.dim);
   EXPECT_EQ(back.hidden_dim(), c.hidden_dim());
@@ -160,14 +160,14 @@ TEST(LlamaConfig, JsonRoundTripsAndRejectsUnknownKeys) {
   EXPECT_EQ(*back.ffn_dim_multiplier, 1.5);
   EXPECT_EQ(back.norm_eps, 1e-6);
 
-  auto partial = LlamaConfig::from_json(R"({"dim": 64, "n_heads": 8, "n_kv_heads": null})");
+  auto partial = DecoderConfig::from_json(R"({"dim": 64, "n_heads": 8, "n_kv_heads": null})");
   EXPECT_EQ(partial.dim, 64);
   EXPECT_EQ(partial.kv_heads(), 8);
-  EXPECT_EQ(partial.vocab_size, LlamaConfig().vocab_size);
+  EXPECT_EQ(partial.vocab_size, DecoderConfig().vocab_size);
 
   auto error = [](const std::string& json) {
     try {
-      LlamaConfig::from_json(json);
+      DecoderConfig::from_json(json);
     } catch (const c10::Error& e) {
       return std::string(e.what_without_backtrace());
     }
@@ -180,8 +180,8 @@ TEST(LlamaConfig, JsonRoundTripsAndRejectsUnknownKeys) {
   EXPECT_NE(error(R"({"dim": 32)").find("unexpected end"), std::string::npos);
 }
 
-TEST(LlamaConfig, TpDegreesThatSplitHeadsAndFfnAreListed) {
-  LlamaConfig c;
+TEST(DecoderConfig, TpDegreesThatSplitHeadsAndFfnAreListed) {
+  DecoderConfig c;
   c.dim = 48;
   c.n_heads = 6;
   c.n_kv_heads = 2;

@@ -25,9 +25,9 @@
 #include "dtensor/checkpoint/sharded_layout.h"
 #include "dtensor/dtensor.h"
 #include "dtensor/fsdp/fully_shard.h"
-#include "dtensor/models/llama_pipeline.h"
 #include "dtensor/models/meta_init.h"
 #include "dtensor/models/parallelize.h"
+#include "dtensor/models/transformer_stage.h"
 #include "dtensor/pp/pipeline.h"
 #include "support/distributed.h"
 #include "support/llama_stages.h"
@@ -53,20 +53,21 @@ struct Built : LlamaStages {
   fsdp::ClipGradNormOptions clip;
 };
 
-Built build(const DeviceMesh& mesh, const LlamaConfig& config, Kind kind, bool ac,
+Built build(const DeviceMesh& mesh, const DecoderConfig& config, Kind kind, bool ac,
             int64_t microbatches) {
   Transformer whole = meta_transformer(config);  // no rank holds the whole model
   whole->to(at::kDouble);
   ParallelizeOptions par{.tp = {.loss_parallel = true},
                          .ac = ac ? ac::ACMode::full : ac::ACMode::none,
                          .fully_shard = true};
-  LlamaPipeline p = parallelize_pipeline(*whole, mesh, par,
-                                         {.schedule = kind == Kind::GPipe      ? "gpipe"
-                                                      : kind == Kind::OneFOneB ? "1f1b"
-                                                                               : "interleaved",
-                                          .virtual_stages = kind == Kind::Interleaved ? 2 : 1,
-                                          .microbatches = microbatches},
-                                         [](TransformerImpl& w) { w.init_weights(11); });
+  TransformerPipeline p =
+      parallelize_pipeline(*whole, mesh, par,
+                           {.schedule = kind == Kind::GPipe      ? "gpipe"
+                                        : kind == Kind::OneFOneB ? "1f1b"
+                                                                 : "interleaved",
+                            .virtual_stages = kind == Kind::Interleaved ? 2 : 1,
+                            .microbatches = microbatches},
+                           [](TransformerImpl& w) { w.init_weights(11); });
   Built b;
   b.clip = p.clip_options();
   b.stages = std::move(p.stages);
@@ -210,13 +211,13 @@ void expect_layout_matches(int64_t pp, int64_t dp, int64_t tp, int64_t microbatc
 
 // A rank's stages get memory; the rest of the model stays shapes, so it goes when the whole
 // does. Values are checked against one device by the training tests below.
-TEST(LlamaPipeline, InitStageWeightsGivesMemoryToThisRanksStagesOnly) {
+TEST(TransformerPipeline, InitStageWeightsGivesMemoryToThisRanksStagesOnly) {
   run_ranks(2, [](int) {
     auto mesh = init_device_mesh("cpu", {2}, {"pp"});
     for (bool tied : {false, true}) {
       SCOPED_TRACE(tied ? "tied" : "untied");
       Transformer whole = meta_transformer(tiny_pipeline_llama(tied));
-      auto stages = split_llama_stages(*whole, mesh, 2);
+      auto stages = split_transformer_stages(*whole, mesh, 2);
       init_stage_weights(stages, *whole, 11);
       std::set<std::string> held;
       for (const auto& st : stages)

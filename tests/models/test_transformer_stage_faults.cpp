@@ -1,5 +1,5 @@
 // Faults in a training step of the tiny Llama on the 3-D mesh (pp, dp, tp) = (2, 2, 2) of 8
-// ranks, laid out as in test_llama_pipeline.cpp (TP per stage, fully_shard over "dp", 1F1B or
+// ranks, laid out as in test_transformer_stage.cpp (TP per stage, fully_shard over "dp", 1F1B or
 // interleaved 1F1B with v = 2, M = 2): rank 5 (pp 1, dp 0, tp 1) is killed (SIGKILL) or throws
 // when its first stage's forward of micro-batch 1 starts, after that stage's forward and (1F1B)
 // backward of micro-batch 0. Every other rank, in rank 5's pp, dp and tp groups and beyond, must
@@ -19,9 +19,9 @@
 #include <vector>
 
 #include "dtensor/dtensor.h"
-#include "dtensor/models/llama_pipeline.h"
 #include "dtensor/models/meta_init.h"
 #include "dtensor/models/parallelize.h"
+#include "dtensor/models/transformer_stage.h"
 #include "dtensor/pp/pipeline.h"
 #include "support/distributed.h"
 #include "support/errors.h"
@@ -49,7 +49,7 @@ void train(int rank, Kind kind, Fault fault) {
   auto mesh = init_device_mesh("cpu", {2, 2, 2}, {"pp", "dp", "tp"});
   const auto config = tiny_pipeline_llama(false);
   Transformer whole = meta_transformer(config);
-  LlamaPipeline p =
+  TransformerPipeline p =
       parallelize_pipeline(*whole, mesh, {.tp = {.loss_parallel = true}, .fully_shard = true},
                            {.schedule = kind == Kind::Interleaved ? "interleaved" : "1f1b",
                             .virtual_stages = kind == Kind::Interleaved ? 2 : 1,

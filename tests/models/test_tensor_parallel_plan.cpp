@@ -12,8 +12,8 @@
 #include <string>
 
 #include "dtensor/dtensor.h"
-#include "dtensor/models/llama.h"
 #include "dtensor/models/meta_init.h"
+#include "dtensor/models/transformer.h"
 #include "support/distributed.h"
 #include "support/memory.h"
 #include "support/model_compare.h"
@@ -24,8 +24,8 @@ using namespace dtensor::testing;
 
 namespace {
 
-LlamaConfig tiny(int64_t n_kv_heads = 2) {
-  auto c = LlamaConfig::preset("tiny");
+DecoderConfig tiny(int64_t n_kv_heads = 2) {
+  auto c = DecoderConfig::preset("tiny");
   c.vocab_size = 64;
   c.n_kv_heads = n_kv_heads;
   return c;
@@ -33,7 +33,7 @@ LlamaConfig tiny(int64_t n_kv_heads = 2) {
 
 struct Case {
   std::string label;
-  LlamaConfig config;
+  DecoderConfig config;
   TensorParallelOptions options;
   at::ScalarType dtype = at::kDouble;
   double tol = 1e-9;
@@ -204,7 +204,7 @@ TEST(LlamaTp, EmptyTransformerAllocatesOnlyLocalParametersAndTrainsTheSame) {
     run_ranks(tp, [tp](int) {
       auto mesh = init_device_mesh("cpu", {tp});
       for (bool tied : {false, true}) {
-        LlamaConfig c = tiny();
+        DecoderConfig c = tiny();
         c.tie_embeddings = tied;
         int64_t peak = 0;
         Transformer model{nullptr};
