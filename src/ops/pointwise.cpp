@@ -1,5 +1,5 @@
 // Element-wise ops with broadcasting: follow the input with the most shards; Partial survives only
-// through linear ops (docs/ARCHITECTURE.md, "Pointwise").
+// through linear ops and scalar shifts (docs/ARCHITECTURE.md, "Pointwise").
 #include <ATen/TensorIterator.h>
 #include <ATen/ops/empty_strided.h>
 
@@ -13,18 +13,13 @@ namespace {
 // rms_norm adds eps in place to the mean of squares, P(avg) when the normalized dim is sharded.
 enum class Linearity { None, Unary, Additive, Multiplicative, Shift };
 
-bool reducible_linearly(const Placement& p) {
-  return p.is_partial() && !p.is_norm_partial() &&
-         (p.reduce_op() == ReduceOp::Sum || p.reduce_op() == ReduceOp::Avg);
-}
-
+// Whether a Partial input stays Partial through an op of this linearity.
 bool survives(const Placement& p, Linearity lin) {
-  if (lin == Linearity::Shift) {
-    return p.is_partial() && !p.is_norm_partial() &&
-           (p.reduce_op() == ReduceOp::Avg || p.reduce_op() == ReduceOp::Max ||
-            p.reduce_op() == ReduceOp::Min);
-  }
-  return lin != Linearity::None && reducible_linearly(p);
+  if (!p.is_partial() || p.is_norm_partial() || lin == Linearity::None) return false;
+  const ReduceOp op = p.reduce_op();
+  if (lin == Linearity::Shift)
+    return op == ReduceOp::Avg || op == ReduceOp::Max || op == ReduceOp::Min;
+  return op == ReduceOp::Sum || op == ReduceOp::Avg;
 }
 
 // Fresh: a new result. InPlace: written into input 0 (`self`). Out: written into the `out=`
@@ -103,7 +98,7 @@ Decision pointwise(const OpCall& call, Linearity lin, Write write) {
   for (const auto& p : f.placements()) {
     if (p.is_shard()) {
       out.push_back(Shard(p.dim() + out_nd - f.ndim()));
-    } else if (p.is_partial() && survives(p, lin)) {
+    } else if (survives(p, lin)) {
       out.push_back(p);
     } else {
       out.push_back(Replicate());
