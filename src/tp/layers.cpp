@@ -2,9 +2,18 @@
 
 #include <ATen/TensorOperators.h>
 #include <ATen/ops/full.h>
+#include <ATen/ops/linear.h>
 #include <ATen/ops/rms_norm.h>
 
 namespace dtensor::nn {
+
+at::Tensor LinearImpl::forward(const at::Tensor& input) {
+  return call_forward(
+      [this](const at::Tensor& x) {
+        return at::linear(x, weight, bias.defined() ? std::optional(bias) : std::nullopt);
+      },
+      input);
+}
 
 RMSNormImpl::RMSNormImpl(RMSNormOptions options_) : options(options_) {
   if (options.elementwise_affine)
@@ -20,10 +29,16 @@ void RMSNormImpl::reset_parameters() {
 
 at::Tensor rms_norm(const at::Tensor& x, int64_t dim, const at::Tensor& weight,
                     std::optional<double> eps, double weight_offset) {
-  if (!weight.defined() || weight_offset == 0)
-    return at::rms_norm(x, {dim}, weight.defined() ? std::optional(weight) : std::nullopt, eps);
-  // Half precision is normalised and scaled in float32 and rounded once, at the end.
   const bool narrow = at::isReducedFloatingType(x.scalar_type());
+  if (!weight.defined()) return at::rms_norm(x, {dim}, std::nullopt, eps);
+  if (weight_offset == 0) {
+    // Half precision is normalised in float32, rounded, then scaled (HF's LlamaRMSNorm and its
+    // kin); LibTorch's fused kernel would scale before rounding, a different bit in a quarter of
+    // the elements.
+    if (narrow) return at::rms_norm(x, {dim}, std::nullopt, eps) * weight;
+    return at::rms_norm(x, {dim}, weight, eps);
+  }
+  // With an offset (Gemma) half precision is normalised and scaled in float32 and rounded once.
   const at::Tensor scale = (narrow ? weight.to(at::kFloat) : weight) + weight_offset;
   const at::Tensor out = at::rms_norm(narrow ? x.to(at::kFloat) : x, {dim}, scale, eps);
   return narrow ? out.to(x.scalar_type()) : out;

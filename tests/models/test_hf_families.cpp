@@ -6,7 +6,8 @@
 // each sublayer, q/k norms, GeGLU, embeddings times sqrt(hidden), query_pre_attn_scalar 24 !=
 // head_dim 16, tied embedding, 3 layers sliding/full/sliding with a window of 5 and their own rope
 // bases, 2 KV heads replicated at TP 4). Each gives HF's float32 logits within 1e-5 and, loaded in
-// float64, its float64 logits within 1e-12 at every TP degree its heads allow; greedy generation
+// float64, its float64 logits within 1e-12 at every TP degree its heads allow, and loaded in
+// bfloat16 HF's own bfloat16 logits, bit for bit at TP=1; greedy generation
 // equals HF's generate() token for token past the window, and a batch of prompts of different
 // lengths equals each alone; the q/k-norm and bias gradients at TP > 1 equal one device's;
 // saving from TP=2 writes back the very tensors and config; bad input is refused naming the file,
@@ -122,6 +123,38 @@ TEST_P(FamilyMatchesHF, GreedyGenerationPastTheWindow) {
     const auto batch = generate(*hf.model, {p0, p1}, options).tokens;
     EXPECT_EQ(batch[0], alone[0]);
     EXPECT_EQ(batch[1], generate(*hf.model, {p1}, options).tokens[0]);
+  });
+}
+
+// Loaded in bfloat16, the logits are HF's own bfloat16 forward's (sdpa): at TP=1 bit for bit
+// (norms, rotary tables and biases rounded where HF rounds them); at TP > 1 the row-parallel
+// products are rounded to bfloat16 on each rank before their sum, as PyTorch's TP rounds them, and
+// must stay nearer HF's bfloat16 logits than those are to HF's float32 ones.
+TEST_P(FamilyMatchesHF, LogitsInBfloat16) {
+  const Case c = GetParam();
+  const auto ref = reference(c.family);
+  const at::Tensor want = ref.at("logits_bf16").to(at::kFloat);
+  const double scale = want.abs().max().item<double>();
+  const double bf16_vs_f32 = (want - ref.at("logits")).abs().max().item<double>() / scale;
+  run_ranks(c.tp, [&](int rank) {
+    auto mesh = init_device_mesh("cpu", {c.tp});
+    HfModel hf = load_hf(kModels + c.family, mesh, {.dtype = at::kBFloat16});
+    at::Tensor logits;
+    {
+      at::NoGradGuard no_grad;
+      logits = hf.model->forward(ref.at("tokens"));
+      if (is_dtensor(logits)) logits = full_tensor(logits);
+    }
+    ASSERT_EQ(logits.scalar_type(), at::kBFloat16);
+    const double error = (logits.to(at::kFloat) - want).abs().max().item<double>() / scale;
+    if (c.tp == 1)
+      EXPECT_TRUE(at::equal(logits, ref.at("logits_bf16"))) << c.family << " error " << error;
+    else
+      EXPECT_LT(error, bf16_vs_f32) << c.family << " tp=" << c.tp;
+    if (rank == 0)
+      std::cout << c.family << " tp=" << c.tp
+                << " bfloat16: max |logits - HF| / max |HF| = " << error
+                << " (HF bf16 vs HF f32: " << bf16_vs_f32 << ")\n";
   });
 }
 

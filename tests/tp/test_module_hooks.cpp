@@ -32,6 +32,19 @@ TEST(ModuleHooks, PreHookRewritesInputAndHookRewritesOutput) {
   EXPECT_TRUE(at::allclose(fc(x), at::linear(x, fc->weight, fc->bias)));
 }
 
+// Python's nn.Linear calls at::linear, which adds the bias of a 3-D input inside one addmm;
+// LibTorch's C++ F::linear adds it in a second op, rounding twice in bfloat16.
+TEST(ModuleHooks, LinearOfA3DBfloat16InputEqualsPythonsLinear) {
+  at::manual_seed(0);
+  dtensor::nn::Linear fc(72, 72);
+  fc->to(at::kBFloat16);
+  const auto x = at::randn({2, 12, 72}).to(at::kBFloat16);
+  const at::Tensor python = at::linear(x, fc->weight, fc->bias);
+  EXPECT_TRUE(at::equal(fc(x), python));
+  // The two roundings differ here, so the check above can tell them apart.
+  EXPECT_FALSE(at::equal(at::matmul(x, fc->weight.t()) + fc->bias, python));
+}
+
 struct TwoInTwoOutImpl : dtensor::nn::Module {
   std::tuple<at::Tensor, at::Tensor> forward(const at::Tensor& a, int64_t k) {
     return call_forward(
@@ -71,6 +84,26 @@ TEST(ModuleHooks, RMSNormMatchesFormulaAndNameModulesSetsPaths) {
   EXPECT_TRUE(at::allclose(seq->forward(x), ref));
   dtensor::tp::name_modules(*seq);
   EXPECT_EQ(std::dynamic_pointer_cast<dtensor::tp::HookedModule>(seq[1])->fqn(), "1");
+}
+
+// In bfloat16 the plain norm rounds the normalised value before scaling it (HF's LlamaRMSNorm:
+// weight * x.float().normalised().to(bfloat16)); LibTorch's fused at::rms_norm with a weight scales
+// first, a different bit in about a quarter of the elements.
+TEST(ModuleHooks, RMSNormInBfloat16RoundsBeforeScalingAsHF) {
+  at::manual_seed(0);
+  dtensor::nn::RMSNormOptions options(48);
+  options.eps = 1e-5;
+  dtensor::nn::RMSNorm norm(options);
+  {
+    at::NoGradGuard no_grad;
+    norm->weight.uniform_(0.5, 1.5);
+  }
+  norm->to(at::kBFloat16);
+  const auto x = (at::randn({4, 12, 48}) * 3).to(at::kBFloat16);
+  const auto f = x.to(at::kFloat);
+  const auto hf = norm->weight * (f * at::rsqrt(f.pow(2).mean(-1, true) + 1e-5)).to(at::kBFloat16);
+  EXPECT_TRUE(at::equal(norm(x), hf));
+  EXPECT_FALSE(at::equal(at::rms_norm(x, {48}, norm->weight, 1e-5), hf));
 }
 
 }  // namespace

@@ -33,8 +33,15 @@ namespace dtensor::nn {
   };                                                                                         \
   TORCH_MODULE(Name)
 
-/// torch::nn::Linear with forward hooks (module holder dtensor::nn::Linear).
-DTENSOR_HOOKED_LAYER(Linear, const at::Tensor&);
+/// torch::nn::Linear with forward hooks (module holder dtensor::nn::Linear). Its forward is
+/// at::linear, as Python's nn.Linear: LibTorch's C++ F::linear adds the bias of a 3-D input in a
+/// second op, which in half precision rounds twice (a different result from Python's).
+class LinearImpl : public torch::nn::LinearImpl, public tp::HookedModule {
+ public:
+  using torch::nn::LinearImpl::LinearImpl;
+  at::Tensor forward(const at::Tensor& input);
+};
+TORCH_MODULE(Linear);
 /// torch::nn::Embedding with forward hooks (module holder dtensor::nn::Embedding).
 DTENSOR_HOOKED_LAYER(Embedding, const at::Tensor&);
 /// torch::nn::LayerNorm with forward hooks (module holder dtensor::nn::LayerNorm).
@@ -57,8 +64,9 @@ struct RMSNormOptions {
 };
 
 /// at::rms_norm over the last `dim` elements scaled by weight_offset + weight (undefined: no
-/// scale). With a nonzero offset the norm and the scale are applied in float32 or wider before
-/// casting back, as Gemma computes them (a plain norm casts before scaling, as Llama's does).
+/// scale). In bfloat16 and float16 a plain norm is normalised in float32, rounded, then scaled,
+/// as HF's Llama computes it; with a nonzero offset the norm and the scale are applied in float32
+/// before rounding once, as Gemma computes them.
 at::Tensor rms_norm(const at::Tensor& input, int64_t dim, const at::Tensor& weight,
                     std::optional<double> eps, double weight_offset = 0);
 
