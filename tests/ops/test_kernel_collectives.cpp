@@ -31,6 +31,20 @@ TEST(KernelCollectives, ReduceOverListedMeshDimsAndCount) {
   });
 }
 
+TEST(KernelCollectives, AOneRankMeshDimIssuesNoCollective) {
+  run_ranks(2, [](int rank) {
+    auto mesh = init_device_mesh("cpu", {2, 1});
+    const at::Tensor mine = at::full({3}, static_cast<double>(rank + 1), at::kDouble);
+    CommDebugMode comm;
+    EXPECT_TRUE(at::equal(ops::kernel_all_reduce("test::op", mine, ReduceOp::Sum, mesh, 1), mine));
+    EXPECT_EQ(comm.get_total_counts(), 0);
+    const at::Tensor both =
+        ops::kernel_all_reduce("test::op", mine, ReduceOp::Sum, mesh, std::vector<int64_t>{0, 1});
+    EXPECT_EQ(comm.get_comm_counts(), CommCounts({{CommType::all_reduce, 1}})) << comm.table();
+    EXPECT_TRUE(at::equal(both, at::full({3}, 3.0, at::kDouble)));
+  });
+}
+
 TEST(KernelCollectives, EqualOnShardsIssuesOneAllReducePerShardedMeshDim) {
   run_ranks(4, [](int) {
     auto mesh = init_device_mesh("cpu", {2, 2});

@@ -16,8 +16,13 @@
 namespace dtensor::ops {
 
 /// all_reduce of `t` for the kernel of `op` ("aten::equal") over the ranks of each of
-/// `mesh_dims` in turn; `t` itself when the list is empty.
+/// `mesh_dims` in turn, skipping mesh dims of one rank; `t` itself when none is left.
 at::Tensor kernel_all_reduce(std::string_view op, const at::Tensor& t, ReduceOp reduce,
                              const DeviceMesh& mesh, c10::ArrayRef<int64_t> mesh_dims);
+
+/// all_gather of `t` for the kernel of `op` over the ranks of mesh dim `mesh_dim`: a tensor
+/// (ranks, *t.sizes()) holding rank i's `t` at index i (`t.unsqueeze(0)` over one rank).
+at::Tensor kernel_all_gather(std::string_view op, const at::Tensor& t, const DeviceMesh& mesh,
+                             int64_t mesh_dim);
 
 }  // namespace dtensor::ops
