@@ -82,6 +82,15 @@ std::vector<Row> run(at::ScalarType dtype) {
     rows.push_back(compare("mm", "columns of B", dims({K, n}) + " of " + dims({K, N}),
                            C.narrow(1, N - n, n), at::mm(A, B.narrow(1, N - n, n).contiguous())));
   }
+  {
+    // Narrow products: a head-sized column shard of a small model.
+    const at::Tensor Bs = at::randn({K, 32}).to(opt);
+    const at::Tensor Cs = at::mm(A, Bs);
+    for (int64_t n : {16, 8})
+      rows.push_back(compare("mm", "columns of B", dims({K, n}) + " of " + dims({K, 32}),
+                             Cs.narrow(1, 32 - n, n),
+                             at::mm(A, Bs.narrow(1, 32 - n, n).contiguous())));
+  }
   // Row-parallel: the contracted dim cut into segments whose products are added left to right.
   // Whether that equals the whole product depends on how the kernel blocks the contracted dim.
   auto segmented = [](const at::Tensor& a, const at::Tensor& b, std::vector<int64_t> cuts) {

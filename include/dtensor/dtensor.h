@@ -42,6 +42,7 @@
 #include "dtensor/nn/layers.h"
 #include "dtensor/nn/module.h"
 #include "dtensor/ops/kernel_collectives.h"
+#include "dtensor/ops/layout_invariant.h"
 #include "dtensor/ops/rule_utils.h"
 #include "dtensor/pp/pipeline.h"
 #include "dtensor/pp/sequential_stage.h"

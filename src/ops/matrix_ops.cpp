@@ -1,6 +1,8 @@
 // Matrix products as einsum equations (strategy/einsum.h): mm, bmm, dot, mv and their
 // bias-adding forms.
+#include "dtensor/ops/layout_invariant.h"
 #include "dtensor/ops/rule_utils.h"
+#include "layout_invariant_rules.h"
 #include "strategy/einsum.h"
 
 namespace dtensor::ops {
@@ -35,6 +37,12 @@ DTENSOR_RULES(matrix_ops) {
   register_rule("aten::baddbmm_", einsum_rule("bmk,bkn->bmn", true, true));
   register_rule("aten::addmv", einsum_rule("mk,k->m", true));
   register_rule("aten::addmv_", einsum_rule("mk,k->m", true, true));
+  // LayoutInvariantMode: a sharded contracted dim is summed in the canonical order.
+  using dispatch::register_context_rule;
+  register_context_rule("aten::mm", kLayoutInvariantBit,
+                        detail::canonical_sum_rule(einsum_rule("mk,kn->mn"), false));
+  register_context_rule("aten::addmm", kLayoutInvariantBit,
+                        detail::canonical_sum_rule(einsum_rule("mk,kn->mn", true), true));
 }
 
 }  // namespace dtensor::ops

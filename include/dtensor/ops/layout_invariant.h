@@ -1,0 +1,51 @@
+#pragma once
+// Layout-invariant mode (first part: tensor parallelism's sums). While a LayoutInvariantMode
+// lives on this thread, a matrix product whose contracted dim is sharded (a row-parallel
+// linear's forward, a column-parallel linear's input gradient) is computed in one canonical
+// order whatever the number of ranks: the contracted dim is cut into `max_degree` equal
+// segments, each segment's product is computed alone (the same shapes on every layout, so the
+// same bits), and the segments are added in a fixed binary tree — this rank's segments locally,
+// then, after one all_gather of the ranks' subtotals, the rest of the tree in rank order. The
+// product comes out Replicate, not Partial, with an addmm's bias added after the whole sum. So a
+// model parallelized at TP 1 (on a one-rank mesh), 2 or 4 gives bit for bit the same products,
+// where all_reduce would add the ranks' partial sums in an order of the engine's choosing.
+//
+//   {
+//     dtensor::ops::LayoutInvariantMode invariant(/*max_degree=*/4);
+//     auto loss = F::cross_entropy(model->forward(tokens), targets);
+//     loss.backward();   // keep the mode alive here too: backward's products are covered
+//   }
+//
+// Contract: the TP degree of the mesh dim being summed divides max_degree, a power of two; the
+// contracted dim divides into max_degree segments. It costs one all_gather of the product per
+// call instead of an all_reduce, and max_degree smaller matrix products. Covered: mm and addmm
+// (linear on 2-D and 3-D inputs). Not yet: reductions over a sharded dim (sequence-parallel norm
+// weights' gradients, the vocab-parallel loss, gradient norms), FSDP and pipeline accumulation.
+#include <cstdint>
+
+#include "dtensor/dispatch/op_call.h"
+
+namespace dtensor::ops {
+
+/// The decision-context bit LayoutInvariantMode sets (see dispatch::decision_context()).
+inline constexpr int64_t kLayoutInvariantBit = int64_t{1} << 1;
+
+/// The number of segments of the mode active on this thread; 0 when it is off.
+int64_t layout_invariant_segments();
+
+/// Guard enabling the layout-invariant sums on this thread (see above).
+class LayoutInvariantMode {
+ public:
+  /// Turns the mode on with `max_degree` segments (a power of two, at least 1).
+  explicit LayoutInvariantMode(int64_t max_degree = 4);
+  /// Restores the previous setting.
+  ~LayoutInvariantMode();
+  LayoutInvariantMode(const LayoutInvariantMode&) = delete;
+  LayoutInvariantMode& operator=(const LayoutInvariantMode&) = delete;
+
+ private:
+  dispatch::DecisionContextGuard guard_;
+  int64_t prev_;
+};
+
+}  // namespace dtensor::ops
