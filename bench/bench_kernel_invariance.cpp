@@ -91,6 +91,16 @@ std::vector<Row> run(at::ScalarType dtype) {
                              Cs.narrow(1, 32 - n, n),
                              at::mm(A, Bs.narrow(1, 32 - n, n).contiguous())));
   }
+  {
+    // A segment of the contracted dim as a view (leading dim K) against a contiguous copy, and
+    // the same for a transposed weight's rows: what the layout-invariant mode multiplies.
+    const at::Tensor W2 = at::randn({N, K}).to(opt);
+    for (int64_t len : {64, 128}) {
+      const at::Tensor a = A.narrow(1, K - len, len), b = W2.t().narrow(0, K - len, len);
+      rows.push_back(compare("mm", "leading dim of views", dims({M, len}) + " of " + dims({M, K}),
+                             at::mm(a.contiguous(), b.contiguous()), at::mm(a, b)));
+    }
+  }
   // Row-parallel: the contracted dim cut into segments whose products are added left to right.
   // Whether that equals the whole product depends on how the kernel blocks the contracted dim.
   auto segmented = [](const at::Tensor& a, const at::Tensor& b, std::vector<int64_t> cuts) {

@@ -10,7 +10,8 @@
 // rounds alternate them (normal, invariant, invariant, normal), one training step (forward,
 // cross entropy, backward, AdamW) per turn, one intra-op thread per rank. The table gives the
 // median ms per step of each and their ratio; the invariant model's losses at TP=1 and TP=2 are
-// compared bit for bit (the normal model's, which sum in another order, are shown beside).
+// compared bit for bit (the normal model's, which sum in another order, are shown beside). Then
+// greedy decoding with the KV cache in each mode, as tokens/s of the decode steps.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <fcntl.h>
@@ -50,11 +51,14 @@ constexpr const char* kUsage = R"(usage: bench_layout_invariant [options]
 Times one training step (forward, cross entropy, backward, AdamW) of a Transformer under the
 Megatron TP plan in the normal mode and in dtensor::ops::LayoutInvariantMode (max_degree 4), at
 TP=1 (one process) and TP=2 (two ranks over Gloo on 127.0.0.1, started by this program), one
-intra-op thread per rank, alternating the two modes in rounds. Prints the median ms per step of
-each, their ratio, and whether the invariant model's losses at TP=1 and TP=2 have the same bits.
+intra-op thread per rank, alternating the two modes in rounds; then greedy decoding (32 tokens
+after a 16-token prompt) in each mode. Prints the median ms per step and decode tokens/s of each,
+their ratios, and whether the invariant model's losses at TP=1 and TP=2 have the same bits.
 
 The last line is:
-  RESULT invariant_vs_normal_tp1=<ratio> invariant_vs_normal_tp2=<ratio> losses_equal=<0|1>
+  RESULT invariant_vs_normal_tp1=<step time ratio> invariant_vs_normal_tp2=<ratio>
+         decode_invariant_vs_normal_tp1=<decode tokens/s ratio>
+         decode_invariant_vs_normal_tp2=<ratio> losses_equal=<0|1>
 
 options:
   --preset NAME   tiny, demo (default) or bench
@@ -129,9 +133,25 @@ int run_rank(const Options& opt) {
     const bool flip = round % 2 == 1;
     for (int i : {0, 1, 1, 0}) step(runs[flip ? 1 - i : i], true);
   }
+  // Decode: greedy generation of 32 tokens after a 16-token prompt, each mode in turn; tokens/s
+  // of the decode steps (the prefill left out).
+  std::vector<double> decode[2];
+  dtensor::models::GenerateOptions gen;
+  gen.max_new_tokens = 32;
+  const std::vector<int64_t> prompt(16, 1);
+  for (int round = 0; round < opt.rounds; ++round) {
+    for (int i : {0, 1, 1, 0}) {
+      const int which = round % 2 == 1 ? 1 - i : i;
+      std::optional<dtensor::ops::LayoutInvariantMode> mode;
+      if (which == 1) mode.emplace(4);
+      const auto result = dtensor::models::generate(*runs[0].model, {prompt}, gen);
+      decode[which].push_back(static_cast<double>(result.decode_steps) / result.decode_seconds);
+    }
+  }
   if (dtensor::comm::get_rank() == 0 && !opt.out.empty()) {
     std::ofstream out(opt.out);
-    out << world << " " << median(runs[0].ms) << " " << median(runs[1].ms);
+    out << world << " " << median(runs[0].ms) << " " << median(runs[1].ms) << " "
+        << median(decode[0]) << " " << median(decode[1]);
     for (const auto& r : runs) {
       out << " ";
       for (size_t i = 0; i < r.losses.size(); ++i) out << (i ? "," : "") << hex_of(r.losses[i]);
@@ -175,7 +195,7 @@ int run_phase(int argc, char** argv, int world, const std::string& out) {
 
 struct Phase {
   int world = 0;
-  double normal_ms = 0, invariant_ms = 0;
+  double normal_ms = 0, invariant_ms = 0, normal_tps = 0, invariant_tps = 0;
   std::string normal_losses, invariant_losses;
 };
 
@@ -196,7 +216,8 @@ int control(int argc, char** argv, const Options& opt) {
     }
     std::ifstream in(out);
     Phase p;
-    in >> p.world >> p.normal_ms >> p.invariant_ms >> p.normal_losses >> p.invariant_losses;
+    in >> p.world >> p.normal_ms >> p.invariant_ms >> p.normal_tps >> p.invariant_tps >>
+        p.normal_losses >> p.invariant_losses;
     phases.push_back(p);
   }
   ::unlink(pattern);
@@ -204,10 +225,12 @@ int control(int argc, char** argv, const Options& opt) {
               " tokens, Megatron plan, Gloo, 1 thread per rank, "
               "median of %d steps each\n\n",
               opt.preset.c_str(), opt.batch, opt.seq, 2 * opt.rounds);
-  std::printf("%-4s %14s %17s %8s\n", "TP", "normal ms/step", "invariant ms/step", "ratio");
+  std::printf("%-4s %14s %17s %7s %18s %21s %7s\n", "TP", "normal ms/step", "invariant ms/step",
+              "ratio", "normal decode t/s", "invariant decode t/s", "ratio");
   for (const Phase& p : phases)
-    std::printf("%-4d %14.2f %17.2f %8.3f\n", p.world, p.normal_ms, p.invariant_ms,
-                p.invariant_ms / p.normal_ms);
+    std::printf("%-4d %14.2f %17.2f %7.3f %18.1f %21.1f %7.3f\n", p.world, p.normal_ms,
+                p.invariant_ms, p.invariant_ms / p.normal_ms, p.normal_tps, p.invariant_tps,
+                p.invariant_tps / p.normal_tps);
   const bool equal = phases[0].invariant_losses == phases[1].invariant_losses;
   std::printf(
       "\nlosses (float32 bits, %d steps), invariant mode: TP=1 %s\n"
@@ -217,9 +240,11 @@ int control(int argc, char** argv, const Options& opt) {
       1 + 2 * opt.rounds, phases[0].invariant_losses.c_str(), phases[1].invariant_losses.c_str(),
       phases[0].normal_losses.c_str(), phases[1].normal_losses.c_str());
   std::printf(
-      "\nRESULT invariant_vs_normal_tp1=%.3f invariant_vs_normal_tp2=%.3f losses_equal=%d\n",
+      "\nRESULT invariant_vs_normal_tp1=%.3f invariant_vs_normal_tp2=%.3f "
+      "decode_invariant_vs_normal_tp1=%.3f decode_invariant_vs_normal_tp2=%.3f losses_equal=%d\n",
       phases[0].invariant_ms / phases[0].normal_ms, phases[1].invariant_ms / phases[1].normal_ms,
-      equal ? 1 : 0);
+      phases[0].invariant_tps / phases[0].normal_tps,
+      phases[1].invariant_tps / phases[1].normal_tps, equal ? 1 : 0);
   return 0;
 }
 

@@ -16,6 +16,7 @@
 #include "dtensor/core/dtensor_impl.h"
 #include "dtensor/core/shard_math.h"
 #include "dtensor/nn/layers.h"
+#include "dtensor/ops/layout_invariant.h"
 
 namespace dtensor::models {
 
@@ -181,6 +182,23 @@ at::Tensor Decoder::forward(const at::Tensor& tokens_in, KVCache& cache) {
       masks[w.window] = detail::attention_mask(t0, S, pad, w.window, device);
   }
 
+  // A row-parallel projection: this rank's part of the contracted dim times its columns of w,
+  // summed over the TP ranks, the bias added once after the sum. In LayoutInvariantMode the sum
+  // is the mode's canonical one, the same bits at every TP degree, as in the modules' forward.
+  auto row_parallel = [&](const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias) {
+    at::Tensor out;
+    if (ops::layout_invariant_segments() > 0) {
+      out = ops::canonical_mm(x.reshape({-1, x.size(-1)}), w.t(), mesh_ ? &*mesh_ : nullptr, 0,
+                              "Decoder::forward (row-parallel linear)")
+                .view({x.size(0), x.size(1), -1});
+    } else if (tp_ == 1) {
+      return at::linear(x, w, bias);
+    } else {
+      out = all_reduce(at::linear(x, w));
+    }
+    return bias.defined() ? out + bias : out;
+  };
+
   at::Tensor h = detail::scale_embeddings(embed(tokens), config_.dim, config_.scale_embeddings);
   for (size_t l = 0; l < layers_.size(); ++l) {
     const Layer& w = layers_[l];
@@ -192,19 +210,13 @@ at::Tensor Decoder::forward(const at::Tensor& tokens_in, KVCache& cache) {
     detail::LayerCache layer_cache{cache.keys(static_cast<int64_t>(l)),
                                    cache.values(static_cast<int64_t>(l)), t0};
     const at::Tensor attn = detail::attend(q, k, v, masks.at(w.window), &layer_cache, scale);
-    at::Tensor o;
-    if (tp_ == 1) {
-      o = at::linear(attn, w.wo, w.bo);
-    } else {
-      o = all_reduce(at::linear(attn, w.wo));
-      if (w.bo.defined()) o = o + w.bo;  // once, after the sum of the heads' parts
-    }
+    at::Tensor o = row_parallel(attn, w.wo, w.bo);
     if (w.attention_post_norm.defined()) o = norm(o, w.attention_post_norm, config_, eps_);
     h = h + o;
     x = norm(h, w.ffn_norm, config_, eps_);
-    at::Tensor f = all_reduce(at::linear(
+    at::Tensor f = row_parallel(
         detail::gated_activation(at::linear(x, w.w1), at::linear(x, w.w3), config_.activation),
-        w.w2));
+        w.w2, {});
     if (w.ffn_post_norm.defined()) f = norm(f, w.ffn_post_norm, config_, eps_);
     h = h + f;
   }

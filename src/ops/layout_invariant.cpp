@@ -43,31 +43,38 @@ LayoutInvariantMode::LayoutInvariantMode(int64_t max_degree)
 
 LayoutInvariantMode::~LayoutInvariantMode() { tl_segments = prev_; }
 
+at::Tensor canonical_mm(const at::Tensor& a, const at::Tensor& b, const DeviceMesh* mesh,
+                        int64_t mesh_dim, std::string_view op) {
+  const int64_t segments = layout_invariant_segments();
+  TORCH_CHECK(segments > 0, "dtensor: ", op, ": canonical_mm needs a LayoutInvariantMode");
+  const int64_t ranks = mesh ? mesh->size(mesh_dim) : 1;
+  TORCH_CHECK(segments % ranks == 0, "dtensor: ", op, " in LayoutInvariantMode(", segments,
+              "): the contracted dim is sharded over ", ranks,
+              " ranks, which does not divide max_degree ", segments);
+  const int64_t mine = segments / ranks, k = a.size(1);
+  TORCH_CHECK(k % mine == 0, "dtensor: ", op, " in LayoutInvariantMode(", segments,
+              "): the contracted dim (", k * ranks, ") does not divide into ", segments,
+              " segments");
+  const int64_t len = k / mine;
+  // The segments are views: their leading dims differ between layouts, which this LibTorch's
+  // products do not depend on (bench_kernel_invariance), and copying the weights' segments at
+  // every call cost a third of the decode speed.
+  std::vector<at::Tensor> parts;
+  for (int64_t j = 0; j < mine; ++j)
+    parts.push_back(at::mm(a.narrow(1, j * len, len), b.narrow(0, j * len, len)));
+  at::Tensor out = tree_sum(std::move(parts));
+  if (ranks > 1) out = tree_sum(kernel_all_gather(op, out, *mesh, mesh_dim).unbind(0));
+  return out;
+}
+
 namespace detail {
 
 void canonical_matmul(const c10::OperatorHandle& op, torch::jit::Stack& stack,
                       const dispatch::LocalContext& ctx, int64_t mesh_dim, bool with_bias) {
-  const std::string name = op.schema().name();
-  const int64_t segments = layout_invariant_segments();
   const size_t first = with_bias ? 1 : 0;
-  const DeviceMesh& mesh = ctx.inputs[first]->mesh();
-  const int64_t ranks = mesh.size(mesh_dim);
-  TORCH_CHECK(segments % ranks == 0, "dtensor: ", name, " in LayoutInvariantMode(", segments,
-              "): the contracted dim is sharded over ", ranks,
-              " ranks, which does not divide max_degree ", segments);
   const size_t base = stack.size() - (with_bias ? 5 : 2);
-  const at::Tensor a = stack[base + first].toTensor(), b = stack[base + first + 1].toTensor();
-  const int64_t mine = segments / ranks, k = a.size(1);
-  TORCH_CHECK(k % mine == 0, "dtensor: ", name, " in LayoutInvariantMode(", segments,
-              "): the contracted dim (", k * ranks, ") does not divide into ", segments,
-              " segments");
-  const int64_t len = k / mine;
-  std::vector<at::Tensor> parts;
-  for (int64_t j = 0; j < mine; ++j)
-    parts.push_back(
-        at::mm(a.narrow(1, j * len, len).contiguous(), b.narrow(0, j * len, len).contiguous()));
-  at::Tensor out = tree_sum(std::move(parts));
-  if (ranks > 1) out = tree_sum(kernel_all_gather(name, out, mesh, mesh_dim).unbind(0));
+  at::Tensor out = canonical_mm(stack[base + first].toTensor(), stack[base + first + 1].toTensor(),
+                                &ctx.inputs[first]->mesh(), mesh_dim, op.schema().name());
   if (with_bias) {
     const c10::Scalar beta = stack[base + 3].toScalar(), alpha = stack[base + 4].toScalar();
     if (!(alpha.equal(1))) out = out * alpha;

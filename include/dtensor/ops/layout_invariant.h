@@ -19,13 +19,26 @@
 // Contract: the TP degree of the mesh dim being summed divides max_degree, a power of two; the
 // contracted dim divides into max_degree segments. It costs one all_gather of the product per
 // call instead of an all_reduce, and max_degree smaller matrix products. Covered: mm and addmm
-// (linear on 2-D and 3-D inputs). Not yet: reductions over a sharded dim (sequence-parallel norm
-// weights' gradients, the vocab-parallel loss, gradient norms), FSDP and pipeline accumulation.
+// (linear on 2-D and 3-D inputs), and generation's decoder through canonical_mm. Not yet:
+// reductions over a sharded dim (sequence-parallel norm weights' gradients, the vocab-parallel
+// loss, gradient norms), replicated KV projections' gradient sums, FSDP and pipeline
+// accumulation, column shards narrower than 16 (another kernel path).
+#include <ATen/core/Tensor.h>
+
 #include <cstdint>
+#include <string_view>
 
 #include "dtensor/dispatch/op_call.h"
+#include "dtensor/mesh/device_mesh.h"
 
 namespace dtensor::ops {
+
+/// The mode's product of a contracted dim split over the `k` ranks of `mesh`'s dim `mesh_dim`
+/// (k = 1 without a mesh): `a` (M, K/k) and `b` (K/k, N) are this rank's parts; returns the
+/// whole (M, N) product, the same bits on every rank and at every k. What the mode's mm and
+/// addmm compute, for code that holds local tensors (generation's decoder). Needs the mode.
+at::Tensor canonical_mm(const at::Tensor& a, const at::Tensor& b, const DeviceMesh* mesh = nullptr,
+                        int64_t mesh_dim = 0, std::string_view op = "aten::mm");
 
 /// The decision-context bit LayoutInvariantMode sets (see dispatch::decision_context()).
 inline constexpr int64_t kLayoutInvariantBit = int64_t{1} << 1;
