@@ -5,7 +5,10 @@
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 
+#include <cmath>
+#include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "dtensor/ops/kernel_collectives.h"
@@ -43,28 +46,58 @@ LayoutInvariantMode::LayoutInvariantMode(int64_t max_degree)
 
 LayoutInvariantMode::~LayoutInvariantMode() { tl_segments = prev_; }
 
-at::Tensor canonical_mm(const at::Tensor& a, const at::Tensor& b, const DeviceMesh* mesh,
-                        int64_t mesh_dim, std::string_view op) {
+namespace {
+
+// How many of the mode's segments this rank holds of a dim of local length `local_len` split over
+// `mesh`'s dim `mesh_dim` (all of them without a mesh), and their length.
+std::pair<int64_t, int64_t> my_segments(const DeviceMesh* mesh, int64_t mesh_dim, int64_t local_len,
+                                        std::string_view op, const char* what) {
   const int64_t segments = layout_invariant_segments();
-  TORCH_CHECK(segments > 0, "dtensor: ", op, ": canonical_mm needs a LayoutInvariantMode");
+  TORCH_CHECK(segments > 0, "dtensor: ", op, ": needs a LayoutInvariantMode");
   const int64_t ranks = mesh ? mesh->size(mesh_dim) : 1;
   TORCH_CHECK(segments % ranks == 0, "dtensor: ", op, " in LayoutInvariantMode(", segments,
-              "): the contracted dim is sharded over ", ranks,
+              "): the ", what, " is sharded over ", ranks,
               " ranks, which does not divide max_degree ", segments);
-  const int64_t mine = segments / ranks, k = a.size(1);
-  TORCH_CHECK(k % mine == 0, "dtensor: ", op, " in LayoutInvariantMode(", segments,
-              "): the contracted dim (", k * ranks, ") does not divide into ", segments,
+  const int64_t mine = segments / ranks;
+  TORCH_CHECK(local_len % mine == 0, "dtensor: ", op, " in LayoutInvariantMode(", segments,
+              "): the ", what, " (", local_len * ranks, ") does not divide into ", segments,
               " segments");
-  const int64_t len = k / mine;
+  return {mine, local_len / mine};
+}
+
+// The rest of the tree: this rank's segments, then the ranks' subtotals in rank order.
+at::Tensor finish_tree(std::vector<at::Tensor> parts, const DeviceMesh* mesh, int64_t mesh_dim,
+                       std::string_view op) {
+  at::Tensor out = tree_sum(std::move(parts));
+  if (mesh && mesh->size(mesh_dim) > 1)
+    out = tree_sum(kernel_all_gather(op, out, *mesh, mesh_dim).unbind(0));
+  return out;
+}
+
+}  // namespace
+
+at::Tensor canonical_mm(const at::Tensor& a, const at::Tensor& b, const DeviceMesh* mesh,
+                        int64_t mesh_dim, std::string_view op) {
+  const auto [mine, len] = my_segments(mesh, mesh_dim, a.size(1), op, "contracted dim");
   // The segments are views: their leading dims differ between layouts, which this LibTorch's
   // products do not depend on (bench_kernel_invariance), and copying the weights' segments at
   // every call cost a third of the decode speed.
   std::vector<at::Tensor> parts;
   for (int64_t j = 0; j < mine; ++j)
     parts.push_back(at::mm(a.narrow(1, j * len, len), b.narrow(0, j * len, len)));
-  at::Tensor out = tree_sum(std::move(parts));
-  if (ranks > 1) out = tree_sum(kernel_all_gather(op, out, *mesh, mesh_dim).unbind(0));
-  return out;
+  return finish_tree(std::move(parts), mesh, mesh_dim, op);
+}
+
+at::Tensor canonical_reduce(const at::Tensor& local, int64_t dim,
+                            const std::function<at::Tensor(const at::Tensor&)>& partial,
+                            const DeviceMesh* mesh, int64_t mesh_dim, std::string_view op) {
+  dim = c10::maybe_wrap_dim(dim, local.dim());
+  const auto [mine, len] = my_segments(mesh, mesh_dim, local.size(dim), op, "reduced dim");
+  // Copies: a reduction's order may follow its input's strides, which differ between layouts.
+  std::vector<at::Tensor> parts;
+  for (int64_t j = 0; j < mine; ++j)
+    parts.push_back(partial(local.narrow(dim, j * len, len).contiguous()));
+  return finish_tree(std::move(parts), mesh, mesh_dim, op);
 }
 
 namespace detail {
@@ -116,6 +149,78 @@ dispatch::Rule canonical_sum_rule(dispatch::Rule base, bool with_bias) {
     d.local_kernel = [m, with_bias](const c10::OperatorHandle& op, torch::jit::Stack& stack,
                                     const dispatch::LocalContext& ctx) {
       canonical_matmul(op, stack, ctx, m, with_bias);
+    };
+    return d;
+  };
+}
+
+namespace {
+
+// The mesh dim (at most one) where `base`'s decision leaves a pending sum (or p-norm) because
+// the input is sharded on a reduced dim, and that dim.
+std::optional<std::pair<int64_t, int64_t>> summed_shard(const dispatch::OpCall& call,
+                                                        const dispatch::Decision& d, bool norm) {
+  const Placements& in =
+      !d.inputs.empty() && !d.inputs[0].empty() ? d.inputs[0] : call.input(0).placements();
+  const Placements& out = *d.outputs[0];
+  std::optional<std::pair<int64_t, int64_t>> found;
+  for (size_t m = 0; m < out.size(); ++m) {
+    const bool pending = norm ? out[m].is_norm_partial() && std::isfinite(out[m].norm_p())
+                              : out[m].is_partial() && !out[m].is_norm_partial() &&
+                                    out[m].reduce_op() == ReduceOp::Sum;
+    if (!pending || !in[m].is_shard()) continue;
+    TORCH_CHECK(!found, "dtensor: ", call.name(),
+                " in LayoutInvariantMode: a reduced dim is sharded over more than one mesh dim (",
+                call.placements_str(), "); only one is supported");
+    found = std::pair{static_cast<int64_t>(m), in[m].normalized(call.input(0).ndim()).dim()};
+  }
+  return found;
+}
+
+}  // namespace
+
+dispatch::Rule canonical_reduction_rule(dispatch::Rule base, bool norm) {
+  return [base = std::move(base), norm](const dispatch::OpCall& call) {
+    dispatch::Decision d = base(call);
+    const auto summed = summed_shard(call, d, norm);
+    if (!summed) return d;
+    const auto [m, dim] = *summed;
+    (*d.outputs[0])[m] = Placement::replicate();
+    d.local_kernel = [m, dim, norm](const c10::OperatorHandle& op, torch::jit::Stack& stack,
+                                    const dispatch::LocalContext& ctx) {
+      const size_t n = op.schema().arguments().size();
+      const torch::jit::Stack args(stack.end() - static_cast<std::ptrdiff_t>(n), stack.end());
+      const at::Tensor self = args[0].toTensor();
+      const std::string name = op.schema().name();
+      at::Tensor out;
+      if (!norm) {
+        // The op itself on each segment: sums of segments add up to the sum.
+        out = canonical_reduce(
+            self, dim,
+            [&](const at::Tensor& segment) {
+              torch::jit::Stack s = args;
+              s[0] = segment;
+              op.callBoxed(s);
+              return s[0].toTensor();
+            },
+            &ctx.inputs[0]->mesh(), m, name);
+      } else {
+        // Sums of |x|^p over the segments, then the p-th root of their canonical sum.
+        const double p = args[1].isNone() ? 2.0 : args[1].toScalar().toDouble();
+        std::vector<int64_t> dims;
+        bool keepdim = false;
+        if (n >= 4 && args[2].isIntList()) dims = args[2].toIntVector();
+        if (n >= 4 && args[3].isBool()) keepdim = args[3].toBool();
+        out = canonical_reduce(
+                  self, dim,
+                  [&](const at::Tensor& segment) {
+                    return at::sum(segment.abs().pow(p), dims, keepdim);
+                  },
+                  &ctx.inputs[0]->mesh(), m, name)
+                  .pow(1.0 / p);
+      }
+      torch::jit::drop(stack, n);
+      stack.emplace_back(std::move(out));
     };
     return d;
   };

@@ -3,7 +3,9 @@
 // whose shards would make the combined result wrong (uneven shards for a mean, empty shards for
 // max/min) is replicated first. Reductions that return indices (max.dim, argmax) replicate the
 // reduced dim so the indices are global; their backward scatters the gradient back along it.
+#include "dtensor/ops/layout_invariant.h"
 #include "dtensor/ops/rule_utils.h"
+#include "layout_invariant_rules.h"
 #include "reduction_layout.h"
 #include "strategy/iteration_space.h"
 
@@ -157,12 +159,19 @@ constexpr ShardNeeds kNonEmpty{.nonempty = true};
 DTENSOR_RULES(reduction) {
   using dispatch::register_rule;
   // sum(self, dtype) / sum.dim_IntList(self, dim, keepdim, dtype)
-  register_rule("aten::sum", [](const OpCall& c) {
+  const dispatch::Rule sum = [](const OpCall& c) {
     return reduce(c, {ReduceOp::Sum, true, kAnySize}, {}, false);
-  });
-  register_rule("aten::sum.dim_IntList", [](const OpCall& c) {
+  };
+  const dispatch::Rule sum_dims = [](const OpCall& c) {
     return reduce(c, {ReduceOp::Sum, true, kAnySize}, c.opt_int_list_arg(1), c.bool_arg(2));
-  });
+  };
+  register_rule("aten::sum", sum);
+  register_rule("aten::sum.dim_IntList", sum_dims);
+  // LayoutInvariantMode: a sum over a sharded dim is taken in the canonical order.
+  dispatch::register_context_rule("aten::sum", kLayoutInvariantBit,
+                                  detail::canonical_reduction_rule(sum, false));
+  dispatch::register_context_rule("aten::sum.dim_IntList", kLayoutInvariantBit,
+                                  detail::canonical_reduction_rule(sum_dims, false));
   register_rule("aten::mean", [](const OpCall& c) {
     return reduce(c, {ReduceOp::Avg, true, kEven}, {}, false);
   });

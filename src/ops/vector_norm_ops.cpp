@@ -1,7 +1,9 @@
 // Vector norms (gradient clipping): a shard of a reduced dim leaves a pending p-norm
 // (docs/ARCHITECTURE.md, "Placements and shard math"); norms of pending norms of the same p stay
 // pending.
+#include "dtensor/ops/layout_invariant.h"
 #include "dtensor/ops/rule_utils.h"
+#include "layout_invariant_rules.h"
 #include "reduction_layout.h"
 
 namespace dtensor::ops {
@@ -50,21 +52,26 @@ double scalar_or(const c10::IValue& v, double dflt) {
 
 DTENSOR_RULES(vector_norm) {
   using dispatch::register_rule;
-  register_rule("aten::linalg_vector_norm",
-                [](const OpCall& c) {
-                  return vector_norm(c, scalar_or(c.arg(1), 2.0), c.opt_int_list_arg(2),
-                                     c.bool_arg(3));
-                },
-                /*static_args=*/{1});
-  register_rule({"aten::norm.Scalar", "aten::norm.ScalarOpt_dtype"},
-                [](const OpCall& c) { return vector_norm(c, scalar_or(c.arg(1), 2.0), {}, false); },
-                {1});
-  register_rule({"aten::norm.ScalarOpt_dim", "aten::norm.ScalarOpt_dim_dtype"},
-                [](const OpCall& c) {
-                  return vector_norm(c, scalar_or(c.arg(1), 2.0), c.opt_int_list_arg(2),
-                                     c.bool_arg(3));
-                },
-                {1});
+  const dispatch::Rule linalg = [](const OpCall& c) {
+    return vector_norm(c, scalar_or(c.arg(1), 2.0), c.opt_int_list_arg(2), c.bool_arg(3));
+  };
+  const dispatch::Rule whole = [](const OpCall& c) {
+    return vector_norm(c, scalar_or(c.arg(1), 2.0), {}, false);
+  };
+  const dispatch::Rule dims = [](const OpCall& c) {
+    return vector_norm(c, scalar_or(c.arg(1), 2.0), c.opt_int_list_arg(2), c.bool_arg(3));
+  };
+  register_rule("aten::linalg_vector_norm", linalg, /*static_args=*/{1});
+  register_rule({"aten::norm.Scalar", "aten::norm.ScalarOpt_dtype"}, whole, {1});
+  register_rule({"aten::norm.ScalarOpt_dim", "aten::norm.ScalarOpt_dim_dtype"}, dims, {1});
+  // LayoutInvariantMode: a norm over a sharded dim sums its p-th powers in the canonical order.
+  using dispatch::register_context_rule;
+  register_context_rule("aten::linalg_vector_norm", kLayoutInvariantBit,
+                        detail::canonical_reduction_rule(linalg, true));
+  register_context_rule({"aten::norm.Scalar", "aten::norm.ScalarOpt_dtype"}, kLayoutInvariantBit,
+                        detail::canonical_reduction_rule(whole, true));
+  register_context_rule({"aten::norm.ScalarOpt_dim", "aten::norm.ScalarOpt_dim_dtype"},
+                        kLayoutInvariantBit, detail::canonical_reduction_rule(dims, true));
 }
 
 }  // namespace dtensor::ops

@@ -10,6 +10,7 @@
 #include <ATen/core/Reduction.h>
 
 #include "dtensor/ops/kernel_collectives.h"
+#include "dtensor/ops/layout_invariant.h"
 #include "dtensor/ops/rule_utils.h"
 #include "loss_parallel_rules.h"
 
@@ -85,8 +86,14 @@ Decision log_softmax(const OpCall& call) {
                          : at::full(row, -std::numeric_limits<double>::infinity(), x.options());
     max = ops::kernel_all_reduce(op.schema().name(), max, ReduceOp::Max, mesh, 0);
     const at::Tensor shifted = x - max;
-    const at::Tensor sum = ops::kernel_all_reduce(op.schema().name(), shifted.exp().sum(dim, true),
-                                                  ReduceOp::Sum, mesh, 0);
+    // In LayoutInvariantMode the classes' sum is taken in the canonical order.
+    const at::Tensor sum =
+        ops::layout_invariant_segments() > 0
+            ? ops::canonical_reduce(
+                  shifted, dim, [dim](const at::Tensor& s) { return s.exp().sum(dim, true); },
+                  &mesh, 0, op.schema().name())
+            : ops::kernel_all_reduce(op.schema().name(), shifted.exp().sum(dim, true),
+                                     ReduceOp::Sum, mesh, 0);
     torch::jit::drop(st, 3);
     st.emplace_back(shifted - sum.log());
   };

@@ -4,6 +4,7 @@
 // logits and gradients under the Megatron plan (no sequence parallelism, logits gathered).
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
+#include <torch/optim/adamw.h>
 
 #include <cstring>
 #include <iostream>
@@ -12,6 +13,7 @@
 
 #include "dtensor/checkpoint/safetensors.h"
 #include "dtensor/dtensor.h"
+#include "dtensor/fsdp/clip_grad_norm.h"
 #include "dtensor/models/transformer.h"
 #include "dtensor/ops/layout_invariant.h"
 #include "support/distributed.h"
@@ -127,6 +129,53 @@ TEST(LayoutInvariantMode, TransformerLogitsAndGradientsHaveTheSameBitsAtTp1Tp2An
     });
   }
   const Tensors one = safetensors::load_file(file_of(dir, 1));
+  expect_same_bits(safetensors::load_file(file_of(dir, 2)), one, "tp=2");
+  expect_same_bits(safetensors::load_file(file_of(dir, 4)), one, "tp=4");
+}
+
+// torchtitan's plan (sequence parallelism, vocab-parallel loss) with clipping: 5 AdamW steps give
+// the same bits at TP 1, 2 and 4 — losses, clipping norms, the last step's gradients and every
+// parameter. Sums over a sharded dim (the norms' weight gradients over the sequence, the loss's
+// sum over the classes, the gradient norm over each sharded parameter) are the mode's too.
+TEST(LayoutInvariantMode, SequenceParallelTrainingWithClippingHasTheSameBitsAtTp1Tp2AndTp4) {
+  TempDir dir;
+  for (int tp : {1, 2, 4}) {
+    run_ranks(tp, [&](int rank) {
+      auto mesh = init_device_mesh("cpu", {tp});
+      models::DecoderConfig config = models::DecoderConfig::preset("tiny");
+      config.dim = 64;
+      config.n_kv_heads = 4;
+      models::Transformer model(config);
+      model->init_weights(7);
+      models::apply_tensor_parallel(*model, mesh);  // sequence parallel, loss parallel
+      torch::optim::AdamW adamw(model->parameters(), torch::optim::AdamWOptions(1e-2));
+      at::manual_seed(3);
+      const at::Tensor tokens = at::randint(config.vocab_size, {2, 8});
+      Tensors out;
+      std::vector<double> norms;
+      for (int step = 0; step < 5; ++step) {
+        ops::LayoutInvariantMode invariant(4);
+        adamw.zero_grad();
+        const at::Tensor logits = model->forward(tokens);
+        if (step == 0) out["logits"] = full_tensor(logits).detach().clone();
+        out["loss." + std::to_string(step)] = models::loss_and_backward(logits, tokens);
+        tp::reduce_partial_grads(*model);
+        // Below the gradients' norm (about 2.4 at the first step), so the scaling runs.
+        norms.push_back(fsdp::clip_grad_norm_(model->parameters(), 0.5));
+        adamw.step();
+      }
+      out["norms"] = at::tensor(norms, at::kDouble);
+      for (const auto& p : model->named_parameters()) {
+        const at::Tensor g = p.value().grad();
+        out["grad." + p.key()] = is_dtensor(g) ? full_tensor(g) : g;
+        out["param." + p.key()] =
+            is_dtensor(p.value()) ? full_tensor(p.value()).detach() : p.value().detach();
+      }
+      if (rank == 0) safetensors::save_file(out, file_of(dir, tp));
+    });
+  }
+  const Tensors one = safetensors::load_file(file_of(dir, 1));
+  EXPECT_GT(one.at("norms")[0].item<double>(), 0.5);
   expect_same_bits(safetensors::load_file(file_of(dir, 2)), one, "tp=2");
   expect_same_bits(safetensors::load_file(file_of(dir, 4)), one, "tp=4");
 }

@@ -1,31 +1,35 @@
 #pragma once
 // Layout-invariant mode (first part: tensor parallelism's sums). While a LayoutInvariantMode
-// lives on this thread, a matrix product whose contracted dim is sharded (a row-parallel
-// linear's forward, a column-parallel linear's input gradient) is computed in one canonical
-// order whatever the number of ranks: the contracted dim is cut into `max_degree` equal
-// segments, each segment's product is computed alone (the same shapes on every layout, so the
-// same bits), and the segments are added in a fixed binary tree — this rank's segments locally,
-// then, after one all_gather of the ranks' subtotals, the rest of the tree in rank order. The
-// product comes out Replicate, not Partial, with an addmm's bias added after the whole sum. So a
-// model parallelized at TP 1 (on a one-rank mesh), 2 or 4 gives bit for bit the same products,
+// lives on this thread, every sum over a sharded dim that tensor parallelism makes is taken in
+// one canonical order whatever the number of ranks: a matrix product whose contracted dim is
+// sharded (a row-parallel linear's forward, a column-parallel linear's input gradient), a sum or
+// a vector norm over a sharded dim (sequence-parallel norm weights' gradients, the gradient norm
+// for clipping) and the vocab-parallel loss's sum over the classes. The dim is cut into
+// `max_degree` equal segments, each reduced alone (the same shapes on every layout, so the same
+// bits), and the segments are added in a fixed binary tree: this rank's segments locally, then,
+// after one all_gather of the ranks' subtotals, the rest of the tree in rank order. The result
+// comes out Replicate, not pending, with an addmm's bias added after the whole sum. So a model
+// parallelized at TP 1 (on a one-rank mesh), 2 or 4 trains and generates bit for bit alike,
 // where all_reduce would add the ranks' partial sums in an order of the engine's choosing.
 //
 //   {
 //     dtensor::ops::LayoutInvariantMode invariant(/*max_degree=*/4);
 //     auto loss = F::cross_entropy(model->forward(tokens), targets);
-//     loss.backward();   // keep the mode alive here too: backward's products are covered
+//     loss.backward();   // keep the mode alive here too: backward's sums are covered
+//     tp::reduce_partial_grads(*model);
+//     fsdp::clip_grad_norm_(model->parameters(), 1.0);
 //   }
 //
-// Contract: the TP degree of the mesh dim being summed divides max_degree, a power of two; the
-// contracted dim divides into max_degree segments. It costs one all_gather of the product per
-// call instead of an all_reduce, and max_degree smaller matrix products. Covered: mm and addmm
-// (linear on 2-D and 3-D inputs), and generation's decoder through canonical_mm. Not yet:
-// reductions over a sharded dim (sequence-parallel norm weights' gradients, the vocab-parallel
-// loss, gradient norms), replicated KV projections' gradient sums, FSDP and pipeline
-// accumulation, column shards narrower than 16 (another kernel path).
+// Contract (float32 tested): the TP degree of the mesh dim being summed divides max_degree, a
+// power of two; the summed dim divides into max_degree segments; column shards are at least 16
+// wide (narrower ones take another kernel path in this LibTorch). It costs one all_gather per
+// sum instead of an all_reduce, and max_degree smaller products. Not yet: replicated KV
+// projections' gradient sums, label smoothing's sum in the vocab-parallel loss, FSDP's
+// reduce-scatter and pipelines' micro-batch accumulation.
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
+#include <functional>
 #include <string_view>
 
 #include "dtensor/dispatch/op_call.h"
@@ -39,6 +43,16 @@ namespace dtensor::ops {
 /// addmm compute, for code that holds local tensors (generation's decoder). Needs the mode.
 at::Tensor canonical_mm(const at::Tensor& a, const at::Tensor& b, const DeviceMesh* mesh = nullptr,
                         int64_t mesh_dim = 0, std::string_view op = "aten::mm");
+
+/// The mode's sum over dim `dim` of `local`, this rank's part of a dim split over the ranks of
+/// `mesh`'s dim `mesh_dim` (one rank without a mesh): `partial(segment)` gives each segment's
+/// contribution (the same reduction for every segment, so the same shape), and the contributions
+/// are added in the mode's tree, then over the ranks. The same bits on every rank and at every
+/// degree. Needs the mode.
+at::Tensor canonical_reduce(const at::Tensor& local, int64_t dim,
+                            const std::function<at::Tensor(const at::Tensor&)>& partial,
+                            const DeviceMesh* mesh = nullptr, int64_t mesh_dim = 0,
+                            std::string_view op = "aten::sum");
 
 /// The decision-context bit LayoutInvariantMode sets (see dispatch::decision_context()).
 inline constexpr int64_t kLayoutInvariantBit = int64_t{1} << 1;
