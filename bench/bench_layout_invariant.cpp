@@ -32,6 +32,7 @@
 #include <string>
 #include <vector>
 
+#include "bench_support.h"
 #include "cli/cli.h"
 #include "dtensor/dtensor.h"
 #include "launch/local_ranks.h"
@@ -161,38 +162,6 @@ int run_rank(const Options& opt) {
   return 0;
 }
 
-// Starts `world` ranks of this program for one phase and waits for them.
-int run_phase(int argc, char** argv, int world, const std::string& out) {
-  namespace launch = dtensor::launch;
-  launch::Children ranks;
-  const int port = launch::free_port();
-  for (int r = 0; r < world; ++r) {
-    launch::ChildSetup setup;
-    setup.env = launch::rank_env(r, world, port);
-    setup.env.emplace_back("DTENSOR_BENCH_OUT", r == 0 ? out : "");
-    std::vector<std::string> args = {"/proc/self/exe"};
-    args.insert(args.end(), argv + 1, argv + argc);
-    const auto spawned = launch::spawn_program(args, setup);
-    ranks.add(spawned.pid);
-    if (spawned.exec_errno != 0) {
-      std::cerr << "bench_layout_invariant: rank " << r
-                << ": exec failed: " << std::strerror(spawned.exec_errno) << "\n";
-      return 1;
-    }
-  }
-  ranks.forward_termination_signals();
-  int status = 0;
-  launch::Children::WaitOptions wait;
-  wait.stop_signal = SIGTERM;
-  wait.on_failure = [&status](size_t rank, int wait_status) {
-    status = dtensor::launch::exit_code_of(wait_status);
-    std::cerr << "bench_layout_invariant: rank " << rank << " exited with status " << status
-              << "; stopping the other ranks\n";
-  };
-  ranks.wait_all(wait);
-  return status;
-}
-
 struct Phase {
   int world = 0;
   double normal_ms = 0, invariant_ms = 0, normal_tps = 0, invariant_tps = 0;
@@ -210,7 +179,8 @@ int control(int argc, char** argv, const Options& opt) {
   const std::string out = pattern;
   std::vector<Phase> phases;
   for (int world : {1, 2}) {
-    if (int status = run_phase(argc, argv, world, out)) {
+    if (int status = dtensor::bench::run_local_ranks("bench_layout_invariant", argc, argv, world,
+                                                     {{"DTENSOR_BENCH_OUT", out}})) {
       ::unlink(pattern);
       return status;
     }

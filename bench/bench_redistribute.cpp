@@ -29,6 +29,7 @@
 #include <system_error>
 #include <vector>
 
+#include "bench_support.h"
 #include "cli/cli.h"
 #include "dtensor/dtensor.h"
 #include "launch/local_ranks.h"
@@ -64,44 +65,7 @@ struct Options {
 
 // With the same arguments; returns the exit code of the first rank that fails, or 0.
 int launch_ranks(int argc, char** argv) {
-  namespace launch = dtensor::launch;
-  launch::Children ranks;
-  try {
-    const int port = launch::free_port();
-    for (int r = 0; r < kRanks; ++r) {
-      launch::ChildSetup setup;
-      setup.env = launch::rank_env(r, kRanks, port);
-      // Only rank 0's output is shown; errors (stderr) are kept for every rank.
-      const int devnull = r == 0 ? -1 : ::open("/dev/null", O_WRONLY | O_CLOEXEC);
-      setup.stdout_fd = devnull;
-      std::vector<std::string> args = {"/proc/self/exe"};
-      args.insert(args.end(), argv + 1, argv + argc);
-      const auto spawned = launch::spawn_program(args, setup);
-      if (devnull >= 0) ::close(devnull);
-      ranks.add(spawned.pid);
-      if (spawned.exec_errno != 0) {
-        std::cerr << "bench_redistribute: rank " << r
-                  << ": exec failed: " << std::strerror(spawned.exec_errno) << "\n";
-        return 1;
-      }
-    }
-  } catch (const std::system_error& e) {
-    std::cerr << "bench_redistribute: " << e.what() << "\n";
-    return 1;
-  }
-  ranks.forward_termination_signals();
-  // When one rank fails the others would only hang in their next collective until the
-  // timeout, so they are stopped.
-  int status = 0;
-  launch::Children::WaitOptions wait;
-  wait.stop_signal = SIGTERM;
-  wait.on_failure = [&status](size_t rank, int wait_status) {
-    status = dtensor::launch::exit_code_of(wait_status);
-    std::cerr << "bench_redistribute: rank " << rank << " exited with status " << status
-              << "; stopping the other ranks\n";
-  };
-  ranks.wait_all(wait);
-  return status;
+  return dtensor::bench::run_local_ranks("bench_redistribute", argc, argv, kRanks);
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -1,7 +1,8 @@
-// LayoutInvariantMode: a product whose contracted dim is sharded is summed in one canonical
-// order, so TP 1 (a one-rank mesh), 2 and 4 give the same bits (compared with memcmp through
-// files the ranks write, not within a tolerance): single products, and a whole Transformer's
-// logits and gradients under the Megatron plan (no sequence parallelism, logits gathered).
+// LayoutInvariantMode: every sum over a TP-sharded dim in one canonical order, so TP 1 (a one-rank
+// mesh), 2 and 4 give the same bits (compared with memcmp through files rank 0 writes, not within
+// a tolerance): single products, a Transformer's logits and gradients under the Megatron plan,
+// training steps with sequence parallelism, the vocab-parallel loss and clipping, and
+// generation. (Not run under mpirun: each case compares runs of different world sizes.)
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 #include <torch/optim/adamw.h>
@@ -14,6 +15,7 @@
 #include "dtensor/checkpoint/safetensors.h"
 #include "dtensor/dtensor.h"
 #include "dtensor/fsdp/clip_grad_norm.h"
+#include "dtensor/models/generate.h"
 #include "dtensor/models/transformer.h"
 #include "dtensor/ops/layout_invariant.h"
 #include "support/distributed.h"
@@ -96,23 +98,29 @@ TEST(LayoutInvariantMode, RefusesADegreeThatDoesNotDivideTheSegments) {
   });
 }
 
-// The tiny preset widened to 64 with 4 KV heads, Megatron plan (no sequence parallelism, logits
-// gathered). At TP 4 every column shard is 16 wide or more: narrower ones take this LibTorch's
+// The tiny preset widened to 64 with 4 KV heads, parallelized with `plan` on a 1-D mesh of `tp`
+// ranks. At TP 4 every column shard is 16 wide or more: narrower ones take this LibTorch's
 // small-matrix path, whose columns differ from the same columns of a wider product
 // (bench_kernel_invariance), and replicated KV projections' gradient sums are not covered yet.
+models::Transformer invariant_test_model(int tp, const models::TensorParallelOptions& plan) {
+  models::DecoderConfig config = models::DecoderConfig::preset("tiny");
+  config.dim = 64;
+  config.n_kv_heads = 4;
+  config.max_seq_len = 80;  // generation: 64 new tokens after the prompt
+  models::Transformer model(config);
+  model->init_weights(7);
+  models::apply_tensor_parallel(*model, init_device_mesh("cpu", {tp}), plan);
+  return model;
+}
+
+// Megatron plan (no sequence parallelism, logits gathered).
 TEST(LayoutInvariantMode, TransformerLogitsAndGradientsHaveTheSameBitsAtTp1Tp2AndTp4) {
   TempDir dir;
   for (int tp : {1, 2, 4}) {
     run_ranks(tp, [&](int rank) {
-      auto mesh = init_device_mesh("cpu", {tp});
-      models::DecoderConfig config = models::DecoderConfig::preset("tiny");
-      config.dim = 64;
-      config.n_kv_heads = 4;
-      models::Transformer model(config);
-      model->init_weights(7);
-      models::apply_tensor_parallel(*model, mesh, megatron_plan());
+      models::Transformer model = invariant_test_model(tp, megatron_plan());
       at::manual_seed(3);
-      const at::Tensor tokens = at::randint(config.vocab_size, {2, 8});
+      const at::Tensor tokens = at::randint(model->config().vocab_size, {2, 8});
       Tensors out;
       {
         ops::LayoutInvariantMode invariant(4);
@@ -141,16 +149,11 @@ TEST(LayoutInvariantMode, SequenceParallelTrainingWithClippingHasTheSameBitsAtTp
   TempDir dir;
   for (int tp : {1, 2, 4}) {
     run_ranks(tp, [&](int rank) {
-      auto mesh = init_device_mesh("cpu", {tp});
-      models::DecoderConfig config = models::DecoderConfig::preset("tiny");
-      config.dim = 64;
-      config.n_kv_heads = 4;
-      models::Transformer model(config);
-      model->init_weights(7);
-      models::apply_tensor_parallel(*model, mesh);  // sequence parallel, loss parallel
+      // Sequence parallel, loss parallel.
+      models::Transformer model = invariant_test_model(tp, {});
       torch::optim::AdamW adamw(model->parameters(), torch::optim::AdamWOptions(1e-2));
       at::manual_seed(3);
-      const at::Tensor tokens = at::randint(config.vocab_size, {2, 8});
+      const at::Tensor tokens = at::randint(model->config().vocab_size, {2, 8});
       Tensors out;
       std::vector<double> norms;
       for (int step = 0; step < 5; ++step) {
@@ -176,6 +179,40 @@ TEST(LayoutInvariantMode, SequenceParallelTrainingWithClippingHasTheSameBitsAtTp
   }
   const Tensors one = safetensors::load_file(file_of(dir, 1));
   EXPECT_GT(one.at("norms")[0].item<double>(), 0.5);
+  expect_same_bits(safetensors::load_file(file_of(dir, 2)), one, "tp=2");
+  expect_same_bits(safetensors::load_file(file_of(dir, 4)), one, "tp=4");
+}
+
+// Generation: the prefill logits, 64 greedy and 64 sampled tokens for three prompts.
+TEST(LayoutInvariantMode, GenerationHasTheSameBitsAtTp1Tp2AndTp4) {
+  TempDir dir;
+  for (int tp : {1, 2, 4}) {
+    run_ranks(tp, [&](int rank) {
+      models::Transformer model = invariant_test_model(tp, {});
+      const std::vector<std::vector<int64_t>> prompts = {{5, 17, 200, 3, 99, 42}, {7}, {120, 1}};
+      ops::LayoutInvariantMode invariant(4);
+      Tensors out;
+      models::GenerateOptions options;
+      options.max_new_tokens = 64;
+      options.on_logits = [&](const at::Tensor& logits) {
+        if (!out.count("prefill")) out["prefill"] = logits.clone();
+      };
+      auto flat = [](const models::GenerateResult& r) {
+        std::vector<int64_t> all;
+        for (const auto& row : r.tokens) all.insert(all.end(), row.begin(), row.end());
+        return at::tensor(all, at::kLong);
+      };
+      out["greedy"] = flat(models::generate(*model, prompts, options));
+      options.on_logits = nullptr;
+      options.temperature = 0.9;
+      options.top_k = 40;
+      options.seed = 3;
+      out["sampled"] = flat(models::generate(*model, prompts, options));
+      if (rank == 0) safetensors::save_file(out, file_of(dir, tp));
+    });
+  }
+  const Tensors one = safetensors::load_file(file_of(dir, 1));
+  EXPECT_EQ(one.at("greedy").numel(), 3 * 64);
   expect_same_bits(safetensors::load_file(file_of(dir, 2)), one, "tp=2");
   expect_same_bits(safetensors::load_file(file_of(dir, 4)), one, "tp=4");
 }
