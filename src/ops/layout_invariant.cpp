@@ -101,6 +101,15 @@ at::Tensor canonical_reduce(const at::Tensor& local, int64_t dim,
 }
 
 namespace detail {
+namespace {
+
+// The placements input `i` has at the local call: the decision's, or as it came.
+const Placements& decided_placements(const dispatch::OpCall& call, const dispatch::Decision& d,
+                                     size_t i) {
+  return i < d.inputs.size() && !d.inputs[i].empty() ? d.inputs[i] : call.input(i).placements();
+}
+
+}  // namespace
 
 void canonical_matmul(const c10::OperatorHandle& op, torch::jit::Stack& stack,
                       const dispatch::LocalContext& ctx, int64_t mesh_dim, bool with_bias) {
@@ -122,9 +131,7 @@ dispatch::Rule canonical_sum_rule(dispatch::Rule base, bool with_bias) {
   return [base = std::move(base), with_bias](const dispatch::OpCall& call) {
     dispatch::Decision d = base(call);
     const size_t first = with_bias ? 1 : 0;
-    auto placements_of = [&](size_t i) -> const Placements& {
-      return i < d.inputs.size() && !d.inputs[i].empty() ? d.inputs[i] : call.input(i).placements();
-    };
+    auto placements_of = [&](size_t i) { return decided_placements(call, d, i); };
     Placements& out = *d.outputs[0];
     std::vector<int64_t> summed;
     for (size_t m = 0; m < out.size(); ++m) {
@@ -160,8 +167,7 @@ namespace {
 // the input is sharded on a reduced dim, and that dim.
 std::optional<std::pair<int64_t, int64_t>> summed_shard(const dispatch::OpCall& call,
                                                         const dispatch::Decision& d, bool norm) {
-  const Placements& in =
-      !d.inputs.empty() && !d.inputs[0].empty() ? d.inputs[0] : call.input(0).placements();
+  const Placements& in = decided_placements(call, d, 0);
   const Placements& out = *d.outputs[0];
   std::optional<std::pair<int64_t, int64_t>> found;
   for (size_t m = 0; m < out.size(); ++m) {
@@ -205,16 +211,22 @@ dispatch::Rule canonical_reduction_rule(dispatch::Rule base, bool norm) {
             },
             &ctx.inputs[0]->mesh(), m, name);
       } else {
-        // Sums of |x|^p over the segments, then the p-th root of their canonical sum.
+        // Sums of |x|^p over the segments (in the op's dtype argument, if any), then the p-th
+        // root of their canonical sum.
         const double p = args[1].isNone() ? 2.0 : args[1].toScalar().toDouble();
         std::vector<int64_t> dims;
         bool keepdim = false;
         if (n >= 4 && args[2].isIntList()) dims = args[2].toIntVector();
         if (n >= 4 && args[3].isBool()) keepdim = args[3].toBool();
+        const auto dtype_arg = op.schema().argumentIndexWithName("dtype");
+        const std::optional<at::ScalarType> dtype =
+            dtype_arg && !args[*dtype_arg].isNone() ? std::optional(args[*dtype_arg].toScalarType())
+                                                    : std::nullopt;
         out = canonical_reduce(
                   self, dim,
                   [&](const at::Tensor& segment) {
-                    return at::sum(segment.abs().pow(p), dims, keepdim);
+                    const at::Tensor x = dtype ? segment.to(*dtype) : segment;
+                    return at::sum(x.abs().pow(p), dims, keepdim);
                   },
                   &ctx.inputs[0]->mesh(), m, name)
                   .pow(1.0 / p);

@@ -87,6 +87,34 @@ TEST(LayoutInvariantMode, ARowParallelProductHasTheSameBitsAtTp1Tp2AndTp4) {
   expect_same_bits(safetensors::load_file(file_of(dir, 4)), one, "tp=4");
 }
 
+// Sums and vector norms over a sharded dim (with other dims, keepdim, a dtype argument): the
+// result is whole (Replicate) and has the same bits at every degree.
+TEST(LayoutInvariantMode, SumsAndNormsOverAShardedDimHaveTheSameBitsAtTp1Tp2AndTp4) {
+  TempDir dir;
+  for (int tp : {1, 2, 4}) {
+    run_ranks(tp, [&](int rank) {
+      auto mesh = init_device_mesh("cpu", {tp});
+      at::manual_seed(0);
+      const auto x = distribute_tensor(at::randn({6, 1024, 5}), mesh, {Shard(1)});
+      ops::LayoutInvariantMode invariant(4);
+      const Tensors out = {
+          {"sum", at::sum(x)},
+          {"sum_dims", at::sum(x, {0, 1}, /*keepdim=*/true)},
+          {"norm2", at::linalg_vector_norm(x, 2)},
+          {"norm3_dims", at::linalg_vector_norm(x, 3, {1}, /*keepdim=*/false)},
+          {"norm_f64", at::linalg_vector_norm(x, 2, std::nullopt, false, at::kDouble)}};
+      for (const auto& [name, t] : out) EXPECT_TRUE(placements(t)[0].is_replicate()) << name;
+      EXPECT_EQ(to_local(out.at("norm_f64")).scalar_type(), at::kDouble);
+      Tensors local;
+      for (const auto& [name, t] : out) local[name] = to_local(t);
+      if (rank == 0) safetensors::save_file(local, file_of(dir, tp));
+    });
+  }
+  const Tensors one = safetensors::load_file(file_of(dir, 1));
+  expect_same_bits(safetensors::load_file(file_of(dir, 2)), one, "tp=2");
+  expect_same_bits(safetensors::load_file(file_of(dir, 4)), one, "tp=4");
+}
+
 TEST(LayoutInvariantMode, RefusesADegreeThatDoesNotDivideTheSegments) {
   EXPECT_CONTAINS(message_of([] { ops::LayoutInvariantMode bad(3); }), "power of two");
   run_ranks(4, [](int) {
