@@ -1,6 +1,7 @@
 #include "dtensor/core/dtensor_impl.h"
 
 #include <c10/util/Exception.h>
+
 #include "dispatch_key.h"  // generated: DTENSOR_KEY_<key>
 
 namespace dtensor {
@@ -35,6 +36,19 @@ void DTensorImpl::replace(at::Tensor local, SpecPtr spec) {
   spec_ = std::move(spec);
   pending_.reset();
   set_global_meta();
+}
+
+void DTensorImpl::release_resources() {
+  if (pending_) {
+    try {
+      pending_->wait();  // nobody reads it, but the collective must not be left in flight
+    } catch (...) {
+      // The collective failed; whoever waits on its group reports it.
+    }
+  }
+  pending_.reset();
+  local_ = at::Tensor();
+  c10::TensorImpl::release_resources();
 }
 
 void DTensorImpl::wait_pending() const {

@@ -160,6 +160,24 @@ TEST(ToLocal, GradPlacementsPartialAfterGatherGivesReduceScatterInBackward) {
   });
 }
 
+// A weak reference to a dead DTensor keeps its TensorImpl object, not its local shard: FSDP's
+// shard registry holds its leaves weakly, and each model planned in one process kept the last
+// one's shards alive until the next fully_shard (a plan after another saw them freed).
+TEST(DTensorImpl, AWeakReferenceDoesNotKeepTheLocalShard) {
+  run_ranks(1, [](int) {
+    auto mesh = init_device_mesh("cpu", {1});
+    at::Tensor local = at::ones({4});
+    c10::weak_intrusive_ptr<c10::TensorImpl> local_alive(local.getIntrusivePtr());
+    at::Tensor dt = make_dtensor(std::move(local),
+                                 make_spec(mesh, {Shard(0)}, TensorMeta{{4}, {1}, at::kFloat}));
+    c10::weak_intrusive_ptr<c10::TensorImpl> weak_dt(dt.getIntrusivePtr());
+    ASSERT_FALSE(local_alive.expired());
+    dt = at::Tensor();
+    EXPECT_TRUE(weak_dt.expired());
+    EXPECT_TRUE(local_alive.expired()) << "the dead DTensor still holds its local shard";
+  });
+}
+
 TEST(FullTensor, ReassemblesShardsAndIsNotPending) {
   run_ranks(4, [](int rank) {
     auto mesh = init_device_mesh("cpu", {4});

@@ -45,6 +45,9 @@ class DTensorImpl final : public c10::TensorImpl {
       c10::VariableVersion&& version_counter, bool allow_tensor_metadata_change) const override;
   /// Takes another DTensorImpl's local shard and spec (`.data = ...`); throws for plain tensors.
   void shallow_copy_from(const c10::intrusive_ptr<c10::TensorImpl>& impl) override;
+  /// Drops the local shard (and a pending collective) when the last strong reference goes: a
+  /// weak reference keeps the TensorImpl object, and must not keep the shard's memory with it.
+  void release_resources() override;
 
  private:
   const char* tensorimpl_type_name() const override { return "DTensorImpl"; }
