@@ -7,6 +7,8 @@
 #include <algorithm>
 #include <atomic>
 #include <functional>
+#include <map>
+#include <mutex>
 #include <numeric>
 #include <set>
 #include <sstream>
@@ -26,6 +28,14 @@ struct DeviceMesh::Impl {
   // equals one of the next, which a cached sharding decision would otherwise hand its groups.
   std::shared_ptr<comm::ProcessGroup> world;
   size_t hash;
+  // The mesh this one was sliced from (null for a mesh made by the constructor) and the dims of
+  // it this mesh's dims are: what concatenate() joins sub-meshes through.
+  std::shared_ptr<const Impl> root;
+  std::vector<int64_t> root_dims;
+  // concatenate()'s meshes of this root by their dims, held weakly: one mesh object (one id in
+  // the sharding-decision caches) for every parameter laid out on the same dims.
+  mutable std::mutex concatenated_mu;
+  mutable std::map<std::vector<int64_t>, std::weak_ptr<const Impl>> concatenated;
 };
 
 namespace {
@@ -135,6 +145,8 @@ DeviceMesh::DeviceMesh(c10::DeviceType device_type, std::vector<int64_t> shape,
     }
   }
   impl->device = impl->coordinate ? local_device(device_type) : c10::Device(device_type);
+  impl->root_dims.resize(nd);
+  std::iota(impl->root_dims.begin(), impl->root_dims.end(), int64_t{0});
   impl->hash = hash_impl(*impl);
   impl_ = std::move(impl);
 }
@@ -201,34 +213,31 @@ std::shared_ptr<comm::ProcessGroup> DeviceMesh::get_group(const std::string& nam
 
 DeviceMesh DeviceMesh::operator[](const std::string& name) const { return slice({name}); }
 
-DeviceMesh DeviceMesh::slice(const std::vector<std::string>& names) const {
-  TORCH_CHECK(has_dim_names(), "Cannot slice a DeviceMesh without mesh_dim_names!");
-  std::vector<int64_t> dims;
-  for (const auto& n : names) dims.push_back(dim_index(n));
-  for (size_t i = 1; i < dims.size(); ++i) {
-    TORCH_CHECK_INDEX(dims[i] > dims[i - 1], "Invalid mesh_dim_names (", join(names),
-                      ") specified. Mesh dim indices should be in ascending order.");
-  }
-  if (dims.size() == impl_->shape.size()) return *this;
-  TORCH_CHECK(impl_->coordinate, "dtensor: rank ", comm::get_rank(), " is not part of ", str(),
-              " and cannot slice it");
-  auto child = std::make_shared<Impl>();
+namespace {
+
+// The sub-mesh of `parent` through this rank over its dims `dims`, in that order (any order:
+// the ranks vary the listed dims row-major, the others stay at this rank's coordinate).
+std::shared_ptr<const DeviceMesh::Impl> sub_mesh(
+    const std::shared_ptr<const DeviceMesh::Impl>& parent, const std::vector<int64_t>& dims) {
+  const DeviceMesh::Impl& p = *parent;
+  auto child = std::make_shared<DeviceMesh::Impl>();
   child->id = next_mesh_id();
-  child->world = impl_->world;
-  child->device_type = impl_->device_type;
-  child->device = impl_->device;
-  const auto& coord = *impl_->coordinate;
-  const int64_t nd = ndim();
+  child->world = p.world;
+  child->device_type = p.device_type;
+  child->device = p.device;
+  child->root = p.root ? p.root : parent;
+  const auto& coord = *p.coordinate;
+  const int64_t nd = static_cast<int64_t>(p.shape.size());
   std::vector<int64_t> strides(nd, 1);
-  for (int64_t d = nd - 2; d >= 0; --d) strides[d] = strides[d + 1] * impl_->shape[d + 1];
+  for (int64_t d = nd - 2; d >= 0; --d) strides[d] = strides[d + 1] * p.shape[d + 1];
   std::vector<int64_t> child_coord;
   for (auto d : dims) {
-    child->shape.push_back(impl_->shape[d]);
-    child->names.push_back(impl_->names[d]);
-    child->groups.push_back(impl_->groups[d]);
+    child->shape.push_back(p.shape[d]);
+    if (!p.names.empty()) child->names.push_back(p.names[d]);
+    child->groups.push_back(p.groups[d]);
+    child->root_dims.push_back(p.root_dims[d]);
     child_coord.push_back(coord[d]);
   }
-  // Ranks of the sub-mesh through this rank: vary the sliced dims, fix the others.
   const int64_t n =
       std::accumulate(child->shape.begin(), child->shape.end(), int64_t{1}, std::multiplies<>());
   for (int64_t i = 0; i < n; ++i) {
@@ -240,11 +249,54 @@ DeviceMesh DeviceMesh::slice(const std::vector<std::string>& names) const {
     }
     int64_t flat = 0;
     for (int64_t d = 0; d < nd; ++d) flat += c[d] * strides[d];
-    child->ranks.push_back(impl_->ranks[flat]);
+    child->ranks.push_back(p.ranks[flat]);
   }
   child->coordinate = child_coord;
   child->hash = hash_impl(*child);
-  return DeviceMesh(std::shared_ptr<const Impl>(std::move(child)));
+  return child;
+}
+
+}  // namespace
+
+DeviceMesh DeviceMesh::slice(const std::vector<std::string>& names) const {
+  TORCH_CHECK(has_dim_names(), "Cannot slice a DeviceMesh without mesh_dim_names!");
+  std::vector<int64_t> dims;
+  for (const auto& n : names) dims.push_back(dim_index(n));
+  for (size_t i = 1; i < dims.size(); ++i) {
+    TORCH_CHECK_INDEX(dims[i] > dims[i - 1], "Invalid mesh_dim_names (", join(names),
+                      ") specified. Mesh dim indices should be in ascending order.");
+  }
+  if (dims.size() == impl_->shape.size()) return *this;
+  TORCH_CHECK(impl_->coordinate, "dtensor: rank ", comm::get_rank(), " is not part of ", str(),
+              " and cannot slice it");
+  return DeviceMesh(sub_mesh(impl_, dims));
+}
+
+DeviceMesh DeviceMesh::concatenate(const std::vector<DeviceMesh>& meshes) {
+  TORCH_CHECK(!meshes.empty(), "DeviceMesh::concatenate: no meshes given");
+  const std::shared_ptr<const Impl> root =
+      meshes[0].impl_->root ? meshes[0].impl_->root : meshes[0].impl_;
+  std::vector<int64_t> dims;
+  for (const DeviceMesh& m : meshes) {
+    const auto& r = m.impl_->root ? m.impl_->root : m.impl_;
+    TORCH_CHECK(r == root, "DeviceMesh::concatenate: ", m.str(), " and ", meshes[0].str(),
+                " are not slices of one mesh; slice every part from the same init_device_mesh");
+    for (int64_t d : m.impl_->root_dims) {
+      TORCH_CHECK(std::find(dims.begin(), dims.end(), d) == dims.end(),
+                  "DeviceMesh::concatenate: mesh dim ", d, " of ", DeviceMesh(root).str(),
+                  " appears twice");
+      dims.push_back(d);
+    }
+  }
+  TORCH_CHECK(root->coordinate, "DeviceMesh::concatenate: rank ", comm::get_rank(),
+              " is not part of ", DeviceMesh(root).str());
+  if (meshes.size() == 1) return meshes[0];
+  std::lock_guard<std::mutex> l(root->concatenated_mu);
+  std::weak_ptr<const Impl>& cached = root->concatenated[dims];
+  if (auto live = cached.lock()) return DeviceMesh(std::move(live));
+  auto made = sub_mesh(root, dims);
+  cached = made;
+  return DeviceMesh(std::move(made));
 }
 
 bool DeviceMesh::operator==(const DeviceMesh& o) const {

@@ -56,6 +56,35 @@ TEST(DeviceMesh, SlicesReuseTheParentGroups) {
   });
 }
 
+// concatenate joins slices of one mesh in any order, on the parent's groups: (tp, dp) lays
+// a tensor out over tp first, then over dp within each tp part.
+TEST(DeviceMesh, ConcatenatedSlicesTakeAnyOrderOnTheParentGroups) {
+  run_ranks(8, [](int rank) {
+    auto mesh = init_device_mesh("cpu", {2, 2, 2}, {"pp", "dp", "tp"});
+    auto tp_dp = DeviceMesh::concatenate({mesh["tp"], mesh["dp"]});
+    EXPECT_EQ(tp_dp.dim_names(), (std::vector<std::string>{"tp", "dp"}));
+    EXPECT_EQ(tp_dp.shape(), (std::vector<int64_t>{2, 2}));
+    const int64_t base = rank / 4 * 4;  // this rank's pp stage
+    EXPECT_EQ(tp_dp.ranks(), (std::vector<int64_t>{base, base + 2, base + 1, base + 3}));
+    EXPECT_EQ(*tp_dp.coordinate(), (std::vector<int64_t>{rank % 2, rank / 2 % 2}));
+    EXPECT_EQ(tp_dp.get_group(0).get(), mesh.get_group(2).get());
+    EXPECT_EQ(tp_dp.get_group(1).get(), mesh.get_group(1).get());
+    // A slice of a slice still knows the mesh it came from.
+    EXPECT_EQ(DeviceMesh::concatenate({mesh.slice({"dp", "tp"})["tp"], mesh["pp"]}).ranks(),
+              (std::vector<int64_t>{rank % 4 / 2 * 2, rank % 4 / 2 * 2 + 4, rank % 4 / 2 * 2 + 1,
+                                    rank % 4 / 2 * 2 + 5}));
+    // Shard(0) twice: tp's chunk, then dp's chunk of it (rows 2t + d of 4).
+    auto dt = distribute_tensor(at::arange(4, at::kFloat), tp_dp, {Shard(0), Shard(0)});
+    EXPECT_EQ(local_tensor(dt).item<float>(), static_cast<float>(rank % 2 * 2 + rank / 2 % 2));
+    EXPECT_TRUE(at::equal(full_tensor(dt), at::arange(4, at::kFloat)));
+    EXPECT_ERROR(DeviceMesh::concatenate({mesh["tp"], mesh.slice({"dp", "tp"})}), c10::Error,
+                 "appears twice");
+    auto other = init_device_mesh("cpu", {4, 2}, {"dp", "tp"});
+    EXPECT_ERROR(DeviceMesh::concatenate({other["tp"], mesh["dp"]}), c10::Error,
+                 "are not slices of one mesh");
+  });
+}
+
 TEST(DeviceMesh, ConstructionAndSlicingErrorsSayWhatIsWrong) {
   run_ranks(2, [](int) {
     EXPECT_ERROR(init_device_mesh("cpu", {2}, {"a", "b"}), c10::Error,

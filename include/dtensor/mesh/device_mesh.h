@@ -62,6 +62,11 @@ class DeviceMesh {
   DeviceMesh operator[](const std::string& name) const;
   /// Sub-mesh of the named dims, in the given order.
   DeviceMesh slice(const std::vector<std::string>& names) const;
+  /// The mesh whose dims are those of `meshes`, in the order given (PyTorch's
+  /// DeviceMesh._concatenate): each must be `root` or a slice of one mesh `root`, and no dim
+  /// may repeat. Unlike slice(), any order: concatenate({mesh["tp"], mesh["dp"]}) lays a
+  /// tensor out over tp first, then dp, on the groups of `mesh` (no new process groups).
+  static DeviceMesh concatenate(const std::vector<DeviceMesh>& meshes);
 
   /// Meshes are equal when they have the same device type, shape, ranks and names and belong to
   /// the same world (a mesh made before destroy_process_group() equals none made after it).
