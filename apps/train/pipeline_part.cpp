@@ -6,7 +6,6 @@
 #include <algorithm>
 #include <map>
 
-#include "dtensor/checkpoint/sharded_layout.h"
 #include "dtensor/comm/collectives.h"
 #include "dtensor/core/api.h"
 #include "dtensor/core/distribute_module.h"
@@ -21,16 +20,11 @@ namespace {
 // received; their own tag keeps them apart from the schedule's anyway.
 constexpr int kForwardOnlyTag = 32000;
 
-// The global value of `t`, laid out like `param` (the parameter or its AdamW state): an FSDP
-// shard's rows are gathered over dp (and tp), a DTensor over its mesh.
-at::Tensor full_of(const at::Tensor& param, const at::Tensor& t) {
-  if (auto layout = checkpoint::sharded_layout_of(param)) return layout->gather(t);
-  return is_dtensor(t) ? full_tensor(t) : t;
-}
+// The global value of `t` (a parameter or its AdamW state; FSDP's and TP's are DTensors).
+at::Tensor full_of(const at::Tensor& t) { return is_dtensor(t) ? full_tensor(t) : t; }
 
 // `full`, the global value of something laid out like `param`, as `param` holds it here.
 at::Tensor laid_out_like(const at::Tensor& param, const at::Tensor& full) {
-  if (auto layout = checkpoint::sharded_layout_of(param)) return layout->part(full).clone();
   if (!is_dtensor(param)) return full.clone();
   const auto& spec = spec_of(param);
   return distribute_tensor(full.clone(), spec.mesh(), spec.placements(), /*src_data_rank=*/{});
@@ -173,10 +167,9 @@ void PipelinePart::gather_into(torch::optim::AdamW& own_opt, models::Transformer
                     "' for the checkpoint");
         const at::Tensor* p = &it->second;
         const auto* st = adam_state(own_opt, *p);
-        parts.push_back(full_of(*p, *p).reshape(-1));
-        parts.push_back(st ? full_of(*p, st->exp_avg()).reshape(-1)
-                           : at::zeros({fp.numel()}, options));
-        parts.push_back(st ? full_of(*p, st->exp_avg_sq()).reshape(-1)
+        parts.push_back(full_of(*p).reshape(-1));
+        parts.push_back(st ? full_of(st->exp_avg()).reshape(-1) : at::zeros({fp.numel()}, options));
+        parts.push_back(st ? full_of(st->exp_avg_sq()).reshape(-1)
                            : at::zeros({fp.numel()}, options));
         parts.push_back(at::full({1}, st ? static_cast<double>(st->step()) : 0.0, options));
       }

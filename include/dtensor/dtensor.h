@@ -7,7 +7,6 @@
 #include "dtensor/checkpoint/rank0_outcome.h"
 #include "dtensor/checkpoint/remove_directory.h"
 #include "dtensor/checkpoint/safetensors.h"
-#include "dtensor/checkpoint/sharded_layout.h"
 #include "dtensor/comm/backend.h"
 #include "dtensor/comm/collective_tape.h"
 #include "dtensor/comm/collectives.h"

@@ -17,7 +17,6 @@
 #include "dtensor/checkpoint/crc32c.h"
 #include "dtensor/checkpoint/rank0_outcome.h"
 #include "dtensor/checkpoint/safetensors.h"
-#include "dtensor/checkpoint/sharded_layout.h"
 #include "dtensor/comm/process_group.h"
 #include "dtensor/core/api.h"
 #include "dtensor/core/dtensor_impl.h"
@@ -51,12 +50,14 @@ std::string placements_string(const Placements& ps) {
   return c10::Join(", ", each);
 }
 
+// The size of the mesh's "tp" dim; a mesh with names but no "tp" (FSDP's "dp") has none: 1.
 int64_t tp_degree_of(const DeviceMesh& mesh) {
   if (mesh.has_dim_names()) {
     const auto& names = mesh.dim_names();
     for (size_t i = 0; i < names.size(); ++i) {
       if (names[i] == "tp") return mesh.size(static_cast<int64_t>(i));
     }
+    return 1;
   }
   return mesh.size();
 }
@@ -201,16 +202,13 @@ void verify_tensor(const safetensors::File& file, const safetensors::TensorInfo&
               it->second);
 }
 
-// This rank's part of `info` for a tensor laid out like `like` (or by `layout`, a sharded
-// parameter's), as a new tensor with the local tensor's dtype and device. Undefined when this
-// rank holds no part (not in the mesh).
+// This rank's part of `info` for a tensor laid out like `like`, as a new tensor with the local
+// tensor's dtype and device. Undefined when this rank holds no part (not in the mesh).
 at::Tensor local_part(const safetensors::File& file, const safetensors::TensorInfo& info,
-                      const at::Tensor& like, const std::optional<ShardedLayout>& layout) {
+                      const at::Tensor& like) {
   at::Tensor part = file.view(info);
   at::Tensor local = like;
-  if (layout) {
-    part = layout->part(part);
-  } else if (is_dtensor(like)) {
+  if (is_dtensor(like)) {
     const DTensorSpec& spec = *dtensor_impl(like)->spec();
     TORCH_CHECK(!spec.has_partial(), "load_checkpoint: \"", info.name, "\" has placements ",
                 to_string(spec.placements()),
@@ -242,21 +240,16 @@ void save_checkpoint(const std::string& path, const torch::nn::Module& module,
   struct Item {
     std::string name;
     at::Tensor tensor;
-    std::optional<ShardedLayout> layout;  // set for a sharded parameter and its state
   };
   std::vector<Item> items;
   std::set<std::string> names;
-  auto add = [&](const std::string& name, const at::Tensor& t,
-                 std::optional<ShardedLayout> layout = std::nullopt) {
+  auto add = [&](const std::string& name, const at::Tensor& t) {
     TORCH_CHECK(names.insert(name).second, "save_checkpoint: two tensors are named \"", name,
                 "\" (an optimizer state name collides with a parameter?)");
-    items.push_back({name, t, std::move(layout)});
+    items.push_back({name, t});
   };
-  std::map<std::string, at::Tensor> params_by_name;
   for (const auto& p : module.named_parameters()) {
-    if (!p.value().defined()) continue;
-    add(p.key(), p.value(), sharded_layout_of(p.value()));
-    params_by_name.emplace(p.key(), p.value());
+    if (p.value().defined()) add(p.key(), p.value());
   }
   if (options.include_buffers) {
     for (const auto& b : module.named_buffers()) {
@@ -266,12 +259,8 @@ void save_checkpoint(const std::string& path, const torch::nn::Module& module,
   std::string optimizer_description;
   if (optimizer != nullptr) {
     const auto pnames = param_names(module);
-    for (auto& s : detail::state_tensors(*optimizer, pnames)) {
-      // A sharded parameter's moments are its shards too ("step" is a 0-d count).
-      std::optional<ShardedLayout> layout;
-      if (s.value.dim() > 0) layout = sharded_layout_of(params_by_name.at(s.param));
-      add(optim_name(s.param, s.key), s.value, std::move(layout));
-    }
+    for (auto& s : detail::state_tensors(*optimizer, pnames))
+      add(optim_name(s.param, s.key), s.value);
     optimizer_description = detail::describe(*optimizer, pnames);
   }
 
@@ -286,8 +275,7 @@ void save_checkpoint(const std::string& path, const torch::nn::Module& module,
     } catch (const c10::Error& e) {
       TORCH_CHECK(false, "save_checkpoint: \"", item.name, "\": ", e.what_without_backtrace());
     }
-    entries.push_back({item.name, item.tensor.scalar_type(),
-                       item.layout ? item.layout->global_shape : item.tensor.sizes().vec()});
+    entries.push_back({item.name, item.tensor.scalar_type(), item.tensor.sizes().vec()});
     checksums[item.name] = hex32(0);  // fixed-width placeholder, filled in as tensors are written
     if (is_dtensor(item.tensor)) {
       const DTensorSpec& spec = *dtensor_impl(item.tensor)->spec();
@@ -329,9 +317,8 @@ void save_checkpoint(const std::string& path, const torch::nn::Module& module,
   }
   for (size_t i = 0; i < items.size(); ++i) {
     const at::Tensor& t = items[i].tensor;
-    const auto& layout = items[i].layout;
-    if (!is_dtensor(t) && !layout && !writes) continue;  // the others join the gathers
-    at::Tensor full = is_dtensor(t) ? full_tensor(t) : layout ? layout->gather(t) : t;
+    if (!is_dtensor(t) && !writes) continue;  // the others join the gathers
+    at::Tensor full = is_dtensor(t) ? full_tensor(t) : t;
     if (!writes || error) continue;
     try {
       at::Tensor cpu = full.cpu().contiguous();
@@ -382,12 +369,10 @@ struct LoadPlan {
   struct Target {
     const safetensors::TensorInfo* info;
     at::Tensor dest;
-    std::optional<ShardedLayout> layout;
   };
   // Per optimizer parameter: no entry (starts afresh) or an entry per key in the file.
   struct ParamState {
     at::Tensor param;
-    std::optional<ShardedLayout> layout;
     std::map<std::string, const safetensors::TensorInfo*> infos;
   };
   std::vector<Target> targets;
@@ -419,11 +404,8 @@ void match_module_tensors(const safetensors::File& file, torch::nn::Module& modu
   for (const auto& b : module.named_buffers()) module_tensors.insert(b.key(), b.value());
   for (const auto& t : module_tensors) {
     if (!t.value().defined()) continue;
-    auto layout = sharded_layout_of(t.value());
-    const c10::IntArrayRef shape =
-        layout ? c10::IntArrayRef(layout->global_shape) : t.value().sizes();
-    if (const auto* info = match(file, t.key(), shape, plan)) {
-      plan.targets.push_back({info, t.value(), std::move(layout)});
+    if (const auto* info = match(file, t.key(), t.value().sizes(), plan)) {
+      plan.targets.push_back({info, t.value()});
     }
   }
 }
@@ -432,8 +414,8 @@ void match_module_tensors(const safetensors::File& file, torch::nn::Module& modu
 LoadPlan::ParamState match_param_state(const safetensors::File& file, const at::Tensor& p,
                                        const std::string& pname,
                                        const detail::StateKeys& state_keys, LoadPlan& plan) {
-  LoadPlan::ParamState ps{p, sharded_layout_of(p), {}};
-  const c10::IntArrayRef shape = ps.layout ? c10::IntArrayRef(ps.layout->global_shape) : p.sizes();
+  LoadPlan::ParamState ps{p, {}};
+  const c10::IntArrayRef shape = p.sizes();
   bool any = false;
   for (const auto* list : {&state_keys.required, &state_keys.optional}) {
     for (const auto& key : *list) any = any || file.find(optim_name(pname, key)) != nullptr;
@@ -534,14 +516,13 @@ struct Staged {
 
 Staged stage(const safetensors::File& file, const std::map<std::string, std::string>& checksums,
              bool verify, const torch::optim::Optimizer* optimizer, const LoadPlan& plan) {
-  auto read_part = [&](const safetensors::TensorInfo& info, const at::Tensor& like,
-                       const std::optional<ShardedLayout>& layout) {
+  auto read_part = [&](const safetensors::TensorInfo& info, const at::Tensor& like) {
     if (verify) verify_tensor(file, info, checksums);
-    return local_part(file, info, like, layout);
+    return local_part(file, info, like);
   };
   Staged staged;
   staged.temps.reserve(plan.targets.size());
-  for (const auto& t : plan.targets) staged.temps.push_back(read_part(*t.info, t.dest, t.layout));
+  for (const auto& t : plan.targets) staged.temps.push_back(read_part(*t.info, t.dest));
   for (const auto& ps : plan.states) {
     if (ps.infos.empty()) continue;
     std::map<std::string, at::Tensor> values;
@@ -551,7 +532,7 @@ Staged stage(const safetensors::File& file, const std::map<std::string, std::str
         values[key] = file.tensor(*info);
         continue;
       }
-      at::Tensor part = read_part(*info, ps.param, ps.layout);
+      at::Tensor part = read_part(*info, ps.param);
       if (!part.defined()) part = local_tensor(ps.param).clone();  // rank outside the mesh
       values[key] = wrap_like(std::move(part), ps.param);
     }

@@ -10,20 +10,73 @@
 #include <memory>
 
 #include "dtensor/comm/collectives.h"
+#include "dtensor/core/dtensor_impl.h"
 #include "dtensor/dispatch/implicit_replication.h"
 #include "dtensor/fsdp/fully_shard.h"
 
 namespace dtensor::fsdp {
+namespace {
+
+// Squared gradient sums, one per set of groups they are summed over: the mesh dims a
+// gradient's placements shard it over (more than one rank); none for a replicated or plain one.
+struct SquareSums {
+  struct Bucket {
+    std::vector<std::shared_ptr<comm::ProcessGroup>> over;
+    at::Tensor sum = at::zeros({}, at::kDouble);
+  };
+  std::vector<Bucket> buckets;
+
+  void add(const at::Tensor& grad) {
+    std::vector<std::shared_ptr<comm::ProcessGroup>> over;
+    at::Tensor local = grad;
+    if (is_dtensor(grad)) {
+      const DTensorSpec& spec = spec_of(grad);
+      TORCH_CHECK(!spec.has_partial(), "fsdp::clip_grad_norm_: a gradient has placements ",
+                  to_string(spec.placements()),
+                  "; reduce Partial gradients first (models::reduce_partial_grads)");
+      for (int64_t d = 0; d < spec.mesh().ndim(); ++d)
+        if (spec.placements()[d].is_shard() && spec.mesh().size(d) > 1)
+          over.push_back(spec.mesh().get_group(d));
+      local = local_tensor(grad);
+    }
+    Bucket* b = nullptr;
+    for (auto& x : buckets)
+      if (x.over == over) b = &x;
+    if (!b) b = &buckets.emplace_back(Bucket{std::move(over)});
+    b->sum.add_(local.to(at::kDouble).pow(2).sum());
+  }
+
+  // The global sum of squares: per group (in the order first met, the same on every rank of
+  // it), one all_reduce of the buckets summed over it.
+  double total() {
+    std::vector<std::shared_ptr<comm::ProcessGroup>> groups;
+    for (const auto& b : buckets)
+      for (const auto& g : b.over)
+        if (std::find(groups.begin(), groups.end(), g) == groups.end()) groups.push_back(g);
+    for (const auto& g : groups) {
+      std::vector<Bucket*> in;
+      for (auto& b : buckets)
+        if (std::find(b.over.begin(), b.over.end(), g) != b.over.end()) in.push_back(&b);
+      std::vector<at::Tensor> sums;
+      for (auto* b : in) sums.push_back(b->sum);
+      const at::Tensor reduced = comm::all_reduce(at::stack(sums), ReduceOp::Sum, *g);
+      for (size_t i = 0; i < in.size(); ++i) in[i]->sum = reduced[static_cast<int64_t>(i)];
+    }
+    double t = 0;
+    for (const auto& b : buckets) t += b.sum.item<double>();
+    return t;
+  }
+};
+
+}  // namespace
 
 double clip_grad_norm_(const std::vector<at::Tensor>& params, double max_norm,
                        const ClipGradNormOptions& options) {
   at::NoGradGuard no_grad;
   std::vector<at::Tensor> grads;
-  std::vector<at::Tensor> others;  // counted DTensors and plain tensors
+  std::vector<at::Tensor> counted;
   bool all_counted_here = true;
-  // FSDP shards' squares: [TP shards the parameter, TP replicates it (or there is no TP)].
-  at::Tensor squares = at::zeros({2}, at::kDouble);
-  std::shared_ptr<comm::ProcessGroup> dp_group, tp_group;
+  bool any_shard = false;
   for (const at::Tensor& p : params) {
     const at::Tensor& g = p.grad();
     if (!g.defined()) continue;
@@ -32,43 +85,27 @@ double clip_grad_norm_(const std::vector<at::Tensor>& params, double max_norm,
       all_counted_here = false;
       continue;
     }
-    if (!is_fsdp_shard(p)) {
-      others.push_back(p);
-      continue;
-    }
-    const ShardInfo info = shard_info(p);
-    TORCH_CHECK(!dp_group || dp_group == info.dp_group,
-                "fsdp::clip_grad_norm_: the parameters are sharded over different dp groups (",
-                dp_group->size(), " and ", info.dp_group->size(),
-                " ranks); clip each model's parameters separately");
-    dp_group = info.dp_group;
-    const bool tp_sharded = info.tp_spec && !info.tp_spec->is_replicated();
-    if (tp_sharded && info.tp_spec->mesh().size() > 1) {
-      auto group = info.tp_spec->mesh().get_group(0);
-      TORCH_CHECK(!tp_group || tp_group == group,
-                  "fsdp::clip_grad_norm_: the parameters are tensor-parallel over different "
-                  "groups");
-      tp_group = std::move(group);
-    }
-    squares.narrow(0, tp_sharded ? 0 : 1, 1).add_(g.to(at::kDouble).pow(2).sum());
-  }
-  // The whole model as DTensors and plain tensors: LibTorch's own function, unchanged.
-  if (!dp_group && !options.stage_group && all_counted_here) {
-    ImplicitReplication plain_gradients_are_replicated;
-    return torch::nn::utils::clip_grad_norm_(others, max_norm);
+    counted.push_back(p);
+    any_shard = any_shard || is_fsdp_shard(p);
   }
   double total = 0;
-  if (!others.empty()) {
+  if (any_shard) {
+    // FSDP's leaves live on their own meshes ("dp", or (tp, dp)): their squares are summed over
+    // the groups their placements shard them over.
+    SquareSums sums;
+    for (const at::Tensor& p : counted) sums.add(p.grad());
+    total = sums.total();
+  } else {
+    // DTensors (one mesh) and plain tensors: LibTorch's own function, whose DTensor norms
+    // reduce a pending p-norm over the sharded dims (and follow the layout-invariant mode).
     ImplicitReplication plain_gradients_are_replicated;
-    const double n =
-        torch::nn::utils::clip_grad_norm_(others, std::numeric_limits<double>::infinity());
-    total += n * n;
-  }
-  if (dp_group) {
-    squares = comm::all_reduce(squares, ReduceOp::Sum, *dp_group);
-    at::Tensor sharded = squares.narrow(0, 0, 1).clone();
-    if (tp_group) sharded = comm::all_reduce(sharded, ReduceOp::Sum, *tp_group);
-    total += sharded.item<double>() + squares[1].item<double>();
+    if (!options.stage_group && all_counted_here)
+      return torch::nn::utils::clip_grad_norm_(counted, max_norm);
+    if (!counted.empty()) {
+      const double n =
+          torch::nn::utils::clip_grad_norm_(counted, std::numeric_limits<double>::infinity());
+      total = n * n;
+    }
   }
   if (options.stage_group) {
     total = comm::all_reduce(at::full({1}, total, at::kDouble), ReduceOp::Sum, *options.stage_group)

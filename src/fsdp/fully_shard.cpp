@@ -18,13 +18,13 @@
 #include <unordered_set>
 #include <vector>
 
-#include "dtensor/checkpoint/sharded_layout.h"
 #include "dtensor/comm/collective_tape.h"
 #include "dtensor/comm/collectives.h"
 #include "dtensor/comm/process_group.h"
 #include "dtensor/core/api.h"
 #include "dtensor/core/distribute_module.h"
 #include "dtensor/core/dtensor_impl.h"
+#include "dtensor/core/shard_math.h"
 #include "dtensor/tp/module_hooks.h"
 
 namespace dtensor::fsdp {
@@ -35,8 +35,7 @@ namespace {
 // pruned, so a later tensor cannot take its address and pass for a shard.
 struct ShardEntry {
   c10::weak_intrusive_ptr<c10::TensorImpl> impl;
-  ShardInfo info;          // rows, the dp group, the TP spec
-  int64_t chunk_rows = 0;  // for checkpoints: rows per rank in the padded layout
+  ShardInfo info;  // rows, the dp group, the TP spec
 };
 std::mutex& shards_mu() {
   static std::mutex mu;
@@ -65,11 +64,17 @@ struct ParamSlot {
   int64_t chunk_rows;  // rows per rank in the padded layout (torch.chunk's chunk size)
   int64_t row_numel;   // elements per row
   int64_t offset;      // start of this parameter in a rank's flat segment
-  at::Tensor shard;    // the leaf the optimizer steps: this rank's rows, unpadded
+  // The leaf the optimizer steps: a DTensor sharded over dp (after tp's placements), whose
+  // local tensor holds this rank's rows, unpadded.
+  at::Tensor shard;
   // Set for a tensor-parallel DTensor parameter: FSDP shards its local tensor, and the gathered
   // local tensor is wrapped back into a DTensor with this spec for the module.
   std::shared_ptr<const DTensorSpec> tp_spec;
 };
+
+// This rank's rows of a parameter: the local tensor of its leaf (read each time: loading a
+// checkpoint or `.data =` may give the leaf another one).
+at::Tensor rows_of(const ParamSlot& p) { return local_tensor(p.shard); }
 
 // Gradient synchronisation of a unit (set_requires_gradient_sync): while off, its backward
 // sums the unsharded gradients into grad_acc instead of reduce-scattering them, and its
@@ -117,6 +122,7 @@ struct UnitState {
   std::vector<ParamSlot> params;
 
   at::ScalarType shard_dtype() const { return params[0].shard.scalar_type(); }
+  at::TensorOptions shard_options() const { return rows_of(params[0]).options(); }
   at::ScalarType gather_dtype() const { return param_dtype.value_or(shard_dtype()); }
   // FSDP2's default: gradients are reduced in the dtype they arrive in (param_dtype).
   at::ScalarType grad_reduce_dtype() const { return reduce_dtype.value_or(gather_dtype()); }
@@ -124,9 +130,11 @@ struct UnitState {
 
 // This rank's flat segment: every shard, in param_dtype, at its offset.
 at::Tensor pack_shards(const UnitState& st) {
-  at::Tensor flat = at::zeros({st.segment}, st.params[0].shard.options().dtype(st.gather_dtype()));
-  for (const auto& p : st.params)
-    flat.narrow(0, p.offset, p.shard.numel()).copy_(p.shard.detach().reshape({-1}));
+  at::Tensor flat = at::zeros({st.segment}, st.shard_options().dtype(st.gather_dtype()));
+  for (const auto& p : st.params) {
+    const at::Tensor rows = rows_of(p);
+    flat.narrow(0, p.offset, rows.numel()).copy_(rows.reshape({-1}));
+  }
   return flat;
 }
 
@@ -369,7 +377,7 @@ struct GatherParams : torch::autograd::Function<GatherParams> {
                                                  torch::autograd::variable_list grads) {
     auto* call = static_cast<GatheredCall*>(ctx->saved_data["call"].toCapsule().get());
     const UnitState& st = *call->unit;
-    const auto opts = st.params[0].shard.options().dtype(st.grad_reduce_dtype());
+    const auto opts = st.shard_options().dtype(st.grad_reduce_dtype());
     at::Tensor buf = at::zeros({st.dp, st.segment}, opts);
     for (size_t i = 0; i < st.params.size(); ++i) {
       const auto& p = st.params[i];
@@ -403,8 +411,12 @@ struct GatherParams : torch::autograd::Function<GatherParams> {
     torch::autograd::variable_list out;
     out.reserve(st.params.size() + 1);
     out.emplace_back();  // for the call
-    for (const auto& p : st.params)
-      out.push_back(mine.narrow(0, p.offset, p.shard.numel()).view(p.shard.sizes()).clone());
+    // Each leaf's gradient: a DTensor laid out like the leaf, holding this rank's rows.
+    for (const auto& p : st.params) {
+      const at::Tensor rows = rows_of(p);
+      out.push_back(make_dtensor(mine.narrow(0, p.offset, rows.numel()).view(rows.sizes()).clone(),
+                                 dtensor_impl(p.shard)->spec()));
+    }
     return out;
   }
 };
@@ -498,45 +510,6 @@ ShardInfo shard_info(const at::Tensor& param) {
 
 namespace {
 
-// A shard's global tensor and back, for checkpoints: the rows of the (tp-local) tensor are
-// gathered over dp, then a TP parameter's local tensors over tp.
-std::optional<checkpoint::ShardedLayout> layout_of(const at::Tensor& param) {
-  std::optional<ShardEntry> entry;
-  {
-    std::lock_guard<std::mutex> l(shards_mu());
-    const ShardEntry* found = find_shard(param);
-    if (!found) return std::nullopt;
-    entry.emplace(*found);
-  }
-  const ShardEntry& e = *entry;
-  checkpoint::ShardedLayout layout;
-  std::vector<int64_t> local_shape = param.sizes().vec();
-  local_shape[0] = e.info.full_rows;
-  layout.global_shape = e.info.tp_spec ? e.info.tp_spec->shape() : local_shape;
-  layout.gather = [e, local_shape](const at::Tensor& local) {
-    std::vector<int64_t> padded_shape = local_shape;
-    padded_shape[0] = e.chunk_rows;
-    at::Tensor padded = at::zeros(padded_shape, local.options());
-    padded.narrow(0, 0, local.size(0)).copy_(local);
-    at::Tensor rows =
-        comm::all_gather_into_tensor(padded, 0, *e.info.dp_group).narrow(0, 0, e.info.full_rows);
-    if (!e.info.tp_spec) return rows;
-    const DTensorSpec& s = *e.info.tp_spec;
-    return full_tensor(from_local(rows.contiguous(), s.mesh(), s.placements(),
-                                  FromLocalOptions{.shape = s.shape(), .stride = s.stride()}));
-  };
-  const int64_t shard_rows = param.size(0);
-  layout.part = [e, shard_rows](const at::Tensor& global) {
-    at::Tensor part = global;
-    if (e.info.tp_spec) {
-      const LocalShard mine = e.info.tp_spec->local_shard();
-      for (int64_t d = 0; d < part.dim(); ++d) part = part.narrow(d, mine.offset[d], mine.shape[d]);
-    }
-    return part.narrow(0, e.info.row_offset, shard_rows);
-  };
-  return layout;
-}
-
 // The checks fully_shard makes before touching the unit; returns the unit's hooks.
 tp::HookedModule& checked_unit(torch::nn::Module& unit, const DeviceMesh& dp_mesh,
                                const FullyShardOptions& options) {
@@ -556,12 +529,40 @@ tp::HookedModule& checked_unit(torch::nn::Module& unit, const DeviceMesh& dp_mes
   return *hooked;
 }
 
+// The layout of a parameter's leaf: Shard(0) over dp, of the parameter itself or, for a TP
+// DTensor, of its tp-local tensor: the leaf's mesh is then (tp, dp) and its placements TP's
+// followed by Shard(0), since a DTensor's mesh dims shard one after the other, each the local
+// tensor the dims before it left (so no strided placement is needed, as it is with dp first).
+SpecPtr leaf_spec(const ParamSlot& p, const DeviceMesh& dp_mesh, at::ScalarType dtype) {
+  if (!p.tp_spec)
+    return make_spec(dp_mesh, {Shard(0)},
+                     TensorMeta{p.full_shape, default_strides(p.full_shape), dtype});
+  const DTensorSpec& tp = *p.tp_spec;
+  Placements placements(tp.placements().begin(), tp.placements().end());
+  placements.push_back(Shard(0));
+  std::optional<DeviceMesh> mesh;
+  try {
+    mesh = DeviceMesh::concatenate({tp.mesh(), dp_mesh});
+  } catch (const c10::Error& e) {
+    TORCH_CHECK(false, "fully_shard: parameter '", p.name, "' is a DTensor on ", tp.mesh().str(),
+                ", which with the dp mesh ", dp_mesh.str(),
+                " does not form one mesh: slice both from one init_device_mesh (",
+                e.what_without_backtrace(), ")");
+  }
+  return make_spec(*mesh, placements, TensorMeta{tp.shape(), tp.stride(), dtype});
+}
+
 // Cuts each collected parameter to this rank's rows (torch.chunk: full chunks first, so
-// trailing ranks may hold fewer or no rows), lays the shards out in one flat segment and lists
-// them in the shard registry.
-void shard_parameters(UnitState& st, int64_t rank) {
+// trailing ranks may hold fewer or no rows), lays the shards out in one flat segment, makes
+// each shard a DTensor leaf and lists them in the shard registry.
+void shard_parameters(UnitState& st, const DeviceMesh& dp_mesh) {
+  const int64_t rank = dp_mesh.get_local_rank();
+  // Every leaf's layout first: a refusal leaves the module as it was.
+  std::vector<SpecPtr> specs;
+  for (const auto& p : st.params) specs.push_back(leaf_spec(p, dp_mesh, p.shard.scalar_type()));
   std::vector<ShardInfo> infos;
-  for (auto& p : st.params) {
+  for (size_t i = 0; i < st.params.size(); ++i) {
+    ParamSlot& p = st.params[i];
     const int64_t rows = p.full_shape[0];
     p.chunk_rows = (rows + st.dp - 1) / st.dp;
     p.row_numel = rows == 0 ? 0 : p.shard.numel() / rows;
@@ -570,7 +571,8 @@ void shard_parameters(UnitState& st, int64_t rank) {
     const int64_t begin = std::min(rows, rank * p.chunk_rows);
     const int64_t end = std::min(rows, begin + p.chunk_rows);
     const bool rg = p.shard.requires_grad();
-    p.shard = p.shard.detach().narrow(0, begin, end - begin).clone().set_requires_grad(rg);
+    at::Tensor rows_here = p.shard.detach().narrow(0, begin, end - begin).clone();
+    p.shard = make_dtensor(std::move(rows_here), specs[i]).set_requires_grad(rg);
     replace_parameter(*p.owner, p.name, p.shard);
     infos.push_back(ShardInfo{rows, begin, st.pg, p.tp_spec});
   }
@@ -579,7 +581,7 @@ void shard_parameters(UnitState& st, int64_t rank) {
     shards().insert_or_assign(
         st.params[i].shard.unsafeGetTensorImpl(),
         ShardEntry{c10::weak_intrusive_ptr<c10::TensorImpl>(st.params[i].shard.getIntrusivePtr()),
-                   infos[i], st.params[i].chunk_rows});
+                   infos[i]});
 }
 
 // The call between the pre-hook and the hook of one forward (not in UnitState: a call holds
@@ -664,8 +666,6 @@ void after_forward(const UnitState& st, const CurrentCall& current, c10::IValue&
 
 void fully_shard(torch::nn::Module& unit, const DeviceMesh& dp_mesh, FullyShardOptions options) {
   tp::HookedModule& hooked = checked_unit(unit, dp_mesh, options);
-  static std::once_flag layout_registered;
-  std::call_once(layout_registered, [] { checkpoint::register_sharded_layout(layout_of); });
   prune_dead_shards();
   auto st = std::make_shared<UnitState>();
   st->unit_name = unit.name();
@@ -678,7 +678,7 @@ void fully_shard(torch::nn::Module& unit, const DeviceMesh& dp_mesh, FullyShardO
   std::unordered_set<const c10::TensorImpl*> seen;
   collect(unit, "", *st, seen);
   if (st->params.empty()) return;  // nothing left to shard (every parameter in child units)
-  shard_parameters(*st, dp_mesh.get_local_rank());
+  shard_parameters(*st, dp_mesh);
   {
     std::lock_guard<std::mutex> l(units_mu());
     for (auto it = units().begin(); it != units().end();)

@@ -14,7 +14,6 @@
 
 #include "dtensor/checkpoint/rank0_outcome.h"
 #include "dtensor/checkpoint/safetensors.h"
-#include "dtensor/checkpoint/sharded_layout.h"
 #include "dtensor/core/api.h"
 #include "dtensor/core/dtensor_impl.h"
 #include "dtensor/models/hf_checkpoint.h"
@@ -70,8 +69,6 @@ void save_hf(const std::string& dir, const TransformerImpl& model, const HfSaveO
     std::string hf_name;
     at::Tensor param;
     bool rotary;
-    // fsdp::fully_shard's shards are plain tensors whose layout gathers them (collective).
-    std::optional<checkpoint::ShardedLayout> sharded;
   };
   std::vector<Item> items;
   std::vector<safetensors::Writer::Entry> entries;
@@ -80,8 +77,7 @@ void save_hf(const std::string& dir, const TransformerImpl& model, const HfSaveO
     const std::string& name = p.key();
     model_dtype = p.value().scalar_type();
     const at::Tensor& t = p.value();
-    items.push_back({hf_parameter_name(name, config), t, detail::has_rotary_rows(name),
-                     is_dtensor(t) ? std::nullopt : checkpoint::sharded_layout_of(t)});
+    items.push_back({hf_parameter_name(name, config), t, detail::has_rotary_rows(name)});
   }
   const c10::ScalarType dtype = options.dtype.value_or(model_dtype);
   // Every rank refuses an unsupported dtype or family before any collective.
@@ -95,8 +91,7 @@ void save_hf(const std::string& dir, const TransformerImpl& model, const HfSaveO
                 "\" is not one the saver writes");
   }
   for (const auto& item : items) {
-    entries.push_back({item.hf_name, dtype,
-                       item.sharded ? item.sharded->global_shape : item.param.sizes().vec()});
+    entries.push_back({item.hf_name, dtype, item.param.sizes().vec()});
   }
 
   const bool writes = checkpoint::detail::global_rank() == 0;
@@ -115,10 +110,8 @@ void save_hf(const std::string& dir, const TransformerImpl& model, const HfSaveO
   at::NoGradGuard no_grad;
   for (const auto& item : items) {
     const at::Tensor& t = item.param;
-    if (!is_dtensor(t) && !item.sharded && !writes) continue;
-    at::Tensor full = is_dtensor(t)  ? full_tensor(t.detach())
-                      : item.sharded ? item.sharded->gather(t.detach())
-                                     : t.detach();
+    if (!is_dtensor(t) && !writes) continue;
+    at::Tensor full = is_dtensor(t) ? full_tensor(t.detach()) : t.detach();
     if (!writes || error) continue;
     try {
       at::Tensor w = full.cpu().to(dtype);

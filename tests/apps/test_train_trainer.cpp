@@ -14,7 +14,6 @@
 
 #include "dtensor/checkpoint/checkpoint.h"
 #include "dtensor/checkpoint/checkpoint_manager.h"
-#include "dtensor/checkpoint/sharded_layout.h"
 #include "dtensor/dtensor.h"
 #include "support/distributed.h"
 #include "support/temp_dir.h"
@@ -86,13 +85,15 @@ void expect_like_one_device(const RunConfig& cfg, const DeviceMesh& mesh) {
   for (const auto& item : one_params) {
     SCOPED_TRACE(item.key());
     const at::Tensor& p = tp_params[item.key()];
-    if (cfg.fsdp) {  // this rank's rows (of its tp-local part)
+    if (cfg.fsdp) {  // this rank's rows (of its tp-local part), and the whole value
       ASSERT_TRUE(fsdp::is_fsdp_shard(p));
       at::Tensor full = item.value();
       if (auto it = tp_specs.find(item.key()); it != tp_specs.end())
         full = to_local(distribute_tensor(full, it->second.mesh(), it->second.placements()));
-      EXPECT_TENSOR_CLOSE(p, full.narrow(0, fsdp::shard_info(p).row_offset, p.size(0)), 1e-9,
-                          1e-11);
+      EXPECT_TENSOR_CLOSE(local_tensor(p),
+                          full.narrow(0, fsdp::shard_info(p).row_offset, local_tensor(p).size(0)),
+                          1e-9, 1e-11);
+      EXPECT_TENSOR_CLOSE(full_tensor(p), item.value(), 1e-9, 1e-11);
       continue;
     }
     // Without sequence parallelism the norm weights stay plain (the Megatron plan); every
@@ -245,8 +246,7 @@ void expect_parameters_like(Trainer& t, Trainer& one, double rtol = 1e-9) {
   for (const auto& item : reference) {
     SCOPED_TRACE(item.key());
     const at::Tensor& p = params[item.key()];
-    at::Tensor whole = is_dtensor(p) ? full_tensor(p) : p;
-    if (auto layout = checkpoint::sharded_layout_of(p)) whole = layout->gather(p);  // FSDP
+    at::Tensor whole = is_dtensor(p) ? full_tensor(p) : p;  // FSDP's leaves are DTensors
     EXPECT_TENSOR_CLOSE(whole, item.value(), rtol, 1e-11);
   }
 }

@@ -95,14 +95,19 @@ void expect_training_matches(const DeviceMesh& mesh, ShardSetup setup,
   ASSERT_EQ(ref_params.size(), dp_params.size());
   // This rank's rows of the one-device tensor `full` for shard `p`.
   auto rows_of = [](const at::Tensor& full, const at::Tensor& p) {
-    return full.narrow(0, fsdp::shard_info(p).row_offset, p.size(0));
+    return full.narrow(0, fsdp::shard_info(p).row_offset, local_of(p).size(0));
   };
   for (const auto& [name, p] : dp_params) {
     SCOPED_TRACE(name);
     ASSERT_TRUE(fsdp::is_fsdp_shard(p));
     EXPECT_TRUE(p.is_leaf());
     EXPECT_EQ(fsdp::shard_info(p).full_rows, ref_params.at(name).size(0));
-    EXPECT_TRUE(close_to_scale(p, rows_of(ref_params.at(name), p), 0.0)) << "initial value";
+    EXPECT_TRUE(close_to_scale(local_of(p), rows_of(ref_params.at(name), p), 0.0))
+        << "initial value";
+    // The leaf is a DTensor: Shard(0) over dp, whose global value is the parameter's.
+    ASSERT_TRUE(is_dtensor(p));
+    EXPECT_EQ(placements(p), Placements{Shard(0)});
+    EXPECT_TRUE(close_to_scale(full_tensor(p.detach()), ref_params.at(name), 0.0));
   }
   const int64_t units = config.n_layers + 1;
   size_t block_params = 0;  // recomputed in backward with activation checkpointing
@@ -148,14 +153,15 @@ void expect_training_matches(const DeviceMesh& mesh, ShardSetup setup,
     for (const auto& [name, p] : dp_params) {
       SCOPED_TRACE(name);
       ASSERT_TRUE(p.grad().defined());
-      EXPECT_TRUE(close_to_scale(p.grad(), rows_of(ref_params.at(name).grad(), p), 1e-9))
+      EXPECT_TRUE(close_to_scale(local_of(p.grad()), rows_of(ref_params.at(name).grad(), p), 1e-9))
           << "gradient";
     }
     ref_opt.step();
     dp_opt.step();
     for (const auto& [name, p] : dp_params) {
       SCOPED_TRACE(name);
-      EXPECT_TRUE(close_to_scale(p, rows_of(ref_params.at(name), p), 1e-9)) << "parameter";
+      EXPECT_TRUE(close_to_scale(local_of(p), rows_of(ref_params.at(name), p), 1e-9))
+          << "parameter";
     }
   }
 }
@@ -215,17 +221,19 @@ TEST(FullyShard, DeferredGradientSyncGathersAndReduceScattersOncePerStep) {
           for (const auto& [name, p] : dp_params) {
             SCOPED_TRACE(name);
             ASSERT_TRUE(p.grad().defined());
-            EXPECT_TRUE(close_to_scale(
-                p.grad(),
-                ref_params.at(name).grad().narrow(0, fsdp::shard_info(p).row_offset, p.size(0)),
-                1e-9))
+            EXPECT_TRUE(close_to_scale(local_of(p.grad()),
+                                       ref_params.at(name).grad().narrow(
+                                           0, fsdp::shard_info(p).row_offset, local_of(p).size(0)),
+                                       1e-9))
                 << "gradient";
           }
           ref_opt.step();
           dp_opt.step();
           for (const auto& [name, p] : dp_params)
             EXPECT_TRUE(close_to_scale(
-                p, ref_params.at(name).narrow(0, fsdp::shard_info(p).row_offset, p.size(0)), 1e-9))
+                local_of(p),
+                ref_params.at(name).narrow(0, fsdp::shard_info(p).row_offset, local_of(p).size(0)),
+                1e-9))
                 << name;
         }
       }
@@ -258,7 +266,8 @@ TEST(FullyShard, OneParameterUnitForwardsAgainAfterADeferredBackward) {
       lin->forward(x.narrow(0, 2 * rank + i, 1)).pow(2).sum().mul(2).backward();  // mean over dp
     }
     const at::Tensor& w = lin->weight;
-    EXPECT_TRUE(close_to_scale(w.grad(), ref->weight.grad().narrow(0, 3 * rank, 3), 1e-12));
+    EXPECT_TRUE(
+        close_to_scale(local_of(w.grad()), ref->weight.grad().narrow(0, 3 * rank, 3), 1e-12));
   });
 }
 
@@ -326,8 +335,8 @@ TEST(FullyShard, BackwardRunsAfterTheModelIsDestroyed) {
       SCOPED_TRACE(name);
       ASSERT_TRUE(p.grad().defined());
       const at::Tensor expected =
-          ref_params.at(name).grad().narrow(0, fsdp::shard_info(p).row_offset, p.size(0));
-      EXPECT_TRUE(close_to_scale(p.grad(), expected, 1e-9));
+          ref_params.at(name).grad().narrow(0, fsdp::shard_info(p).row_offset, local_of(p).size(0));
+      EXPECT_TRUE(close_to_scale(local_of(p.grad()), expected, 1e-9));
     }
   });
 }
@@ -338,6 +347,12 @@ TEST(FullyShard, RefusesBadMeshes) {
     Transformer model(tiny());
     EXPECT_CONTAINS(message_of([&] { fsdp::fully_shard(*model, mesh); }),
                     "expected a 1-D data-parallel mesh");
+    // TP on another mesh than the dp mesh's: the leaf's (tp, dp) mesh cannot be formed.
+    auto other = init_device_mesh("cpu", {2, 2}, {"dp", "tp"});
+    Transformer tp_model(tiny());
+    apply_tensor_parallel(*tp_model, other["tp"]);
+    EXPECT_CONTAINS(message_of([&] { fsdp::fully_shard(*tp_model, mesh["dp"]); }),
+                    "does not form one mesh");
   });
 }
 
@@ -369,7 +384,7 @@ TEST(FullyShard, OverTensorParallelMatchesOneDeviceDp2Tp2) {
         const DTensorSpec& s = tp_specs.at(name);
         const at::Tensor local =
             to_local(distribute_tensor(full.detach(), s.mesh(), s.placements()));
-        return local.narrow(0, fsdp::shard_info(p).row_offset, p.size(0));
+        return local.narrow(0, fsdp::shard_info(p).row_offset, local_of(p).size(0));
       };
       for (int step = 0; step < 3; ++step) {
         SCOPED_TRACE("step " + std::to_string(step));
@@ -387,15 +402,26 @@ TEST(FullyShard, OverTensorParallelMatchesOneDeviceDp2Tp2) {
           SCOPED_TRACE(name);
           ASSERT_TRUE(fsdp::is_fsdp_shard(p));
           ASSERT_TRUE(p.grad().defined());
-          EXPECT_TRUE(close_to_scale(p.grad(), rows_of(name, ref_params.at(name).grad(), p), 1e-9))
+          EXPECT_TRUE(close_to_scale(local_of(p.grad()),
+                                     rows_of(name, ref_params.at(name).grad(), p), 1e-9))
               << "gradient";
+          // The leaf and its gradient are DTensors on (tp, dp): TP's placement, then Shard(0).
+          Placements expected(tp_specs.at(name).placements().begin(),
+                              tp_specs.at(name).placements().end());
+          expected.push_back(Shard(0));
+          EXPECT_EQ(placements(p), expected);
+          EXPECT_EQ(device_mesh(p).dim_names(), (std::vector<std::string>{"tp", "dp"}));
+          EXPECT_TRUE(close_to_scale(full_tensor(p.grad()), ref_params.at(name).grad(), 1e-9))
+              << "whole gradient";
         }
         ref_opt.step();
         dp_opt.step();
         for (const auto& [name, p] : dp_params) {
           SCOPED_TRACE(name);
-          EXPECT_TRUE(close_to_scale(p, rows_of(name, ref_params.at(name), p), 1e-9))
+          EXPECT_TRUE(close_to_scale(local_of(p), rows_of(name, ref_params.at(name), p), 1e-9))
               << "parameter";
+          EXPECT_TRUE(close_to_scale(full_tensor(p.detach()), ref_params.at(name), 1e-9))
+              << "whole parameter";
         }
       }
     }
@@ -420,7 +446,8 @@ TEST(FullyShard, ModelsShardedOneAfterAnotherAreEachShardedWhole) {
       for (const auto& p : model->parameters()) {
         ASSERT_TRUE(fsdp::is_fsdp_shard(p));
         EXPECT_EQ(fsdp::shard_info(p).full_rows, rows[i]);
-        EXPECT_EQ(p.size(0), (rows[i] + 1) / 2 - (mesh.get_local_rank() == 1 ? rows[i] % 2 : 0));
+        EXPECT_EQ(local_of(p).size(0),
+                  (rows[i] + 1) / 2 - (mesh.get_local_rank() == 1 ? rows[i] % 2 : 0));
         ++i;
       }
     }
@@ -433,8 +460,8 @@ namespace {
 
 // Bytes of the parameters, their gradients and AdamW's moments this rank holds.
 int64_t state_bytes(const torch::nn::Module& model, torch::optim::AdamW& opt) {
-  auto bytes = [](const at::Tensor& t) {
-    return t.defined() ? t.numel() * static_cast<int64_t>(t.element_size()) : 0;
+  auto bytes = [](const at::Tensor& t) {  // what this rank holds (FSDP's leaves are DTensors)
+    return t.defined() ? local_of(t).numel() * static_cast<int64_t>(t.element_size()) : 0;
   };
   int64_t total = 0;
   for (const at::Tensor& p : model.parameters()) {

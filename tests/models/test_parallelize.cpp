@@ -11,7 +11,6 @@
 
 #include <string>
 
-#include "dtensor/checkpoint/sharded_layout.h"
 #include "dtensor/dtensor.h"
 #include "dtensor/fsdp/clip_grad_norm.h"
 #include "dtensor/models/parallelize.h"
@@ -35,11 +34,8 @@ DecoderConfig tiny(bool tied) {
 }
 
 // Whether `t` (parameter `p` or its gradient, as this rank holds it) is the one-device tensor
-// `full`: an FSDP shard is compared with its rows, a DTensor gathered whole.
-::testing::AssertionResult matches(const at::Tensor& p, const at::Tensor& t,
-                                   const at::Tensor& full) {
-  if (auto layout = checkpoint::sharded_layout_of(p))
-    return close_to_scale(t, layout->part(full), 1e-9);
+// `full`: a DTensor (an FSDP leaf among them) gathered whole.
+::testing::AssertionResult matches(const at::Tensor& t, const at::Tensor& full) {
   return close_to_scale(whole(t), full, 1e-9);
 }
 
@@ -64,13 +60,17 @@ void expect_matches_one_device(int64_t dp, int64_t tp, bool fully_shard, bool ac
       ParallelizeOptions par{.ac = ac ? ac::ACMode::full : ac::ACMode::none,
                              .fully_shard = fully_shard};
       parallelize(*model, mesh, par);
-      // TP exactly when the "tp" dim has more than one rank; FSDP leaves no plain parameter.
-      bool any_dtensor = false, all_shards = true;
+      // TP exactly when the "tp" dim has more than one rank (a DTensor whose mesh has it, FSDP's
+      // leaves included); FSDP leaves no parameter unsharded.
+      bool any_tp = false, all_shards = true;
       for (const auto& p : unique_parameters(*model)) {
-        any_dtensor = any_dtensor || is_dtensor(p);
+        if (is_dtensor(p)) {
+          const auto& names = device_mesh(p).dim_names();
+          any_tp = any_tp || std::find(names.begin(), names.end(), "tp") != names.end();
+        }
         all_shards = all_shards && fsdp::is_fsdp_shard(p);
       }
-      EXPECT_EQ(any_dtensor, tp > 1 && !fully_shard);
+      EXPECT_EQ(any_tp, tp > 1);
       EXPECT_EQ(all_shards, fully_shard);
       const auto opt = torch::optim::AdamWOptions(1e-2).weight_decay(0.1);
       torch::optim::AdamW ref_opt(unique_parameters(*ref), opt),
@@ -97,13 +97,13 @@ void expect_matches_one_device(int64_t dp, int64_t tp, bool fully_shard, bool ac
         for (const auto& [name, p] : params) {
           SCOPED_TRACE(name);
           ASSERT_TRUE(p.grad().defined());
-          EXPECT_TRUE(matches(p, p.grad(), ref_params.at(name).grad())) << "clipped gradient";
+          EXPECT_TRUE(matches(p.grad(), ref_params.at(name).grad())) << "clipped gradient";
         }
         ref_opt.step();
         model_opt.step();
         for (const auto& [name, p] : params) {
           SCOPED_TRACE(name);
-          EXPECT_TRUE(matches(p, p, ref_params.at(name))) << "parameter after the step";
+          EXPECT_TRUE(matches(p, ref_params.at(name))) << "parameter after the step";
         }
       }
     }

@@ -22,7 +22,6 @@
 #include <vector>
 
 #include "dtensor/ac/checkpoint.h"
-#include "dtensor/checkpoint/sharded_layout.h"
 #include "dtensor/dtensor.h"
 #include "dtensor/fsdp/fully_shard.h"
 #include "dtensor/models/meta_init.h"
@@ -77,14 +76,6 @@ Built build(const DeviceMesh& mesh, const DecoderConfig& config, Kind kind, bool
   return b;
 }
 
-// What this rank holds of the one-device tensor `full` laid out like parameter `p`: an FSDP
-// shard's rows (of its tp-local part), a DTensor's local tensor, or all of it.
-at::Tensor mine_of(const at::Tensor& p, const at::Tensor& full) {
-  if (auto layout = checkpoint::sharded_layout_of(p)) return layout->part(full);
-  return full;
-}
-at::Tensor local_of(const at::Tensor& t) { return is_dtensor(t) ? local_tensor(t) : t; }
-
 int64_t count(const CommCounts& c, CommType t) {
   auto it = c.find(t);
   return it == c.end() ? 0 : it->second;
@@ -125,7 +116,7 @@ void expect_layout_matches(int64_t pp, int64_t dp, int64_t tp, int64_t microbatc
         for (const auto& [name, p] : params) {
           SCOPED_TRACE(name);
           ASSERT_TRUE(ref_params.count(name));
-          EXPECT_TRUE(close_to_scale(local_of(p), mine_of(p, ref_params.at(name)), 0.0));
+          EXPECT_TRUE(close_to_scale(local_of(p), part_like(p, ref_params.at(name)), 0.0));
         }
         CommCounts counts;
         for (int step = 0; step < 3; ++step) {
@@ -170,14 +161,14 @@ void expect_layout_matches(int64_t pp, int64_t dp, int64_t tp, int64_t microbatc
             SCOPED_TRACE(name);
             ASSERT_TRUE(p.grad().defined());
             EXPECT_TRUE(
-                close_to_scale(local_of(p.grad()), mine_of(p, ref_params.at(name).grad()), 1e-9))
+                close_to_scale(local_of(p.grad()), part_like(p, ref_params.at(name).grad()), 1e-9))
                 << "gradient";
           }
           ref_opt.step();
           opt_stage.step();
           for (const auto& [name, p] : params) {
             SCOPED_TRACE(name);
-            EXPECT_TRUE(close_to_scale(local_of(p), mine_of(p, ref_params.at(name)), 1e-9))
+            EXPECT_TRUE(close_to_scale(local_of(p), part_like(p, ref_params.at(name)), 1e-9))
                 << "parameter after the step";
           }
         }

@@ -1,16 +1,18 @@
 #pragma once
 // clip_grad_norm_ for the parameters of any layout the library composes (models/parallelize.h):
-// FSDP shards over "dp" (of TP's DTensors or of plain parameters), TP's DTensors, plain tensors,
-// and the stages of a pipeline, each rank holding its own. Like torch::nn::utils::clip_grad_norm_
-// (the 2-norm of all gradients together; each gradient scaled by max_norm / (norm + 1e-6) when
-// that is below 1), with every element of the global gradients counted exactly once: an FSDP
-// shard's squares are summed over its dp group, and over its tp group where TP shards the
-// parameter; DTensor gradients go through LibTorch's clip_grad_norm_ (a pending p-norm, one
-// all_reduce for the sharded ones); the stages' squares are summed over the pp group.
+// FSDP's leaves (DTensors over "dp", or (tp, dp) for TP's parameters), TP's DTensors, plain
+// tensors, and the stages of a pipeline, each rank holding its own. Like
+// torch::nn::utils::clip_grad_norm_ (the 2-norm of all gradients together; each gradient scaled
+// by max_norm / (norm + 1e-6) when that is below 1), with every element of the global gradients
+// counted exactly once: with FSDP, each gradient's squares are summed over the mesh dims its
+// placements shard it over; without, DTensor gradients go through LibTorch's clip_grad_norm_ (a
+// pending p-norm, one all_reduce for the sharded ones); the stages' squares are summed over the
+// pp group.
 //
-// Collectives per call: with FSDP shards, one all_reduce on the dp group and, where TP shards
-// some of them over more than one rank, one on the tp group; DTensor gradients, what LibTorch's
-// clip_grad_norm_ issues on them; with a stage group, one all_reduce on it.
+// Collectives per call: with FSDP, one all_reduce per group some gradient is sharded over (the
+// dp group, and the tp group where TP shards some parameters over more than one rank); DTensor
+// gradients without FSDP, what LibTorch's clip_grad_norm_ issues on them; with a stage group,
+// one all_reduce on it.
 #include <ATen/core/Tensor.h>
 
 #include <functional>

@@ -1,10 +1,10 @@
 #pragma once
 // fully_shard: data-parallel sharding of a module's parameters over a 1-D "dp" mesh (PyTorch's
-// FSDP2). Each parameter is replaced by a leaf holding this dp rank's rows (dim 0, torch.chunk
-// split); the optimizer steps those leaves. Each forward of the unit issues one all-gather of
-// all its shards (one flat buffer) and runs on the gathered parameters; the backward of that
-// gather is one reduce-scatter that averages the gradients over dp into the leaves' grads, after
-// which the gathered parameters are freed.
+// FSDP2). Each parameter is replaced by a leaf, a DTensor sharded Shard(0) over "dp" whose local
+// tensor holds this dp rank's rows (torch.chunk split); the optimizer steps those leaves. Each
+// forward of the unit issues one all-gather of all its shards (one flat buffer) and runs on the
+// gathered parameters; the backward of that gather is one reduce-scatter that averages the
+// gradients over dp into the leaves' grads, after which the gathered parameters are freed.
 //
 // With reshard_after_forward the gathered parameters' storage is freed (resized to 0 bytes; the
 // tensors autograd saved stay, empty) when the unit's forward returns, and gathered again into
@@ -20,7 +20,13 @@
 // tp-local tensor is what is sharded over dp (shard_info counts its rows), and the gathered
 // local tensor is wrapped back into a DTensor with the parameter's spec for the module, whose
 // backward moves the gradient to the parameter's placements (a Partial gradient is summed
-// over tp) before the reduce-scatter over dp. The leaves the optimizer steps are plain tensors.
+// over tp) before the reduce-scatter over dp. Its leaf is a 2-D DTensor on the mesh
+// (tp, dp) = DeviceMesh::concatenate({mesh["tp"], mesh["dp"]}) with placements (TP's, Shard(0)):
+// mesh dims shard in order, each the local tensor left by the ones before, which is exactly
+// FSDP's rows of the tp-local tensor (PyTorch's FSDP2 puts dp first and needs _StridedShard).
+// Being DTensors, the leaves need nothing FSDP-specific elsewhere: full_tensor() gives the
+// global value, checkpoints save and load them and their optimizer state like any DTensor, and
+// fsdp::clip_grad_norm_ counts each element once from the placements.
 //
 //   for (auto& block : *model->layers) fsdp::fully_shard(*block, dp_mesh);
 //   fsdp::fully_shard(*model, dp_mesh);   // the root last: it takes the parameters left over
@@ -29,12 +35,12 @@
 //   apply_tensor_parallel(*model, mesh["tp"]);  then fully_shard each block and the root on
 //   mesh["dp"] as above
 //
-// Checkpoints (dtensor/checkpoint/checkpoint.h) see the shards' global tensors: save_checkpoint
-// writes each parameter and its optimizer state whole under the parameter's name, and
-// load_checkpoint gives each rank its rows, so a checkpoint moves between any (dp, tp) layouts
-// and one device.
+// Checkpoints (dtensor/checkpoint/checkpoint.h) save each leaf and its optimizer state whole
+// under the parameter's name and load each rank's rows, so a checkpoint moves between any
+// (dp, tp) layouts and one device.
 //
-// Limitations: DTensor parameters must live on a 1-D mesh; tied parameters are refused; the
+// Limitations: DTensor parameters must live on a 1-D mesh sliced, like the dp mesh, from one
+// mesh; tied parameters are refused; the
 // unit's backward must start from its outputs (a gathered parameter that leaves
 // the unit other than through its outputs is not gathered again for backward).
 #include <c10/core/ScalarType.h>

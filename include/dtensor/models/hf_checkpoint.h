@@ -96,8 +96,8 @@ struct HfSaveOptions {
 /// Writes `dir`/config.json and `dir`/model.safetensors (metadata {"format": "pt"}) that
 /// transformers' from_pretrained (the family's ForCausalLM class) loads unchanged: HF names, q/k
 /// rows back in rotate-half order, no lm_head when the embedding is tied. Collective, from any TP
-/// degree and FSDP sharding: every rank calls it, parameters are gathered with full_tensor (FSDP
-/// shards by their checkpoint::ShardedLayout), global rank 0 writes (the
+/// degree and FSDP sharding: every rank calls it, parameters are gathered with full_tensor (FSDP's
+/// leaves are DTensors too), global rank 0 writes (the
 /// safetensors file atomically) and every rank throws if rank 0 failed.
 void save_hf(const std::string& dir, const TransformerImpl& model,
              const HfSaveOptions& options = {});
