@@ -20,6 +20,7 @@
 #include "dtensor/core/dtensor_impl.h"
 #include "dtensor/core/shard_math.h"
 #include "dtensor/ops/kernel_collectives.h"
+#include "dtensor/ops/layout_invariant.h"
 #include "dtensor/tp/loss_parallel.h"
 
 namespace dtensor::tp::detail {
@@ -63,10 +64,16 @@ struct SmoothingTerm : torch::autograd::Function<SmoothingTerm> {
     } else {
       w_total = at::scalar_tensor(static_cast<double>(spec.shape()[c]), lp.options());
     }
-    const at::Tensor part = (w_local.defined() ? lp * w_local : lp).sum(c).neg();
+    const at::Tensor weighted = w_local.defined() ? lp * w_local : lp;
+    constexpr const char* kOp = "aten::cross_entropy_loss (label smoothing, loss parallel)";
+    // In LayoutInvariantMode the classes' sum is taken in the canonical order (negating after
+    // the sum is exact: the same bits as summing the negated parts).
     at::Tensor smooth =
-        ops::kernel_all_reduce("aten::cross_entropy_loss (label smoothing, loss parallel)", part,
-                               ReduceOp::Sum, spec.mesh(), 0);
+        ops::layout_invariant_segments() > 0
+            ? ops::canonical_reduce(
+                  weighted, c, [c](const at::Tensor& s) { return s.sum(c); }, &spec.mesh(), 0, kOp)
+                  .neg()
+            : ops::kernel_all_reduce(kOp, weighted.sum(c).neg(), ReduceOp::Sum, spec.mesh(), 0);
     smooth.masked_fill_(keep.logical_not(), 0);
 
     at::Tensor denom;

@@ -5,6 +5,7 @@
 // generation. (Not run under mpirun: each case compares runs of different world sizes.)
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
+#include <torch/nn/functional/loss.h>
 #include <torch/optim/adamw.h>
 
 #include <cstring>
@@ -207,6 +208,42 @@ TEST(LayoutInvariantMode, SequenceParallelTrainingWithClippingHasTheSameBitsAtTp
   }
   const Tensors one = safetensors::load_file(file_of(dir, 1));
   EXPECT_GT(one.at("norms")[0].item<double>(), 0.5);
+  expect_same_bits(safetensors::load_file(file_of(dir, 2)), one, "tp=2");
+  expect_same_bits(safetensors::load_file(file_of(dir, 4)), one, "tp=4");
+}
+
+// The vocab-parallel loss with label smoothing (its smoothing term sums the log-probabilities
+// over the sharded classes): all mass smoothed, per row (where the term's bits show: smoothing
+// 0.1 scales them below the loss's last bit), and 0.1 with class weights, the mean.
+TEST(LayoutInvariantMode, LabelSmoothedVocabParallelLossHasTheSameBitsAtTp1Tp2AndTp4) {
+  namespace F = torch::nn::functional;
+  TempDir dir;
+  for (int tp : {1, 2, 4}) {
+    run_ranks(tp, [&](int rank) {
+      auto mesh = init_device_mesh("cpu", {tp});
+      at::manual_seed(5);
+      const at::Tensor x = at::randn({6, 200}) * 3;
+      const at::Tensor target = at::randint(200, {6}, at::kLong);
+      const at::Tensor weight = at::rand({200}) + 0.5;
+      Tensors out;
+      for (bool weighted : {false, true}) {
+        const std::string key = weighted ? "weighted." : "plain.";
+        auto dx = distribute_tensor(x, mesh, {Shard(1)}).requires_grad_(true);
+        auto o = F::CrossEntropyFuncOptions().label_smoothing(weighted ? 0.1 : 1.0);
+        if (weighted) o.weight(distribute_tensor(weight, mesh, {Replicate()}));
+        if (!weighted) o.reduction(torch::kNone);
+        ops::LayoutInvariantMode invariant(4);
+        tp::LossParallel loss_parallel;
+        const at::Tensor loss =
+            F::cross_entropy(dx, distribute_tensor(target, mesh, {Replicate()}), o);
+        loss.backward(weighted ? at::Tensor() : at::ones_like(loss));
+        out[key + "loss"] = full_tensor(loss.detach());
+        out[key + "grad"] = full_tensor(dx.grad());
+      }
+      if (rank == 0) safetensors::save_file(out, file_of(dir, tp));
+    });
+  }
+  const Tensors one = safetensors::load_file(file_of(dir, 1));
   expect_same_bits(safetensors::load_file(file_of(dir, 2)), one, "tp=2");
   expect_same_bits(safetensors::load_file(file_of(dir, 4)), one, "tp=4");
 }

@@ -4,12 +4,12 @@
 // one canonical order whatever the number of ranks: a matrix product whose contracted dim is
 // sharded (a row-parallel linear's forward, a column-parallel linear's input gradient), a sum or
 // a vector norm over a sharded dim (sequence-parallel norm weights' gradients, the gradient norm
-// for clipping) and the vocab-parallel loss's sum over the classes. The dim is cut into
-// `max_degree` equal segments, each reduced alone (the same shapes on every layout, so the same
-// bits), and the segments are added in a fixed binary tree: this rank's segments locally, then,
-// after one all_gather of the ranks' subtotals, the rest of the tree in rank order. The result
-// comes out Replicate, not pending, with an addmm's bias added after the whole sum. So a model
-// parallelized at TP 1 (on a one-rank mesh), 2 or 4 trains and generates bit for bit alike,
+// for clipping) and the vocab-parallel loss's sums over the classes (label smoothing's too). The
+// dim is cut into `max_degree` equal segments, each reduced alone (the same shapes on every layout,
+// so the same bits), and the segments are added in a fixed binary tree: this rank's segments
+// locally, then, after one all_gather of the ranks' subtotals, the rest of the tree in rank order.
+// The result comes out Replicate, not pending, with an addmm's bias added after the whole sum. So a
+// model parallelized at TP 1 (on a one-rank mesh), 2 or 4 trains and generates bit for bit alike,
 // where all_reduce would add the ranks' partial sums in an order of the engine's choosing.
 //
 //   {
@@ -24,8 +24,7 @@
 // power of two; the summed dim divides into max_degree segments; column shards are at least 16
 // wide (narrower ones take another kernel path in this LibTorch). It costs one all_gather per
 // sum instead of an all_reduce, and max_degree smaller products. Not yet: replicated KV
-// projections' gradient sums, label smoothing's sum in the vocab-parallel loss, FSDP's
-// reduce-scatter and pipelines' micro-batch accumulation.
+// projections' gradient sums, FSDP's reduce-scatter and pipelines' micro-batch accumulation.
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
