@@ -8,6 +8,7 @@
 #include <cstdlib>
 #include <iostream>
 #include <optional>
+#include <stdexcept>
 #include <string>
 #include <thread>
 #include <vector>
@@ -17,6 +18,7 @@
 #include "dtensor/comm/process_group.h"
 #include "dtensor/mesh/device_mesh.h"
 #include "dtensor/models/generate.h"
+#include "dtensor/ops/layout_invariant.h"
 #include "dtensor/text/bpe_tokenizer.h"
 #include "model_source.h"
 #include "train/tokenizer.h"
@@ -30,6 +32,7 @@ struct Options {
   std::vector<std::string> prompts;
   models::GenerateOptions generate;
   int threads = 1;
+  int64_t layout_invariant = 0;  // --layout-invariant P; 0: off
 };
 
 // A byte model's token is one byte; ids past 255 (presets with larger vocabularies) print as
@@ -48,11 +51,18 @@ int run(const Options& o, const comm::LaunchEnv& env) {
   comm::init_process_group();
   const DeviceMesh mesh = init_device_mesh("cpu", {comm::get_world_size()}, {"tp"});
   const bool rank0 = env.rank == 0;
+  // Every rank refuses alike, before loading anything.
+  const int64_t p = o.layout_invariant;
+  if (p > 0 && ((p & (p - 1)) != 0 || p % mesh.size() != 0))
+    throw std::invalid_argument("--layout-invariant " + std::to_string(p) +
+                                ": P must be a power of two that the TP degree (" +
+                                std::to_string(mesh.size()) + " ranks) divides, e.g. 4");
   auto loaded = generate_app::load_model(o.source, mesh);
   const auto& config = loaded.model->config();
   if (rank0)
     std::cerr << "dtensor_generate: " << loaded.description << "; " << config.num_parameters()
-              << " parameters, TP=" << mesh.size() << "\n";
+              << " parameters, TP=" << mesh.size()
+              << (p > 0 ? ", layout-invariant (" + std::to_string(p) + " segments)" : "") << "\n";
 
   // A Hugging Face model brings its BPE tokenizer; the bundled models use bytes.
   std::optional<text::BpeTokenizer> bpe;
@@ -87,7 +97,10 @@ int run(const Options& o, const comm::LaunchEnv& env) {
       }
     };
   }
+  std::optional<ops::LayoutInvariantMode> invariant;
+  if (p > 0) invariant.emplace(p);  // the same logits and tokens at every TP degree dividing P
   const auto result = models::generate(*loaded.model, prompts, g);
+  invariant.reset();
   if (rank0) {
     if (stream) std::cout << "\n";
     for (size_t b = 0; !stream && b < prompts.size(); ++b) {
@@ -149,6 +162,10 @@ int main(int argc, char** argv) {
       ->check(CLI::IsMember({"float32", "float64"}));
   app.add_option("--threads", o.threads, "intra-op threads per rank")
       ->default_val(1)
+      ->check(CLI::PositiveNumber);
+  app.add_option("--layout-invariant", o.layout_invariant,
+                 "P (a power of two): the same logits and tokens, bit for bit, at every TP degree "
+                 "dividing P (each row-parallel sum in P fixed segments, added in one order)")
       ->check(CLI::PositiveNumber);
   try {
     app.parse(argc, argv);

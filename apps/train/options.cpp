@@ -117,6 +117,11 @@ parallelism and numerics:
                          gradients are reduce-scattered in float32 (needs --dtype float32)
   --dtype T              float32 | float64 (default float32)
   --threads N            intra-op threads per rank (default 1)
+  --layout-invariant P   the same bits at every TP degree dividing P (a power of two, e.g. 4):
+                         each sum over a split dimension is cut into P fixed segments added
+                         in one fixed order, so runs at TP 1, 2 and 4 give identical losses
+                         and weights (at most ~1.3x the step time); TP only, not with --pp,
+                         --dp, --dp-shard or --overlap-comm
   --verify-tp1           afterwards re-run the same steps on one device with plain LibTorch
                          and compare the losses; exit 3 on a mismatch
   --verify-rtol X        relative tolerance of that check (default 1e-4; 1e-9 in float64)
@@ -195,6 +200,7 @@ void add_parallel_options(CLI::App& app, TrainOptions& o) {
   app.add_option("--mixed-precision", o.mixed_precision)->check(cli::one_of({"none", "bf16"}));
   app.add_option("--dtype", o.dtype)->check(cli::one_of({"float32", "float64"}));
   app.add_option("--threads", o.threads)->check(cli::integer(1));
+  app.add_option("--layout-invariant", o.layout_invariant)->check(cli::integer(1));
   app.add_flag_callback("--verify-tp1", [&o] { o.verify_tp1 = true; })->disable_flag_override();
   add_optional(app, "--verify-rtol", o.verify_rtol)->check(cli::number(0, 1, true));
 }

@@ -57,6 +57,9 @@ struct TrainOptions {
   std::string mixed_precision = "none";   // none | bf16 (with --dp-shard)
   std::string dtype = "float32";
   int64_t threads = 1;
+  // --layout-invariant P: the same bits at every TP degree dividing P (ops::LayoutInvariantMode
+  // with P segments); 0: off.
+  int64_t layout_invariant = 0;
 
   // Pipeline parallelism: --pp stages, ranks form a pp x tp mesh; 1: off.
   int64_t pp = 1;

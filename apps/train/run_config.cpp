@@ -164,6 +164,31 @@ void resolve_training(const TrainOptions& o, RunConfig& c) {
   c.verify_rtol = o.verify_rtol.value_or(c.dtype == c10::kDouble ? 1e-9 : 1e-4);
 }
 
+// --layout-invariant P: what the mode covers so far is tensor parallelism of a degree dividing P.
+void resolve_layout_invariant(const TrainOptions& o, RunConfig& c) {
+  const int64_t p = o.layout_invariant;
+  if (p == 0) return;
+  const std::string flag = "--layout-invariant " + std::to_string(p);
+  if ((p & (p - 1)) != 0)
+    bad(flag +
+        ": P is the number of canonical segments each sum is cut into: a power of two "
+        "(e.g. 4, for the same bits at TP 1, 2 and 4)");
+  if (c.pp > 1 || c.dp > 1)
+    bad(flag + " covers tensor parallelism only: with " +
+        (c.pp > 1 ? "--pp"
+         : c.fsdp ? "--dp-shard"
+                  : "--dp") +
+        " some sums (micro-batch accumulation, the data-parallel gradient sum) are not "
+        "canonical yet; launch TP ranks alone");
+  if (p % c.tp != 0)
+    bad(flag + ": the TP degree " + std::to_string(c.tp) +
+        " must divide P (each rank takes P / TP of the segments); launch " + std::to_string(p) +
+        " ranks or fewer, a divisor of it");
+  if (c.overlap_comm)
+    bad("--overlap-comm splits the blocks' products its own way; it does not combine with " + flag);
+  c.layout_invariant = p;
+}
+
 // The TP plan's options, pipeline stages and the data-parallel degree (plain or FSDP).
 void resolve_parallelism(const TrainOptions& o, int64_t world_size, RunConfig& c) {
   c.sequence_parallel = o.sequence_parallel;
@@ -234,6 +259,7 @@ void resolve_parallelism(const TrainOptions& o, int64_t world_size, RunConfig& c
         " TP ranks, but --seq-len is " + std::to_string(c.seq_len) + ": use a multiple of " +
         std::to_string(c.tp) + " or --no-sequence-parallel");
   }
+  resolve_layout_invariant(o, c);
 }
 
 }  // namespace
@@ -250,7 +276,8 @@ RunConfig one_device(const RunConfig& config) {
   RunConfig one = config;
   one.world_size = one.dp = one.tp = one.pp = one.virtual_stages = 1;
   one.fsdp = false;
-  one.bf16 = false;  // FSDP's mixed precision: one device runs (and checks against) float32
+  one.bf16 = false;          // FSDP's mixed precision: one device runs (and checks against) float32
+  one.layout_invariant = 0;  // plain LibTorch: no DTensor sums to make canonical
   return one;
 }
 
@@ -273,6 +300,7 @@ std::string RunConfig::to_json() const {
      << ", \"sequence_parallel\": " << (sequence_parallel ? "true" : "false")
      << ", \"loss_parallel\": " << (loss_parallel ? "true" : "false") << ", \"ac\": \"" << ac
      << "\"" << (ac_replay_collectives ? "" : ", \"ac_recompute_collectives\": true");
+  if (layout_invariant > 0) js << ", \"layout_invariant\": " << layout_invariant;
   if (plan) js << ", \"plan\": " << std::quoted(plan->path);
   if (!hf_dir.empty()) js << ", \"hf\": " << std::quoted(hf_dir);
   js << "}\n}\n";
@@ -292,6 +320,8 @@ models::ParallelizeOptions parallelize_options(const RunConfig& config) {
   o.ac = ac::parse_ac_mode(config.ac);
   o.ac_options.replay_collectives = config.ac_replay_collectives;
   o.fully_shard = config.fsdp;
+  // The mode's one-device run takes TP's canonical sums too: TP on a one-rank mesh.
+  o.tensor_parallel_on_one_rank = config.layout_invariant > 0;
   if (config.bf16) {  // compute in bfloat16, reduce in float32 (torchtitan's default)
     o.fsdp.param_dtype = at::kBFloat16;
     o.fsdp.reduce_dtype = at::kFloat;

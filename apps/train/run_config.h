@@ -49,6 +49,9 @@ struct RunConfig {
   bool bf16 = false;             // --mixed-precision bf16: FSDP gathers and computes in bfloat16
   std::optional<PlanFile> plan;  // --plan: used instead of the built-in Llama plan
   double verify_rtol = 1e-4;
+  // --layout-invariant P: every sum over a sharded dim in P canonical segments, so TP 1, 2, 4
+  // (dividing P) train bit for bit alike (ops::LayoutInvariantMode); 0: off.
+  int64_t layout_invariant = 0;
   // dtensor_plan: the model is built on the meta device (shapes and dtypes, no values) and the
   // pipeline stages are told their boundary activations instead of exchanging their shapes.
   bool meta = false;

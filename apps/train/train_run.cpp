@@ -146,10 +146,22 @@ std::string parallel_line(const RunConfig& c, int64_t threads) {
   s << "TP=" << c.tp;
   if (c.plan) {
     s << " (plan " << c.plan->path << ")";
-  } else if (c.tp > 1) {
+  } else if (c.tp > 1 || c.layout_invariant > 0) {
     s << " (" << (c.sequence_parallel ? "sequence parallel" : "no sequence parallel") << ", "
       << (c.loss_parallel ? "loss parallel" : "gathered logits") << ")";
   }
+  if (c.layout_invariant > 0)
+    s << ", layout-invariant (" << c.layout_invariant << " segments: the same bits at TP " <<
+        [&] {
+          std::string degrees;
+          for (int64_t d = 1; d <= c.layout_invariant; d *= 2)
+            degrees += (degrees.empty()              ? ""
+                        : d * 2 > c.layout_invariant ? " and "
+                                                     : ", ") +
+                       std::to_string(d);
+          return degrees;
+        }()
+      << ")";
   s << ac_description(c);
   s << (c.dp > 1 ? " x DP=" + std::to_string(c.dp) : std::string()) << " on " << c.world_size
     << " CPU rank" << (c.world_size > 1 ? "s" : "") << ", " << threads << " thread"

@@ -148,7 +148,13 @@ at::Tensor Trainer::forward_backward(const Batch& global_batch) {
   return loss;
 }
 
+std::unique_ptr<ops::LayoutInvariantMode> Trainer::layout_invariant_mode() const {
+  if (config_.layout_invariant == 0) return nullptr;
+  return std::make_unique<ops::LayoutInvariantMode>(config_.layout_invariant);
+}
+
 StepStats Trainer::train_step(int64_t step, const Batch& global_batch) {
+  const auto invariant = layout_invariant_mode();  // backward, clipping and AdamW too
   StepStats stats;
   stats.lr = config_.schedule.at(step);
   for (auto& group : optimizer_->param_groups()) {
@@ -214,6 +220,7 @@ int64_t Trainer::state_bytes_per_rank() const {
 }
 
 double Trainer::evaluate(const BatchSampler& val, int64_t n_batches) {
+  const auto invariant = layout_invariant_mode();
   at::NoGradGuard no_grad;
   module().eval();
   double total = 0;
@@ -234,6 +241,7 @@ double Trainer::evaluate(const BatchSampler& val, int64_t n_batches) {
 
 std::vector<int64_t> Trainer::generate(const std::vector<int64_t>& prompt, int64_t n_tokens,
                                        double temperature, uint64_t seed, int64_t decodable) {
+  const auto invariant = layout_invariant_mode();
   at::NoGradGuard no_grad;
   module().eval();
   auto gen = at::make_generator<at::CPUGeneratorImpl>(seed);

@@ -13,6 +13,7 @@
 #include "corpus.h"
 #include "dtensor/mesh/device_mesh.h"
 #include "dtensor/models/transformer.h"
+#include "dtensor/ops/layout_invariant.h"
 #include "run_config.h"
 
 namespace dtensor::train {
@@ -92,6 +93,9 @@ class Trainer {
   void all_reduce_dp_grads();
   double clip_grad_norm(double max_norm);  // returns the global norm before clipping
   double mean_over_dp(double v) const;
+  // --layout-invariant: the mode's guard for a step, an evaluation or a generation (nullptr:
+  // off).
+  std::unique_ptr<ops::LayoutInvariantMode> layout_invariant_mode() const;
 
   RunConfig config_;
   std::optional<DeviceMesh> mesh_;

@@ -16,12 +16,13 @@ std::optional<DeviceMesh> mesh_dim_named(const DeviceMesh& mesh, const std::stri
   return mesh.ndim() == 1 ? mesh : mesh[name];
 }
 
-// TP where the mesh has a "tp" dim (get_tp_mesh) of more than one rank, as torchtitan decides.
-std::optional<DeviceMesh> tp_to_apply(const DeviceMesh& mesh) {
+// TP where the mesh has a "tp" dim (get_tp_mesh) of more than one rank, as torchtitan decides
+// (of one rank too with tensor_parallel_on_one_rank).
+std::optional<DeviceMesh> tp_to_apply(const DeviceMesh& mesh, const ParallelizeOptions& o) {
   std::optional<DeviceMesh> tp = get_tp_mesh(mesh);
   if (tp && mesh.ndim() == 1 && mesh.has_dim_names() && mesh.dim_names()[0] != "tp")
     tp.reset();  // a 1-D mesh named otherwise ("dp", "pp") is not TP's
-  if (tp && tp->size() == 1) tp.reset();
+  if (tp && tp->size() == 1 && !o.tensor_parallel_on_one_rank) tp.reset();
   return tp;
 }
 
@@ -48,7 +49,7 @@ void checkpoint_and_shard(torch::nn::Module& root, const std::vector<torch::nn::
 
 void parallelize(TransformerImpl& model, const DeviceMesh& mesh, const ParallelizeOptions& options,
                  const std::function<void(TransformerImpl&)>& after_tensor_parallel) {
-  if (const auto tp = tp_to_apply(mesh)) {
+  if (const auto tp = tp_to_apply(mesh, options)) {
     if (options.tp_plan) {
       options.tp_plan(model, *tp);
     } else {
@@ -66,7 +67,7 @@ void parallelize(TransformerStageImpl& stage, const DeviceMesh& mesh,
   TORCH_CHECK(!options.tp_plan,
               "parallelize: a pipeline stage runs the built-in plan (without sequence "
               "parallelism); tp_plan applies to whole models");
-  if (const auto tp = tp_to_apply(mesh)) {
+  if (const auto tp = tp_to_apply(mesh, options)) {
     TensorParallelOptions o = options.tp;
     o.sequence_parallel = false;  // activations cross the stage boundaries replicated
     o.overlap_comm = false;       // it overlaps sequence-parallel collectives

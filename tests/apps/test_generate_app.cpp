@@ -62,6 +62,23 @@ TEST(GenerateApp, PresetTextIsTheSameAtTP1AndTP2) {
   EXPECT_NE(text_of(one.output), text_of(other.output));
 }
 
+// --layout-invariant P reaches the generator (whose bits tests/ops/test_layout_invariant.cpp
+// compares); a P the TP degree does not divide is refused on every rank before loading.
+TEST(GenerateApp, LayoutInvariantTextIsTheSameAtTP1AndTP2) {
+  const std::string args =
+      "--preset tiny --seed 3 --prompt Hello --max-new-tokens 16 --temperature 0.8 "
+      "--layout-invariant 2";
+  const Result one = generate(1, args), two = generate(2, args);
+  ASSERT_EQ(one.exit_code, 0) << one.output;
+  ASSERT_EQ(two.exit_code, 0) << two.output;
+  EXPECT_NE(two.output.find("layout-invariant (2 segments)"), std::string::npos) << two.output;
+  EXPECT_EQ(text_of(one.output), text_of(two.output));
+  const Result bad = generate(2, "--preset tiny --prompt Hello --layout-invariant 3");
+  EXPECT_NE(bad.exit_code, 0);
+  EXPECT_NE(bad.output.find("--layout-invariant 3: P must be a power of two"), std::string::npos)
+      << bad.output;
+}
+
 TEST(GenerateApp, TrainerCheckpointLoadsAtAnyTP) {
   TempDir dir;
   std::ostringstream train;

@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <iomanip>
@@ -14,8 +15,10 @@
 
 #include "dtensor/checkpoint/checkpoint.h"
 #include "dtensor/checkpoint/checkpoint_manager.h"
+#include "dtensor/checkpoint/safetensors.h"
 #include "dtensor/dtensor.h"
 #include "support/distributed.h"
+#include "support/errors.h"
 #include "support/temp_dir.h"
 #include "train/checkpoints.h"
 #include "train/corpus.h"
@@ -480,4 +483,104 @@ TEST(TrainTrainer, MixedPrecisionBf16StaysNearFloat32) {
   o.dp_shard = 2;
   o.dtype = "float64";
   EXPECT_THROW(resolve_run_config(o, 2), std::invalid_argument);
+}
+
+namespace {
+
+// --layout-invariant `invariant` (0: off) at TP `tp`: three clipped AdamW steps of the tiny
+// preset widened to 64 with 4 KV heads (every column shard 16 wide or more at TP 4, no KV head
+// replicated), then a validation loss and a sampled continuation; rank 0 writes what it saw.
+void layout_invariant_run(int tp, int64_t invariant, const std::string& file) {
+  run_ranks(tp, [&](int rank) {
+    TrainOptions o;
+    o.preset = "tiny";
+    o.dim = 64;
+    o.kv_heads = 4;
+    o.steps = 3;
+    o.batch_size = 2;
+    o.seq_len = 16;
+    o.warmup = 1;
+    o.grad_clip = 0.5;  // below the first steps' norms: the scaling runs
+    o.layout_invariant = invariant;
+    const RunConfig cfg = resolve_run_config(o, tp);
+    Trainer t(cfg, make_train_mesh(cfg));
+    const Data data(cfg);
+    std::vector<double> losses, norms;
+    for (int64_t step = 0; step < cfg.steps; ++step) {
+      const StepStats s = t.train_step(step, data.train->get(step));
+      losses.push_back(s.loss);
+      norms.push_back(s.grad_norm);
+    }
+    std::map<std::string, at::Tensor> out;
+    out["losses"] = at::tensor(losses, at::kDouble);
+    out["grad_norms"] = at::tensor(norms, at::kDouble);
+    out["val_loss"] = at::tensor({t.evaluate(*data.val, 2)}, at::kDouble);
+    const std::vector<int64_t> prompt = {72, 101, 108, 108, 111};
+    out["sample"] = at::tensor(t.generate(prompt, 8, 0.8, 7), at::kLong);
+    for (const auto& p : t.model().named_parameters())
+      out["param." + p.key()] =
+          is_dtensor(p.value()) ? full_tensor(p.value().detach()) : p.value().detach().clone();
+    if (rank == 0) checkpoint::safetensors::save_file(out, file);
+  });
+}
+
+// Whether `a` and `b` hold the same tensors, byte for byte.
+::testing::AssertionResult same_bits(const std::map<std::string, at::Tensor>& a,
+                                     const std::map<std::string, at::Tensor>& b) {
+  if (a.size() != b.size()) return ::testing::AssertionFailure() << "different tensor lists";
+  for (const auto& [name, t] : b) {
+    const auto it = a.find(name);
+    if (it == a.end()) return ::testing::AssertionFailure() << name << " missing";
+    const at::Tensor& u = it->second;
+    if (u.sizes() != t.sizes() || u.scalar_type() != t.scalar_type() ||
+        std::memcmp(u.const_data_ptr(), t.const_data_ptr(), t.nbytes()) != 0)
+      return ::testing::AssertionFailure() << name << " differs";
+  }
+  return ::testing::AssertionSuccess();
+}
+
+}  // namespace
+
+// dtensor_train --layout-invariant 4: runs at TP 1 (a one-rank mesh), 2 and 4 agree bit for bit
+// in losses, gradient norms, the validation loss, the sampled text and every parameter. Without
+// the mode TP 2 ends elsewhere than TP 1.
+TEST(TrainTrainer, LayoutInvariantRunsHaveTheSameBitsAtTp1Tp2AndTp4) {
+  TempDir dir;
+  auto file = [&](int tp, int64_t invariant) {
+    return (dir.path() /
+            ("tp" + std::to_string(tp) + "_" + std::to_string(invariant) + ".safetensors"))
+        .string();
+  };
+  for (int tp : {1, 2, 4}) layout_invariant_run(tp, 4, file(tp, 4));
+  const auto one = checkpoint::safetensors::load_file(file(1, 4));
+  EXPECT_TRUE(same_bits(checkpoint::safetensors::load_file(file(2, 4)), one)) << "TP 2";
+  EXPECT_TRUE(same_bits(checkpoint::safetensors::load_file(file(4, 4)), one)) << "TP 4";
+  for (int tp : {1, 2}) layout_invariant_run(tp, 0, file(tp, 0));
+  EXPECT_FALSE(same_bits(checkpoint::safetensors::load_file(file(2, 0)),
+                         checkpoint::safetensors::load_file(file(1, 0))))
+      << "without the mode TP 2 and TP 1 should differ in the last bits";
+}
+
+TEST(TrainTrainer, LayoutInvariantRefusesWhatItDoesNotCover) {
+  auto refusal = [](int64_t world, auto&& set) {
+    TrainOptions o;
+    o.preset = "tiny";
+    o.kv_heads = 4;
+    o.layout_invariant = 4;
+    set(o);
+    try {
+      resolve_run_config(o, world);
+    } catch (const std::exception& e) {
+      return std::string(e.what());
+    }
+    return std::string("(accepted)");
+  };
+  EXPECT_CONTAINS(refusal(2, [](TrainOptions& o) { o.layout_invariant = 3; }), "a power of two");
+  EXPECT_CONTAINS(refusal(4, [](TrainOptions& o) { o.dp_shard = 2; }),
+                  "covers tensor parallelism only: with --dp-shard");
+  EXPECT_CONTAINS(refusal(4, [](TrainOptions& o) { o.pp = 2; }), "with --pp");
+  EXPECT_CONTAINS(refusal(4, [](TrainOptions& o) { o.layout_invariant = 2; }),
+                  "the TP degree 4 must divide P");
+  EXPECT_CONTAINS(refusal(2, [](TrainOptions& o) { o.overlap_comm = true; }), "--overlap-comm");
+  EXPECT_EQ(refusal(4, [](TrainOptions&) {}), "(accepted)");
 }

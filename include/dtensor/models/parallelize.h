@@ -58,6 +58,10 @@ struct ParallelizeOptions {
   bool fully_shard = false;
   /// The units' mixed precision and prefetch (reshard_after_forward is set as above).
   fsdp::FullyShardOptions fsdp;
+  /// Apply tensor parallelism even where the "tp" dim has one rank: the layout-invariant mode
+  /// (dtensor/ops/layout_invariant.h) then takes the same canonical sums on one device as at
+  /// TP > 1, so the runs agree bit for bit.
+  bool tensor_parallel_on_one_rank = false;
 };
 
 /// Parallelizes the whole `model` over `mesh` in place: TP, then `after_tensor_parallel(model)`

@@ -25,6 +25,7 @@
 // wide (narrower ones take another kernel path in this LibTorch). It costs one all_gather per
 // sum instead of an all_reduce, and max_degree smaller products. Not yet: replicated KV
 // projections' gradient sums, FSDP's reduce-scatter and pipelines' micro-batch accumulation.
+// dtensor_train and dtensor_generate take it as --layout-invariant P.
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
