@@ -5,40 +5,61 @@
 #include <c10/util/Exception.h>
 #include <torch/nn/utils/clip_grad.h>
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <memory>
+#include <string>
 
 #include "dtensor/comm/collectives.h"
 #include "dtensor/core/dtensor_impl.h"
 #include "dtensor/dispatch/implicit_replication.h"
 #include "dtensor/fsdp/fully_shard.h"
+#include "dtensor/ops/layout_invariant.h"
 
 namespace dtensor::fsdp {
 namespace {
+
+using GroupList = std::vector<std::shared_ptr<comm::ProcessGroup>>;
+
+// The groups of the mesh dims (of more than one rank) a gradient's placements shard it over:
+// none for a plain or replicated one. Partial gradients are refused.
+GroupList groups_sharding(const at::Tensor& grad) {
+  GroupList over;
+  if (!is_dtensor(grad)) return over;
+  const DTensorSpec& spec = spec_of(grad);
+  TORCH_CHECK(!spec.has_partial(), "fsdp::clip_grad_norm_: a gradient has placements ",
+              to_string(spec.placements()),
+              "; reduce Partial gradients first (models::reduce_partial_grads)");
+  for (int64_t d = 0; d < spec.mesh().ndim(); ++d)
+    if (spec.placements()[d].is_shard() && spec.mesh().size(d) > 1)
+      over.push_back(spec.mesh().get_group(d));
+  return over;
+}
+
+// Every group of `lists` once, in the order first met (the same on every rank of a group: its
+// ranks hold the same parameters in the same order).
+template <class T>
+GroupList distinct_groups(const std::vector<T>& items, GroupList T::*lists) {
+  GroupList groups;
+  for (const auto& item : items)
+    for (const auto& g : item.*lists)
+      if (std::find(groups.begin(), groups.end(), g) == groups.end()) groups.push_back(g);
+  return groups;
+}
 
 // Squared gradient sums, one per set of groups they are summed over: the mesh dims a
 // gradient's placements shard it over (more than one rank); none for a replicated or plain one.
 struct SquareSums {
   struct Bucket {
-    std::vector<std::shared_ptr<comm::ProcessGroup>> over;
+    GroupList over;
     at::Tensor sum = at::zeros({}, at::kDouble);
   };
   std::vector<Bucket> buckets;
 
   void add(const at::Tensor& grad) {
-    std::vector<std::shared_ptr<comm::ProcessGroup>> over;
-    at::Tensor local = grad;
-    if (is_dtensor(grad)) {
-      const DTensorSpec& spec = spec_of(grad);
-      TORCH_CHECK(!spec.has_partial(), "fsdp::clip_grad_norm_: a gradient has placements ",
-                  to_string(spec.placements()),
-                  "; reduce Partial gradients first (models::reduce_partial_grads)");
-      for (int64_t d = 0; d < spec.mesh().ndim(); ++d)
-        if (spec.placements()[d].is_shard() && spec.mesh().size(d) > 1)
-          over.push_back(spec.mesh().get_group(d));
-      local = local_tensor(grad);
-    }
+    GroupList over = groups_sharding(grad);
+    const at::Tensor local = is_dtensor(grad) ? local_tensor(grad) : grad;
     Bucket* b = nullptr;
     for (auto& x : buckets)
       if (x.over == over) b = &x;
@@ -49,11 +70,7 @@ struct SquareSums {
   // The global sum of squares: per group (in the order first met, the same on every rank of
   // it), one all_reduce of the buckets summed over it.
   double total() {
-    std::vector<std::shared_ptr<comm::ProcessGroup>> groups;
-    for (const auto& b : buckets)
-      for (const auto& g : b.over)
-        if (std::find(groups.begin(), groups.end(), g) == groups.end()) groups.push_back(g);
-    for (const auto& g : groups) {
+    for (const auto& g : distinct_groups(buckets, &Bucket::over)) {
       std::vector<Bucket*> in;
       for (auto& b : buckets)
         if (std::find(b.over.begin(), b.over.end(), g) != b.over.end()) in.push_back(&b);
@@ -67,6 +84,95 @@ struct SquareSums {
     return t;
   }
 };
+
+// The layout-invariant mode's sum of squares (P = the mode's segments): each gradient cut into a
+// fixed grid of blocks - dim 0 into 2P rows of blocks (TP's and FSDP's splits of dim 0 for
+// a TP degree dividing P and a dp degree of at most 2, FSDP's nested in TP's), the last dim of
+// a matrix into P - each block's squares summed alone in float64 (the same block shapes at
+// every layout, so the same bits), the ranks' blocks exchanged by one all_gather per group a
+// gradient is sharded over, then a fixed binary tree over each gradient's blocks and the
+// gradients added in order. The same bits at every layout the grid allows.
+double canonical_sum_of_squares(const std::vector<at::Tensor>& params, int64_t segments) {
+  struct Grid {
+    int64_t rows = 1, cols = 1;  // blocks along dim 0 and the last dim
+    at::Tensor blocks;           // [rows * cols] float64; -1 where another rank holds the block
+    GroupList over;
+  };
+  std::vector<Grid> grids;
+  for (const at::Tensor& p : params) {
+    const at::Tensor& g = p.grad();
+    Grid grid;
+    const std::vector<int64_t> shape = g.sizes().vec();
+    at::Tensor local = g;
+    std::vector<int64_t> offset(shape.size(), 0), extent = shape;
+    grid.over = groups_sharding(g);
+    if (is_dtensor(g)) {
+      const LocalShard mine = spec_of(g).local_shard();
+      offset = mine.offset;
+      extent = mine.shape;
+      local = local_tensor(g);
+    }
+    const int64_t nd = static_cast<int64_t>(shape.size());
+    if (nd >= 1) grid.rows = 2 * segments;
+    if (nd >= 2) grid.cols = segments;
+    const int64_t last = std::max<int64_t>(nd - 1, 0);
+    const int64_t row_len = nd >= 1 ? shape[0] / grid.rows : 1;
+    const int64_t col_len = nd >= 2 ? shape[last] / grid.cols : 1;
+    auto aligned = [](int64_t x, int64_t len) { return len > 0 && x % len == 0; };
+    TORCH_CHECK(
+        nd == 0 || (shape[0] % grid.rows == 0 && (nd < 2 || shape[last] % grid.cols == 0) &&
+                    aligned(offset[0], row_len) && aligned(extent[0], row_len) &&
+                    (nd < 2 || (aligned(offset[last], col_len) && aligned(extent[last], col_len)))),
+        "fsdp::clip_grad_norm_ in LayoutInvariantMode(", segments, "): a gradient of shape ",
+        c10::IntArrayRef(shape), " does not split into the mode's blocks (", grid.rows,
+        " along dim 0",
+        nd >= 2 ? ", " + std::to_string(grid.cols) + " along the last" : std::string(),
+        ") with this rank's part inside whole blocks");
+    grid.blocks = at::full({grid.rows * grid.cols}, -1.0, at::kDouble);
+    const int64_t r0 = nd >= 1 ? offset[0] / row_len : 0;
+    const int64_t nr = nd >= 1 ? extent[0] / row_len : 1;
+    const int64_t c0 = nd >= 2 ? offset[last] / col_len : 0;
+    const int64_t nc = nd >= 2 ? extent[last] / col_len : 1;
+    for (int64_t r = 0; r < nr; ++r) {
+      for (int64_t c = 0; c < nc; ++c) {
+        at::Tensor block = local;
+        if (nd >= 1) block = block.narrow(0, r * row_len, row_len);
+        if (nd >= 2) block = block.narrow(last, c * col_len, col_len);
+        grid.blocks[(r0 + r) * grid.cols + c0 + c] =
+            block.contiguous().to(at::kDouble).pow(2).sum();
+      }
+    }
+    grids.push_back(std::move(grid));
+  }
+  // Each group once: every rank gets the blocks its peers hold.
+  for (const auto& group : distinct_groups(grids, &Grid::over)) {
+    std::vector<Grid*> in;
+    for (auto& grid : grids)
+      if (std::find(grid.over.begin(), grid.over.end(), group) != grid.over.end())
+        in.push_back(&grid);
+    std::vector<at::Tensor> mine;
+    for (auto* grid : in) mine.push_back(grid->blocks);
+    // A block is held by one rank of the group (the others: -1), so the maximum is its value.
+    const at::Tensor all =
+        comm::all_gather_into_tensor(at::cat(mine), 0, *group).view({group->size(), -1}).amax(0);
+    int64_t at = 0;
+    for (auto* grid : in) {
+      grid->blocks = all.narrow(0, at, grid->blocks.numel()).clone();
+      at += grid->blocks.numel();
+    }
+  }
+  double total = 0;
+  for (const auto& grid : grids) {
+    TORCH_INTERNAL_ASSERT(grid.blocks.min().item<double>() >= 0);
+    at::Tensor level = grid.blocks;  // a power of two long: 2P x P
+    while (level.numel() > 1) {
+      const auto pairs = level.view({-1, 2});
+      level = pairs.select(1, 0) + pairs.select(1, 1);
+    }
+    total += level.item<double>();
+  }
+  return total;
+}
 
 }  // namespace
 
@@ -89,7 +195,9 @@ double clip_grad_norm_(const std::vector<at::Tensor>& params, double max_norm,
     any_shard = any_shard || is_fsdp_shard(p);
   }
   double total = 0;
-  if (any_shard) {
+  if (const int64_t segments = ops::layout_invariant_segments(); segments > 0) {
+    total = canonical_sum_of_squares(counted, segments);
+  } else if (any_shard) {
     // FSDP's leaves live on their own meshes ("dp", or (tp, dp)): their squares are summed over
     // the groups their placements shard them over.
     SquareSums sums;

@@ -13,6 +13,14 @@
 // dp group, and the tp group where TP shards some parameters over more than one rank); DTensor
 // gradients without FSDP, what LibTorch's clip_grad_norm_ issues on them; with a stage group,
 // one all_reduce on it.
+//
+// In ops::LayoutInvariantMode(P) every layout takes one canonical sum instead: each gradient is
+// cut into a fixed grid of blocks (dim 0 into 2P, a matrix's last dim into P: the splits of TP
+// degrees dividing P and of FSDP over at most 2 ranks inside TP's), each block's squares summed
+// alone in float64, the blocks exchanged with one all_gather per group a gradient is sharded
+// over, then added in a fixed tree per gradient and in order over the gradients: the same norm,
+// bit for bit, at TP 1, 2, 4 and dp_shard 1, 2. A gradient whose sizes do not divide into the
+// grid is refused, naming its shape.
 #include <ATen/core/Tensor.h>
 
 #include <functional>
