@@ -173,13 +173,20 @@ void resolve_layout_invariant(const TrainOptions& o, RunConfig& c) {
     bad(flag +
         ": P is the number of canonical segments each sum is cut into: a power of two "
         "(e.g. 4, for the same bits at TP 1, 2 and 4)");
-  if (c.pp > 1 || c.dp > 1)
-    bad(flag + " covers tensor parallelism only: with " +
-        (c.pp > 1 ? "--pp"
-         : c.fsdp ? "--dp-shard"
-                  : "--dp") +
-        " some sums (micro-batch accumulation, the data-parallel gradient sum) are not "
-        "canonical yet; launch TP ranks alone");
+  const int64_t segments = kLayoutInvariantBatchSegments;
+  if (c.pp > 1 || (c.dp > 1 && !c.fsdp))
+    bad(flag + " covers tensor parallelism and --dp-shard up to " + std::to_string(segments) +
+        ": with " + (c.pp > 1 ? "--pp" : "--dp") +
+        " some sums (micro-batch accumulation, the plain data-parallel all-reduce) are not "
+        "canonical yet");
+  if (c.fsdp && segments % c.dp != 0)
+    bad(flag + " covers --dp-shard up to " + std::to_string(segments) +
+        ": each batch is cut into " + std::to_string(segments) +
+        " segments, and FSDP's sum of more ranks' gradients is not canonical yet");
+  if (c.bf16) bad(flag + " is float32 (or float64): drop --mixed-precision bf16");
+  if (c.batch_size % segments != 0)
+    bad(flag + " cuts each batch into " + std::to_string(segments) + " segments: --batch-size " +
+        std::to_string(c.batch_size) + " does not divide into them");
   if (p % c.tp != 0)
     bad(flag + ": the TP degree " + std::to_string(c.tp) +
         " must divide P (each rank takes P / TP of the segments); launch " + std::to_string(p) +

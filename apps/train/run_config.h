@@ -18,6 +18,10 @@
 
 namespace dtensor::train {
 
+// --layout-invariant: the segments each global batch is cut into whatever the layout, so also the
+// largest --dp-shard the mode covers (fsdp::clip_grad_norm_'s blocks allow dp of at most 2).
+inline constexpr int64_t kLayoutInvariantBatchSegments = 2;
+
 struct RunConfig {
   std::string preset;        // training defaults come from it
   std::string model_source;  // "preset demo", the --config path or the --hf checkpoint

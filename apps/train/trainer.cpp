@@ -133,6 +133,7 @@ torch::nn::Module& Trainer::module() {
 at::Tensor Trainer::forward_backward(const Batch& global_batch) {
   module().train();
   optimizer_->zero_grad();
+  if (config_.layout_invariant > 0) return invariant_forward_backward(global_batch);
   if (pp_) {
     at::Tensor loss =
         pp_->run_schedule({dp_slice(global_batch.inputs), dp_slice(global_batch.targets)});
@@ -146,6 +147,29 @@ at::Tensor Trainer::forward_backward(const Batch& global_batch) {
     all_reduce_dp_grads();
   }
   return loss;
+}
+
+// --layout-invariant: the global batch is cut into kLayoutInvariantBatchSegments segments, each
+// a forward and backward of its own (a dp_shard rank runs its share of them), so that FSDP's
+// sum over dp and a one-rank run's gradient accumulation add the same segments' gradients: two
+// operands, the same bits in either order. Each segment's loss is the mean over its tokens; the
+// gradients' sum is divided by the segments once (FSDP's reduce-scatter divides by dp).
+at::Tensor Trainer::invariant_forward_backward(const Batch& global_batch) {
+  const int64_t m = kLayoutInvariantBatchSegments / config_.dp;
+  const at::Tensor inputs = dp_slice(global_batch.inputs), targets = dp_slice(global_batch.targets);
+  const int64_t rows = inputs.size(0) / m;
+  double sum = 0;
+  for (int64_t k = 0; k < m; ++k) {
+    auto logits = logits_for_loss(config_, model_->forward(inputs.narrow(0, k * rows, rows)));
+    sum += models::loss_and_backward(logits, targets.narrow(0, k * rows, rows)).item<double>();
+  }
+  if (!config_.fsdp) models::reduce_partial_grads(*model_);
+  if (m > 1) {
+    at::NoGradGuard no_grad;
+    for (const auto& p : params_)
+      if (p.grad().defined()) p.grad().div_(static_cast<double>(m));
+  }
+  return at::scalar_tensor(sum / static_cast<double>(m), at::kDouble);
 }
 
 std::unique_ptr<ops::LayoutInvariantMode> Trainer::layout_invariant_mode() const {
@@ -223,6 +247,25 @@ double Trainer::evaluate(const BatchSampler& val, int64_t n_batches) {
   const auto invariant = layout_invariant_mode();
   at::NoGradGuard no_grad;
   module().eval();
+  if (config_.layout_invariant > 0) {
+    // Per batch segment, as the step computes the loss (see invariant_forward_backward).
+    const int64_t m = kLayoutInvariantBatchSegments / config_.dp;
+    std::vector<double> totals(static_cast<size_t>(m), 0.0);
+    for (int64_t k = 0; k < n_batches; ++k) {
+      const Batch b = val.get(k);
+      const at::Tensor inputs = dp_slice(b.inputs), targets = dp_slice(b.targets);
+      const int64_t rows = inputs.size(0) / m;
+      for (int64_t s = 0; s < m; ++s) {
+        auto logits = logits_for_loss(config_, model_->forward(inputs.narrow(0, s * rows, rows)));
+        totals[static_cast<size_t>(s)] +=
+            models::token_cross_entropy(logits, targets.narrow(0, s * rows, rows)).item<double>();
+      }
+    }
+    module().train();
+    double local = 0;
+    for (double t : totals) local += t / static_cast<double>(n_batches);
+    return mean_over_dp(local / static_cast<double>(m));
+  }
   double total = 0;
   for (int64_t k = 0; k < n_batches; ++k) {
     const Batch b = val.get(k);

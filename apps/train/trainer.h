@@ -93,6 +93,7 @@ class Trainer {
   void all_reduce_dp_grads();
   double clip_grad_norm(double max_norm);  // returns the global norm before clipping
   double mean_over_dp(double v) const;
+  at::Tensor invariant_forward_backward(const Batch& global_batch);
   // --layout-invariant: the mode's guard for a step, an evaluation or a generation (nullptr:
   // off).
   std::unique_ptr<ops::LayoutInvariantMode> layout_invariant_mode() const;

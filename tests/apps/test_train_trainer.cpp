@@ -487,11 +487,11 @@ TEST(TrainTrainer, MixedPrecisionBf16StaysNearFloat32) {
 
 namespace {
 
-// --layout-invariant `invariant` (0: off) at TP `tp`: three clipped AdamW steps of the tiny
-// preset widened to 64 with 4 KV heads (every column shard 16 wide or more at TP 4, no KV head
-// replicated), then a validation loss and a sampled continuation; rank 0 writes what it saw.
-void layout_invariant_run(int tp, int64_t invariant, const std::string& file) {
-  run_ranks(tp, [&](int rank) {
+// --layout-invariant `invariant` (0: off) at (dp_shard, tp): three clipped AdamW steps of the
+// tiny preset widened to 64 with 4 KV heads (every column shard 16 wide or more at TP 4, no KV
+// head replicated), then a validation loss and a sampled continuation; rank 0 writes what it saw.
+void layout_invariant_run(int dp_shard, int tp, int64_t invariant, const std::string& file) {
+  run_ranks(dp_shard * tp, [&](int rank) {
     TrainOptions o;
     o.preset = "tiny";
     o.dim = 64;
@@ -502,7 +502,8 @@ void layout_invariant_run(int tp, int64_t invariant, const std::string& file) {
     o.warmup = 1;
     o.grad_clip = 0.5;  // below the first steps' norms: the scaling runs
     o.layout_invariant = invariant;
-    const RunConfig cfg = resolve_run_config(o, tp);
+    o.dp_shard = dp_shard;
+    const RunConfig cfg = resolve_run_config(o, dp_shard * tp);
     Trainer t(cfg, make_train_mesh(cfg));
     const Data data(cfg);
     std::vector<double> losses, norms;
@@ -541,24 +542,30 @@ void layout_invariant_run(int tp, int64_t invariant, const std::string& file) {
 
 }  // namespace
 
-// dtensor_train --layout-invariant 4: runs at TP 1 (a one-rank mesh), 2 and 4 agree bit for bit
-// in losses, gradient norms, the validation loss, the sampled text and every parameter. Without
-// the mode TP 2 ends elsewhere than TP 1.
-TEST(TrainTrainer, LayoutInvariantRunsHaveTheSameBitsAtTp1Tp2AndTp4) {
+// dtensor_train --layout-invariant 4: runs at (dp_shard, tp) = (1, 1) (TP on a one-rank mesh),
+// (1, 2), (1, 4), (2, 1) and (2, 2) agree bit for bit in losses, gradient norms, the validation
+// loss, the sampled text and every parameter. Without the mode TP 2 and FSDP 2 end elsewhere than
+// one rank.
+TEST(TrainTrainer, LayoutInvariantRunsHaveTheSameBitsAtTpAndDpShardLayouts) {
   TempDir dir;
-  auto file = [&](int tp, int64_t invariant) {
-    return (dir.path() /
-            ("tp" + std::to_string(tp) + "_" + std::to_string(invariant) + ".safetensors"))
+  auto file = [&](int dp_shard, int tp, int64_t invariant) {
+    return (dir.path() / ("dp" + std::to_string(dp_shard) + "_tp" + std::to_string(tp) + "_" +
+                          std::to_string(invariant) + ".safetensors"))
         .string();
   };
-  for (int tp : {1, 2, 4}) layout_invariant_run(tp, 4, file(tp, 4));
-  const auto one = checkpoint::safetensors::load_file(file(1, 4));
-  EXPECT_TRUE(same_bits(checkpoint::safetensors::load_file(file(2, 4)), one)) << "TP 2";
-  EXPECT_TRUE(same_bits(checkpoint::safetensors::load_file(file(4, 4)), one)) << "TP 4";
-  for (int tp : {1, 2}) layout_invariant_run(tp, 0, file(tp, 0));
-  EXPECT_FALSE(same_bits(checkpoint::safetensors::load_file(file(2, 0)),
-                         checkpoint::safetensors::load_file(file(1, 0))))
-      << "without the mode TP 2 and TP 1 should differ in the last bits";
+  const std::vector<std::pair<int, int>> layouts = {{1, 1}, {1, 2}, {1, 4}, {2, 1}, {2, 2}};
+  for (const auto& [dp, tp] : layouts) layout_invariant_run(dp, tp, 4, file(dp, tp, 4));
+  const auto one = checkpoint::safetensors::load_file(file(1, 1, 4));
+  for (const auto& [dp, tp] : layouts)
+    EXPECT_TRUE(same_bits(checkpoint::safetensors::load_file(file(dp, tp, 4)), one))
+        << "dp_shard " << dp << ", tp " << tp;
+  for (const auto& [dp, tp] : {std::pair{1, 1}, {1, 2}, {2, 1}})
+    layout_invariant_run(dp, tp, 0, file(dp, tp, 0));
+  const auto plain = checkpoint::safetensors::load_file(file(1, 1, 0));
+  EXPECT_FALSE(same_bits(checkpoint::safetensors::load_file(file(1, 2, 0)), plain))
+      << "without the mode TP 2 and one rank should differ in the last bits";
+  EXPECT_FALSE(same_bits(checkpoint::safetensors::load_file(file(2, 1, 0)), plain))
+      << "without the mode FSDP 2 and one rank should differ in the last bits";
 }
 
 TEST(TrainTrainer, LayoutInvariantRefusesWhatItDoesNotCover) {
@@ -576,11 +583,12 @@ TEST(TrainTrainer, LayoutInvariantRefusesWhatItDoesNotCover) {
     return std::string("(accepted)");
   };
   EXPECT_CONTAINS(refusal(2, [](TrainOptions& o) { o.layout_invariant = 3; }), "a power of two");
-  EXPECT_CONTAINS(refusal(4, [](TrainOptions& o) { o.dp_shard = 2; }),
-                  "covers tensor parallelism only: with --dp-shard");
+  EXPECT_CONTAINS(refusal(4, [](TrainOptions& o) { o.dp_shard = 4; }), "covers --dp-shard up to 2");
+  EXPECT_CONTAINS(refusal(4, [](TrainOptions& o) { o.dp = 2; }), "with --dp");
   EXPECT_CONTAINS(refusal(4, [](TrainOptions& o) { o.pp = 2; }), "with --pp");
   EXPECT_CONTAINS(refusal(4, [](TrainOptions& o) { o.layout_invariant = 2; }),
                   "the TP degree 4 must divide P");
   EXPECT_CONTAINS(refusal(2, [](TrainOptions& o) { o.overlap_comm = true; }), "--overlap-comm");
   EXPECT_EQ(refusal(4, [](TrainOptions&) {}), "(accepted)");
+  EXPECT_EQ(refusal(4, [](TrainOptions& o) { o.dp_shard = 2; }), "(accepted)");
 }

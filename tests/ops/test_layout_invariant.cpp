@@ -8,6 +8,7 @@
 #include <torch/nn/functional/loss.h>
 #include <torch/optim/adamw.h>
 
+#include <cmath>
 #include <cstring>
 #include <iostream>
 #include <map>
@@ -246,6 +247,21 @@ TEST(LayoutInvariantMode, LabelSmoothedVocabParallelLossHasTheSameBitsAtTp1Tp2An
   const Tensors one = safetensors::load_file(file_of(dir, 1));
   expect_same_bits(safetensors::load_file(file_of(dir, 2)), one, "tp=2");
   expect_same_bits(safetensors::load_file(file_of(dir, 4)), one, "tp=4");
+}
+
+// The mode's gradient norm cuts each gradient into a fixed grid of blocks (dim 0 into 2P): a
+// gradient that does not divide into it is refused, naming its shape, on every layout alike.
+TEST(LayoutInvariantMode, ClippingRefusesAGradientThatDoesNotSplitIntoItsBlocks) {
+  run_ranks(1, [](int) {
+    at::Tensor p = at::zeros({6}).requires_grad_(true);
+    p.mutable_grad() = at::ones({6});
+    ops::LayoutInvariantMode invariant(4);
+    EXPECT_CONTAINS(message_of([&] { fsdp::clip_grad_norm_({p}, 1.0); }),
+                    "a gradient of shape [6] does not split into the mode's blocks (8 along dim 0)");
+    at::Tensor q = at::zeros({8, 4}).requires_grad_(true);
+    q.mutable_grad() = at::full({8, 4}, 0.5);
+    EXPECT_EQ(fsdp::clip_grad_norm_({q}, 100.0), std::sqrt(8.0));  // 32 squares of 0.5
+  });
 }
 
 // Generation: the prefill logits, 64 greedy and 64 sampled tokens for three prompts.

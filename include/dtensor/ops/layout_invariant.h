@@ -23,8 +23,12 @@
 // Contract (float32 tested): the TP degree of the mesh dim being summed divides max_degree, a
 // power of two; the summed dim divides into max_degree segments; column shards are at least 16
 // wide (narrower ones take another kernel path in this LibTorch). It costs one all_gather per
-// sum instead of an all_reduce, and max_degree smaller products. Not yet: replicated KV
-// projections' gradient sums, FSDP's reduce-scatter and pipelines' micro-batch accumulation.
+// sum instead of an all_reduce, and max_degree smaller products. fsdp::clip_grad_norm_ takes its
+// own canonical sum in the mode, which also covers FSDP's leaves over at most 2 ranks; FSDP's
+// reduce-scatter adds two ranks' gradients exactly alike in either order, so a trainer that cuts
+// its batch into 2 segments everywhere (dtensor_train does) is invariant at dp_shard 1 and 2 too.
+// Not yet: replicated KV projections' gradient sums, FSDP over more than 2 ranks and pipelines'
+// micro-batch accumulation.
 // dtensor_train and dtensor_generate take it as --layout-invariant P.
 #include <ATen/core/Tensor.h>
 
