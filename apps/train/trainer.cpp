@@ -154,14 +154,23 @@ at::Tensor Trainer::forward_backward(const Batch& global_batch) {
 // sum over dp and a one-rank run's gradient accumulation add the same segments' gradients: two
 // operands, the same bits in either order. Each segment's loss is the mean over its tokens; the
 // gradients' sum is divided by the segments once (FSDP's reduce-scatter divides by dp).
-at::Tensor Trainer::invariant_forward_backward(const Batch& global_batch) {
+std::vector<Batch> Trainer::invariant_segments(const Batch& global_batch) const {
   const int64_t m = kLayoutInvariantBatchSegments / config_.dp;
   const at::Tensor inputs = dp_slice(global_batch.inputs), targets = dp_slice(global_batch.targets);
   const int64_t rows = inputs.size(0) / m;
+  std::vector<Batch> out;
+  for (int64_t k = 0; k < m; ++k)
+    out.push_back({inputs.narrow(0, k * rows, rows), targets.narrow(0, k * rows, rows)});
+  return out;
+}
+
+at::Tensor Trainer::invariant_forward_backward(const Batch& global_batch) {
+  const std::vector<Batch> segments = invariant_segments(global_batch);
+  const auto m = static_cast<int64_t>(segments.size());
   double sum = 0;
-  for (int64_t k = 0; k < m; ++k) {
-    auto logits = logits_for_loss(config_, model_->forward(inputs.narrow(0, k * rows, rows)));
-    sum += models::loss_and_backward(logits, targets.narrow(0, k * rows, rows)).item<double>();
+  for (const Batch& b : segments) {
+    auto logits = logits_for_loss(config_, model_->forward(b.inputs));
+    sum += models::loss_and_backward(logits, b.targets).item<double>();
   }
   if (!config_.fsdp) models::reduce_partial_grads(*model_);
   if (m > 1) {
@@ -249,22 +258,19 @@ double Trainer::evaluate(const BatchSampler& val, int64_t n_batches) {
   module().eval();
   if (config_.layout_invariant > 0) {
     // Per batch segment, as the step computes the loss (see invariant_forward_backward).
-    const int64_t m = kLayoutInvariantBatchSegments / config_.dp;
-    std::vector<double> totals(static_cast<size_t>(m), 0.0);
+    std::vector<double> totals;
     for (int64_t k = 0; k < n_batches; ++k) {
-      const Batch b = val.get(k);
-      const at::Tensor inputs = dp_slice(b.inputs), targets = dp_slice(b.targets);
-      const int64_t rows = inputs.size(0) / m;
-      for (int64_t s = 0; s < m; ++s) {
-        auto logits = logits_for_loss(config_, model_->forward(inputs.narrow(0, s * rows, rows)));
-        totals[static_cast<size_t>(s)] +=
-            models::token_cross_entropy(logits, targets.narrow(0, s * rows, rows)).item<double>();
+      const std::vector<Batch> segments = invariant_segments(val.get(k));
+      totals.resize(segments.size(), 0.0);
+      for (size_t s = 0; s < segments.size(); ++s) {
+        auto logits = logits_for_loss(config_, model_->forward(segments[s].inputs));
+        totals[s] += models::token_cross_entropy(logits, segments[s].targets).item<double>();
       }
     }
     module().train();
     double local = 0;
     for (double t : totals) local += t / static_cast<double>(n_batches);
-    return mean_over_dp(local / static_cast<double>(m));
+    return mean_over_dp(local / static_cast<double>(totals.size()));
   }
   double total = 0;
   for (int64_t k = 0; k < n_batches; ++k) {

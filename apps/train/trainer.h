@@ -93,6 +93,9 @@ class Trainer {
   void all_reduce_dp_grads();
   double clip_grad_norm(double max_norm);  // returns the global norm before clipping
   double mean_over_dp(double v) const;
+  // --layout-invariant: this rank's segments of the global batch (kLayoutInvariantBatchSegments
+  // in all, split over dp), each a forward and backward of its own.
+  std::vector<Batch> invariant_segments(const Batch& global_batch) const;
   at::Tensor invariant_forward_backward(const Batch& global_batch);
   // --layout-invariant: the mode's guard for a step, an evaluation or a generation (nullptr:
   // off).
