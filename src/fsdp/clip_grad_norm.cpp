@@ -90,9 +90,9 @@ struct SquareSums {
 // a TP degree dividing P and a dp degree of at most 2, FSDP's nested in TP's), the last dim of
 // a matrix into P - each block's squares summed alone in float64 (the same block shapes at
 // every layout, so the same bits), the ranks' blocks exchanged by one all_gather per group a
-// gradient is sharded over, then a fixed binary tree over each gradient's blocks and the
-// gradients added in order. The same bits at every layout the grid allows.
-double canonical_sum_of_squares(const std::vector<at::Tensor>& params, int64_t segments) {
+// gradient is sharded over, then a fixed binary tree over each gradient's blocks. Returns one
+// sum per gradient, in order: the same bits at every layout the grid allows.
+std::vector<double> canonical_squares(const std::vector<at::Tensor>& params, int64_t segments) {
   struct Grid {
     int64_t rows = 1, cols = 1;  // blocks along dim 0 and the last dim
     at::Tensor blocks;           // [rows * cols] float64; -1 where another rank holds the block
@@ -161,7 +161,7 @@ double canonical_sum_of_squares(const std::vector<at::Tensor>& params, int64_t s
       at += grid->blocks.numel();
     }
   }
-  double total = 0;
+  std::vector<double> sums;
   for (const auto& grid : grids) {
     TORCH_INTERNAL_ASSERT(grid.blocks.min().item<double>() >= 0);
     at::Tensor level = grid.blocks;  // a power of two long: 2P x P
@@ -169,9 +169,27 @@ double canonical_sum_of_squares(const std::vector<at::Tensor>& params, int64_t s
       const auto pairs = level.view({-1, 2});
       level = pairs.select(1, 0) + pairs.select(1, 1);
     }
-    total += level.item<double>();
+    sums.push_back(level.item<double>());
   }
-  return total;
+  return sums;
+}
+
+// The stages' per-gradient sums one after the other, stage 0's first, on every stage: the
+// whole model's gradients in their one-device order when each stage holds a run of them.
+std::vector<double> in_stage_order(const std::vector<double>& mine, comm::ProcessGroup& stages) {
+  const at::Tensor counts = comm::all_gather_into_tensor(
+      at::full({1}, static_cast<double>(mine.size()), at::kDouble), 0, stages);
+  const auto longest = static_cast<int64_t>(counts.max().item<double>());
+  at::Tensor padded = at::zeros({longest}, at::kDouble);
+  if (!mine.empty())
+    padded.narrow(0, 0, static_cast<int64_t>(mine.size())).copy_(at::tensor(mine, at::kDouble));
+  const at::Tensor all =
+      comm::all_gather_into_tensor(padded, 0, stages).view({stages.size(), longest});
+  std::vector<double> out;
+  for (int64_t r = 0; r < stages.size(); ++r)
+    for (int64_t i = 0; i < static_cast<int64_t>(counts[r].item<double>()); ++i)
+      out.push_back(all[r][i].item<double>());
+  return out;
 }
 
 }  // namespace
@@ -195,8 +213,11 @@ double clip_grad_norm_(const std::vector<at::Tensor>& params, double max_norm,
     any_shard = any_shard || is_fsdp_shard(p);
   }
   double total = 0;
-  if (const int64_t segments = ops::layout_invariant_segments(); segments > 0) {
-    total = canonical_sum_of_squares(counted, segments);
+  const int64_t segments = ops::layout_invariant_segments();
+  if (segments > 0) {
+    std::vector<double> sums = canonical_squares(counted, segments);
+    if (options.stage_group) sums = in_stage_order(sums, *options.stage_group);
+    for (double s : sums) total += s;  // in order, as one device adds them
   } else if (any_shard) {
     // FSDP's leaves live on their own meshes ("dp", or (tp, dp)): their squares are summed over
     // the groups their placements shard them over.
@@ -215,7 +236,7 @@ double clip_grad_norm_(const std::vector<at::Tensor>& params, double max_norm,
       total = n * n;
     }
   }
-  if (options.stage_group) {
+  if (options.stage_group && segments == 0) {
     total = comm::all_reduce(at::full({1}, total, at::kDouble), ReduceOp::Sum, *options.stage_group)
                 .item<double>();
   }

@@ -256,11 +256,42 @@ TEST(LayoutInvariantMode, ClippingRefusesAGradientThatDoesNotSplitIntoItsBlocks)
     at::Tensor p = at::zeros({6}).requires_grad_(true);
     p.mutable_grad() = at::ones({6});
     ops::LayoutInvariantMode invariant(4);
-    EXPECT_CONTAINS(message_of([&] { fsdp::clip_grad_norm_({p}, 1.0); }),
-                    "a gradient of shape [6] does not split into the mode's blocks (8 along dim 0)");
+    EXPECT_CONTAINS(
+        message_of([&] { fsdp::clip_grad_norm_({p}, 1.0); }),
+        "a gradient of shape [6] does not split into the mode's blocks (8 along dim 0)");
     at::Tensor q = at::zeros({8, 4}).requires_grad_(true);
     q.mutable_grad() = at::full({8, 4}, 0.5);
     EXPECT_EQ(fsdp::clip_grad_norm_({q}, 100.0), std::sqrt(8.0));  // 32 squares of 0.5
+  });
+}
+
+// Pipeline stages: each stage's per-gradient sums are added in the whole model's order, as one
+// device adds them, not as two stage totals. Squared sums 1, then sixteen of 2^-54: one device's
+// running sum stays 1 (each 2^-54 is below half an ulp of 1), where the second stage's own total
+// (2^-50) would make it 1 + 2^-50 and the norm 1 + 2^-51.
+TEST(LayoutInvariantMode, ClippingAddsTheStagesSumsInTheWholeModelsOrder) {
+  auto grad_with = [](double value) {
+    at::Tensor p = at::zeros({8, 4}, at::kDouble).requires_grad_(true);
+    at::Tensor g = at::zeros({8, 4}, at::kDouble);
+    g[3][1] = value;
+    p.mutable_grad() = g;
+    return p;
+  };
+  const double tiny = std::ldexp(1.0, -27);  // its square is 2^-54
+  run_ranks(2, [&](int rank) {
+    const auto mesh = init_device_mesh("cpu", {2}, {"pp"});
+    ops::LayoutInvariantMode invariant(4);
+    std::vector<at::Tensor> second_stage;
+    for (int k = 0; k < 16; ++k) second_stage.push_back(grad_with(tiny));
+    std::vector<at::Tensor> whole = {grad_with(1.0)};
+    for (int k = 0; k < 16; ++k) whole.push_back(grad_with(tiny));
+    const double one_device = fsdp::clip_grad_norm_(whole, 100.0);
+    EXPECT_EQ(one_device, 1.0);
+    fsdp::ClipGradNormOptions staged;
+    staged.stage_group = mesh.get_group(0);
+    const std::vector<at::Tensor> mine =
+        rank == 0 ? std::vector<at::Tensor>{grad_with(1.0)} : second_stage;
+    EXPECT_EQ(fsdp::clip_grad_norm_(mine, 100.0, staged), one_device);
   });
 }
 

@@ -18,9 +18,11 @@
 // cut into a fixed grid of blocks (dim 0 into 2P, a matrix's last dim into P: the splits of TP
 // degrees dividing P and of FSDP over at most 2 ranks inside TP's), each block's squares summed
 // alone in float64, the blocks exchanged with one all_gather per group a gradient is sharded
-// over, then added in a fixed tree per gradient and in order over the gradients: the same norm,
-// bit for bit, at TP 1, 2, 4 and dp_shard 1, 2. A gradient whose sizes do not divide into the
-// grid is refused, naming its shape.
+// over, then added in a fixed tree per gradient and in order over the gradients (with a stage
+// group, the stages' per-gradient sums are all-gathered over it - two all_gathers instead of the
+// all_reduce - and added in stage order, the whole model's order when each stage holds a run of
+// its parameters): the same norm, bit for bit, at TP 1, 2, 4, dp_shard 1, 2 and pp 1, 2. A
+// gradient whose sizes do not divide into the grid is refused, naming its shape.
 #include <ATen/core/Tensor.h>
 
 #include <functional>
