@@ -260,7 +260,7 @@ at::Tensor Schedule::step(const at::Tensor& inputs, const at::Tensor& targets) {
   for (PipelineStage* st : stages_)
     if (st->sync_hook_) guarded(*st, "start of step", [&] { st->sync_hook_(false); });
   std::vector<comm::PendingResult> sends;
-  std::vector<at::Tensor> losses;
+  losses_.assign(stages_.back()->is_last() ? m : 0, at::Tensor());
   auto device_options = at::TensorOptions().device(stage_.pp_mesh_.device());
 
   auto forward = [&](PipelineStage& st, int64_t k, int64_t i) {
@@ -279,7 +279,7 @@ at::Tensor Schedule::step(const at::Tensor& inputs, const at::Tensor& targets) {
       micro[k][i].loss = loss_fn_(out, target_mb[i]);
       TORCH_CHECK(micro[k][i].loss.numel() == 1, "the loss function must return one value, got ",
                   micro[k][i].loss.sizes());
-      losses.push_back(micro[k][i].loss.detach());
+      losses_[i] = micro[k][i].loss.detach();
     }
     timing_.compute_s += seconds_since(t0);
     micro[k][i].input = x;
@@ -321,6 +321,7 @@ at::Tensor Schedule::step(const at::Tensor& inputs, const at::Tensor& targets) {
     const std::string where = std::string(a.backward ? "backward" : "forward") +
                               " of micro-batch " + std::to_string(a.microbatch);
     guarded(st, where, [&] {
+      if (action_hook_) action_hook_(a);
       if (a.backward) {
         backward(st, a.chunk, a.microbatch);
       } else {
@@ -334,8 +335,8 @@ at::Tensor Schedule::step(const at::Tensor& inputs, const at::Tensor& targets) {
   for (PipelineStage* st : stages_)
     guarded(*st, "tied gradient exchange", [&] { st->sync_tied_gradients(); });
   timing_.total_s = seconds_since(start);
-  if (losses.empty()) return {};
-  return at::stack(losses).mean();
+  if (losses_.empty()) return {};
+  return at::stack(losses_).mean();
 }
 
 void PipelineStage::set_boundary_activations(std::optional<at::Tensor> input_like,

@@ -170,6 +170,14 @@ class Schedule {
   int64_t n_microbatches() const { return n_microbatches_; }  ///< M.
   /// Timing of the last step on this rank.
   const StepTiming& last_timing() const { return timing_; }
+  /// The last step's loss of each micro-batch (detached, in micro-batch order) on the last
+  /// stage, empty elsewhere: for a caller that combines them its own way (step() returns their
+  /// mean in the loss's dtype).
+  const std::vector<at::Tensor>& microbatch_losses() const { return losses_; }
+  /// Called on this rank before each of its actions runs, forward and backward alike: for state
+  /// keyed by the micro-batch (dtensor_train's dropout key), which a backward's recomputation
+  /// (activation checkpointing) must see as the forward did.
+  void set_action_hook(std::function<void(const Action&)> hook) { action_hook_ = std::move(hook); }
 
  protected:
   std::vector<PipelineStage*> stages_;  ///< This rank's stages (one unless interleaved).
@@ -179,6 +187,8 @@ class Schedule {
  private:
   LossFn loss_fn_;
   StepTiming timing_;
+  std::vector<at::Tensor> losses_;
+  std::function<void(const Action&)> action_hook_;
 };
 
 /// GPipe: all forwards, then all backwards. Keeps the activations of all M micro-batches.
