@@ -36,6 +36,7 @@
 #include "dtensor/models/hf_checkpoint.h"
 #include "dtensor/models/meta_init.h"
 #include "dtensor/models/parallelize.h"
+#include "dtensor/models/residual_dropout.h"
 #include "dtensor/models/transformer.h"
 #include "dtensor/models/transformer_stage.h"
 #include "dtensor/nn/layers.h"

@@ -99,6 +99,8 @@ void DecoderConfig::validate() const {
               " is not divisible by n_heads=", n_heads, "; set head_size");
   TORCH_CHECK(head_dim() % 2 == 0, "DecoderConfig: head_dim=", head_dim(),
               " must be even for rotary embeddings");
+  TORCH_CHECK(dropout >= 0 && dropout < 1, "DecoderConfig: dropout must be in [0, 1), got ",
+              dropout);
   TORCH_CHECK(sliding_window >= 0, "DecoderConfig: sliding_window must be >= 0 (0: none), got ",
               sliding_window);
   TORCH_CHECK(sliding_layers.empty() || static_cast<int64_t>(sliding_layers.size()) == n_layers,
@@ -278,6 +280,8 @@ DecoderConfig DecoderConfig::from_json(const std::string& text) {
       c.query_pre_attn_scalar = v.is_null() ? 0 : as_double(key, v);
     } else if (key == "final_logit_softcap") {
       c.final_logit_softcap = v.is_null() ? 0 : as_double(key, v);
+    } else if (key == "dropout") {
+      c.dropout = v.is_null() ? 0 : as_double(key, v);
     } else if (key == "norm_weight_offset") {
       c.norm_weight_offset = as_double(key, v);
     } else if (key == "activation") {
@@ -327,6 +331,7 @@ std::string DecoderConfig::to_json() const {
   j["scale_embeddings"] = scale_embeddings;
   j["activation"] = activation;
   j["final_logit_softcap"] = final_logit_softcap;
+  j["dropout"] = dropout;
   return j.dump();
 }
 

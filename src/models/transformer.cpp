@@ -9,6 +9,7 @@
 #include "block_math.h"
 #include "dtensor/core/api.h"
 #include "dtensor/core/dtensor_impl.h"
+#include "dtensor/models/residual_dropout.h"
 #include "dtensor/tp/loss_parallel.h"
 #include "dtensor/tp/overlap.h"
 #include "meta_construction.h"
@@ -152,7 +153,7 @@ at::Tensor AttentionImpl::forward(const at::Tensor& x, const at::Tensor& rope) {
 }
 
 TransformerBlockImpl::TransformerBlockImpl(int64_t layer_id_, const DecoderConfig& config)
-    : layer_id(layer_id_) {
+    : layer_id(layer_id_), dropout(config.dropout) {
   dtensor::nn::RMSNormOptions norm_options(config.dim);
   norm_options.eps = config.norm_eps;
   norm_options.weight_offset = config.norm_weight_offset;
@@ -171,11 +172,14 @@ TransformerBlockImpl::TransformerBlockImpl(int64_t layer_id_, const DecoderConfi
 at::Tensor TransformerBlockImpl::forward(const at::Tensor& x, const at::Tensor& rope) {
   return call_forward(
       [this](const at::Tensor& x, const at::Tensor& rope) {
+        const bool drop = is_training() && dropout > 0;
         at::Tensor a = attention(attention_norm(x), rope);
         if (!attention_post_norm.is_empty()) a = attention_post_norm(a);
+        if (drop) a = residual_dropout(a, dropout, layer_id, 0);
         const at::Tensor h = x + a;
         at::Tensor f = feed_forward(ffn_norm(h));
         if (!ffn_post_norm.is_empty()) f = ffn_post_norm(f);
+        if (drop) f = residual_dropout(f, dropout, layer_id, 1);
         return h + f;
       },
       x, rope);
@@ -244,6 +248,10 @@ at::Tensor TransformerImpl::forward(const at::Tensor& tokens) {
                       ": sequence parallelism keeps equal sequence shards as plain local "
                       "tensors; pad the batch to a multiple of ",
                       tp, " or apply_tensor_parallel with sequence_parallel=false");
+          TORCH_CHECK(!is_training() || config_.dropout == 0,
+                      "Transformer: residual dropout keys its masks by whole sequences, but "
+                      "sequence parallelism gives each rank a slice of them; apply_tensor_parallel "
+                      "with sequence_parallel=false, or set DecoderConfig::dropout to 0");
         }
         auto h =
             detail::scale_embeddings(tok_embeddings(tokens), config_.dim, config_.scale_embeddings);

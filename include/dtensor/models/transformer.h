@@ -88,6 +88,10 @@ struct DecoderConfig {
   /// Logits soft-capped to (-cap, cap) as cap * tanh(logits / cap) (HF final_logit_softcapping);
   /// 0: none.
   double final_logit_softcap = 0;
+  /// Residual dropout in training: each block's attention and feed-forward outputs dropped out
+  /// with this probability before they join the residual stream (models/residual_dropout.h);
+  /// 0: none (Llama's and the HF families' pretrained configs).
+  double dropout = 0;
 
   /// "tiny" (tests: dim 32, 2 layers, 4 heads, 2 KV heads), "demo" (~3M parameters, trains
   /// visibly in a minute at TP=2 on 2 CPU cores), "bench" (~30M parameters).
@@ -185,6 +189,7 @@ class TransformerBlockImpl : public dtensor::nn::Module {
   at::Tensor forward(const at::Tensor& x, const at::Tensor& rope);
 
   int64_t layer_id;                                   ///< Index in the model's layers.
+  double dropout = 0;                                 ///< DecoderConfig::dropout.
   dtensor::nn::RMSNorm attention_norm{nullptr};       ///< Norm before attention.
   Attention attention{nullptr};                       ///< Self-attention.
   dtensor::nn::RMSNorm attention_post_norm{nullptr};  ///< After attention; null without post_norms.
