@@ -56,6 +56,10 @@ optimization:
   --weight-decay X       AdamW weight decay on matrices (default 0.1)
   --beta1 X, --beta2 X   AdamW betas (default 0.9, 0.95)
   --grad-clip X          clip the global gradient norm to X; 0 disables (default 1.0)
+  --dropout P            residual dropout: each block's attention and feed-forward outputs
+                         dropped out with probability P in training, the mask keyed by the
+                         step and the element's place in the global batch, so the same at
+                         every layout (default 0; needs --no-sequence-parallel under TP)
   --seed N               seed of the weights and the batches (default 1234)
 
 data:
@@ -117,11 +121,14 @@ parallelism and numerics:
                          gradients are reduce-scattered in float32 (needs --dtype float32)
   --dtype T              float32 | float64 (default float32)
   --threads N            intra-op threads per rank (default 1)
-  --layout-invariant P   the same bits at every TP degree dividing P (a power of two, e.g. 4):
-                         each sum over a split dimension is cut into P fixed segments added
-                         in one fixed order, so runs at TP 1, 2 and 4 give identical losses
-                         and weights (at most ~1.3x the step time); TP only, not with --pp,
-                         --dp, --dp-shard or --overlap-comm
+  --layout-invariant P   the same bits at every layout: TP degrees dividing P (a power of
+                         two, e.g. 4), --dp-shard 1 or 2, --pp with one stage per rank. Each
+                         sum over a split dimension is cut into P fixed segments added in one
+                         fixed order, and each batch into 2 segments (the micro-batches under
+                         --pp), so runs at TP 1, 2 and 4, FSDP 1 and 2 and PP 1 and 2 give
+                         identical losses and weights (about 1.1x the step time); blocks run
+                         without sequence parallelism; not with --dp, --overlap-comm,
+                         --mixed-precision bf16 or --schedule interleaved
   --verify-tp1           afterwards re-run the same steps on one device with plain LibTorch
                          and compare the losses; exit 3 on a mismatch
   --verify-rtol X        relative tolerance of that check (default 1e-4; 1e-9 in float64)
@@ -162,6 +169,7 @@ void add_optimization_options(CLI::App& app, TrainOptions& o) {
   app.add_option("--beta2", o.beta2)->check(cli::number(0, 1));
   app.add_option("--grad-clip", o.grad_clip)->check(cli::number(0));
   app.add_option("--seed", o.seed)->check(cli::integer(0));
+  app.add_option("--dropout", o.dropout)->check(cli::number(0, 1));
 }
 
 void add_data_and_output_options(CLI::App& app, TrainOptions& o) {

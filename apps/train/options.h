@@ -28,6 +28,7 @@ struct TrainOptions {
   double beta2 = 0.95;
   double grad_clip = 1.0;  // 0 disables clipping
   int64_t seed = 1234;
+  double dropout = 0;  // residual dropout probability
 
   // Data.
   std::string data_path;  // empty: the built-in corpus

@@ -83,9 +83,30 @@ std::vector<std::pair<std::string, at::Tensor>> PipelinePart::named_parameters()
   return out;
 }
 
-at::Tensor PipelinePart::run_schedule(const Batch& batch) {
-  return pipeline_.schedule->step(pipe().is_first() ? batch.inputs : at::Tensor(),
-                                  pipeline_.pipes.back()->is_last() ? batch.targets : at::Tensor());
+at::Tensor PipelinePart::run_schedule(const Batch& batch, const models::DropoutKey& key) {
+  // Each action keys dropout by its micro-batch's rows (a backward's recomputation too).
+  models::DropoutKeyScope scope(key);
+  const int64_t rows = batch.inputs.size(0) / config_.microbatches;
+  pipeline_.schedule->set_action_hook(
+      [&](const pp::Action& a) { scope.set_first_row(key.first_row + a.microbatch * rows); });
+  at::Tensor loss;
+  try {
+    loss =
+        pipeline_.schedule->step(pipe().is_first() ? batch.inputs : at::Tensor(),
+                                 pipeline_.pipes.back()->is_last() ? batch.targets : at::Tensor());
+  } catch (...) {
+    pipeline_.schedule->set_action_hook(nullptr);  // it refers to this call's scope
+    throw;
+  }
+  pipeline_.schedule->set_action_hook(nullptr);
+  return loss;
+}
+
+std::vector<double> PipelinePart::microbatch_losses() const {
+  std::vector<double> out;
+  for (const at::Tensor& l : pipeline_.schedule->microbatch_losses())
+    out.push_back(l.item<double>());
+  return out;
 }
 
 PipelinePart::StepResult PipelinePart::step_values(const at::Tensor& loss) {

@@ -16,6 +16,7 @@
 #include "corpus.h"
 #include "dtensor/mesh/device_mesh.h"
 #include "dtensor/models/parallelize.h"
+#include "dtensor/models/residual_dropout.h"
 #include "dtensor/models/transformer_stage.h"
 #include "dtensor/pp/pipeline.h"
 #include "run_config.h"
@@ -43,11 +44,14 @@ class PipelinePart {
     double loss = 0;    // mean over the batch, on every rank
     double bubble = 0;  // mean over the stages of the share of the schedule's step spent idle
   };
-  // One forward and backward pass of the schedule over `batch` (gradients accumulate); returns
-  // the last stage's mean loss (undefined on the other stages).
-  at::Tensor run_schedule(const Batch& batch);
+  // One forward and backward pass of the schedule over `batch` (gradients accumulate), its rows
+  // from `key.first_row` on in the global batch for residual dropout; returns the last stage's
+  // mean loss (undefined on the other stages).
+  at::Tensor run_schedule(const Batch& batch, const models::DropoutKey& key);
   // The step's loss and bubble on every rank, from run_schedule's result (one all_reduce).
   StepResult step_values(const at::Tensor& loss);
+  // The last run_schedule's micro-batch losses in order, as doubles (empty but on the last stage).
+  std::vector<double> microbatch_losses() const;
 
   // The last stage's logits for `tokens`, without gradients (undefined on the other stages).
   at::Tensor forward(const at::Tensor& tokens);

@@ -138,6 +138,8 @@ void resolve_model(const TrainOptions& o, RunConfig& c) {
 // Steps, batch, learning-rate schedule, optimizer, evaluation and precision.
 void resolve_training(const TrainOptions& o, RunConfig& c) {
   const auto d = defaults_for(c.preset);
+  if (o.dropout >= 1) bad("--dropout " + num(o.dropout) + ": a probability below 1 (e.g. 0.1)");
+  c.model.dropout = o.dropout;
   c.steps = o.steps.value_or(d.steps);
   c.stop_at = std::min(c.steps, o.stop_at.value_or(c.steps));
   c.batch_size = o.batch_size.value_or(d.batch_size);
@@ -164,7 +166,8 @@ void resolve_training(const TrainOptions& o, RunConfig& c) {
   c.verify_rtol = o.verify_rtol.value_or(c.dtype == c10::kDouble ? 1e-9 : 1e-4);
 }
 
-// --layout-invariant P: what the mode covers so far is tensor parallelism of a degree dividing P.
+// --layout-invariant P: what the mode covers so far is tensor parallelism of a degree dividing P,
+// FSDP over up to kLayoutInvariantBatchSegments ranks and pipeline stages (one per rank).
 void resolve_layout_invariant(const TrainOptions& o, RunConfig& c) {
   const int64_t p = o.layout_invariant;
   if (p == 0) return;
@@ -174,11 +177,9 @@ void resolve_layout_invariant(const TrainOptions& o, RunConfig& c) {
         ": P is the number of canonical segments each sum is cut into: a power of two "
         "(e.g. 4, for the same bits at TP 1, 2 and 4)");
   const int64_t segments = kLayoutInvariantBatchSegments;
-  if (c.pp > 1 || (c.dp > 1 && !c.fsdp))
-    bad(flag + " covers tensor parallelism and --dp-shard up to " + std::to_string(segments) +
-        ": with " + (c.pp > 1 ? "--pp" : "--dp") +
-        " some sums (micro-batch accumulation, the plain data-parallel all-reduce) are not "
-        "canonical yet");
+  if (c.dp > 1 && !c.fsdp)
+    bad(flag + " covers tensor parallelism, --dp-shard up to " + std::to_string(segments) +
+        " and --pp: with --dp the plain data-parallel all-reduce is not canonical yet");
   if (c.fsdp && segments % c.dp != 0)
     bad(flag + " covers --dp-shard up to " + std::to_string(segments) +
         ": each batch is cut into " + std::to_string(segments) +
@@ -193,6 +194,25 @@ void resolve_layout_invariant(const TrainOptions& o, RunConfig& c) {
         " ranks or fewer, a divisor of it");
   if (c.overlap_comm)
     bad("--overlap-comm splits the blocks' products its own way; it does not combine with " + flag);
+  if (c.pp > 1) {
+    // The schedule's micro-batches are the batch segments a dp_shard rank holds.
+    const int64_t m = segments / c.dp;
+    if (o.microbatches && *o.microbatches != m)
+      bad(flag + " runs the batch's " + std::to_string(segments) +
+          " segments as the micro-batches" +
+          (c.dp > 1 ? " of the " + std::to_string(c.dp) + " dp_shard ranks" : std::string()) +
+          ": drop --microbatches " + std::to_string(*o.microbatches) + " (it is " +
+          std::to_string(m) + ")");
+    if (c.virtual_stages > 1)
+      bad(flag + " runs one stage per rank: use --schedule 1f1b or gpipe, not interleaved");
+    if (c.model.tie_embeddings)
+      bad(flag +
+          " with --pp: the model ties its embedding to its output head, whose two "
+          "stages' gradients would be added in another order than one device adds them");
+    c.microbatches = m;
+  }
+  // The norms run on whole sequences at every layout: pipeline stages cannot shard them.
+  if (!c.plan) c.sequence_parallel = false;
   c.layout_invariant = p;
 }
 
@@ -244,6 +264,9 @@ void resolve_parallelism(const TrainOptions& o, int64_t world_size, RunConfig& c
         (c.pp > 1 ? " with --pp " + std::to_string(c.pp) : ""));
   }
   c.tp = world_size / (c.dp * c.pp);
+  // --layout-invariant: the micro-batches are the batch segments of a dp rank (checked there).
+  if (c.pp > 1 && o.layout_invariant > 0 && !o.microbatches)
+    c.microbatches = std::max<int64_t>(1, kLayoutInvariantBatchSegments / c.dp);
   if (c.pp > 1 && c.batch_size % (c.dp * c.microbatches) != 0) {
     bad("--batch-size " + std::to_string(c.batch_size) + " does not split into " +
         std::to_string(c.dp) + " dp slices of --microbatches " + std::to_string(c.microbatches) +
@@ -261,12 +284,16 @@ void resolve_parallelism(const TrainOptions& o, int64_t world_size, RunConfig& c
          : c.pp > 1 ? "--pp)"
                     : "--dp)"));
   }
+  resolve_layout_invariant(o, c);
+  if (c.model.dropout > 0 && c.tp > 1 && c.sequence_parallel)
+    bad("--dropout keys each mask by whole sequences, and sequence parallelism gives each TP rank "
+        "a slice of them: add --no-sequence-parallel" +
+        std::string(c.plan ? " (or a --plan without sequence parallelism)" : ""));
   if (c.tp > 1 && c.sequence_parallel && c.seq_len % c.tp != 0) {
     bad("sequence parallelism splits the sequence over the " + std::to_string(c.tp) +
         " TP ranks, but --seq-len is " + std::to_string(c.seq_len) + ": use a multiple of " +
         std::to_string(c.tp) + " or --no-sequence-parallel");
   }
-  resolve_layout_invariant(o, c);
 }
 
 }  // namespace

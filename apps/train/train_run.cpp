@@ -97,6 +97,20 @@ std::string layout_name(const RunConfig& c) {
   return out;
 }
 
+// ", layout-invariant (...)" under --layout-invariant P: what the same bits hold across.
+std::string invariant_description(const RunConfig& c) {
+  if (c.layout_invariant == 0) return "";
+  std::string degrees;
+  for (int64_t d = 1; d <= c.layout_invariant; d *= 2)
+    degrees += (degrees.empty()              ? ""
+                : d * 2 > c.layout_invariant ? " and "
+                                             : ", ") +
+               std::to_string(d);
+  return ", layout-invariant (" + std::to_string(c.layout_invariant) +
+         " segments: the same bits at TP " + degrees + ", dp_shard 1 and " +
+         std::to_string(kLayoutInvariantBatchSegments) + ", any pp)";
+}
+
 std::string pipeline_line(const RunConfig& c, int64_t threads) {
   std::ostringstream s;
   s << "PP=" << c.pp << (c.fsdp ? " x FSDP=" + std::to_string(c.dp) : std::string())
@@ -116,7 +130,7 @@ std::string pipeline_line(const RunConfig& c, int64_t threads) {
     s << ", TP inside stages (no sequence parallel, "
       << (c.loss_parallel ? "loss parallel" : "gathered logits") << ")";
   }
-  s << ac_description(c);
+  s << invariant_description(c) << ac_description(c);
   s << " on " << c.world_size << " CPU ranks, " << threads << " thread" << (threads > 1 ? "s" : "")
     << " each, " << (c.dtype == c10::kDouble ? "float64" : "float32") << ", collectives on "
     << dtensor::comm::cpu_backend_name();
@@ -134,7 +148,7 @@ std::string parallel_line(const RunConfig& c, int64_t threads) {
         << (c.sequence_parallel ? "sequence parallel" : "no sequence parallel") << ", "
         << (c.loss_parallel ? "loss parallel" : "gathered logits") << ")";
     }
-    s << ac_description(c);
+    s << invariant_description(c) << ac_description(c);
     if (c.bf16)
       s << ", mixed precision bf16 (float32 parameters and AdamW state, bfloat16 all-gathers and "
            "compute, float32 reduce-scatters)";
@@ -150,19 +164,7 @@ std::string parallel_line(const RunConfig& c, int64_t threads) {
     s << " (" << (c.sequence_parallel ? "sequence parallel" : "no sequence parallel") << ", "
       << (c.loss_parallel ? "loss parallel" : "gathered logits") << ")";
   }
-  if (c.layout_invariant > 0)
-    s << ", layout-invariant (" << c.layout_invariant << " segments: the same bits at TP " <<
-        [&] {
-          std::string degrees;
-          for (int64_t d = 1; d <= c.layout_invariant; d *= 2)
-            degrees += (degrees.empty()              ? ""
-                        : d * 2 > c.layout_invariant ? " and "
-                                                     : ", ") +
-                       std::to_string(d);
-          return degrees;
-        }()
-      << ")";
-  s << ac_description(c);
+  s << invariant_description(c) << ac_description(c);
   s << (c.dp > 1 ? " x DP=" + std::to_string(c.dp) : std::string()) << " on " << c.world_size
     << " CPU rank" << (c.world_size > 1 ? "s" : "") << ", " << threads << " thread"
     << (threads > 1 ? "s" : "") << " each, " << (c.dtype == c10::kDouble ? "float64" : "float32");

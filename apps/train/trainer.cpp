@@ -85,6 +85,17 @@ at::Tensor Trainer::dp_slice(const at::Tensor& t) const {
   return t.narrow(0, mesh_->get_local_rank("dp") * rows, rows).contiguous();
 }
 
+int64_t Trainer::dp_first_row() const {
+  if (!mesh_ || config_.dp == 1) return 0;
+  return mesh_->get_local_rank("dp") * (config_.batch_size / config_.dp);
+}
+
+models::DropoutKey Trainer::dropout_key(int64_t first_row) const {
+  const uint64_t step_seed =
+      config_.seed * 0x9e3779b97f4a7c15ull + static_cast<uint64_t>(step_) + 1;
+  return {.seed = step_seed, .first_row = first_row, .global_rows = config_.batch_size};
+}
+
 double Trainer::mean_over_dp(double v) const {
   if (!mesh_ || config_.dp == 1) return v;
   auto t = at::full({1}, v, at::kDouble);
@@ -136,10 +147,12 @@ at::Tensor Trainer::forward_backward(const Batch& global_batch) {
   if (config_.layout_invariant > 0) return invariant_forward_backward(global_batch);
   if (pp_) {
     at::Tensor loss =
-        pp_->run_schedule({dp_slice(global_batch.inputs), dp_slice(global_batch.targets)});
+        pp_->run_schedule({dp_slice(global_batch.inputs), dp_slice(global_batch.targets)},
+                          dropout_key(dp_first_row()));
     if (config_.tp > 1) models::reduce_partial_grads(pp_->stage());
     return loss;
   }
+  const models::DropoutKeyScope key(dropout_key(dp_first_row()));  // backward's recomputations too
   auto logits = logits_for_loss(config_, model_->forward(dp_slice(global_batch.inputs)));
   auto loss = models::loss_and_backward(logits, dp_slice(global_batch.targets));
   if (mesh_ && !config_.fsdp) {  // FSDP's backward already reduce-scattered the gradients
@@ -150,10 +163,12 @@ at::Tensor Trainer::forward_backward(const Batch& global_batch) {
 }
 
 // --layout-invariant: the global batch is cut into kLayoutInvariantBatchSegments segments, each
-// a forward and backward of its own (a dp_shard rank runs its share of them), so that FSDP's
-// sum over dp and a one-rank run's gradient accumulation add the same segments' gradients: two
-// operands, the same bits in either order. Each segment's loss is the mean over its tokens; the
-// gradients' sum is divided by the segments once (FSDP's reduce-scatter divides by dp).
+// a forward and backward of its own (a dp_shard rank runs its share of them; under --pp they are
+// the schedule's micro-batches), so that FSDP's sum over dp and a rank's gradient accumulation
+// add the same segments' gradients: two operands, the same bits in either order. Each segment's
+// loss is the mean over its tokens; the gradients' sum is divided by the segments once (FSDP's
+// reduce-scatter divides by dp; the pipeline scales each micro-batch's loss by 1 / M, which a
+// power of two does exactly alike).
 std::vector<Batch> Trainer::invariant_segments(const Batch& global_batch) const {
   const int64_t m = kLayoutInvariantBatchSegments / config_.dp;
   const at::Tensor inputs = dp_slice(global_batch.inputs), targets = dp_slice(global_batch.targets);
@@ -167,17 +182,28 @@ std::vector<Batch> Trainer::invariant_segments(const Batch& global_batch) const 
 at::Tensor Trainer::invariant_forward_backward(const Batch& global_batch) {
   const std::vector<Batch> segments = invariant_segments(global_batch);
   const auto m = static_cast<int64_t>(segments.size());
-  double sum = 0;
-  for (const Batch& b : segments) {
-    auto logits = logits_for_loss(config_, model_->forward(b.inputs));
-    sum += models::loss_and_backward(logits, b.targets).item<double>();
+  std::vector<double> losses;  // per segment (under --pp on the last stage only)
+  if (pp_) {
+    pp_->run_schedule({dp_slice(global_batch.inputs), dp_slice(global_batch.targets)},
+                      dropout_key(dp_first_row()));
+    losses = pp_->microbatch_losses();
+  } else {
+    for (int64_t k = 0; k < m; ++k) {
+      const Batch& b = segments[static_cast<size_t>(k)];
+      const models::DropoutKeyScope key(dropout_key(dp_first_row() + k * b.inputs.size(0)));
+      auto logits = logits_for_loss(config_, model_->forward(b.inputs));
+      losses.push_back(models::loss_and_backward(logits, b.targets).item<double>());
+    }
   }
-  if (!config_.fsdp) models::reduce_partial_grads(*model_);
-  if (m > 1) {
+  if (pp_ || !config_.fsdp) models::reduce_partial_grads(module());
+  if (!pp_ && m > 1) {
     at::NoGradGuard no_grad;
     for (const auto& p : params_)
       if (p.grad().defined()) p.grad().div_(static_cast<double>(m));
   }
+  if (losses.empty()) return {};
+  double sum = 0;
+  for (double l : losses) sum += l;
   return at::scalar_tensor(sum / static_cast<double>(m), at::kDouble);
 }
 
@@ -193,6 +219,7 @@ StepStats Trainer::train_step(int64_t step, const Batch& global_batch) {
   for (auto& group : optimizer_->param_groups()) {
     static_cast<torch::optim::AdamWOptions&>(group.options()).lr(stats.lr);
   }
+  step_ = step;
   const at::Tensor loss = forward_backward(global_batch);
   const double max_norm =
       config_.grad_clip > 0 ? config_.grad_clip : std::numeric_limits<double>::infinity();
@@ -257,20 +284,25 @@ double Trainer::evaluate(const BatchSampler& val, int64_t n_batches) {
   at::NoGradGuard no_grad;
   module().eval();
   if (config_.layout_invariant > 0) {
-    // Per batch segment, as the step computes the loss (see invariant_forward_backward).
+    // Per batch segment, as the step computes the loss (see invariant_forward_backward); under
+    // --pp the last stage's, then on every stage.
     std::vector<double> totals;
     for (int64_t k = 0; k < n_batches; ++k) {
       const std::vector<Batch> segments = invariant_segments(val.get(k));
       totals.resize(segments.size(), 0.0);
       for (size_t s = 0; s < segments.size(); ++s) {
-        auto logits = logits_for_loss(config_, model_->forward(segments[s].inputs));
-        totals[s] += models::token_cross_entropy(logits, segments[s].targets).item<double>();
+        const at::Tensor out =
+            pp_ ? pp_->forward(segments[s].inputs) : model_->forward(segments[s].inputs);
+        if (!out.defined()) continue;
+        totals[s] += models::token_cross_entropy(logits_for_loss(config_, out), segments[s].targets)
+                         .item<double>();
       }
     }
     module().train();
     double local = 0;
     for (double t : totals) local += t / static_cast<double>(n_batches);
-    return mean_over_dp(local / static_cast<double>(totals.size()));
+    local /= static_cast<double>(totals.size());
+    return mean_over_dp(pp_ ? pp_->from_last_stage(local) : local);
   }
   double total = 0;
   for (int64_t k = 0; k < n_batches; ++k) {

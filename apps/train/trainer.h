@@ -12,6 +12,7 @@
 
 #include "corpus.h"
 #include "dtensor/mesh/device_mesh.h"
+#include "dtensor/models/residual_dropout.h"
 #include "dtensor/models/transformer.h"
 #include "dtensor/ops/layout_invariant.h"
 #include "run_config.h"
@@ -90,6 +91,11 @@ class Trainer {
 
  private:
   at::Tensor dp_slice(const at::Tensor& t) const;
+  // The global batch row this rank's dp slice starts at.
+  int64_t dp_first_row() const;
+  // Residual dropout's key for this step's rows from `first_row` on (models/residual_dropout.h):
+  // the masks depend on the seed, the step and the global row, not on the layout.
+  models::DropoutKey dropout_key(int64_t first_row) const;
   void all_reduce_dp_grads();
   double clip_grad_norm(double max_norm);  // returns the global norm before clipping
   double mean_over_dp(double v) const;
@@ -107,6 +113,7 @@ class Trainer {
   std::unique_ptr<torch::optim::AdamW> optimizer_;
   std::vector<at::Tensor> params_;
   std::shared_ptr<PipelinePart> pp_;  // --pp: this rank's stage, its schedule
+  int64_t step_ = 0;                  // the step train_step runs (dropout's key)
 };
 
 }  // namespace dtensor::train

@@ -10,6 +10,7 @@
 #include <iomanip>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -487,23 +488,39 @@ TEST(TrainTrainer, MixedPrecisionBf16StaysNearFloat32) {
 
 namespace {
 
-// --layout-invariant `invariant` (0: off) at (dp_shard, tp): three clipped AdamW steps of the
-// tiny preset widened to 64 with 4 KV heads (every column shard 16 wide or more at TP 4, no KV
-// head replicated), then a validation loss and a sampled continuation; rank 0 writes what it saw.
-void layout_invariant_run(int dp_shard, int tp, int64_t invariant, const std::string& file) {
-  run_ranks(dp_shard * tp, [&](int rank) {
+// A (pp, dp_shard, tp) layout of dtensor_train.
+struct Layout {
+  int pp = 1, dp_shard = 1, tp = 1;
+  bool ac = false;  // --ac full: every block recomputes its forward (and dropout mask) in backward
+  int world() const { return pp * dp_shard * tp; }
+  std::string name() const {
+    return "pp" + std::to_string(pp) + "_dp" + std::to_string(dp_shard) + "_tp" +
+           std::to_string(tp) + (ac ? "_ac" : "");
+  }
+};
+
+// --layout-invariant `invariant` (0: off) at `layout`: five clipped AdamW steps with residual
+// dropout of the tiny preset widened to 64 with 4 KV heads (every column shard 16 wide or more
+// at TP 4, no KV head replicated), then a validation loss and a sampled continuation; rank 0
+// writes what it saw and every parameter (a pipeline's gathered from its stages).
+void layout_invariant_run(const Layout& layout, int64_t invariant, const std::string& file) {
+  run_ranks(layout.world(), [&](int rank) {
     TrainOptions o;
     o.preset = "tiny";
     o.dim = 64;
     o.kv_heads = 4;
-    o.steps = 3;
+    o.steps = 5;
     o.batch_size = 2;
     o.seq_len = 16;
     o.warmup = 1;
     o.grad_clip = 0.5;  // below the first steps' norms: the scaling runs
+    o.dropout = 0.1;
+    o.sequence_parallel = false;  // what the mode runs; dropout needs it without the mode too
     o.layout_invariant = invariant;
-    o.dp_shard = dp_shard;
-    const RunConfig cfg = resolve_run_config(o, dp_shard * tp);
+    o.dp_shard = layout.dp_shard;
+    o.pp = layout.pp;
+    if (layout.ac) o.ac = "full";
+    const RunConfig cfg = resolve_run_config(o, layout.world());
     Trainer t(cfg, make_train_mesh(cfg));
     const Data data(cfg);
     std::vector<double> losses, norms;
@@ -518,7 +535,9 @@ void layout_invariant_run(int dp_shard, int tp, int64_t invariant, const std::st
     out["val_loss"] = at::tensor({t.evaluate(*data.val, 2)}, at::kDouble);
     const std::vector<int64_t> prompt = {72, 101, 108, 108, 111};
     out["sample"] = at::tensor(t.generate(prompt, 8, 0.8, 7), at::kLong);
-    for (const auto& p : t.model().named_parameters())
+    std::optional<Trainer> whole;
+    if (layout.pp > 1) whole.emplace(t.gather_to_one_device());
+    for (const auto& p : (whole ? *whole : t).model().named_parameters())
       out["param." + p.key()] =
           is_dtensor(p.value()) ? full_tensor(p.value().detach()) : p.value().detach().clone();
     if (rank == 0) checkpoint::safetensors::save_file(out, file);
@@ -542,30 +561,29 @@ void layout_invariant_run(int dp_shard, int tp, int64_t invariant, const std::st
 
 }  // namespace
 
-// dtensor_train --layout-invariant 4: runs at (dp_shard, tp) = (1, 1) (TP on a one-rank mesh),
-// (1, 2), (1, 4), (2, 1) and (2, 2) agree bit for bit in losses, gradient norms, the validation
-// loss, the sampled text and every parameter. Without the mode TP 2 and FSDP 2 end elsewhere than
-// one rank.
-TEST(TrainTrainer, LayoutInvariantRunsHaveTheSameBitsAtTpAndDpShardLayouts) {
+// dtensor_train --layout-invariant 4: runs at (pp, dp_shard, tp) = (1, 1, 1) (TP on a one-rank
+// mesh), (1, 1, 2), (1, 1, 4), (1, 2, 1), (1, 2, 2), (2, 1, 1), (2, 1, 2) (with activation
+// checkpointing too) and (2, 2, 2) agree bit for bit in losses, gradient norms, the validation
+// loss, the sampled text and every parameter. Without the mode TP 2, FSDP 2 and PP 2 end
+// elsewhere than one rank.
+TEST(TrainTrainer, LayoutInvariantRunsHaveTheSameBitsAtTpDpShardAndPpLayouts) {
   TempDir dir;
-  auto file = [&](int dp_shard, int tp, int64_t invariant) {
-    return (dir.path() / ("dp" + std::to_string(dp_shard) + "_tp" + std::to_string(tp) + "_" +
-                          std::to_string(invariant) + ".safetensors"))
-        .string();
+  auto file = [&](const Layout& l, int64_t invariant) {
+    return (dir.path() / (l.name() + "_" + std::to_string(invariant) + ".safetensors")).string();
   };
-  const std::vector<std::pair<int, int>> layouts = {{1, 1}, {1, 2}, {1, 4}, {2, 1}, {2, 2}};
-  for (const auto& [dp, tp] : layouts) layout_invariant_run(dp, tp, 4, file(dp, tp, 4));
-  const auto one = checkpoint::safetensors::load_file(file(1, 1, 4));
-  for (const auto& [dp, tp] : layouts)
-    EXPECT_TRUE(same_bits(checkpoint::safetensors::load_file(file(dp, tp, 4)), one))
-        << "dp_shard " << dp << ", tp " << tp;
-  for (const auto& [dp, tp] : {std::pair{1, 1}, {1, 2}, {2, 1}})
-    layout_invariant_run(dp, tp, 0, file(dp, tp, 0));
-  const auto plain = checkpoint::safetensors::load_file(file(1, 1, 0));
-  EXPECT_FALSE(same_bits(checkpoint::safetensors::load_file(file(1, 2, 0)), plain))
-      << "without the mode TP 2 and one rank should differ in the last bits";
-  EXPECT_FALSE(same_bits(checkpoint::safetensors::load_file(file(2, 1, 0)), plain))
-      << "without the mode FSDP 2 and one rank should differ in the last bits";
+  const std::vector<Layout> layouts = {{1, 1, 1}, {1, 1, 2}, {1, 1, 4},       {1, 2, 1}, {1, 2, 2},
+                                       {2, 1, 1}, {2, 1, 2}, {2, 1, 2, true}, {2, 2, 2}};
+  for (const Layout& l : layouts) layout_invariant_run(l, 4, file(l, 4));
+  const auto one = checkpoint::safetensors::load_file(file(layouts[0], 4));
+  for (const Layout& l : layouts)
+    EXPECT_TRUE(same_bits(checkpoint::safetensors::load_file(file(l, 4)), one)) << l.name();
+  const std::vector<Layout> plain_layouts = {{1, 1, 1}, {1, 1, 2}, {1, 2, 1}, {2, 1, 1}};
+  for (const Layout& l : plain_layouts) layout_invariant_run(l, 0, file(l, 0));
+  const auto plain = checkpoint::safetensors::load_file(file(plain_layouts[0], 0));
+  for (size_t k = 1; k < plain_layouts.size(); ++k)
+    EXPECT_FALSE(same_bits(checkpoint::safetensors::load_file(file(plain_layouts[k], 0)), plain))
+        << "without the mode " << plain_layouts[k].name()
+        << " and one rank should differ in the last bits";
 }
 
 TEST(TrainTrainer, LayoutInvariantRefusesWhatItDoesNotCover) {
@@ -585,7 +603,20 @@ TEST(TrainTrainer, LayoutInvariantRefusesWhatItDoesNotCover) {
   EXPECT_CONTAINS(refusal(2, [](TrainOptions& o) { o.layout_invariant = 3; }), "a power of two");
   EXPECT_CONTAINS(refusal(4, [](TrainOptions& o) { o.dp_shard = 4; }), "covers --dp-shard up to 2");
   EXPECT_CONTAINS(refusal(4, [](TrainOptions& o) { o.dp = 2; }), "with --dp");
-  EXPECT_CONTAINS(refusal(4, [](TrainOptions& o) { o.pp = 2; }), "with --pp");
+  EXPECT_CONTAINS(refusal(4,
+                          [](TrainOptions& o) {
+                            o.pp = 2;
+                            o.microbatches = 4;
+                          }),
+                  "drop --microbatches 4 (it is 2)");
+  EXPECT_CONTAINS(refusal(4,
+                          [](TrainOptions& o) {
+                            o.pp = 2;
+                            o.layers = 4;
+                            o.schedule = "interleaved";
+                          }),
+                  "not interleaved");
+  EXPECT_EQ(refusal(4, [](TrainOptions& o) { o.pp = 2; }), "(accepted)");
   EXPECT_CONTAINS(refusal(4, [](TrainOptions& o) { o.layout_invariant = 2; }),
                   "the TP degree 4 must divide P");
   EXPECT_CONTAINS(refusal(2, [](TrainOptions& o) { o.overlap_comm = true; }), "--overlap-comm");

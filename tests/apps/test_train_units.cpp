@@ -410,6 +410,18 @@ TEST(TrainRunConfig, PresetDefaultsOverridesAndTpChecks) {
     EXPECT_TRUE(resolve_run_config(*overlap, 2).overlap_comm);
     EXPECT_FALSE(resolve_run_config(*o, 2).overlap_comm);
   }
+  // --dropout: a probability below 1, keyed by whole sequences (no sequence parallelism).
+  expect_error({"--preset", "tiny", "--dropout", "1"}, 1, "--dropout 1: a probability below 1");
+  expect_error({"--preset", "tiny", "--dropout", "0.1"}, 2,
+               "--dropout keys each mask by whole sequences, and sequence parallelism gives each "
+               "TP rank a slice of them: add --no-sequence-parallel");
+  {
+    auto dropping = parse({"--preset", "tiny", "--dropout", "0.1", "--no-sequence-parallel"}, code);
+    ASSERT_TRUE(dropping);
+    EXPECT_EQ(resolve_run_config(*dropping, 2).model.dropout, 0.1);
+    EXPECT_NE(resolve_run_config(*dropping, 2).to_json().find("\"dropout\":0.1"),
+              std::string::npos);
+  }
   TempDir dir;
   std::ofstream(dir.file("bad.json")) << "{\"dimm\": 3}";
   expect_error({"--config", dir.file("bad.json")}, 1, "dimm");

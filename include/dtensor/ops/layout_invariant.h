@@ -26,9 +26,10 @@
 // sum instead of an all_reduce, and max_degree smaller products. fsdp::clip_grad_norm_ takes its
 // own canonical sum in the mode, which also covers FSDP's leaves over at most 2 ranks; FSDP's
 // reduce-scatter adds two ranks' gradients exactly alike in either order, so a trainer that cuts
-// its batch into 2 segments everywhere (dtensor_train does) is invariant at dp_shard 1 and 2 too.
-// Not yet: replicated KV projections' gradient sums, FSDP over more than 2 ranks and pipelines'
-// micro-batch accumulation.
+// its batch into 2 segments everywhere (dtensor_train does) is invariant at dp_shard 1 and 2 too,
+// and with pipeline stages whose micro-batches are those segments (the gradient norm gathers the
+// stages' sums in stage order; scaling a micro-batch's loss by 1/2 is exact).
+// Not yet: replicated KV projections' gradient sums, FSDP over more than 2 ranks.
 // dtensor_train and dtensor_generate take it as --layout-invariant P.
 #include <ATen/core/Tensor.h>
 
