@@ -6,6 +6,7 @@
 #include <ATen/ATen.h>
 
 #include <cstdint>
+#include <functional>
 #include <string>
 
 namespace dtensor::models::detail {
@@ -33,10 +34,25 @@ at::Tensor heads(const at::Tensor& x, int64_t head_dim, const at::Tensor& norm_w
 at::Tensor attention_mask(int64_t start, int64_t S, const at::Tensor& padding, int64_t window,
                           const at::Device& device);
 
+// LayoutInvariantMode: this LibTorch's CPU matrix products give a row the same bits whatever the
+// number of rows from this many on (fewer take another kernel path), so the mode runs a decode
+// step's products with its rows padded to it: a decode row then equals the prefill's row.
+inline constexpr int64_t kInvariantMinRows = 4;
+// LayoutInvariantMode: attention with a cache runs over the filled slots rounded up to a multiple
+// of this many (masked), so the number of slots a row sees is one of a few whole-block sizes.
+inline constexpr int64_t kInvariantKeyBlock = 64;
+
+// f(x) for x (M, K), with x padded by zero rows to kInvariantMinRows first in LayoutInvariantMode
+// (the extra output rows dropped); f(x) itself otherwise.
+at::Tensor rows_padded(const at::Tensor& x, const std::function<at::Tensor(const at::Tensor&)>& f);
+
 // Scaled dot-product attention of q (B, S, Hq, D) over k, v (B, S, Hkv, D) (Hq a multiple of Hkv;
 // query head j uses KV head j / (Hq / Hkv)), with `mask` from attention_mask. With a cache, k and
 // v are written to its slots first and the queries attend to all filled slots. Returns
-// (B, S, Hq * D). Scores are scaled by `scale` (0: 1 / sqrt(D)).
+// (B, S, Hq * D). Scores are scaled by `scale` (0: 1 / sqrt(D)). In LayoutInvariantMode with a
+// cache, every query attends over the filled slots rounded up to whole kInvariantKeyBlock blocks
+// (the slots it does not see masked) with at least kInvariantMinRows queries, so a decode step
+// and a prefill's row give the same bits.
 at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                   const at::Tensor& mask, LayerCache* cache = nullptr, double scale = 0);
 

@@ -188,9 +188,10 @@ at::Tensor Decoder::forward(const at::Tensor& tokens_in, KVCache& cache) {
   auto row_parallel = [&](const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias) {
     at::Tensor out;
     if (ops::layout_invariant_segments() > 0) {
-      out = ops::canonical_mm(x.reshape({-1, x.size(-1)}), w.t(), mesh_ ? &*mesh_ : nullptr, 0,
-                              "Decoder::forward (row-parallel linear)")
-                .view({x.size(0), x.size(1), -1});
+      out = detail::rows_padded(x.reshape({-1, x.size(-1)}), [&](const at::Tensor& rows) {
+              return ops::canonical_mm(rows, w.t(), mesh_ ? &*mesh_ : nullptr, 0,
+                                       "Decoder::forward (row-parallel linear)");
+            }).view({x.size(0), x.size(1), -1});
     } else if (tp_ == 1) {
       return at::linear(x, w, bias);
     } else {
@@ -199,14 +200,22 @@ at::Tensor Decoder::forward(const at::Tensor& tokens_in, KVCache& cache) {
     return bias.defined() ? out + bias : out;
   };
 
+  // A column-parallel projection (this rank's columns of w): in LayoutInvariantMode with the rows
+  // padded as detail::rows_padded says, so that a decode step's row equals a prefill's.
+  auto linear = [](const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias = {}) {
+    return detail::rows_padded(x.reshape({-1, x.size(-1)}),
+                               [&](const at::Tensor& rows) { return at::linear(rows, w, bias); })
+        .view({x.size(0), x.size(1), -1});
+  };
+
   at::Tensor h = detail::scale_embeddings(embed(tokens), config_.dim, config_.scale_embeddings);
   for (size_t l = 0; l < layers_.size(); ++l) {
     const Layer& w = layers_[l];
     const at::Tensor& r = w.window > 0 ? local_rope : rope;
     at::Tensor x = norm(h, w.attention_norm, config_, eps_);
-    const at::Tensor q = detail::heads(at::linear(x, w.wq, w.bq), hd, w.q_norm, eps_, r, off);
-    const at::Tensor k = detail::heads(at::linear(x, w.wk, w.bk), hd, w.k_norm, eps_, r, off);
-    const at::Tensor v = detail::heads(at::linear(x, w.wv, w.bv), hd, {}, eps_, {});
+    const at::Tensor q = detail::heads(linear(x, w.wq, w.bq), hd, w.q_norm, eps_, r, off);
+    const at::Tensor k = detail::heads(linear(x, w.wk, w.bk), hd, w.k_norm, eps_, r, off);
+    const at::Tensor v = detail::heads(linear(x, w.wv, w.bv), hd, {}, eps_, {});
     detail::LayerCache layer_cache{cache.keys(static_cast<int64_t>(l)),
                                    cache.values(static_cast<int64_t>(l)), t0};
     const at::Tensor attn = detail::attend(q, k, v, masks.at(w.window), &layer_cache, scale);
@@ -215,8 +224,7 @@ at::Tensor Decoder::forward(const at::Tensor& tokens_in, KVCache& cache) {
     h = h + o;
     x = norm(h, w.ffn_norm, config_, eps_);
     at::Tensor f = row_parallel(
-        detail::gated_activation(at::linear(x, w.w1), at::linear(x, w.w3), config_.activation),
-        w.w2, {});
+        detail::gated_activation(linear(x, w.w1), linear(x, w.w3), config_.activation), w.w2, {});
     if (w.ffn_post_norm.defined()) f = norm(f, w.ffn_post_norm, config_, eps_);
     h = h + f;
   }

@@ -329,4 +329,40 @@ TEST(LayoutInvariantMode, GenerationHasTheSameBitsAtTp1Tp2AndTp4) {
   expect_same_bits(safetensors::load_file(file_of(dir, 4)), one, "tp=4");
 }
 
+// Generation equals re-running the whole sequence: the logits of each decode step (one position
+// against the cache) are the same bits as a fresh generate() of the prompts extended by the
+// tokens so far (a prefill, with a cache of another size), two left-padded rows at TP 1 and 2,
+// past 64 slots (the mode's attention block).
+TEST(LayoutInvariantMode, DecodeStepsEqualPrefillsOfTheWholeSequence) {
+  for (int tp : {1, 2}) {
+    run_ranks(tp, [&](int) {
+      const models::Transformer model = invariant_test_model(tp, {});
+      ops::LayoutInvariantMode invariant(4);
+      auto run = [&](const std::vector<std::vector<int64_t>>& prompts, int64_t n,
+                     std::vector<at::Tensor>& logits) {
+        models::GenerateOptions options;
+        options.max_new_tokens = n;
+        options.on_logits = [&](const at::Tensor& l) { logits.push_back(l.clone()); };
+        return models::generate(*model, prompts, options).tokens;
+      };
+      const std::vector<std::vector<int64_t>> prompts = {{5, 17, 200, 3, 99, 42}, {7, 8}};
+      std::vector<at::Tensor> decoded;
+      const auto tokens = run(prompts, 70, decoded);
+      ASSERT_EQ(decoded.size(), 70u);
+      for (size_t k = 1; k < decoded.size(); ++k) {
+        std::vector<std::vector<int64_t>> extended = prompts;
+        for (size_t b = 0; b < extended.size(); ++b)
+          extended[b].insert(extended[b].end(), tokens[b].begin(), tokens[b].begin() + k);
+        std::vector<at::Tensor> rerun;
+        run(extended, 1, rerun);
+        EXPECT_EQ(std::memcmp(rerun[0].const_data_ptr(), decoded[k].const_data_ptr(),
+                              decoded[k].nbytes()),
+                  0)
+            << "tp " << tp << ", decode step " << k << ": max difference "
+            << (rerun[0] - decoded[k]).abs().max().item<double>();
+      }
+    });
+  }
+}
+
 }  // namespace
