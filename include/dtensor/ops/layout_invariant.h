@@ -29,6 +29,8 @@
 // its batch into 2 segments everywhere (dtensor_train does) is invariant at dp_shard 1 and 2 too,
 // and with pipeline stages whose micro-batches are those segments (the gradient norm gathers the
 // stages' sums in stage order; scaling a micro-batch's loss by 1/2 is exact).
+// models::generate in the mode also gives each decode step the bits of a fresh prefill of the
+// whole sequence (the decoder's products and cached attention take shapes that make it so).
 // Not yet: replicated KV projections' gradient sums, FSDP over more than 2 ranks.
 // dtensor_train and dtensor_generate take it as --layout-invariant P.
 #include <ATen/core/Tensor.h>
