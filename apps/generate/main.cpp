@@ -165,7 +165,8 @@ int main(int argc, char** argv) {
       ->check(CLI::PositiveNumber);
   app.add_option("--layout-invariant", o.layout_invariant,
                  "P (a power of two): the same logits and tokens, bit for bit, at every TP degree "
-                 "dividing P (each row-parallel sum in P fixed segments, added in one order)")
+                 "dividing P (each row-parallel sum in P fixed segments, added in one order), and "
+                 "each decode step's logits those of re-running the whole sequence")
       ->check(CLI::PositiveNumber);
   try {
     app.parse(argc, argv);
