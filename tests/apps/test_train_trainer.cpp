@@ -502,7 +502,8 @@ struct Layout {
 // --layout-invariant `invariant` (0: off) at `layout`: five clipped AdamW steps with residual
 // dropout of the tiny preset widened to 64 with 4 KV heads (every column shard 16 wide or more
 // at TP 4, no KV head replicated), then a validation loss and a sampled continuation; rank 0
-// writes what it saw and every parameter (a pipeline's gathered from its stages).
+// writes what it saw, every parameter and its AdamW moments (a pipeline's gathered from its
+// stages).
 void layout_invariant_run(const Layout& layout, int64_t invariant, const std::string& file) {
   run_ranks(layout.world(), [&](int rank) {
     TrainOptions o;
@@ -537,9 +538,18 @@ void layout_invariant_run(const Layout& layout, int64_t invariant, const std::st
     out["sample"] = at::tensor(t.generate(prompt, 8, 0.8, 7), at::kLong);
     std::optional<Trainer> whole;
     if (layout.pp > 1) whole.emplace(t.gather_to_one_device());
-    for (const auto& p : (whole ? *whole : t).model().named_parameters())
-      out["param." + p.key()] =
-          is_dtensor(p.value()) ? full_tensor(p.value().detach()) : p.value().detach().clone();
+    Trainer& all = whole ? *whole : t;
+    auto global = [](const at::Tensor& x) {
+      return is_dtensor(x) ? full_tensor(x.detach()) : x.detach().clone();
+    };
+    for (const auto& p : all.model().named_parameters()) {
+      out["param." + p.key()] = global(p.value());
+      // AdamW's moments: every step's (clipped) gradient, averaged.
+      const auto& state = static_cast<const torch::optim::AdamWParamState&>(
+          *all.optimizer().state().at(p.value().unsafeGetTensorImpl()));
+      out["exp_avg." + p.key()] = global(state.exp_avg());
+      out["exp_avg_sq." + p.key()] = global(state.exp_avg_sq());
+    }
     if (rank == 0) checkpoint::safetensors::save_file(out, file);
   });
 }
@@ -564,8 +574,8 @@ void layout_invariant_run(const Layout& layout, int64_t invariant, const std::st
 // dtensor_train --layout-invariant 4: runs at (pp, dp_shard, tp) = (1, 1, 1) (TP on a one-rank
 // mesh), (1, 1, 2), (1, 1, 4), (1, 2, 1), (1, 2, 2), (2, 1, 1), (2, 1, 2) (with activation
 // checkpointing too) and (2, 2, 2) agree bit for bit in losses, gradient norms, the validation
-// loss, the sampled text and every parameter. Without the mode TP 2, FSDP 2 and PP 2 end
-// elsewhere than one rank.
+// loss, the sampled text, every parameter and its AdamW moments. Without the mode TP 2, FSDP 2 and
+// PP 2 end elsewhere than one rank.
 TEST(TrainTrainer, LayoutInvariantRunsHaveTheSameBitsAtTpDpShardAndPpLayouts) {
   TempDir dir;
   auto file = [&](const Layout& l, int64_t invariant) {
