@@ -6,6 +6,8 @@
 #include <iomanip>
 #include <sstream>
 #include <stdexcept>
+#include <utility>
+#include <vector>
 
 #include "corpus.h"
 #include "dtensor/ac/checkpoint.h"
@@ -194,6 +196,25 @@ void resolve_layout_invariant(const TrainOptions& o, RunConfig& c) {
         " ranks or fewer, a divisor of it");
   if (c.overlap_comm)
     bad("--overlap-comm splits the blocks' products its own way; it does not combine with " + flag);
+  if (c.tp > 1) {
+    const models::DecoderConfig& m = c.model;
+    const std::string at_tp = flag + ": at TP " + std::to_string(c.tp);
+    if (m.kv_heads() % c.tp != 0)
+      bad(at_tp + " the model's " + std::to_string(m.kv_heads()) +
+          " KV heads are replicated over TP ranks, whose sum of their gradients is not canonical "
+          "yet: use a TP degree that divides the KV heads (--kv-heads)");
+    const std::vector<std::pair<std::string, int64_t>> columns = {
+        {"wq", m.n_heads * m.head_dim()},
+        {"wk and wv", m.kv_heads() * m.head_dim()},
+        {"w1 and w3", m.hidden_dim()},
+        {"output", m.vocab_size}};
+    for (const auto& [name, width] : columns)
+      if (width / c.tp < 16)
+        bad(at_tp + " the " + name + " projection's column shards are " +
+            std::to_string(width / c.tp) +
+            " wide; the mode needs 16 or more (narrower products take another kernel path in "
+            "this LibTorch): use a smaller TP degree or a wider model (--dim)");
+  }
   if (c.pp > 1) {
     // The schedule's micro-batches are the batch segments a dp_shard rank holds.
     const int64_t m = segments / c.dp;

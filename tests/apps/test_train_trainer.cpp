@@ -600,6 +600,7 @@ TEST(TrainTrainer, LayoutInvariantRefusesWhatItDoesNotCover) {
   auto refusal = [](int64_t world, auto&& set) {
     TrainOptions o;
     o.preset = "tiny";
+    o.dim = 64;
     o.kv_heads = 4;
     o.layout_invariant = 4;
     set(o);
@@ -630,6 +631,10 @@ TEST(TrainTrainer, LayoutInvariantRefusesWhatItDoesNotCover) {
   EXPECT_CONTAINS(refusal(4, [](TrainOptions& o) { o.layout_invariant = 2; }),
                   "the TP degree 4 must divide P");
   EXPECT_CONTAINS(refusal(2, [](TrainOptions& o) { o.overlap_comm = true; }), "--overlap-comm");
+  EXPECT_CONTAINS(refusal(4, [](TrainOptions& o) { o.kv_heads = 2; }),
+                  "at TP 4 the model's 2 KV heads are replicated over TP ranks");
+  EXPECT_CONTAINS(refusal(4, [](TrainOptions& o) { o.dim = 32; }),
+                  "at TP 4 the wq projection's column shards are 8 wide; the mode needs 16");
   EXPECT_EQ(refusal(4, [](TrainOptions&) {}), "(accepted)");
   EXPECT_EQ(refusal(4, [](TrainOptions& o) { o.dp_shard = 2; }), "(accepted)");
 }
