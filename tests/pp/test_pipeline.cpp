@@ -271,6 +271,35 @@ TEST(PipelineSchedule, InterleavedRunsRoundsOfMicroBatchesThroughTheChunks) {
   });
 }
 
+// The action hook sees every action of this rank in the order the schedule runs them (backwards
+// included); the last stage reports each micro-batch's loss in micro-batch order, the others none.
+TEST(PipelineSchedule, TheActionHookSeesEachActionAndTheLastStageKeepsTheMicroBatchLosses) {
+  run_ranks(2, [](int rank) {
+    auto mesh = init_device_mesh("cpu", {2}, {"pp"});
+    pp::PipelineStage stage([](const at::Tensor& x) { return x * 2; }, mesh);
+    pp::Schedule1F1B schedule(stage, 4, [](const at::Tensor& out, const at::Tensor& target) {
+      return (out - target).pow(2).mean();
+    });
+    std::vector<pp::Action> seen;
+    schedule.set_action_hook([&](const pp::Action& a) { seen.push_back(a); });
+    const at::Tensor inputs = at::arange(8, at::kFloat).view({4, 2}).requires_grad_(true);
+    const at::Tensor targets = at::zeros({4, 2});
+    const at::Tensor loss = schedule.step(inputs, targets);
+    EXPECT_EQ(pp::format_actions(seen), pp::format_actions(schedule.actions()));
+    const auto& losses = schedule.microbatch_losses();
+    if (rank == 0) {
+      EXPECT_TRUE(losses.empty());
+      return;
+    }
+    ASSERT_EQ(losses.size(), 4u);
+    for (int64_t i = 0; i < 4; ++i) {  // micro-batch i holds inputs 2i, 2i + 1, times 4 (2 stages)
+      const double a = 4.0 * (2 * i), b = 4.0 * (2 * i + 1);
+      EXPECT_DOUBLE_EQ(losses[i].item<double>(), (a * a + b * b) / 2) << "micro-batch " << i;
+    }
+    EXPECT_TRUE(at::equal(loss, at::stack(losses).mean()));
+  });
+}
+
 // Every rank runs its interleaved list in order, each action waiting for the one it receives
 // from (the previous stage's forward, the next stage's backward, on the last stage its own
 // forward); with unit-time forwards and 2-unit backwards the lists all finish (no rank waits on
