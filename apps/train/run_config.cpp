@@ -216,7 +216,8 @@ void resolve_layout_invariant(const TrainOptions& o, RunConfig& c) {
             "this LibTorch): use a smaller TP degree or a wider model (--dim)");
   }
   if (c.pp > 1) {
-    // The schedule's micro-batches are the batch segments a dp_shard rank holds.
+    // The schedule's micro-batches are the batch segments a dp_shard rank holds (the default
+    // resolve_parallelism gave --microbatches).
     const int64_t m = segments / c.dp;
     if (o.microbatches && *o.microbatches != m)
       bad(flag + " runs the batch's " + std::to_string(segments) +
@@ -230,7 +231,6 @@ void resolve_layout_invariant(const TrainOptions& o, RunConfig& c) {
       bad(flag +
           " with --pp: the model ties its embedding to its output head, whose two "
           "stages' gradients would be added in another order than one device adds them");
-    c.microbatches = m;
   }
   // The norms run on whole sequences at every layout: pipeline stages cannot shard them.
   if (!c.plan) c.sequence_parallel = false;

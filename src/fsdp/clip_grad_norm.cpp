@@ -183,12 +183,13 @@ std::vector<double> in_stage_order(const std::vector<double>& mine, comm::Proces
   at::Tensor padded = at::zeros({longest}, at::kDouble);
   if (!mine.empty())
     padded.narrow(0, 0, static_cast<int64_t>(mine.size())).copy_(at::tensor(mine, at::kDouble));
-  const at::Tensor all =
-      comm::all_gather_into_tensor(padded, 0, stages).view({stages.size(), longest});
+  const at::Tensor all = comm::all_gather_into_tensor(padded, 0, stages).cpu().contiguous();
+  const at::Tensor n = counts.cpu().contiguous();
   std::vector<double> out;
-  for (int64_t r = 0; r < stages.size(); ++r)
-    for (int64_t i = 0; i < static_cast<int64_t>(counts[r].item<double>()); ++i)
-      out.push_back(all[r][i].item<double>());
+  for (int64_t r = 0; r < stages.size(); ++r) {
+    const double* row = all.const_data_ptr<double>() + r * longest;
+    out.insert(out.end(), row, row + static_cast<int64_t>(n.const_data_ptr<double>()[r]));
+  }
   return out;
 }
 
