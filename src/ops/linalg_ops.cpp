@@ -110,7 +110,7 @@ Decision diag_embed(const OpCall& call) {
   return all_outputs(call, {tgt}, out);
 }
 
-// Everything replicated: diag turns a vector into a matrix or back.
+// Everything replicated.
 Decision replicated(const OpCall& call) {
   const Placements r = replicate_all(call.mesh_ndim());
   return all_outputs(call, std::vector<Placements>(call.num_inputs(), r), r);
@@ -137,7 +137,16 @@ DTENSOR_RULES(linalg_ops) {
   register_rule({"aten::diagonal", "aten::diagonal_copy", "aten::linalg_diagonal"}, diagonal);
   register_rule("aten::diagonal_backward", diagonal_backward);
   register_rule("aten::diag_embed", diag_embed);
-  register_rule("aten::diag", replicated);
+  // diag, and hash_tensor (one value from every element): replicated. linalg_pinv with
+  // tolerance tensors: those broadcast against the batch, so everything is replicated.
+  register_rule({"aten::diag", "aten::hash_tensor"}, replicated);
+  register_rule("aten::linalg_pinv.atol_rtol_tensor", [](const OpCall& c) {
+    Decision d = replicated(c);
+    std::vector<int64_t> shape = c.input(0).shape();  // no meta kernel: (*, n, m) -> (*, m, n)
+    std::swap(shape[shape.size() - 1], shape[shape.size() - 2]);
+    d.output_meta = {contiguous_meta(shape, c.input(0).dtype())};
+    return d;
+  });
 }
 
 }  // namespace dtensor::ops

@@ -236,6 +236,11 @@ DTENSOR_RULES(reduction) {
   register_rule("aten::prod", [](const OpCall& c) {
     return reduce(c, {ReduceOp::Product, false, kAnySize}, {}, false);
   });
+  // prod.dim_int(self, dim, keepdim, dtype): an empty shard's product is 1, the identity.
+  register_rule("aten::prod.dim_int", [](const OpCall& c) {
+    return reduce(c, {ReduceOp::Product, false, kAnySize}, std::vector<int64_t>{c.int_arg(1)},
+                  c.bool_arg(2));
+  });
   // any/all of an empty shard is false/true, the identity of the combining max/min
   register_rule({"aten::any", "aten::any.dim", "aten::any.dims"}, [](const OpCall& c) {
     return reduce(c, {ReduceOp::Max, false, kAnySize}, any_all_dims(c),

@@ -111,7 +111,17 @@ std::vector<OpSummary> run_and_check(const std::vector<size_t>& idx, const std::
     ADD_FAILURE() << key << " passes PyTorch's DTensor sweep but not ours: " << op.message;
   }
   if (!table_path.empty()) {
-    const std::string preamble = "<!-- written by scripts/opinfo-sweep run -->\n";
+    const std::string preamble =
+        "<!-- written by scripts/opinfo-sweep run: edit tests/ops/test_opinfo_sweep.cpp -->\n"
+        "# The OpInfo sweep\n\n"
+        "PyTorch's OpInfo samples (torch " +
+        samples().meta.at("torch").get<std::string>() +
+        ", float32 CPU, up to 3 per OpInfo) replayed on our DTensors, every tensor input laid "
+        "out Shard(0), Replicate and Shard(-1) on 2 and 4 forked ranks, forward and backward, "
+        "each compared with the same ATen calls on plain tensors (docs/ARCHITECTURE.md, "
+        "\"Testing\"). PyTorch's column is the `dtensor_fails` list of its own DTensor sweep "
+        "(tests/ops/opinfo/pytorch_dtensor_fails.txt). `scripts/opinfo-sweep generate` remakes "
+        "the samples, `scripts/opinfo-sweep run` this page.\n\n";
     std::ofstream(table_path) << markdown_table(samples(), ops, pytorch_fails(), worlds, preamble);
   }
   return ops;
