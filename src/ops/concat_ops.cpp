@@ -77,9 +77,10 @@ DTENSOR_RULES(concat_ops) {
   using dispatch::register_rule;
   register_rule("aten::cat", cat);
   register_rule("aten::stack", stack);
-  register_rule({"aten::split.Tensor", "aten::split_with_sizes", "aten::unsafe_split.Tensor",
-                 "aten::unsafe_split_with_sizes"},
-                split);
+  register_rule(
+      {"aten::split.Tensor", "aten::split_with_sizes", "aten::unsafe_split.Tensor",
+       "aten::unsafe_split_with_sizes", "aten::split_with_sizes_copy", "aten::split_copy.Tensor"},
+      split);
   register_rule("aten::unbind.int", unbind);
 }
 
