@@ -85,7 +85,7 @@ std::vector<OpSummary> run_and_check(const std::vector<size_t>& idx, const std::
   const std::vector<int> worlds = {2, 4};
   std::vector<std::vector<CaseResult>> per_world;
   for (int w : worlds) per_world.push_back(sweep(samples(), idx, w));
-  const auto ops = summarize(samples(), idx, per_world);
+  const auto ops = summarize(samples(), idx, per_world, worlds);
   const SideBySide t = side_by_side(ops, pytorch_fails());
   std::printf(
       "[opinfo] %s: %zu samples of %zu OpInfos x %zu layouts x 2 world sizes: both pass "
@@ -100,15 +100,15 @@ std::vector<OpSummary> run_and_check(const std::vector<size_t>& idx, const std::
     const bool bad_bwd =
         op.worst_backward() >= Outcome::Wrong &&
         !(op.worst_backward() == Outcome::Wrong && kKnownPlainGradients.count(op.key) &&
-          op.message.find("a plain tensor") != std::string::npos);
+          op.message().find("a plain tensor") != std::string::npos);
     EXPECT_FALSE(bad_fwd || bad_bwd)
         << op.key << ": forward " << outcome_name(op.worst_forward()) << ", backward "
-        << outcome_name(op.worst_backward()) << ": " << op.message;
+        << outcome_name(op.worst_backward()) << ": " << op.message();
   }
   for (const auto& key : t.pytorch_passes_we_refuse) {
     const auto& op =
         *std::find_if(ops.begin(), ops.end(), [&](const OpSummary& o) { return o.key == key; });
-    ADD_FAILURE() << key << " passes PyTorch's DTensor sweep but not ours: " << op.message;
+    ADD_FAILURE() << key << " passes PyTorch's DTensor sweep but not ours: " << op.message();
   }
   if (!table_path.empty()) {
     const std::string preamble =
