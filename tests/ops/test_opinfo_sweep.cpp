@@ -30,6 +30,8 @@ const std::set<std::string>& ci_subset() {
       // pointwise, unary and binary, with broadcasting and scalars
       "add", "mul", "div.no_rounding_mode", "where", "clamp", "erfc", "angle", "isposinf",
       "polygamma.polygamma_n_1", "round.decimals_3", "ldexp", "logaddexp2",
+      // gradients a derivative formula builds as plain zeros (sgn, repeat: of the input)
+      "copysign", "nextafter", "sgn", "repeat",
       // reductions
       "sum", "mean", "amax", "argmax", "var", "cumsum", "histc", "bucketize",
       // views and copies
@@ -73,12 +75,6 @@ std::set<std::string> env_ops() {
   return out;
 }
 
-// Gradients that arrive as plain tensors at DTensor leaves (their values are right): the
-// backward formulas of these ops build the zero gradient of one argument (or sgn's of a real
-// input, repeat's sum) as a plain tensor, which autograd hands back unchanged. Reported as WRONG
-// in the table (docs/OPINFO.md); a fix belongs in how the dispatcher meets plain gradients.
-const std::set<std::string> kKnownPlainGradients = {"copysign", "nextafter", "sgn", "repeat"};
-
 // Runs `idx` on 2 and 4 ranks; checks what every run must show; returns the per-op summary.
 std::vector<OpSummary> run_and_check(const std::vector<size_t>& idx, const std::string& what,
                                      const std::string& table_path) {
@@ -97,10 +93,7 @@ std::vector<OpSummary> run_and_check(const std::vector<size_t>& idx, const std::
       t.bwd_wrong);
   for (const auto& op : ops) {
     const bool bad_fwd = op.worst_forward() >= Outcome::Wrong;
-    const bool bad_bwd =
-        op.worst_backward() >= Outcome::Wrong &&
-        !(op.worst_backward() == Outcome::Wrong && kKnownPlainGradients.count(op.key) &&
-          op.message().find("a plain tensor") != std::string::npos);
+    const bool bad_bwd = op.worst_backward() >= Outcome::Wrong;
     EXPECT_FALSE(bad_fwd || bad_bwd)
         << op.key << ": forward " << outcome_name(op.worst_forward()) << ", backward "
         << outcome_name(op.worst_backward()) << ": " << op.message();
