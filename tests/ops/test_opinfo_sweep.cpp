@@ -32,6 +32,8 @@ const std::set<std::string>& ci_subset() {
       "polygamma.polygamma_n_1", "round.decimals_3", "ldexp", "logaddexp2",
       // gradients a derivative formula builds as plain zeros (sgn, repeat: of the input)
       "copysign", "nextafter", "sgn", "repeat",
+      // backward through other element-wise ops (logit_backward, digamma_)
+      "logit", "mvlgamma.mvlgamma_p_3",
       // reductions
       "sum", "mean", "amax", "argmax", "var", "cumsum", "histc", "bucketize",
       // views and copies
@@ -103,6 +105,13 @@ std::vector<OpSummary> run_and_check(const std::vector<size_t>& idx, const std::
         *std::find_if(ops.begin(), ops.end(), [&](const OpSummary& o) { return o.key == key; });
     ADD_FAILURE() << key << " passes PyTorch's DTensor sweep but not ours: " << op.message();
   }
+  // Its backward too, where it has one.
+  for (const auto& op : ops) {
+    if (pytorch_fails().count(op.key) == 0 && op.worst_backward() == Outcome::Refused) {
+      ADD_FAILURE() << op.key << " passes PyTorch's DTensor sweep but its backward is refused "
+                    << "here: " << op.backward_message;
+    }
+  }
   if (!table_path.empty()) {
     const std::string preamble =
         "<!-- written by scripts/opinfo-sweep run: edit tests/ops/test_opinfo_sweep.cpp -->\n"
@@ -135,7 +144,7 @@ TEST(OpInfoSweep, SamplesAndPyTorchListAreThere) {
 }
 
 // CI's subset: nothing WRONG, CRASH or HANG, forward or backward, and every OpInfo that passes
-// PyTorch's DTensor sweep passes here on every layout.
+// PyTorch's DTensor sweep passes here on every layout, its backward included.
 TEST(OpInfoSweep, SubsetMatchesOneDeviceWhereverPyTorchPasses) {
   const auto idx = indices_of(&ci_subset());
   const auto ops = run_and_check(idx, "CI subset", "");
