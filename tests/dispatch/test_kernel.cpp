@@ -185,3 +185,54 @@ TEST(Kernel, EveryRegisteredRuleNamesARealOperator) {
         << "a sharding rule is registered for '" << name << "', which is no operator";
   }
 }
+
+// The kinds of op that ended every rank on Gloo (conversions to complex and int16 dtypes,
+// view_as_complex, FFTs of a last-dim-sharded input): each matches one device or, for the FFTs,
+// which have no sharding rule, is refused before any collective; either way the next op runs.
+TEST(Kernel, ComplexAndInt16ResultsOfShardedInputsMatchOneDeviceOrAreRefusedCleanly) {
+  run_ranks(2, [](int) {
+    auto mesh = init_device_mesh("cpu", {2});
+    at::manual_seed(9);
+    const auto g = at::randn({4, 6, 2});
+    using F = std::function<at::Tensor(const at::Tensor&)>;
+    const std::vector<std::pair<const char*, F>> ops = {
+        {"to(complex64)", [](const at::Tensor& t) { return t.to(at::kComplexFloat); }},
+        {"to(complex128)", [](const at::Tensor& t) { return t.to(at::kComplexDouble); }},
+        {"chalf", [](const at::Tensor& t) { return t.to(at::kComplexHalf); }},
+        {"to(int16)", [](const at::Tensor& t) { return (t * 100).to(at::kShort); }},
+        {"view_as_complex", [](const at::Tensor& t) { return at::view_as_complex(t); }},
+    };
+    // No sharding rule yet: refused before any collective, or, once a rule comes, equal.
+    const std::vector<std::pair<const char*, F>> ruleless = {
+        {"aten::_fft_c2c",
+         [](const at::Tensor& t) { return at::fft_fft(t.to(at::kComplexFloat)); }},
+        {"aten::_fft_r2c", [](const at::Tensor& t) { return at::fft_rfft(t); }},
+    };
+    for (int64_t d : {0, 1, 2}) {
+      auto x = distribute_tensor(g, mesh, {Shard(d)});
+      for (const auto& [name, f] : ops) {
+        SCOPED_TRACE(std::string(name) + " of S(" + std::to_string(d) + ")");
+        const auto got = full_tensor(f(x));
+        const auto want = f(g);
+        EXPECT_EQ(got.scalar_type(), want.scalar_type());
+        EXPECT_TENSOR_EQ(got, want);
+        EXPECT_TENSOR_EQ(full_tensor(x * 2), g * 2);
+      }
+      for (const auto& [name, f] : ruleless) {
+        SCOPED_TRACE(std::string(name) + " of S(" + std::to_string(d) + ")");
+        CommDebugMode comm;
+        at::Tensor got;
+        try {
+          got = f(x);
+        } catch (const c10::Error& e) {
+          EXPECT_CONTAINS(e.what_without_backtrace(), name);
+          EXPECT_CONTAINS(e.what_without_backtrace(),
+                          "does not have a sharding strategy registered");
+          EXPECT_EQ(comm.get_total_counts(), 0);
+        }
+        if (got.defined()) EXPECT_TENSOR_CLOSE(full_tensor(got), f(g), 1e-5, 1e-5);
+        EXPECT_TENSOR_EQ(full_tensor(x * 2), g * 2);
+      }
+    }
+  });
+}
