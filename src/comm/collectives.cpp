@@ -85,6 +85,18 @@ std::string tape_key(const std::string& op, const at::Tensor& t, ProcessGroup& p
 
 PendingResult ready(at::Tensor t) { return PendingResult({}, std::move(t), nullptr, ""); }
 
+// What follows the engine's reduction of `n` ranks' values: an average's division, then the
+// result in `out` (nothing when the engine reduced `out` itself, in its dtype, by its op).
+std::function<at::Tensor(at::Tensor)> finish_reduction(const detail::Reduction& how, ReduceOp op,
+                                                       at::Tensor out, int64_t n) {
+  const bool avg = op == ReduceOp::Avg;
+  if (!avg && how.native()) return nullptr;
+  return [how, out = std::move(out), n, avg](at::Tensor x) {
+    if (avg) x.div_(n);
+    return how.from_engine(x, out);
+  };
+}
+
 }  // namespace
 
 PendingResult::PendingResult(c10::intrusive_ptr<c10d::Work> work, at::Tensor buffer,
@@ -131,15 +143,8 @@ PendingResult all_reduce_async(const at::Tensor& t, ReduceOp op, ProcessGroup& p
     return ready(buf);
   }
   at::Tensor engine = how.to_engine(buf);
-  std::function<at::Tensor(at::Tensor)> finish;
-  if (op == ReduceOp::Avg || !how.native()) {
-    finish = [how, buf, n, avg = op == ReduceOp::Avg](at::Tensor x) {
-      if (avg) x.div_(n);
-      return how.from_engine(x, buf);
-    };
-  }
-  return launch("all_reduce", CommType::all_reduce, pg, t, engine, std::move(finish),
-                [&](c10d::Backend& b) {
+  return launch("all_reduce", CommType::all_reduce, pg, t, engine,
+                finish_reduction(how, op, buf, n), [&](c10d::Backend& b) {
                   std::vector<at::Tensor> v{engine};
                   c10d::AllreduceOptions o;
                   o.reduceOp = to_c10d(how.engine_op());
@@ -223,15 +228,8 @@ PendingResult reduce_scatter_tensor_async(const at::Tensor& t, int64_t dim, Redu
   }
   at::Tensor engine_in = how.to_engine(in).reshape({-1});
   at::Tensor engine_out = how.engine_output(out);
-  std::function<at::Tensor(at::Tensor)> finish;
-  if (op == ReduceOp::Avg || !how.native()) {
-    finish = [how, out, k, avg = op == ReduceOp::Avg](at::Tensor x) {
-      if (avg) x.div_(k);
-      return how.from_engine(x, out);
-    };
-  }
   return launch("reduce_scatter_tensor", CommType::reduce_scatter_tensor, pg, t, engine_out,
-                std::move(finish), [&](c10d::Backend& b) {
+                finish_reduction(how, op, out, k), [&](c10d::Backend& b) {
                   at::Tensor flat_out = engine_out.view({-1});
                   c10d::ReduceScatterOptions o;
                   o.reduceOp = to_c10d(engine_op);
