@@ -466,8 +466,8 @@ std::string fastest_backend([[maybe_unused]] int nproc) {
 
 // MPI ranks must be started by the MPI launcher: the mpirun command line that starts the job
 // with the same rendezvous variables the forked ranks get. --quiet: a failing rank's own error
-// line says why, without Open MPI's banners about the job's end after it (which also hide a
-// program that cannot be run: dtrun checks that first).
+// line says why, without Open MPI's banners about the job's end after it (--quiet also
+// silences mpirun's message for a program it cannot run: dtrun checks that first).
 std::vector<std::string> mpirun_command(Options& o) {
   if (o.master_port == 0) o.master_port = launch::free_port();
   std::vector<std::string> args = {"mpirun", "-np", std::to_string(o.nproc), "--oversubscribe",
