@@ -102,6 +102,8 @@ struct Health {
   std::map<const c10d::Work*, WorkContext> waiting;
   // Work without a future being waited on (Gloo send/recv): aborted when a peer fails.
   std::set<c10d::Work*> abortable;
+  // A rank of the world failed ("rank R failed: ..."), this one included: collectives no longer
+  // start. This rank's own report sets it at once, a peer's when the watchdog reads it.
   std::string peer_failure;
   std::atomic<bool> peer_failed{false};
   std::atomic<bool> reported{false};
@@ -224,6 +226,20 @@ void abort_waits_locked() {
   }
 }
 
+// Records the world's first failure ("rank R failed: ..."): collectives no longer start, and
+// those waiting end. False when one was already recorded. The caller then calls wake_waiters().
+bool record_failure_locked(int rank, const std::string& message) {
+  auto& h = health();
+  if (h.peer_failed.load()) return false;
+  h.peer_failure = "rank " + std::to_string(rank) + " failed: " + message;
+  {
+    std::lock_guard<std::mutex> w(h.wake_mu);
+    h.peer_failed.store(true);
+  }
+  abort_waits_locked();
+  return true;
+}
+
 void handle_event(c10d::Store& store, const std::string& event) {
   auto& h = health();
   auto p = split(event, '\t', 3);
@@ -233,13 +249,7 @@ void handle_event(c10d::Store& store, const std::string& event) {
   if (p[0] == "fail") {
     {
       std::lock_guard<std::mutex> g(h.mu);
-      if (h.peer_failed.load()) return;
-      h.peer_failure = "rank " + p[1] + " failed: " + p[2];
-      {
-        std::lock_guard<std::mutex> w(h.wake_mu);
-        h.peer_failed.store(true);
-      }
-      abort_waits_locked();
+      if (!record_failure_locked(from, p[2])) return;
     }
     wake_waiters();
   } else if (p[0] == "diag") {
@@ -531,8 +541,17 @@ std::string bounded_diagnosis(const WorkContext& c, const std::string& head,
   while (!done->load() && Clock::now() < until) std::this_thread::sleep_for(kPoll / 5);
   std::lock_guard<std::mutex> g(result->first);
   if (done->load()) return result->second;
-  return head + unreachable(c, "within " + c10::str(wait.count() / 1000.0) + " s (no diagnosis)") +
-         tail;
+  const std::string msg =
+      head + unreachable(c, "within " + c10::str(wait.count() / 1000.0) + " s (no diagnosis)") +
+      tail;
+  // The report is still on its way: this rank's next collective must fail already.
+  bool wake = false;
+  {
+    std::lock_guard<std::mutex> l(health().mu);
+    wake = record_failure_locked(health().rank, msg);
+  }
+  if (wake) wake_waiters();
+  return msg;
 }
 
 // Ends the process for a thread stuck in `b`: `peer_failure` when another rank failed, else
@@ -990,6 +1009,7 @@ void report_failure(const std::string& message) {
   std::string prefix;
   int rank = -1;
   std::vector<std::pair<std::string, std::string>> histories;
+  bool wake = false;
   {
     // try_lock: the terminate handler may run on a thread that holds the lock.
     std::unique_lock<std::mutex> g(h.mu, std::defer_lock);
@@ -1000,11 +1020,16 @@ void report_failure(const std::string& message) {
     store = h.store;
     prefix = h.prefix;
     rank = h.rank;
+    // This rank's next collective fails too, whenever the peers hear of it: else it could run
+    // among ranks that have not polled the store yet, and the notice end a later, unrelated
+    // collective instead (which one depended on the watchdog's timing).
+    wake = store && detail::record_failure_locked(rank, message);
     for (const auto& [name, group] : h.groups) {
       histories.emplace_back(detail::history_key(prefix, name, rank),
                              detail::serialize(group.history));
     }
   }
+  if (wake) detail::wake_waiters();
   if (!store || h.store_lost.load() || h.reported.exchange(true)) return;
   try {
     // Where this rank stopped, for the peers' diagnosis (it will not answer their questions).
