@@ -154,16 +154,6 @@ at::Tensor loss_of(const Replay& r, const std::vector<size_t>& ks) {
   return loss;
 }
 
-// Whether the error is a collective that failed (on this rank or on a peer). The comm layer
-// makes any rank's failed collective every rank's failure (docs/ARCHITECTURE.md, "Faults"),
-// through the store, asynchronously: the group check after the case may still pass, and a
-// later case meet the notice instead ("rank R failed: ..." in an op that has nothing wrong).
-bool is_collective_failure(const std::string& msg) {
-  return msg.find("Backend error: ") != std::string::npos ||
-         msg.find("every rank stops when one fails") != std::string::npos ||
-         msg.find(" stopped waiting: ") != std::string::npos;
-}
-
 std::string error_text(const std::exception& e) {
   if (const auto* c = dynamic_cast<const c10::Error*>(&e)) return c->what_without_backtrace();
   return e.what();
@@ -211,10 +201,8 @@ CaseResult run_case(const SampleSet& set, const Sample& s, const DeviceMesh& mes
       }
     }
   } catch (const std::exception& e) {
-    const std::string text = error_text(e);
-    const std::string msg = one_line(text);
+    const std::string msg = one_line(error_text(e));
     res.forward = is_timeout(msg) ? Outcome::Hang : Outcome::Refused;
-    res.collective_failed = is_collective_failure(text);
     res.message = msg;
     return res;
   }
@@ -257,10 +245,8 @@ CaseResult run_case(const SampleSet& set, const Sample& s, const DeviceMesh& mes
     }
     res.backward = Outcome::Pass;
   } catch (const std::exception& e) {
-    const std::string text = error_text(e);
-    const std::string msg = one_line(text);
+    const std::string msg = one_line(error_text(e));
     res.backward = is_timeout(msg) ? Outcome::Hang : Outcome::Refused;
-    res.collective_failed = is_collective_failure(text);
     res.message = "backward: " + msg;
   }
   return res;
@@ -299,7 +285,7 @@ RankProgress read_progress(const std::string& path) {
     if (kind == 'E') {
       int fwd = 0, bwd = 0, altered = 0;
       in >> fwd >> bwd >> altered;
-      CaseResult r{static_cast<Outcome>(fwd), static_cast<Outcome>(bwd), altered != 0, false, ""};
+      CaseResult r{static_cast<Outcome>(fwd), static_cast<Outcome>(bwd), altered != 0, ""};
       std::getline(in, r.message);
       if (!r.message.empty() && r.message[0] == ' ') r.message.erase(0, 1);
       p.ended[c] = r;
@@ -389,12 +375,8 @@ std::vector<CaseResult> sweep(const SampleSet& set, const std::vector<size_t>& s
                 fd, c10::str("E ", c, " ", static_cast<int>(r.forward), " ",
                              static_cast<int>(r.backward), " ", r.altered ? 1 : 0, " ", r.message));
             // Every rank reaches the next case together, on a group that still works: a
-            // case that left it broken (or ranks on different paths) ends this world here. A
-            // failed collective always does: the peers may not have heard of it yet.
-            if (r.collective_failed) {
-              write_line(fd, "X " + std::to_string(c));
-              ::_exit(3);
-            }
+            // case that left it broken (a collective failed on some rank, which then starts
+            // none, or ranks on different paths) ends this world here.
             try {
               comm::all_reduce(at::ones({1}), ReduceOp::Max, mesh.group(0));
             } catch (const std::exception&) {

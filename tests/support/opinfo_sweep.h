@@ -29,9 +29,7 @@ struct CaseResult {
   Outcome forward = Outcome::NotRun;
   Outcome backward = Outcome::NotRun;
   bool altered = false;  ///< the negative control changed an element of the result
-  /// A collective failed in the case, here or on a peer (which every rank hears of).
-  bool collective_failed = false;
-  std::string message;  ///< why, for anything but PASS
+  std::string message;   ///< why, for anything but PASS
 };
 
 struct SweepOptions {
