@@ -102,10 +102,12 @@ struct Health {
   std::map<const c10d::Work*, WorkContext> waiting;
   // Work without a future being waited on (Gloo send/recv): aborted when a peer fails.
   std::set<c10d::Work*> abortable;
-  // A rank of the world failed ("rank R failed: ..."), this one included: collectives no longer
-  // start. This rank's own report sets it at once, a peer's when the watchdog reads it.
   std::string peer_failure;
   std::atomic<bool> peer_failed{false};
+  // This rank reported its own failure: it starts no further collective (those it waits in
+  // end as before, on their own error or a peer's notice).
+  std::string own_failure;
+  std::atomic<bool> own_failed{false};
   std::atomic<bool> reported{false};
   std::atomic<bool> poisoned{false};
   // A store call failed (its host unreachable or gone): later reports skip the store rather
@@ -226,18 +228,12 @@ void abort_waits_locked() {
   }
 }
 
-// Records the world's first failure ("rank R failed: ..."): collectives no longer start, and
-// those waiting end. False when one was already recorded. The caller then calls wake_waiters().
-bool record_failure_locked(int rank, const std::string& message) {
+// Called with h.mu held.
+void record_own_failure(int rank, const std::string& message) {
   auto& h = health();
-  if (h.peer_failed.load()) return false;
-  h.peer_failure = "rank " + std::to_string(rank) + " failed: " + message;
-  {
-    std::lock_guard<std::mutex> w(h.wake_mu);
-    h.peer_failed.store(true);
-  }
-  abort_waits_locked();
-  return true;
+  if (h.own_failed.load()) return;
+  h.own_failure = "rank " + std::to_string(rank) + " failed: " + message;
+  h.own_failed.store(true);
 }
 
 void handle_event(c10d::Store& store, const std::string& event) {
@@ -249,7 +245,13 @@ void handle_event(c10d::Store& store, const std::string& event) {
   if (p[0] == "fail") {
     {
       std::lock_guard<std::mutex> g(h.mu);
-      if (!record_failure_locked(from, p[2])) return;
+      if (h.peer_failed.load()) return;
+      h.peer_failure = "rank " + p[1] + " failed: " + p[2];
+      {
+        std::lock_guard<std::mutex> w(h.wake_mu);
+        h.peer_failed.store(true);
+      }
+      abort_waits_locked();
     }
     wake_waiters();
   } else if (p[0] == "diag") {
@@ -545,12 +547,10 @@ std::string bounded_diagnosis(const WorkContext& c, const std::string& head,
       head + unreachable(c, "within " + c10::str(wait.count() / 1000.0) + " s (no diagnosis)") +
       tail;
   // The report is still on its way: this rank's next collective must fail already.
-  bool wake = false;
   {
     std::lock_guard<std::mutex> l(health().mu);
-    wake = record_failure_locked(health().rank, msg);
+    record_own_failure(health().rank, msg);
   }
-  if (wake) wake_waiters();
   return msg;
 }
 
@@ -700,6 +700,8 @@ void health_start(c10::intrusive_ptr<c10d::Store> store, std::string prefix, int
     h.works.clear();
     h.peer_failure.clear();
     h.peer_failed.store(false);
+    h.own_failure.clear();
+    h.own_failed.store(false);
     h.reported.store(false);
     h.poisoned.store(false);
   }
@@ -748,11 +750,11 @@ bool health_poisoned() { return health().poisoned.load(); }
 
 void throw_if_peer_failed(const std::string& where) {
   auto& h = health();
-  if (!h.peer_failed.load()) return;
+  if (!h.peer_failed.load() && !h.own_failed.load()) return;
   std::string failure;
   {
     std::lock_guard<std::mutex> g(h.mu);
-    failure = h.peer_failure;
+    failure = h.peer_failed.load() ? h.peer_failure : h.own_failure;
   }
   TORCH_CHECK(false, "dtensor: rank ", h.rank, ": ", where, " not started: ", failure,
               " (every rank stops when one fails)");
@@ -1009,7 +1011,6 @@ void report_failure(const std::string& message) {
   std::string prefix;
   int rank = -1;
   std::vector<std::pair<std::string, std::string>> histories;
-  bool wake = false;
   {
     // try_lock: the terminate handler may run on a thread that holds the lock.
     std::unique_lock<std::mutex> g(h.mu, std::defer_lock);
@@ -1023,13 +1024,12 @@ void report_failure(const std::string& message) {
     // This rank's next collective fails too, whenever the peers hear of it: else it could run
     // among ranks that have not polled the store yet, and the notice end a later, unrelated
     // collective instead (which one depended on the watchdog's timing).
-    wake = store && detail::record_failure_locked(rank, message);
+    if (store) detail::record_own_failure(rank, message);
     for (const auto& [name, group] : h.groups) {
       histories.emplace_back(detail::history_key(prefix, name, rank),
                              detail::serialize(group.history));
     }
   }
-  if (wake) detail::wake_waiters();
   if (!store || h.store_lost.load() || h.reported.exchange(true)) return;
   try {
     // Where this rank stopped, for the peers' diagnosis (it will not answer their questions).
