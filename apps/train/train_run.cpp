@@ -113,8 +113,9 @@ std::string invariant_description(const RunConfig& c) {
 
 std::string pipeline_line(const RunConfig& c, int64_t threads) {
   std::ostringstream s;
-  s << "PP=" << c.pp << (c.fsdp ? " x FSDP=" + std::to_string(c.dp) : std::string())
-    << " x TP=" << c.tp << " (blocks per stage ";
+  const std::string dp = c.fsdp ? " x FSDP=" : " x DP=";
+  s << "PP=" << c.pp << (c.dp > 1 ? dp + std::to_string(c.dp) : std::string()) << " x TP=" << c.tp
+    << " (blocks per stage ";
   const int64_t stages = c.pp * c.virtual_stages;
   for (int64_t k = 0; k < stages; ++k) {
     const auto [first, end] = pp::stage_layer_range(c.model.n_layers, k, stages);

@@ -361,6 +361,14 @@ TEST(TrainRun, PipelineStagesTrainResumeAndMatchOneDevice) {
   EXPECT_NE(resumed.output.find("verify-tp1: PASSED"), std::string::npos) << resumed.output;
   EXPECT_EQ(read_metrics_csv(dir.file("run/metrics.csv")).size(), 4u);
 
+  // Stages replicated over plain data parallelism (pp x dp on 4 ranks): each stage's gradients
+  // averaged over dp once per step; the losses are one device's.
+  const auto replicated = train(4, {"--pp", "2", "--dp", "2", "--dtype", "float64", "--steps", "2",
+                                    "--out", dir.file("replicated"), "--verify-tp1"});
+  ASSERT_EQ(replicated.exit_code, 0) << replicated.output;
+  EXPECT_CONTAINS(replicated.output, "PP=2 x DP=2 x TP=1 (blocks per stage 1 + 1");
+  EXPECT_CONTAINS(replicated.output, "verify-tp1: PASSED");
+
   // With FSDP inside the stages (pp x dp_shard on 4 ranks) and the interleaved schedule; its
   // checkpoint (FSDP shards gathered) resumes at (pp, tp) = (2, 1) with 1F1B and takes the
   // steps one device takes without stopping.

@@ -238,6 +238,22 @@ TEST(TransformerPipeline, InitStageWeightsGivesMemoryToThisRanksStagesOnly) {
   });
 }
 
+// Which stage holds each parameter comes from the split itself: the embedding on the first, the
+// blocks by stage_layer_range, the norm and head on the last (a tied head registers none).
+TEST(TransformerPipeline, StageOfParametersFollowsTheSplit) {
+  for (bool tied : {false, true}) {
+    SCOPED_TRACE(tied ? "tied" : "untied");
+    Transformer whole = meta_transformer(tiny_pipeline_llama(tied));
+    const auto owners = stage_of_parameters(*whole, 4);
+    EXPECT_EQ(owners.size(), unique_named_parameters(*whole).size());
+    EXPECT_EQ(owners.at("tok_embeddings.weight"), 0);
+    EXPECT_EQ(owners.at("norm.weight"), 3);
+    EXPECT_EQ(owners.count("output.weight"), tied ? 0u : 1u);
+    for (int64_t layer = 0; layer < 4; ++layer)
+      EXPECT_EQ(owners.at("layers." + std::to_string(layer) + ".attention.wq.weight"), layer);
+  }
+}
+
 TEST(LlamaPipelineFsdp, TrainingMatchesOneDevicePp2Dp2) {
   for (int64_t m : {2, 4}) expect_layout_matches(2, 2, 1, m);
 }
