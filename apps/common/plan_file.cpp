@@ -7,7 +7,7 @@
 #include <sstream>
 #include <stdexcept>
 
-#include "dtensor/comm/error_message.h"
+#include "dtensor/util/error_message.h"
 #include "dtensor/tp/parse_style.h"
 
 namespace dtensor::train {
@@ -42,7 +42,7 @@ PlanFile read_plan_file(const std::string& path) {
     try {
       out.plan.emplace_back(key, tp::parse_style(text));
     } catch (const std::exception& e) {
-      throw bad("entry \"" + key + "\": " + comm::error_message(e));
+      throw bad("entry \"" + key + "\": " + util::error_message(e));
     }
     out.sequence_parallel = out.sequence_parallel || text.starts_with("SequenceParallel");
   }
@@ -54,7 +54,7 @@ void apply_plan_file(models::TransformerImpl& model, const DeviceMesh& tp_mesh,
   try {
     tp::parallelize_module(model, tp_mesh, plan.plan, /*src_data_rank=*/std::nullopt);
   } catch (const std::exception& e) {
-    throw std::runtime_error("--plan " + plan.path + ": " + comm::error_message(e));
+    throw std::runtime_error("--plan " + plan.path + ": " + util::error_message(e));
   }
   if (model.config().tie_embeddings) model.tie_output_to_embedding();
   // Whether the logits come back vocab-sharded is up to the plan's "output" entry;

@@ -11,8 +11,8 @@
 
 #include "corpus.h"
 #include "dtensor/ac/checkpoint.h"
-#include "dtensor/comm/error_message.h"
 #include "dtensor/models/hf_checkpoint.h"
+#include "dtensor/util/error_message.h"
 #include "tokenizer.h"
 
 namespace dtensor::train {
@@ -97,7 +97,7 @@ void resolve_hf_model(const TrainOptions& o, RunConfig& c) {
   try {
     hf = models::read_hf_config(o.hf_dir);
   } catch (const std::exception& e) {
-    bad("--hf: " + comm::error_message(e));
+    bad("--hf: " + util::error_message(e));
   }
   c.preset = "hf";
   c.hf_dir = o.hf_dir;
@@ -300,7 +300,7 @@ void resolve_parallelism(const TrainOptions& o, int64_t world_size, RunConfig& c
   try {
     c.model.validate_tp(c.tp);
   } catch (const std::exception& e) {
-    bad(comm::error_message(e) + " (the TP degree is the number of ranks / " +
+    bad(util::error_message(e) + " (the TP degree is the number of ranks / " +
         (c.fsdp     ? "--dp-shard)"
          : c.pp > 1 ? "--pp)"
                     : "--dp)"));

@@ -14,13 +14,13 @@
 #include <vector>
 
 #include "common/tokenizer.h"
-#include "dtensor/comm/error_message.h"
 #include "dtensor/comm/failure.h"
 #include "dtensor/comm/process_group.h"
 #include "dtensor/mesh/device_mesh.h"
 #include "dtensor/models/generate.h"
 #include "dtensor/ops/layout_invariant.h"
 #include "dtensor/text/bpe_tokenizer.h"
+#include "dtensor/util/error_message.h"
 #include "model_source.h"
 
 namespace {
@@ -181,7 +181,7 @@ int main(int argc, char** argv) {
   try {
     return run(o, env);
   } catch (const std::exception& e) {
-    const std::string message = comm::error_message(e);
+    const std::string message = util::error_message(e);
     std::cerr << "dtensor_generate: error on rank " << env.rank << ": " << message << std::endl;
     comm::report_failure(message);
     return 1;

@@ -14,8 +14,8 @@
 #include <sstream>
 
 #include "common/cli.h"
-#include "dtensor/comm/error_message.h"
 #include "dtensor/models/hf_checkpoint.h"
+#include "dtensor/util/error_message.h"
 #include "estimate.h"
 
 namespace {
@@ -352,7 +352,7 @@ int main(int argc, char** argv) {
     if (!cli.model.empty()) apply_model(cli.model, o);
     if (!cli.hf_config.empty()) o.config_path = temp_config = temp_config_from_hf(cli.hf_config);
   } catch (const std::exception& e) {
-    std::cerr << "dtensor_plan: " << dtensor::comm::error_message(e) << "\n";
+    std::cerr << "dtensor_plan: " << dtensor::util::error_message(e) << "\n";
     return 2;
   }
   o.sequence_parallel = !cli.no_sp;

@@ -17,6 +17,7 @@
 #include "dtensor/core/shard_math.h"
 #include "dtensor/nn/layers.h"
 #include "dtensor/ops/layout_invariant.h"
+#include "dtensor/util/hash.h"
 
 namespace dtensor::models {
 
@@ -39,10 +40,7 @@ at::Tensor local_part(const at::Tensor& param, std::optional<int64_t> shard_dim,
 
 uint64_t mix(uint64_t a, uint64_t b) {
   // splitmix64 of the pair: distinct (seed, step) pairs give unrelated generator seeds.
-  uint64_t z = a * 0x9E3779B97F4A7C15ULL + b + 0x632BE59BD9B4E019ULL;
-  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
-  z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
-  return z ^ (z >> 31);
+  return util::splitmix64_mix(a * util::kSplitMix64Gamma + b + 0x632BE59BD9B4E019ULL);
 }
 
 }  // namespace
