@@ -89,7 +89,8 @@ void resolve_pipeline(const TrainOptions& o, int64_t world_size, RunConfig& c) {
 
 // --hf DIR: the model is the checkpoint's (options.cpp refuses the flags that would change it).
 void resolve_hf_model(const TrainOptions& o, RunConfig& c) {
-  if (!o.config_path.empty() || o.dim || o.layers || o.heads || o.kv_heads || o.ffn_dim || o.vocab)
+  if (!o.config_path.empty() || o.model_config || o.dim || o.layers || o.heads || o.kv_heads ||
+      o.ffn_dim || o.vocab)
     bad("--hf " + o.hf_dir + " gives the model (its config.json): drop --config and the " +
         "model-shape flags");
   if (!std::filesystem::is_directory(o.hf_dir)) bad("--hf: no such directory '" + o.hf_dir + "'");
@@ -119,9 +120,16 @@ void resolve_hf_model(const TrainOptions& o, RunConfig& c) {
 void resolve_model(const TrainOptions& o, RunConfig& c) {
   if (!o.hf_dir.empty()) return resolve_hf_model(o, c);
   c.preset = o.preset;
-  c.model_source = o.config_path.empty() ? "preset " + o.preset : o.config_path;
-  c.model = o.config_path.empty() ? models::DecoderConfig::preset(o.preset)
-                                  : models::DecoderConfig::from_json(read_text_file(o.config_path));
+  if (o.model_config) {
+    c.model_source = "the config given";
+    c.model = *o.model_config;
+  } else if (!o.config_path.empty()) {
+    c.model_source = o.config_path;
+    c.model = models::DecoderConfig::from_json(read_text_file(o.config_path));
+  } else {
+    c.model_source = "preset " + o.preset;
+    c.model = models::DecoderConfig::preset(o.preset);
+  }
   if (o.dim) c.model.dim = *o.dim;
   if (o.layers) c.model.n_layers = *o.layers;
   if (o.heads) c.model.n_heads = *o.heads;
