@@ -25,14 +25,14 @@ using dtensor::plan::Plan;
 
 const char* const kUsage = R"help(usage: dtensor_plan [options]
 
-Plans a training run of the bundled Llama model before launching it: builds the model on the
-meta device (no weights, no memory), applies the layout with the same calls dtensor_train
-makes (apply_tensor_parallel, apply_ac, fully_shard, pipeline stages and schedule) and runs one
-training step as one representative rank of each distinct class (each pipeline stage) of a
-simulated world, whose collectives complete at once and are recorded. Prints the layout's
-validity (with the fix), memory per rank, every collective of a step per (op, mesh dim,
-phase), and an estimated step time. See docs/PLANNING.md for the model and what is not
-simulated.
+Plans a training run (of a preset, a config or a Hugging Face config.json) before launching it:
+builds the model on the meta device (no weights, no memory), applies the layout with the same
+calls dtensor_train makes (apply_tensor_parallel, apply_ac, fully_shard, pipeline stages and
+schedule) and runs one training step as one representative rank of each distinct class (each
+pipeline stage) of a simulated world, whose collectives complete at once and are recorded.
+Prints the layout's validity (with the fix), memory per rank, every collective of a step per
+(op, mesh dim, phase), and an estimated step time. See docs/PLANNING.md for the model and what
+is not simulated.
 
 Model (one of):
   --model NAME           llama3-8b | llama3-70b | llama3-405b (Meta's shapes), or

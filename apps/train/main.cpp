@@ -1,4 +1,4 @@
-// dtensor_train: tensor-parallel training of the bundled Llama-style model, or fine-tuning of a
+// dtensor_train: tensor-parallel training of a bundled preset model, or fine-tuning of a
 // Hugging Face checkpoint (--hf), on the ranks of a launch (dtrun, torchrun --no-python, srun,
 // mpirun), or alone as one rank. See --help.
 #include <ATen/Parallel.h>
@@ -9,9 +9,9 @@
 #include <thread>
 
 #include "common/options.h"
+#include "dtensor/util/error_message.h"
 #include "dtensor/comm/failure.h"
 #include "dtensor/comm/process_group.h"
-#include "dtensor/util/error_message.h"
 #include "train_run.h"
 
 namespace {

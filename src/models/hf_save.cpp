@@ -1,4 +1,4 @@
-// Hugging Face Llama checkpoints out: config.json and model.safetensors as save_pretrained
+// Hugging Face checkpoints out: config.json and model.safetensors as save_pretrained
 // writes them, from a model at any TP degree, FSDP-sharded (fsdp::fully_shard) or not.
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
