@@ -1,4 +1,4 @@
-// bench_train_step: one training step of the bundled Llama ("bench" preset) six ways, in one
+// bench_train_step: one training step of the bundled "bench" preset (Llama-shaped) six ways, in one
 // run on one machine:
 //   (a)  plain   LibTorch, the model without apply_tensor_parallel (no DTensor anywhere)
 //   (b)  tp1     dtensor-cpp TP on a 1-rank mesh (every parameter a DTensor)

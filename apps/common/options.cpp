@@ -8,10 +8,12 @@ namespace cli = dtensor::cli;
 
 const char* const kUsage = R"help(usage: dtensor_train [options]
 
-Trains the bundled Llama-style model with tensor parallelism over all ranks of the launch
-(TP degree = number of ranks), on the built-in text or a file, with AdamW and a warmup +
-cosine learning-rate schedule. Rank 0 shows progress on stderr and writes metrics.csv,
-loss.svg and checkpoints to --out.
+Trains a decoder-only transformer, a bundled preset (Llama-shaped; --preset, --config) or a
+Hugging Face checkpoint (--hf), on the ranks of the launch: tensor parallelism over the ranks
+that --dp/--dp-shard and --pp leave (TP degree = number of ranks / (dp x pp); all of them by
+default), on the built-in text or a file, with AdamW and a warmup + cosine learning-rate
+schedule. Rank 0 shows progress on stderr and writes metrics.csv, loss.svg and checkpoints to
+--out.
 
   build/apps/dtrun/dtrun -n 2 build/apps/train/dtensor_train --preset demo --verify-tp1
 

@@ -1,10 +1,9 @@
 #pragma once
-// dtensor_train --pp: this rank's pipeline stages (one, or --virtual-stages of them
-// interleaved) of the Llama model
-// (dtensor/models/transformer_stage.h) with tensor parallelism inside it (no sequence
+// dtensor_train --pp: this rank's pipeline stages (one, or --virtual-stages of them interleaved) of
+// the model (dtensor/models/transformer_stage.h) with tensor parallelism inside it (no sequence
 // parallelism), its schedule, the forward-only passes of evaluation and generation, and the
-// exchange of the whole model's state with a plain one-device Trainer for checkpoints. A
-// Trainer holds one when pipelined.
+// exchange of the whole model's state with a plain one-device Trainer for checkpoints. A Trainer
+// holds one when pipelined.
 #include <ATen/core/Tensor.h>
 #include <torch/optim/adamw.h>
 

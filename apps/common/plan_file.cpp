@@ -7,7 +7,7 @@
 #include <sstream>
 #include <stdexcept>
 
-#include "dtensor/comm/error_message.h"
+#include "dtensor/util/error_message.h"
 #include "dtensor/tp/parse_style.h"
 
 namespace dtensor::train {
@@ -60,7 +60,7 @@ PlanFile read_plan_file(const std::string& path) {
     try {
       out.plan.emplace_back(key, tp::parse_style(value.get<std::string>()));
     } catch (const std::exception& e) {
-      throw bad("entry \"" + key + "\": " + comm::error_message(e));
+      throw bad("entry \"" + key + "\": " + util::error_message(e));
     }
   }
   return out;
@@ -85,7 +85,7 @@ void apply_plan_file(models::TransformerImpl& model, const DeviceMesh& tp_mesh,
                                    .src_data_rank = std::nullopt,
                                    .plan = plan.plan});
   } catch (const std::exception& e) {
-    throw std::runtime_error("--plan " + plan.path + ": " + comm::error_message(e));
+    throw std::runtime_error("--plan " + plan.path + ": " + util::error_message(e));
   }
 }
 

@@ -11,8 +11,8 @@
 
 #include "corpus.h"
 #include "dtensor/ac/checkpoint.h"
-#include "dtensor/comm/error_message.h"
 #include "dtensor/models/hf_checkpoint.h"
+#include "dtensor/util/error_message.h"
 #include "tokenizer.h"
 
 namespace dtensor::train {
@@ -58,7 +58,8 @@ void resolve_pipeline(const TrainOptions& o, RunConfig& c) {
 
 // --hf DIR: the model is the checkpoint's (options.cpp refuses the flags that would change it).
 void resolve_hf_model(const TrainOptions& o, RunConfig& c) {
-  if (!o.config_path.empty() || o.dim || o.layers || o.heads || o.kv_heads || o.ffn_dim || o.vocab)
+  if (!o.config_path.empty() || o.model_config || o.dim || o.layers || o.heads || o.kv_heads ||
+      o.ffn_dim || o.vocab)
     bad("--hf " + o.hf_dir + " gives the model (its config.json): drop --config and the " +
         "model-shape flags");
   if (!std::filesystem::is_directory(o.hf_dir)) bad("--hf: no such directory '" + o.hf_dir + "'");
@@ -66,7 +67,7 @@ void resolve_hf_model(const TrainOptions& o, RunConfig& c) {
   try {
     hf = models::read_hf_config(o.hf_dir);
   } catch (const std::exception& e) {
-    bad("--hf: " + comm::error_message(e));
+    bad("--hf: " + util::error_message(e));
   }
   c.preset = "hf";
   c.hf_dir = o.hf_dir;
@@ -88,9 +89,16 @@ void resolve_hf_model(const TrainOptions& o, RunConfig& c) {
 void resolve_model(const TrainOptions& o, RunConfig& c) {
   if (!o.hf_dir.empty()) return resolve_hf_model(o, c);
   c.preset = o.preset;
-  c.model_source = o.config_path.empty() ? "preset " + o.preset : o.config_path;
-  c.model = o.config_path.empty() ? models::DecoderConfig::preset(o.preset)
-                                  : models::DecoderConfig::from_json(read_text_file(o.config_path));
+  if (o.model_config) {
+    c.model_source = "the config given";
+    c.model = *o.model_config;
+  } else if (!o.config_path.empty()) {
+    c.model_source = o.config_path;
+    c.model = models::DecoderConfig::from_json(read_text_file(o.config_path));
+  } else {
+    c.model_source = "preset " + o.preset;
+    c.model = models::DecoderConfig::preset(o.preset);
+  }
   if (o.dim) c.model.dim = *o.dim;
   if (o.layers) c.model.n_layers = *o.layers;
   if (o.heads) c.model.n_heads = *o.heads;
@@ -179,7 +187,7 @@ void resolve_parallelism(const TrainOptions& o, int64_t world_size, RunConfig& c
                                 .world_size = world_size}
                .resolved();
   } catch (const std::exception& e) {
-    bad(comm::error_message(e));
+    bad(util::error_message(e));
   }
   c.world_size = world_size;
   c.fsdp = dims.dp_shard > 1;
@@ -192,7 +200,7 @@ void resolve_parallelism(const TrainOptions& o, int64_t world_size, RunConfig& c
   try {
     dims.validate(c.model, training_options(c));
   } catch (const std::exception& e) {
-    bad(comm::error_message(e));
+    bad(util::error_message(e));
   }
 }
 

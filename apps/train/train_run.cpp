@@ -26,7 +26,7 @@
 #include "common/trainer.h"
 #include "dtensor/comm/backend.h"
 #include "dtensor/comm/collectives.h"
-#include "dtensor/comm/error_message.h"
+#include "dtensor/util/error_message.h"
 #include "dtensor/comm/process_group.h"
 #include "dtensor/mesh/device_mesh.h"
 #include "dtensor/pp/pipeline.h"
@@ -525,7 +525,7 @@ TextTokenizer hf_tokenizer(const RunConfig& cfg) {
   try {
     t = TextTokenizer::from_hf_file(path);
   } catch (const std::exception& e) {
-    throw std::invalid_argument("--hf: " + comm::error_message(e));
+    throw std::invalid_argument("--hf: " + util::error_message(e));
   }
   if (t.vocab_size() > cfg.model.vocab_size) {
     throw std::invalid_argument("--hf: " + path + " has " + std::to_string(t.vocab_size()) +
@@ -547,7 +547,7 @@ int run_training(const TrainOptions& o, const comm::LaunchEnv& env) {
     if (!cfg.hf_dir.empty()) tokenizer = hf_tokenizer(cfg);
   } catch (const std::exception& e) {
     // The same on every rank, decided before any rank meets another: rank 0 explains.
-    if (env.rank == 0) std::cerr << "dtensor_train: " << comm::error_message(e) << std::endl;
+    if (env.rank == 0) std::cerr << "dtensor_train: " << util::error_message(e) << std::endl;
     return 2;
   }
   if (o.print_plan) {

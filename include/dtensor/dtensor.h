@@ -11,7 +11,7 @@
 #include "dtensor/comm/collective_tape.h"
 #include "dtensor/comm/collectives.h"
 #include "dtensor/comm/comm_debug_mode.h"
-#include "dtensor/comm/error_message.h"
+#include "dtensor/comm/error_message.h"  // deprecated: dtensor/util/error_message.h
 #include "dtensor/comm/failure.h"
 #include "dtensor/comm/process_group.h"
 #include "dtensor/comm/recording_backend.h"
@@ -61,3 +61,6 @@
 #include "dtensor/tp/parse_style.h"
 #include "dtensor/tp/partial_grads.h"
 #include "dtensor/tp/styles.h"
+#include "dtensor/util/atomic_file.h"
+#include "dtensor/util/error_message.h"
+#include "dtensor/util/hash.h"

@@ -19,6 +19,7 @@
 #include "dtensor/ops/layout_invariant.h"
 #include "parameter_schema.h"
 #include "tp_layout.h"
+#include "dtensor/util/hash.h"
 
 namespace dtensor::models {
 
@@ -41,10 +42,7 @@ at::Tensor local_part(const at::Tensor& param, std::optional<int64_t> shard_dim,
 
 uint64_t mix(uint64_t a, uint64_t b) {
   // splitmix64 of the pair: distinct (seed, step) pairs give unrelated generator seeds.
-  uint64_t z = a * 0x9E3779B97F4A7C15ULL + b + 0x632BE59BD9B4E019ULL;
-  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
-  z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
-  return z ^ (z >> 31);
+  return util::splitmix64_mix(a * util::kSplitMix64Gamma + b + 0x632BE59BD9B4E019ULL);
 }
 
 }  // namespace

@@ -1,4 +1,4 @@
-// The Llama tensor-parallel plan (torchtitan's; docs/ARCHITECTURE.md, "The Llama plan"), the
+// The decoder's tensor-parallel plan (torchtitan's; docs/ARCHITECTURE.md, "The Llama plan"), the
 // replicated-KV projection used when KV heads do not split over the TP ranks, and the
 // pending-gradient reduction.
 #include <ATen/ATen.h>

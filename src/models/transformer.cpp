@@ -13,6 +13,7 @@
 #include "dtensor/models/residual_dropout.h"
 #include "dtensor/pp/pipeline.h"
 #include "dtensor/tp/loss_parallel.h"
+#include "dtensor/util/hash.h"
 #include "meta_construction.h"
 #include "parameter_schema.h"
 
@@ -36,14 +37,11 @@ struct ParameterRegistry : torch::nn::Module {
   }
 };
 
-// FNV-1a: a hash that is the same in every build, so seeds do not depend on the library.
+// FNV-1a: a hash that is the same in every build, so seeds do not depend on the library. Its
+// basis is not FNV's standard one (a digit short of it), and stays so: every initial weight
+// depends on it.
 uint64_t stable_hash(uint64_t seed, const std::string& s) {
-  uint64_t h = 1469598103934665603ULL ^ (seed * 0x9E3779B97F4A7C15ULL);
-  for (unsigned char c : s) {
-    h ^= c;
-    h *= 1099511628211ULL;
-  }
-  return h;
+  return util::fnv1a(s, 1469598103934665603ULL ^ (seed * util::kSplitMix64Gamma));
 }
 
 // torch.nn.init.trunc_normal_ (absolute bounds a, b), drawn in float64 on the CPU.

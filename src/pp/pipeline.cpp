@@ -8,7 +8,7 @@
 
 #include "dtensor/comm/collectives.h"
 #include "dtensor/comm/comm_debug_mode.h"
-#include "dtensor/comm/error_message.h"
+#include "dtensor/util/error_message.h"
 #include "dtensor/comm/failure.h"
 #include "dtensor/core/api.h"
 #include "dtensor/core/dtensor_impl.h"
@@ -54,7 +54,7 @@ void guarded(const PipelineStage& stage, const std::string& where, F&& f) {
   try {
     f();
   } catch (const std::exception& e) {
-    fail(stage, where, comm::error_message(e));
+    fail(stage, where, util::error_message(e));
   }
 }
 

@@ -7,8 +7,10 @@
 #include <functional>
 #include <iterator>
 #include <string>
+#include <vector>
 
 #include "common/run_config.h"
+#include "dtensor/models/hf_checkpoint.h"
 #include "plan/estimate.h"
 #include "support/distributed.h"
 #include "support/errors.h"
@@ -329,4 +331,27 @@ TEST(PlanValidity, APlanAfterOtherLayoutsInOneProcessEqualsItsPlanAlone) {
         }
       },
       {.init_process_group = false});
+}
+
+// --hf-config builds the run from the checkpoint's config as an object: the same plan as that
+// config written to a --config file, and nothing written meanwhile (a temporary config file was
+// left in TMPDIR when a usage error ended the run before).
+TEST(PlanValidity, AHuggingFaceConfigPlansAsItsConfigFileAndWritesNoFile) {
+  const std::string hf = std::string(DTENSOR_HF_FIXTURES) + "/family_models/qwen3";
+  dtensor::testing::TempDir dir, tmp;
+  const std::string config = dir.file("qwen3.json");
+  std::ofstream(config) << models::read_hf_config(hf).config.to_json();
+  const std::string plan = "env TMPDIR=" + tmp.path().string() + " " + DTENSOR_PLAN_PATH +
+                           " --world-size 2 --seq-len 32 --progress none ";
+  // Everything but the last line, the simulation's own wall time.
+  auto without_timing = [](std::string text) { return text.substr(0, text.rfind("\nsimulated")); };
+  const auto from_hf = dtensor::testing::shell(plan + "--hf-config " + hf);
+  const auto from_file = dtensor::testing::shell(plan + "--config " + config);
+  ASSERT_EQ(from_hf.exit_code, 0) << from_hf.output;
+  ASSERT_EQ(from_file.exit_code, 0) << from_file.output;
+  EXPECT_EQ(without_timing(from_hf.output), without_timing(from_file.output));
+  const auto usage = dtensor::testing::shell("env TMPDIR=" + tmp.path().string() + " " +
+                                             DTENSOR_PLAN_PATH + " --search --hf-config " + hf);
+  EXPECT_EQ(usage.exit_code, 2) << usage.output;
+  EXPECT_EQ(tmp.entries(), std::vector<std::string>{});
 }
