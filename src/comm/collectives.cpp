@@ -10,7 +10,7 @@
 
 #include "backends.h"
 #include "dtensor/comm/comm_debug_mode.h"
-#include "dtensor/util/error_message.h"
+#include "dtensor/comm/error_message.h"
 #include "health.h"
 #include "tape.h"
 
