@@ -15,6 +15,7 @@
 #include "dtensor/models/hf_checkpoint.h"
 #include "dtensor/models/meta_init.h"
 #include "dtensor/nn/clip_grad.h"
+#include "dtensor/util/hash.h"
 #include "pipeline_part.h"
 
 namespace dtensor::train {
@@ -95,7 +96,7 @@ int64_t Trainer::dp_first_row() const {
 
 models::DropoutKey Trainer::dropout_key(int64_t first_row) const {
   const uint64_t step_seed =
-      config_.seed * 0x9e3779b97f4a7c15ull + static_cast<uint64_t>(step_) + 1;
+      config_.seed * util::kSplitMix64Gamma + static_cast<uint64_t>(step_) + 1;
   return {.seed = step_seed, .first_row = first_row, .global_rows = config_.batch_size};
 }
 
