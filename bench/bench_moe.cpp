@@ -33,7 +33,7 @@ forward + backward. Prints a table (median milliseconds, loop / grouped) and a l
 
 options:
   --threads N   intra-op threads (default 1, as each rank runs in tests)
-  --iters N     timed repetitions per case (default 10; the median is reported)
+  --iters N     timed repetitions per case (default 5; the median is reported)
   --help        print this help
 )";
 
@@ -87,7 +87,7 @@ double time_block(const Size& s, at::ScalarType dtype, ExpertCompute compute, bo
 }  // namespace
 
 int main(int argc, char** argv) {
-  int threads = 1, iters = 10;
+  int threads = 1, iters = 5;
   CLI::App app("", "bench_moe");
   app.add_option("--threads", threads)->check(CLI::PositiveNumber);
   app.add_option("--iters", iters)->check(CLI::PositiveNumber);
@@ -95,10 +95,10 @@ int main(int argc, char** argv) {
   at::set_num_threads(threads);
 
   const std::vector<Size> sizes{
-      {"fixture", 24, 32, 16, 8, 2},       // the tests' checkpoints
-      {"decode", 4, 1024, 384, 64, 8},     // a decode step of 4 rows, fine-grained experts
-      {"prefill", 512, 1024, 384, 64, 8},  // Qwen3-30B-A3B-like routing, narrower
-      {"coarse", 512, 512, 1024, 8, 2},    // Mixtral-like: few wide experts
+      {"fixture", 24, 32, 16, 8, 2},      // the tests' checkpoints
+      {"decode", 4, 1024, 384, 64, 8},    // a decode step of 4 rows, fine-grained experts
+      {"prefill", 256, 512, 256, 32, 4},  // fine-grained experts (Qwen3-MoE-like, narrower)
+      {"coarse", 256, 512, 1024, 8, 2},   // few wide experts (Mixtral-like)
   };
   std::printf("LibTorch %d.%d.%d, %d intra-op thread(s), median of %d\n\n", TORCH_VERSION_MAJOR,
               TORCH_VERSION_MINOR, TORCH_VERSION_PATCH, threads, iters);

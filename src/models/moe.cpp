@@ -138,11 +138,14 @@ at::Tensor experts_forward(const at::Tensor& x, const Routing& routing, const Ex
     const at::Tensor host = counts.cpu();
     for (int64_t e = 0; e < E; ++e) sizes[static_cast<size_t>(e)] = host[e].item<int64_t>();
     product = [sizes](const at::Tensor& a, const at::Tensor& weight) {
+      // unbind, not select per expert: select's backward writes each expert's gradient into a
+      // zero tensor of all experts' size, unbind's stacks them once.
+      const std::vector<at::Tensor> experts = weight.unbind(0);
       std::vector<at::Tensor> parts;
       int64_t start = 0;
       for (size_t e = 0; e < sizes.size(); ++e) {
         if (sizes[e] == 0) continue;
-        const at::Tensor we = weight.select(0, static_cast<int64_t>(e)).t();
+        const at::Tensor we = experts[e].t();
         // In LayoutInvariantMode an expert's 1-3 rows are padded to 4 (another kernel path below).
         parts.push_back(detail::rows_padded(a.narrow(0, start, sizes[e]),
                                             [&](const at::Tensor& r) { return at::mm(r, we); }));
