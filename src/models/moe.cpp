@@ -8,6 +8,8 @@
 #include <utility>
 
 #include "block_math.h"
+#include "dtensor/core/api.h"
+#include "dtensor/core/dtensor_impl.h"
 #include "dtensor/ops/layout_invariant.h"
 
 namespace dtensor::models {
@@ -112,7 +114,7 @@ at::Tensor expert_activation(const at::Tensor& gate, const at::Tensor& up,
 }
 
 at::Tensor experts_forward(const at::Tensor& x, const Routing& routing, const ExpertWeights& w,
-                           const MoeOptions& options, bool with_b2) {
+                           const MoeOptions& options) {
   TORCH_CHECK(x.dim() == 2, "experts_forward: expected (tokens, hidden), got ", x.sizes());
   TORCH_CHECK(w.w1.dim() == 3 && w.w3.sizes() == w.w1.sizes() && w.w2.dim() == 3 &&
                   w.w2.size(0) == w.w1.size(0) && w.w2.size(1) == w.w1.size(2) &&
@@ -161,8 +163,7 @@ at::Tensor experts_forward(const at::Tensor& x, const Routing& routing, const Ex
   };
   const at::Tensor gate = with_bias(product(rows, w.w1), w.b1);
   const at::Tensor up = with_bias(product(rows, w.w3), w.b3);
-  const at::Tensor out =
-      with_bias(product(expert_activation(gate, up, options), w.w2), with_b2 ? w.b2 : at::Tensor());
+  const at::Tensor out = with_bias(product(expert_activation(gate, up, options), w.w2), w.b2);
   const at::Tensor weighted = out * routing.weights.reshape(-1).index_select(0, perm).unsqueeze(-1);
   // Back to (token, choice) order, then each token's k outputs summed in one reduction.
   const at::Tensor inverse =
@@ -217,6 +218,13 @@ GroupedExpertsImpl::GroupedExpertsImpl(int64_t dim, int64_t hidden_dim, const Mo
 
 ExpertWeights GroupedExpertsImpl::weights() const { return {w1, w2, w3, b1, b2, b3}; }
 
+void GroupedExpertsImpl::on_parameter_replaced(const std::string& name, const at::Tensor& value) {
+  at::Tensor* members[] = {&w1, &w2, &w3, &b1, &b2, &b3};
+  const char* names[] = {"w1", "w2", "w3", "b1", "b2", "b3"};
+  for (int i = 0; i < 6; ++i)
+    if (name == names[i]) *members[i] = value;
+}
+
 MoEImpl::MoEImpl(int64_t dim, int64_t hidden_dim, MoeOptions options_)
     : options(std::move(options_)) {
   options.validate();
@@ -226,16 +234,90 @@ MoEImpl::MoEImpl(int64_t dim, int64_t hidden_dim, MoeOptions options_)
   experts = register_module("experts", GroupedExperts(dim, hidden_dim, options));
 }
 
+namespace {
+
+// A replicated parameter's local value, entering with a Partial gradient: under tensor
+// parallelism each rank's experts give part of it (summed by reduce_partial_grads).
+at::Tensor with_partial_grad(const at::Tensor& p) {
+  if (!p.defined() || !is_dtensor(p)) return p;
+  return to_local(p, std::vector<Placement>{Partial()});
+}
+
+at::Tensor local_of(const at::Tensor& p) {
+  if (!p.defined() || !is_dtensor(p)) return p;
+  return to_local(p);
+}
+
+}  // namespace
+
 at::Tensor MoEImpl::forward(const at::Tensor& x) {
   return call_forward(
       [this](const at::Tensor& x) {
-        const at::Tensor flat = x.reshape({-1, x.size(-1)});
-        const Routing routing = route(flat, router->weight, router->bias, options);
-        last_router_logits_ = routing.logits;
+        at::Tensor flat = x.reshape({-1, x.size(-1)});
+        if (!tp_mesh) {
+          const Routing routing = route(flat, router->weight, router->bias, options);
+          last_router_logits_ = routing.logits;
+          last_tokens_per_expert_ = tokens_per_expert(routing.experts, options.num_experts);
+          return experts_forward(flat, routing, experts->weights(), options).view(x.sizes());
+        }
+        const DeviceMesh& mesh = *tp_mesh;
+        TORCH_CHECK(mesh.size() == 1 || ops::layout_invariant_segments() == 0,
+                    "MoE: LayoutInvariantMode with experts split over tp=", mesh.size(),
+                    " ranks is not built (the down projections' sums over the split columns "
+                    "would need the mode's canonical order)");
+        const bool first = mesh.get_local_rank() == 0;
+        // The input enters whole; its gradient is each rank's part (its experts' columns), so it
+        // is all-reduced on the way back (from_local of a Replicate with a Partial gradient).
+        flat = to_local(from_local(flat, mesh, {Replicate()}), std::vector<Placement>{Partial()});
+        const Routing routing = route(flat, with_partial_grad(router->weight),
+                                      with_partial_grad(router->bias), options);
+        // Every rank computes the auxiliary loss whole: its gradient counts on rank 0 only.
+        last_router_logits_ =
+            first ? routing.logits
+                  : routing.logits.detach() + (routing.logits - routing.logits.detach()) * 0;
         last_tokens_per_expert_ = tokens_per_expert(routing.experts, options.num_experts);
-        return experts_forward(flat, routing, experts->weights(), options).view(x.sizes());
+        const ExpertWeights w = experts->weights();
+        // b2 counts once in the sum over the ranks: rank 0 adds it, the others add zeros (so
+        // every rank has its Partial gradient, as reduce_partial_grads needs).
+        at::Tensor b2 = with_partial_grad(w.b2);
+        if (b2.defined() && !first) b2 = b2 * 0;
+        const ExpertWeights local{
+            local_of(w.w1), local_of(w.w2), local_of(w.w3), local_of(w.b1), b2, local_of(w.b3)};
+        // This rank's part of the sum over the experts' columns.
+        const at::Tensor part = experts_forward(flat, routing, local, options);
+        return to_local(redistribute(from_local(part, mesh, {Partial()}), {Replicate()}))
+            .view(x.sizes());
       },
       x);
+}
+
+void apply_tensor_parallel(MoEImpl& moe, const DeviceMesh& mesh_) {
+  const DeviceMesh mesh = mesh_.ndim() == 1 ? mesh_ : mesh_["tp"];
+  const int64_t tp = mesh.size(), width = moe.experts->w1.size(1);
+  TORCH_CHECK(width % tp == 0, "MoE: the experts' width ", width, " is not divisible by tp=", tp,
+              " (each rank keeps whole columns of every expert)");
+  at::NoGradGuard no_grad;
+  auto spread = [&](const at::Tensor& p, Placement placement) {
+    return distribute_tensor(p, mesh, {placement}, /*src_data_rank=*/std::nullopt)
+        .requires_grad_(p.requires_grad());
+  };
+  GroupedExpertsImpl& e = *moe.experts;
+  for (const auto& [name, placement] :
+       std::vector<std::pair<std::string, Placement>>{{"w1", Shard(1)},
+                                                      {"w3", Shard(1)},
+                                                      {"w2", Shard(2)},
+                                                      {"b1", Shard(1)},
+                                                      {"b3", Shard(1)},
+                                                      {"b2", Replicate()}}) {
+    const auto params = e.named_parameters(/*recurse=*/false);
+    if (const at::Tensor* p = params.find(name)) replace_parameter(e, name, spread(*p, placement));
+  }
+  for (at::Tensor* p : {&moe.router->weight, &moe.router->bias}) {
+    if (!p->defined()) continue;
+    replace_parameter(*moe.router, p == &moe.router->weight ? "weight" : "bias",
+                      spread(*p, Replicate()));
+  }
+  moe.tp_mesh = mesh;
 }
 
 }  // namespace dtensor::models

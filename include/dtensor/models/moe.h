@@ -19,9 +19,12 @@
 #include <torch/nn/pimpl.h>
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
+#include "dtensor/core/distribute_module.h"
+#include "dtensor/mesh/device_mesh.h"
 #include "dtensor/nn/layers.h"
 #include "dtensor/nn/module.h"
 
@@ -108,11 +111,10 @@ ExpertCompute expert_compute_for(const ExpertWeights& w, c10::ScalarType dtype,
 
 /// The routing-weighted sum of each token's chosen experts: x (T, H) -> (T, H) in x's dtype, as
 /// transformers' grouped_mm experts compute it (products per expert, biases added after them,
-/// the k weighted outputs of a token summed in routing order). Under tensor parallelism with
-/// column-split experts it is this rank's part of a sum (the bias b2 counted where the caller
-/// says: `with_b2`).
+/// the k weighted outputs of a token summed in one reduction). With column-split experts (tensor
+/// parallelism) it is this rank's part of a sum over the ranks.
 at::Tensor experts_forward(const at::Tensor& x, const Routing& routing, const ExpertWeights& w,
-                           const MoeOptions& options, bool with_b2 = true);
+                           const MoeOptions& options);
 
 /// The expert MLP's middle, act(gate) * up, as options.activation says.
 at::Tensor expert_activation(const at::Tensor& gate, const at::Tensor& up,
@@ -131,11 +133,13 @@ at::Tensor load_balancing_loss(const std::vector<at::Tensor>& router_logits, int
 
 /// The stacked experts as parameters: w1, w3 (E, I, H), w2 (E, H, I), and b1, b3 (E, I), b2
 /// (E, H) when options.expert_bias.
-class GroupedExpertsImpl : public dtensor::nn::Module {
+class GroupedExpertsImpl : public dtensor::nn::Module, public ParameterSwapTarget {
  public:
   GroupedExpertsImpl(int64_t dim, int64_t hidden_dim, const MoeOptions& options);
-  /// The parameters as ExpertWeights (their local tensors under tensor parallelism).
+  /// The parameters as ExpertWeights (plain tensors or DTensors as registered).
   ExpertWeights weights() const;
+  /// Keeps the members in step with dtensor::replace_parameter (TP, FSDP).
+  void on_parameter_replaced(const std::string& name, const at::Tensor& value) override;
 
   at::Tensor w1, w2, w3, b1, b2, b3;  ///< Registered as parameters (biases only if set).
 };
@@ -146,11 +150,15 @@ TORCH_MODULE(GroupedExperts);
 class MoEImpl : public dtensor::nn::Module {
  public:
   MoEImpl(int64_t dim, int64_t hidden_dim, MoeOptions options);
-  /// x: (..., dim) -> (..., dim). Keeps the router's logits (with their graph) and the tokens
-  /// per expert of this call for the auxiliary loss and for statistics.
+  /// x: (..., dim) -> (..., dim), plain (under tensor parallelism: whole, the same on every rank
+  /// of the mesh). Keeps the router's logits (with their graph) and the tokens per expert of this
+  /// call for the auxiliary loss and for statistics.
   at::Tensor forward(const at::Tensor& x);
 
-  /// The router logits (T, E) of the last forward; undefined before the first.
+  /// The router logits (T, E) of the last forward, for load_balancing_loss; undefined before the
+  /// first. Under tensor parallelism their gradient reaches the router and the input on TP rank
+  /// 0 only (the values are every rank's): each rank computes the auxiliary loss whole, and its
+  /// gradient must count once in the sums over the ranks.
   const at::Tensor& last_router_logits() const { return last_router_logits_; }
   /// The tokens per expert (E) of the last forward.
   const at::Tensor& last_tokens_per_expert() const { return last_tokens_per_expert_; }
@@ -158,11 +166,24 @@ class MoEImpl : public dtensor::nn::Module {
   MoeOptions options;
   dtensor::nn::Linear router{nullptr};  ///< (num_experts, dim) weight; bias as options say.
   GroupedExperts experts{nullptr};
+  /// Set by apply_tensor_parallel: the 1-D mesh the experts are split over.
+  std::optional<DeviceMesh> tp_mesh;
 
  private:
   at::Tensor last_router_logits_, last_tokens_per_expert_;
 };
 /// Module holder of MoEImpl.
 TORCH_MODULE(MoE);
+
+/// Splits `moe`'s experts over the ranks of `mesh` (1-D, or its "tp" dim) as the Megatron plan
+/// splits a dense feed-forward, in place and without communication (every rank keeps its chunk
+/// of its own values): every expert's gate and up columns (w1, w3, b1, b3: Shard(1)) and its
+/// down projection's rows (w2: Shard(2)); the router and b2 replicated. Measured against
+/// replicating the experts in bench_moe (docs/PERFORMANCE.md, "moe"). The forward then costs
+/// one all-reduce of the output, the backward one of the input's gradient; the router's and
+/// b2's gradients are Partial (each rank's experts give part of them) and summed by
+/// reduce_partial_grads. Throws unless the experts' width divides by tp. LayoutInvariantMode at
+/// tp > 1 is not built for MoE blocks (forward refuses it).
+void apply_tensor_parallel(MoEImpl& moe, const DeviceMesh& mesh);
 
 }  // namespace dtensor::models
