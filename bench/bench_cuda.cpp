@@ -25,7 +25,7 @@
 #include <vector>
 
 #include "bench_support.h"
-#include "cli/cli.h"
+#include "common/cli.h"
 #include "dtensor/comm/comm_debug_mode.h"
 #include "dtensor/dispatch/cache.h"
 #include "dtensor/dtensor.h"

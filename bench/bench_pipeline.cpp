@@ -37,12 +37,12 @@
 #include <string>
 #include <vector>
 
-#include "cli/cli.h"
+#include "common/cli.h"
+#include "common/local_ranks.h"
 #include "dtensor/comm/backend.h"
 #include "dtensor/dtensor.h"
 #include "dtensor/models/parallelize.h"
 #include "dtensor/models/transformer_stage.h"
-#include "launch/local_ranks.h"
 
 namespace {
 

@@ -46,12 +46,12 @@
 #include <vector>
 
 #include "bench_support.h"
-#include "cli/cli.h"
+#include "common/cli.h"
+#include "common/local_ranks.h"
 #include "dtensor/checkpoint/remove_directory.h"
 #include "dtensor/checkpoint/safetensors.h"
 #include "dtensor/dtensor.h"
 #include "dtensor/models/transformer.h"
-#include "launch/local_ranks.h"
 
 namespace {
 

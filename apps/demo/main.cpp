@@ -18,7 +18,7 @@
 #include <string>
 #include <vector>
 
-#include "cli/cli.h"
+#include "common/cli.h"
 #include "dtensor/comm/error_message.h"
 #include "dtensor/comm/failure.h"
 #include "dtensor/dtensor.h"

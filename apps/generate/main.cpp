@@ -13,6 +13,7 @@
 #include <thread>
 #include <vector>
 
+#include "common/tokenizer.h"
 #include "dtensor/comm/error_message.h"
 #include "dtensor/comm/failure.h"
 #include "dtensor/comm/process_group.h"
@@ -21,7 +22,6 @@
 #include "dtensor/ops/layout_invariant.h"
 #include "dtensor/text/bpe_tokenizer.h"
 #include "model_source.h"
-#include "train/tokenizer.h"
 
 namespace {
 

@@ -5,9 +5,9 @@
 #include <cmath>
 #include <stdexcept>
 
+#include "common/run_config.h"
 #include "dtensor/comm/error_message.h"
 #include "dtensor/pp/pipeline.h"
-#include "train/run_config.h"
 
 namespace dtensor::plan {
 namespace {

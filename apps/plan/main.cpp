@@ -13,7 +13,7 @@
 #include <nlohmann/json.hpp>
 #include <sstream>
 
-#include "cli/cli.h"
+#include "common/cli.h"
 #include "dtensor/comm/error_message.h"
 #include "dtensor/models/hf_checkpoint.h"
 #include "estimate.h"

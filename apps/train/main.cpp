@@ -8,10 +8,10 @@
 #include <iostream>
 #include <thread>
 
+#include "common/options.h"
 #include "dtensor/comm/error_message.h"
 #include "dtensor/comm/failure.h"
 #include "dtensor/comm/process_group.h"
-#include "options.h"
 #include "train_run.h"
 
 namespace {

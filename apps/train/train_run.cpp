@@ -19,8 +19,11 @@
 #include <vector>
 
 #include "checkpoints.h"
-#include "corpus.h"
-#include "counting_allocator.h"
+#include "common/corpus.h"
+#include "common/counting_allocator.h"
+#include "common/run_config.h"
+#include "common/tokenizer.h"
+#include "common/trainer.h"
 #include "dtensor/comm/backend.h"
 #include "dtensor/comm/collectives.h"
 #include "dtensor/comm/error_message.h"
@@ -31,9 +34,6 @@
 #include "loss_plot.h"
 #include "metrics.h"
 #include "progress.h"
-#include "run_config.h"
-#include "tokenizer.h"
-#include "trainer.h"
 #include "verify_tp1.h"
 
 namespace dtensor::train {

@@ -14,6 +14,10 @@
 #include <string>
 #include <vector>
 
+#include "common/corpus.h"
+#include "common/run_config.h"
+#include "common/tokenizer.h"
+#include "common/trainer.h"
 #include "dtensor/checkpoint/checkpoint.h"
 #include "dtensor/checkpoint/checkpoint_manager.h"
 #include "dtensor/checkpoint/safetensors.h"
@@ -22,10 +26,6 @@
 #include "support/errors.h"
 #include "support/temp_dir.h"
 #include "train/checkpoints.h"
-#include "train/corpus.h"
-#include "train/run_config.h"
-#include "train/tokenizer.h"
-#include "train/trainer.h"
 
 using namespace dtensor;
 using namespace dtensor::train;

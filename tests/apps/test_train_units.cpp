@@ -13,17 +13,17 @@
 #include <string>
 #include <vector>
 
+#include "common/corpus.h"
+#include "common/lr_schedule.h"
+#include "common/options.h"
+#include "common/plan_file.h"
+#include "common/run_config.h"
+#include "common/tokenizer.h"
 #include "dtensor/tp/parse_style.h"
 #include "support/temp_dir.h"
-#include "train/corpus.h"
 #include "train/loss_plot.h"
-#include "train/lr_schedule.h"
 #include "train/metrics.h"
-#include "train/options.h"
-#include "train/plan_file.h"
 #include "train/progress.h"
-#include "train/run_config.h"
-#include "train/tokenizer.h"
 
 using namespace dtensor::train;
 namespace fs = std::filesystem;

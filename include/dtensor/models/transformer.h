@@ -48,7 +48,7 @@ struct Llama3RopeScaling {
 /// families need: Qwen2's q/k/v biases, Qwen3's per-head q/k norms and decoupled head size,
 /// Mistral's and Qwen's sliding windows, Gemma 3's block). Fields left 0 are derived (see below);
 /// the defaults (and the presets) are Llama's; the families' differences are data here
-/// (docs/ARCHITECTURE.md, "Model families").
+/// (docs/ARCHITECTURE.md, "One decoder, many families").
 struct DecoderConfig {
   int64_t vocab_size = 256;    ///< Tokens in the vocabulary.
   int64_t dim = 32;            ///< Model (embedding) width.

@@ -1,6 +1,6 @@
 #include "options.h"
 
-#include "cli/cli.h"
+#include "cli.h"
 
 namespace dtensor::train {
 
