@@ -26,7 +26,7 @@
 #include <vector>
 
 #include "bench_support.h"
-#include "cli/cli.h"
+#include "common/cli.h"
 #include "dtensor/comm/collectives.h"
 #include "dtensor/comm/process_group.h"
 #include "dtensor/models/moe.h"

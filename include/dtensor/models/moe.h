@@ -179,11 +179,11 @@ TORCH_MODULE(MoE);
 /// splits a dense feed-forward, in place and without communication (every rank keeps its chunk
 /// of its own values): every expert's gate and up columns (w1, w3, b1, b3: Shard(1)) and its
 /// down projection's rows (w2: Shard(2)); the router and b2 replicated. Measured against
-/// replicating the experts in bench_moe (docs/PERFORMANCE.md, "moe"). The forward then costs
-/// one all-reduce of the output, the backward one of the input's gradient; the router's and
-/// b2's gradients are Partial (each rank's experts give part of them) and summed by
-/// reduce_partial_grads. Throws unless the experts' width divides by tp. LayoutInvariantMode at
-/// tp > 1 is not built for MoE blocks (forward refuses it).
+/// replicating the experts in bench_moe (docs/PERFORMANCE.md, "moe — mixture-of-experts blocks
+/// (issue 38)"). The forward then costs one all-reduce of the output, the backward one of the
+/// input's gradient; the router's and b2's gradients are Partial (each rank's experts give part of
+/// them) and summed by reduce_partial_grads. Throws unless the experts' width divides by tp.
+/// LayoutInvariantMode at tp > 1 is not built for MoE blocks (forward refuses it).
 void apply_tensor_parallel(MoEImpl& moe, const DeviceMesh& mesh);
 
 }  // namespace dtensor::models
