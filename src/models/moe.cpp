@@ -261,10 +261,22 @@ at::Tensor MoEImpl::forward(const at::Tensor& x) {
           return experts_forward(flat, routing, experts->weights(), options).view(x.sizes());
         }
         const DeviceMesh& mesh = *tp_mesh;
+        if (experts_replicated) {
+          // Every rank computes the whole block from the same values: nothing to communicate.
+          const ExpertWeights w = experts->weights();
+          const Routing routing =
+              route(flat, local_of(router->weight), local_of(router->bias), options);
+          last_router_logits_ = routing.logits;
+          last_tokens_per_expert_ = tokens_per_expert(routing.experts, options.num_experts);
+          const ExpertWeights local{local_of(w.w1), local_of(w.w2), local_of(w.w3),
+                                    local_of(w.b1), local_of(w.b2), local_of(w.b3)};
+          return experts_forward(flat, routing, local, options).view(x.sizes());
+        }
         TORCH_CHECK(mesh.size() == 1 || ops::layout_invariant_segments() == 0,
                     "MoE: LayoutInvariantMode with experts split over tp=", mesh.size(),
                     " ranks is not built (the down projections' sums over the split columns "
-                    "would need the mode's canonical order)");
+                    "would need the mode's canonical order); replicate the experts "
+                    "(MoeTensorParallelOptions::replicate_experts)");
         const bool first = mesh.get_local_rank() == 0;
         // The input enters whole; its gradient is each rank's part (its experts' columns), so it
         // is all-reduced on the way back (from_local of a Replicate with a Partial gradient).
@@ -291,11 +303,13 @@ at::Tensor MoEImpl::forward(const at::Tensor& x) {
       x);
 }
 
-void apply_tensor_parallel(MoEImpl& moe, const DeviceMesh& mesh_) {
+void apply_tensor_parallel(MoEImpl& moe, const DeviceMesh& mesh_,
+                           const MoeTensorParallelOptions& tp_options) {
   const DeviceMesh mesh = mesh_.ndim() == 1 ? mesh_ : mesh_["tp"];
   const int64_t tp = mesh.size(), width = moe.experts->w1.size(1);
-  TORCH_CHECK(width % tp == 0, "MoE: the experts' width ", width, " is not divisible by tp=", tp,
-              " (each rank keeps whole columns of every expert)");
+  const bool replicate = tp_options.replicate_experts;
+  TORCH_CHECK(replicate || width % tp == 0, "MoE: the experts' width ", width,
+              " is not divisible by tp=", tp, " (each rank keeps whole columns of every expert)");
   at::NoGradGuard no_grad;
   auto spread = [&](const at::Tensor& p, Placement placement) {
     return distribute_tensor(p, mesh, {placement}, /*src_data_rank=*/std::nullopt)
@@ -310,7 +324,8 @@ void apply_tensor_parallel(MoEImpl& moe, const DeviceMesh& mesh_) {
                                                       {"b3", Shard(1)},
                                                       {"b2", Replicate()}}) {
     const auto params = e.named_parameters(/*recurse=*/false);
-    if (const at::Tensor* p = params.find(name)) replace_parameter(e, name, spread(*p, placement));
+    if (const at::Tensor* p = params.find(name))
+      replace_parameter(e, name, spread(*p, replicate ? Replicate() : placement));
   }
   for (at::Tensor* p : {&moe.router->weight, &moe.router->bias}) {
     if (!p->defined()) continue;
@@ -318,6 +333,7 @@ void apply_tensor_parallel(MoEImpl& moe, const DeviceMesh& mesh_) {
                       spread(*p, Replicate()));
   }
   moe.tp_mesh = mesh;
+  moe.experts_replicated = replicate;
 }
 
 }  // namespace dtensor::models

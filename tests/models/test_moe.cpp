@@ -389,6 +389,41 @@ TEST(MoeTp, ThreeAdamWStepsAtTp2And4EqualOneDevice) {
   }
 }
 
+TEST(MoeTp, ReplicatedExpertsInLayoutInvariantModeGiveOneDevicesBitsAtTp2And4) {
+  for (int tp : {2, 4}) {
+    run_ranks(tp, [](int) {
+      auto mesh = init_device_mesh("cpu", {comm::get_world_size()});
+      ops::LayoutInvariantMode mode(4);
+      for (const MoeOptions& o : tp_variants()) {
+        SCOPED_TRACE(c10::str("tp=", mesh.size(), " experts=", o.num_experts));
+        MoE ref = seeded_block(o, 5), moe = seeded_block(o, 5);
+        ref->to(at::kFloat);
+        moe->to(at::kFloat);
+        apply_tensor_parallel(*moe, mesh, {.replicate_experts = true});
+        at::manual_seed(9);
+        const at::Tensor x0 = at::randn({2, 6, 32});
+        const at::Tensor upstream = at::randn({2, 6, 32});
+        at::Tensor outputs[2], inputs[2];
+        MoE* blocks[] = {&ref, &moe};
+        CommDebugMode comm;
+        for (int i = 0; i < 2; ++i) {
+          inputs[i] = x0.clone().requires_grad_(true);
+          outputs[i] = (*blocks[i])->forward(inputs[i]);
+          const at::Tensor aux =
+              load_balancing_loss({(*blocks[i])->last_router_logits()}, o.num_experts, o.top_k);
+          ((outputs[i] * upstream).sum() + 0.1 * aux).backward();
+        }
+        EXPECT_EQ(comm.get_total_counts(), 0) << comm.table();
+        EXPECT_TRUE(at::equal(outputs[1], outputs[0]));
+        EXPECT_TRUE(at::equal(inputs[1].grad(), inputs[0].grad()));
+        const auto rp = params_of(*ref);
+        for (const auto& [name, p] : params_of(*moe))
+          EXPECT_TRUE(at::equal(whole(p.grad()), rp.at(name).grad())) << name;
+      }
+    });
+  }
+}
+
 TEST(MoeTp, ForwardIssuesOneAllReduce) {
   run_ranks(2, [](int) {
     auto mesh = init_device_mesh("cpu", {2});

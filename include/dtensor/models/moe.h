@@ -166,14 +166,24 @@ class MoEImpl : public dtensor::nn::Module {
   MoeOptions options;
   dtensor::nn::Linear router{nullptr};  ///< (num_experts, dim) weight; bias as options say.
   GroupedExperts experts{nullptr};
-  /// Set by apply_tensor_parallel: the 1-D mesh the experts are split over.
+  /// Set by apply_tensor_parallel: the 1-D mesh the block runs on.
   std::optional<DeviceMesh> tp_mesh;
+  /// Set by apply_tensor_parallel: every rank holds and computes every expert whole.
+  bool experts_replicated = false;
 
  private:
   at::Tensor last_router_logits_, last_tokens_per_expert_;
 };
 /// Module holder of MoEImpl.
 TORCH_MODULE(MoE);
+
+/// Options of apply_tensor_parallel for a MoE block.
+struct MoeTensorParallelOptions {
+  /// Every rank keeps every expert whole and computes them all, with no communication: the same
+  /// bits as one device at any degree, which LayoutInvariantMode needs (at tp times the experts'
+  /// memory and compute). Default: the experts split over the ranks.
+  bool replicate_experts = false;
+};
 
 /// Splits `moe`'s experts over the ranks of `mesh` (1-D, or its "tp" dim) as the Megatron plan
 /// splits a dense feed-forward, in place and without communication (every rank keeps its chunk
@@ -183,7 +193,9 @@ TORCH_MODULE(MoE);
 /// (issue 38)"). The forward then costs one all-reduce of the output, the backward one of the
 /// input's gradient; the router's and b2's gradients are Partial (each rank's experts give part of
 /// them) and summed by reduce_partial_grads. Throws unless the experts' width divides by tp.
-/// LayoutInvariantMode at tp > 1 is not built for MoE blocks (forward refuses it).
-void apply_tensor_parallel(MoEImpl& moe, const DeviceMesh& mesh);
+/// LayoutInvariantMode at tp > 1 needs options.replicate_experts (forward refuses split experts
+/// in it).
+void apply_tensor_parallel(MoEImpl& moe, const DeviceMesh& mesh,
+                           const MoeTensorParallelOptions& options = {});
 
 }  // namespace dtensor::models
