@@ -21,6 +21,7 @@
 #include "dtensor/checkpoint/safetensors.h"
 #include "dtensor/comm/comm_debug_mode.h"
 #include "dtensor/core/api.h"
+#include "dtensor/fsdp/fully_shard.h"
 #include "dtensor/mesh/device_mesh.h"
 #include "dtensor/models/hf_experts.h"
 #include "dtensor/models/moe.h"
@@ -422,6 +423,57 @@ TEST(MoeTp, ReplicatedExpertsInLayoutInvariantModeGiveOneDevicesBitsAtTp2And4) {
       }
     });
   }
+}
+
+// FSDP over 2 dp ranks on top of TP 2 (4 ranks): each dp rank runs half of the batch (its own
+// auxiliary loss over its tokens) and FSDP averages the gradients, as one device averaging the
+// halves' losses does.
+TEST(MoeTp, ThreeAdamWStepsAtFsdp2xTp2EqualOneDevice) {
+  run_ranks(4, [](int) {
+    auto mesh = init_device_mesh("cpu", {2, 2}, {"dp", "tp"});
+    const int64_t dp_rank = mesh.get_local_rank("dp");
+    for (const MoeOptions& o : tp_variants()) {
+      SCOPED_TRACE(c10::str("experts=", o.num_experts));
+      MoE ref = seeded_block(o, 5), moe = seeded_block(o, 5);
+      apply_tensor_parallel(*moe, mesh);
+      fsdp::fully_shard(*moe, mesh["dp"]);
+      torch::optim::AdamW ref_opt(ref->parameters(), torch::optim::AdamWOptions(1e-2));
+      torch::optim::AdamW opt(moe->parameters(), torch::optim::AdamWOptions(1e-2));
+      at::manual_seed(9);
+      const at::Tensor x0 = at::randn({4, 6, 32}, at::kDouble);
+      const at::Tensor upstream = at::randn({4, 6, 32}, at::kDouble);
+      auto half_loss = [&](MoE& block, int64_t half, at::Tensor& input) {
+        input = x0.narrow(0, 2 * half, 2).clone().requires_grad_(true);
+        const at::Tensor y = block->forward(input);
+        const at::Tensor aux =
+            load_balancing_loss({block->last_router_logits()}, o.num_experts, o.top_k);
+        return (y * upstream.narrow(0, 2 * half, 2)).sum() + 0.1 * aux;
+      };
+      for (int step = 0; step < 3; ++step) {
+        SCOPED_TRACE(c10::str("step ", step));
+        ref_opt.zero_grad();
+        opt.zero_grad();
+        at::Tensor ref_inputs[2], input;
+        const at::Tensor ref_halves[] = {half_loss(ref, 0, ref_inputs[0]),
+                                         half_loss(ref, 1, ref_inputs[1])};
+        ((ref_halves[0] + ref_halves[1]) / 2).backward();
+        const at::Tensor loss = half_loss(moe, dp_rank, input);
+        loss.backward();
+        tp::reduce_partial_grads(*moe);
+        EXPECT_NEAR(loss.item<double>(), ref_halves[dp_rank].item<double>(), 1e-9);
+        // The input's gradient is that of this rank's half in the averaged loss.
+        EXPECT_TRUE(close_to_scale(input.grad() / 2, ref_inputs[dp_rank].grad(), 1e-9));
+        const auto rp = params_of(*ref);
+        for (const auto& [name, p] : params_of(*moe))
+          EXPECT_TRUE(close_to_scale(whole(p.grad()), rp.at(name).grad(), 1e-9))
+              << name << " gradient";
+        ref_opt.step();
+        opt.step();
+        for (const auto& [name, p] : params_of(*moe))
+          EXPECT_TRUE(close_to_scale(whole(p), rp.at(name), 1e-9)) << name << " after step";
+      }
+    }
+  });
 }
 
 TEST(MoeTp, ForwardIssuesOneAllReduce) {
