@@ -323,6 +323,20 @@ MoE seeded_block(const MoeOptions& options, uint64_t seed) {
   return moe;
 }
 
+// Every parameter's gradient (after_step false) or value of the parallelized `moe` equals the
+// one-device `ref`'s within 1e-9.
+void expect_like_one_device(const MoE& moe, const MoE& ref, bool after_step) {
+  const auto rp = params_of(*ref);
+  for (const auto& [name, p] : params_of(*moe)) {
+    if (after_step) {
+      EXPECT_TRUE(close_to_scale(whole(p), rp.at(name), 1e-9)) << name << " after step";
+      continue;
+    }
+    ASSERT_TRUE(p.grad().defined()) << name;
+    EXPECT_TRUE(close_to_scale(whole(p.grad()), rp.at(name).grad(), 1e-9)) << name << " gradient";
+  }
+}
+
 std::vector<MoeOptions> tp_variants() {
   return {{.num_experts = 8, .top_k = 2, .renormalize = true},  // Qwen3-MoE-like
           {.num_experts = 4,
@@ -374,16 +388,10 @@ TEST(MoeTp, ThreeAdamWStepsAtTp2And4EqualOneDevice) {
               << "backward: the input's gradient";
           EXPECT_NEAR(losses[1].item<double>(), losses[0].item<double>(), 1e-9);
           EXPECT_TRUE(close_to_scale(inputs[1].grad(), inputs[0].grad(), 1e-9)) << "input grad";
-          const auto rp = params_of(*ref);
-          for (const auto& [name, p] : params_of(*moe)) {
-            ASSERT_TRUE(p.grad().defined()) << name;
-            EXPECT_TRUE(close_to_scale(whole(p.grad()), rp.at(name).grad(), 1e-9))
-                << name << " gradient";
-          }
+          expect_like_one_device(moe, ref, /*after_step=*/false);
           ref_opt.step();
           opt.step();
-          for (const auto& [name, p] : params_of(*moe))
-            EXPECT_TRUE(close_to_scale(whole(p), rp.at(name), 1e-9)) << name << " after step";
+          expect_like_one_device(moe, ref, /*after_step=*/true);
         }
       }
     });
@@ -463,14 +471,10 @@ TEST(MoeTp, ThreeAdamWStepsAtFsdp2xTp2EqualOneDevice) {
         EXPECT_NEAR(loss.item<double>(), ref_halves[dp_rank].item<double>(), 1e-9);
         // The input's gradient is that of this rank's half in the averaged loss.
         EXPECT_TRUE(close_to_scale(input.grad() / 2, ref_inputs[dp_rank].grad(), 1e-9));
-        const auto rp = params_of(*ref);
-        for (const auto& [name, p] : params_of(*moe))
-          EXPECT_TRUE(close_to_scale(whole(p.grad()), rp.at(name).grad(), 1e-9))
-              << name << " gradient";
+        expect_like_one_device(moe, ref, /*after_step=*/false);
         ref_opt.step();
         opt.step();
-        for (const auto& [name, p] : params_of(*moe))
-          EXPECT_TRUE(close_to_scale(whole(p), rp.at(name), 1e-9)) << name << " after step";
+        expect_like_one_device(moe, ref, /*after_step=*/true);
       }
     }
   });
