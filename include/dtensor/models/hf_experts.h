@@ -25,12 +25,12 @@
 
 namespace dtensor::models {
 
-// Where a family keeps its experts (see above).
+/// Where a family keeps its experts (see above).
 struct HfExpertLayout {
   const char* block;   // "mlp" or "block_sparse_moe"
   const char* router;  // the router's module: "gate" or "router"
-  // Per-expert tensor names of w1 (gate), w3 (up) and w2 (down); null when the experts are
-  // stacked as gpt-oss's.
+  /// Per-expert tensor names of w1 (gate), w3 (up) and w2 (down); null when the experts are
+  /// stacked as gpt-oss's.
   const char* gate;
   const char* up;
   const char* down;
@@ -41,13 +41,13 @@ inline constexpr HfExpertLayout kQwen3MoeExperts{"mlp", "gate", "gate_proj", "up
 inline constexpr HfExpertLayout kMixtralExperts{"block_sparse_moe", "gate", "w1", "w3", "w2"};
 inline constexpr HfExpertLayout kGptOssExperts{"mlp", "router", nullptr, nullptr, nullptr};
 
-// One of our stacked expert parameters (GroupedExpertsImpl's names).
+/// One of our stacked expert parameters (GroupedExpertsImpl's names).
 enum class ExpertParam { kW1, kW2, kW3, kB1, kB2, kB3 };
 ExpertParam expert_param(const std::string& name);  // "w1" -> kW1; throws for others
 const char* expert_param_name(ExpertParam p);
 
-// A checkpoint's tensors by name: whether it holds one, and where (throws naming the file or
-// the index when absent).
+/// A checkpoint's tensors by name: whether it holds one, and where (throws naming the file or
+/// the index when absent).
 struct HfTensorSource {
   std::function<bool(const std::string&)> has;
   std::function<std::pair<const checkpoint::safetensors::File*,
@@ -55,24 +55,24 @@ struct HfTensorSource {
       locate;
 };
 
-// "model.layers.<layer>.<block>." of a sparse layer.
+/// "model.layers.<layer>.<block>." of a sparse layer.
 std::string hf_expert_prefix(const HfExpertLayout& layout, int64_t layer);
 
-// Whether sparse layer `layer`'s stacked experts are stored as MXFP4 in `source`.
+/// Whether sparse layer `layer`'s stacked experts are stored as MXFP4 in `source`.
 bool has_mxfp4_experts(const HfTensorSource& source, const HfExpertLayout& layout, int64_t layer);
 
-// The block [offset, offset + size) of stacked parameter `p` of sparse layer `layer`, whose whole
-// shape is `shape` ([E, I, H], [E, H, I], [E, I] or [E, H]), read from `source` in the stored
-// dtype (MXFP4 dequantised to `dtype`). Checks every tensor's shape and dtype against `shape`,
-// naming the file, the tensor, both shapes and `sizes_note` (the config keys that gave `shape`).
-// Adds the bytes copied out of the files to *bytes_read.
+/// The block [offset, offset + size) of stacked parameter `p` of sparse layer `layer`, whose whole
+/// shape is `shape` ([E, I, H], [E, H, I], [E, I] or [E, H]), read from `source` in the stored
+/// dtype (MXFP4 dequantised to `dtype`). Checks every tensor's shape and dtype against `shape`,
+/// naming the file, the tensor, both shapes and `sizes_note` (the config keys that gave `shape`).
+/// Adds the bytes copied out of the files to *bytes_read.
 at::Tensor read_expert_part(const HfTensorSource& source, const HfExpertLayout& layout,
                             int64_t layer, ExpertParam p, c10::IntArrayRef shape,
                             c10::IntArrayRef offset, c10::IntArrayRef size, c10::ScalarType dtype,
                             const std::string& sizes_note, uint64_t* bytes_read);
 
-// The Hugging Face tensors of sparse layer `layer` holding the whole stacked weights `w` (as
-// save_pretrained writes them: per expert, or gpt-oss's stacked unquantised layout).
+/// The Hugging Face tensors of sparse layer `layer` holding the whole stacked weights `w` (as
+/// save_pretrained writes them: per expert, or gpt-oss's stacked unquantised layout).
 std::vector<std::pair<std::string, at::Tensor>> hf_expert_tensors(const HfExpertLayout& layout,
                                                                   int64_t layer,
                                                                   const ExpertWeights& w);

@@ -21,11 +21,11 @@ struct YarnRopeScaling {
   double mscale_all_dim = 0;
 };
 
-// The head_dim / 2 rotary frequencies for base `theta`, in float64, as transformers'
-// _compute_yarn_parameters computes them (in float32 there).
+/// The head_dim / 2 rotary frequencies for base `theta`, in float64, as transformers'
+/// _compute_yarn_parameters computes them (in float32 there).
 at::Tensor yarn_inverse_frequencies(int64_t head_dim, double theta, const YarnRopeScaling& s);
 
-// The factor cos and sin are multiplied by.
+/// The factor cos and sin are multiplied by.
 double yarn_attention_factor(const YarnRopeScaling& s);
 
 }  // namespace dtensor::models
