@@ -182,7 +182,7 @@ class Worker {
         mesh_ = dtensor::init_device_mesh("cpu", {dtensor::comm::get_world_size()}, {"dp"});
         dtensor::fsdp::FullyShardOptions block_options, root_options;
         block_options.reshard_after_forward = true;
-        for (auto& block : *model_->layers)
+        for (models::TransformerBlockImpl* block : model_->blocks())
           dtensor::fsdp::fully_shard(*block, *mesh_, block_options);
         dtensor::fsdp::fully_shard(*model_, *mesh_, root_options);
       } else {

@@ -50,7 +50,8 @@ struct TrainOptions {
   bool loss_parallel = true;
   // Overlap the sequence-parallel collectives with the matmuls (--overlap-comm).
   bool overlap_comm = false;
-  std::string plan_path;  // a TP plan as JSON instead of the built-in Llama plan (plan_file.h)
+  std::string plan_path;    // a TP plan as JSON instead of the built-in Llama plan (plan_file.h)
+  bool print_plan = false;  // print the TP plan the run would apply (as a --plan file), exit
   int64_t dp = 1;
   int64_t dp_shard = 1;                   // FSDP degree (fully_shard over that many ranks); 1: off
   std::string ac = "none";                // activation checkpointing: none | full | selective

@@ -549,6 +549,19 @@ int run_training(const TrainOptions& o, const comm::LaunchEnv& env) {
     if (env.rank == 0) std::cerr << "dtensor_train: " << comm::error_message(e) << std::endl;
     return 2;
   }
+  if (o.print_plan) {
+    // The plan this launch would apply, as a --plan file: the file's own, or the built-in one
+    // for its TP degree and options (models::tensor_parallel_plan).
+    if (env.rank != 0) return 0;
+    if (cfg.plan) {
+      std::cout << plan_file_json(cfg.plan->plan, cfg.plan->sequence_parallel);
+    } else {
+      const models::TensorParallelOptions tp = parallelize_options(cfg).tp;
+      std::cout << plan_file_json(models::tensor_parallel_plan(cfg.model, cfg.tp, tp),
+                                  tp.sequence_parallel);
+    }
+    return 0;
+  }
   at::set_num_threads(static_cast<int>(o.threads));
   return TrainingRun(o, env, std::move(cfg), std::move(tokenizer), wall_start).run();
 }
