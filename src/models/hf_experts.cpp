@@ -177,6 +177,28 @@ at::Tensor read_expert_part(const HfTensorSource& source, const HfExpertLayout& 
   TORCH_CHECK(false, "read_expert_part: unknown expert parameter");
 }
 
+std::vector<std::string> hf_expert_tensor_names(const HfTensorSource& source,
+                                                const HfExpertLayout& layout, int64_t layer,
+                                                int64_t num_experts, bool biases) {
+  // hf_expert_tensors' names, from weights of the right number of experts (shapes only).
+  const at::TensorOptions meta = at::TensorOptions().device(at::kMeta);
+  ExpertWeights w;
+  w.w1 = w.w3 = at::empty({num_experts, 1, 1}, meta);
+  w.w2 = at::empty({num_experts, 1, 1}, meta);
+  if (biases) w.b1 = w.b2 = w.b3 = at::empty({num_experts, 1}, meta);
+  const bool mxfp4 = has_mxfp4_experts(source, layout, layer);
+  std::vector<std::string> names;
+  for (const auto& [name, tensor] : hf_expert_tensors(layout, layer, w)) {
+    if (mxfp4 && (name.ends_with("experts.gate_up_proj") || name.ends_with("experts.down_proj"))) {
+      names.push_back(name + "_blocks");
+      names.push_back(name + "_scales");
+    } else {
+      names.push_back(name);
+    }
+  }
+  return names;
+}
+
 std::vector<std::pair<std::string, at::Tensor>> hf_expert_tensors(const HfExpertLayout& layout,
                                                                   int64_t layer,
                                                                   const ExpertWeights& w) {

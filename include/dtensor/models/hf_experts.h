@@ -61,6 +61,13 @@ std::string hf_expert_prefix(const HfExpertLayout& layout, int64_t layer);
 /// Whether sparse layer `layer`'s stacked experts are stored as MXFP4 in `source`.
 bool has_mxfp4_experts(const HfTensorSource& source, const HfExpertLayout& layout, int64_t layer);
 
+/// The names of sparse layer `layer`'s expert tensors in `source` (per expert, stacked, or MXFP4
+/// blocks and scales, as stored there) for `num_experts` experts, with their biases when
+/// `biases`.
+std::vector<std::string> hf_expert_tensor_names(const HfTensorSource& source,
+                                                const HfExpertLayout& layout, int64_t layer,
+                                                int64_t num_experts, bool biases);
+
 /// The block [offset, offset + size) of stacked parameter `p` of sparse layer `layer`, whose whole
 /// shape is `shape` ([E, I, H], [E, H, I], [E, I] or [E, H]), read from `source` in the stored
 /// dtype (MXFP4 dequantised to `dtype`). Checks every tensor's shape and dtype against `shape`,
