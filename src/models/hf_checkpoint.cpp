@@ -141,6 +141,32 @@ HfConfig read_hf_config(const std::string& dir) {
 
 namespace {
 
+// What this rank reads of `param`: the block [offset, offset + size) of its whole shape (its
+// shard under TP or FSDP), its local tensor and the device the part goes to (the CPU for a meta
+// parameter's); nullopt when the rank holds none of it (outside its mesh, or with `skip_meta` a
+// meta parameter: another pipeline stage's).
+struct RankPart {
+  std::vector<int64_t> offset, size;
+  at::Tensor local;
+  c10::Device device;
+};
+std::optional<RankPart> rank_part(const at::Tensor& param, bool skip_meta) {
+  RankPart out{std::vector<int64_t>(static_cast<size_t>(param.dim()), 0), param.sizes().vec(),
+               param, c10::kCPU};
+  if (is_dtensor(param)) {
+    const DTensorSpec& spec = spec_of(param);
+    if (!spec.mesh().contains_this_rank()) return std::nullopt;
+    const LocalShard shard = spec.local_shard();
+    out.offset = shard.offset;
+    out.size = shard.shape;
+    out.local = local_tensor(param);
+    out.device = spec.mesh().device();
+  }
+  if (skip_meta && out.local.is_meta()) return std::nullopt;
+  if (!out.local.is_meta()) out.device = out.local.device();
+  return out;
+}
+
 // This rank's part of a sparse layer's stacked expert parameter `name` (its shard of the whole
 // stacked shape), read from the family's tensors (per expert, stacked, or MXFP4 dequantised),
 // handed to `take` as read_hf_parts hands the others.
@@ -149,20 +175,9 @@ void read_experts(
     int64_t layer, const at::Tensor& param,
     const std::function<void(const std::string&, const at::Tensor&, at::Tensor)>& take,
     bool skip_meta, HfLoadStats& stats) {
-  std::vector<int64_t> offset(static_cast<size_t>(param.dim()), 0), size = param.sizes().vec();
-  at::Tensor local = param;
-  c10::Device device = c10::kCPU;
-  if (is_dtensor(param)) {
-    const DTensorSpec& spec = spec_of(param);
-    if (!spec.mesh().contains_this_rank()) return;
-    const LocalShard shard = spec.local_shard();
-    offset = shard.offset;
-    size = shard.shape;
-    local = local_tensor(param);
-    device = spec.mesh().device();
-  }
-  if (skip_meta && local.is_meta()) return;
-  if (!local.is_meta()) device = local.device();
+  const auto part_of = rank_part(param, skip_meta);
+  if (!part_of) return;
+  const auto& [offset, size, local, device] = *part_of;
   const std::string sizes_note =
       c10::str("num_experts=", config.moe->options.num_experts, ", expert intermediate size ",
                config.moe->expert_hidden_dim, ", hidden_size=", config.dim);
@@ -238,20 +253,9 @@ HfLoadStats read_hf_parts(
         ", head_dim=", config.head_dim(), ", vocab_size=", config.vocab_size, ")");
     stats.checkpoint_bytes += info->nbytes();
 
-    std::vector<int64_t> offset(info->shape.size(), 0), size = info->shape;
-    at::Tensor local = param;
-    c10::Device device = c10::kCPU;  // of a meta parameter's part
-    if (is_dtensor(param)) {
-      const DTensorSpec& spec = spec_of(param);
-      if (!spec.mesh().contains_this_rank()) continue;
-      const LocalShard shard = spec.local_shard();
-      offset = shard.offset;
-      size = shard.shape;
-      local = local_tensor(param);
-      device = spec.mesh().device();
-    }
-    if (skip_meta && local.is_meta()) continue;  // another pipeline stage's
-    if (!local.is_meta()) device = local.device();
+    const auto part_of = rank_part(param, skip_meta);
+    if (!part_of) continue;
+    const auto& [offset, size, local, device] = *part_of;
     at::Tensor part = file->slice(*info, offset, size);
     stats.bytes_read += part.nbytes();
     ++stats.tensors;
