@@ -26,7 +26,7 @@ struct PresetDefaults {
 };
 
 PresetDefaults defaults_for(const std::string& preset) {
-  if (preset == "tiny") return {20, 4, 3e-3};
+  if (preset == "tiny" || preset == "tiny-moe") return {20, 4, 3e-3};
   // --hf: a pretrained model moves a little, as fine-tuning recipes do (2e-5 is common).
   if (preset == "hf") return {60, 8, 2e-5};
   if (preset == "bench") return {50, 8, 1e-3};
