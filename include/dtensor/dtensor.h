@@ -47,6 +47,7 @@
 #include "dtensor/ops/kernel_collectives.h"
 #include "dtensor/ops/layout_invariant.h"
 #include "dtensor/ops/rule_utils.h"
+#include "dtensor/optim/capturable_adamw.h"
 #include "dtensor/pp/pipeline.h"
 #include "dtensor/pp/sequential_stage.h"
 #include "dtensor/text/bpe_tokenizer.h"
