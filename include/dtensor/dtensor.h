@@ -8,6 +8,7 @@
 #include "dtensor/checkpoint/remove_directory.h"
 #include "dtensor/checkpoint/safetensors.h"
 #include "dtensor/comm/backend.h"
+#include "dtensor/comm/capture_rehearsal.h"
 #include "dtensor/comm/collective_tape.h"
 #include "dtensor/comm/collectives.h"
 #include "dtensor/comm/comm_debug_mode.h"
