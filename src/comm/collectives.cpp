@@ -11,6 +11,7 @@
 #include "backends.h"
 #include "dtensor/comm/comm_debug_mode.h"
 #include "dtensor/util/error_message.h"
+#include "dtype_transport.h"
 #include "health.h"
 #include "tape.h"
 
@@ -84,8 +85,16 @@ std::string tape_key(const std::string& op, const at::Tensor& t, ProcessGroup& p
 
 PendingResult ready(at::Tensor t) { return PendingResult({}, std::move(t), nullptr, ""); }
 
-at::Tensor contiguous_copy_if_needed(const at::Tensor& t) {
-  return t.is_contiguous() ? t : t.contiguous();
+// What follows the engine's reduction of `n` ranks' values: an average's division, then the
+// result in `out` (nothing when the engine reduced `out` itself, in its dtype, by its op).
+std::function<at::Tensor(at::Tensor)> finish_reduction(const detail::Reduction& how, ReduceOp op,
+                                                       at::Tensor out, int64_t n) {
+  const bool avg = op == ReduceOp::Avg;
+  if (!avg && how.native()) return nullptr;
+  return [how, out = std::move(out), n, avg](at::Tensor x) {
+    if (avg) x.div_(n);
+    return how.from_engine(x, out);
+  };
 }
 
 }  // namespace
@@ -122,25 +131,23 @@ void PendingResult::then(std::function<at::Tensor(at::Tensor)> f) {
 }
 
 PendingResult all_reduce_async(const at::Tensor& t, ReduceOp op, ProcessGroup& pg) {
+  const detail::Reduction how(t.scalar_type(), op, "all_reduce");
   if (detail::tape_open())
     return ready(detail::taped(tape_key(std::string("all_reduce ") + reduce_op_name(op), t, pg),
                                [&] { return all_reduce_async(t, op, pg).wait(); }));
-  // Out-of-place: reduce into a private copy.
+  // Out-of-place: reduce into a private copy (clone() resolves a lazy conjugate).
   at::Tensor buf = t.clone(at::MemoryFormat::Contiguous);
-  std::function<at::Tensor(at::Tensor)> finish;
-  if (op == ReduceOp::Avg) {
-    const int64_t n = pg.size();
-    finish = [n](at::Tensor x) { return x.div_(n); };
-  }
-  if (pg.size() == 1) {
+  const int64_t n = pg.size();
+  if (n == 1) {  // the reduction of one value (an average too) is the value
     record(CommType::all_reduce, t, pg);
-    return PendingResult({}, finish ? finish(buf) : buf, nullptr, "");
+    return ready(buf);
   }
-  return launch("all_reduce", CommType::all_reduce, pg, t, buf, std::move(finish),
-                [&](c10d::Backend& b) {
-                  std::vector<at::Tensor> v{buf};
+  at::Tensor engine = how.to_engine(buf);
+  return launch("all_reduce", CommType::all_reduce, pg, t, engine,
+                finish_reduction(how, op, buf, n), [&](c10d::Backend& b) {
+                  std::vector<at::Tensor> v{engine};
                   c10d::AllreduceOptions o;
-                  o.reduceOp = to_c10d(op);
+                  o.reduceOp = to_c10d(how.engine_op());
                   return b.allreduce(v, o);
                 });
 }
@@ -155,7 +162,7 @@ PendingResult all_gather_into_tensor_async(const at::Tensor& t, int64_t dim, Pro
                                [&] { return all_gather_into_tensor_async(t, dim, pg).wait(); }));
   const int64_t k = pg.size();
   dim = c10::maybe_wrap_dim(dim, t.dim());
-  at::Tensor in = contiguous_copy_if_needed(t);
+  at::Tensor in = detail::dense(t);
   std::vector<int64_t> stacked(in.sizes().begin(), in.sizes().end());
   stacked.insert(stacked.begin(), k);
   at::Tensor out = at::empty(stacked, in.options());
@@ -168,12 +175,10 @@ PendingResult all_gather_into_tensor_async(const at::Tensor& t, int64_t dim, Pro
     record(CommType::all_gather_into_tensor, t, pg);
     return PendingResult({}, finish(out.copy_(in.unsqueeze(0).expand_as(out))), nullptr, "");
   }
+  at::Tensor flat_out = detail::movable(out.view({-1}));
+  at::Tensor flat_in = detail::movable(in.view({-1}));
   return launch("all_gather_into_tensor", CommType::all_gather_into_tensor, pg, t, out, finish,
-                [&](c10d::Backend& b) {
-                  at::Tensor flat_out = out.view({-1});
-                  at::Tensor flat_in = in.view({-1});
-                  return b._allgather_base(flat_out, flat_in);
-                });
+                [&](c10d::Backend& b) { return b._allgather_base(flat_out, flat_in); });
 }
 
 at::Tensor all_gather_into_tensor(const at::Tensor& t, int64_t dim, ProcessGroup& pg) {
@@ -182,6 +187,7 @@ at::Tensor all_gather_into_tensor(const at::Tensor& t, int64_t dim, ProcessGroup
 
 PendingResult reduce_scatter_tensor_async(const at::Tensor& t, int64_t dim, ReduceOp op,
                                           ProcessGroup& pg) {
+  const detail::Reduction how(t.scalar_type(), op, "reduce_scatter_tensor");
   if (detail::tape_open())
     return ready(detail::taped(
         tape_key("reduce_scatter_tensor dim " + std::to_string(dim) + " " + reduce_op_name(op), t,
@@ -192,41 +198,42 @@ PendingResult reduce_scatter_tensor_async(const at::Tensor& t, int64_t dim, Redu
   TORCH_CHECK(t.size(dim) % k == 0, "dtensor: reduce_scatter_tensor needs dim ", dim, " (size ",
               t.size(dim), ") divisible by the group size ", k, "; pad first");
   // Chunks laid out rank-major so chunk r is contiguous for the backend.
-  at::Tensor in = dim == 0 ? contiguous_copy_if_needed(t) : at::stack(t.chunk(k, dim), 0);
+  at::Tensor in = dim == 0 ? detail::dense(t) : at::stack(t.chunk(k, dim), 0);
   std::vector<int64_t> out_shape(t.sizes().begin(), t.sizes().end());
   out_shape[dim] /= k;
   at::Tensor out = at::empty(out_shape, t.options());
-  std::function<at::Tensor(at::Tensor)> finish;
-  if (op == ReduceOp::Avg) finish = [k](at::Tensor x) { return x.div_(k); };
   if (k == 1) {
     record(CommType::reduce_scatter_tensor, t, pg);
-    out.copy_(t);
-    return PendingResult({}, finish ? finish(out) : out, nullptr, "");
+    return ready(out.copy_(t));  // an average of one value too
   }
-  if (op == ReduceOp::Max || op == ReduceOp::Min || op == ReduceOp::Product) {
+  const ReduceOp engine_op = how.engine_op();
+  if (engine_op == ReduceOp::Max || engine_op == ReduceOp::Min || engine_op == ReduceOp::Product) {
     // Gloo reduce-scatter only sums: reduce everything, keep our chunk.
     at::Tensor buf = in.clone();
+    at::Tensor engine = how.to_engine(buf);
     const int64_t r = pg.rank();
     return launch(
-        "reduce_scatter_tensor", CommType::reduce_scatter_tensor, pg, t, buf,
-        [dim, k, r, out_shape](at::Tensor x) {
-          at::Tensor mine = dim == 0 ? x.chunk(k, 0)[r] : x.select(0, r);
+        "reduce_scatter_tensor", CommType::reduce_scatter_tensor, pg, t, engine,
+        [how, buf, dim, k, r, out_shape](at::Tensor x) {
+          at::Tensor all = how.from_engine(x, buf);
+          at::Tensor mine = dim == 0 ? all.chunk(k, 0)[r] : all.select(0, r);
           return mine.contiguous().view(out_shape);
         },
         [&](c10d::Backend& b) {
-          std::vector<at::Tensor> v{buf};
+          std::vector<at::Tensor> v{engine};
           c10d::AllreduceOptions o;
-          o.reduceOp = to_c10d(op);
+          o.reduceOp = to_c10d(engine_op);
           return b.allreduce(v, o);
         });
   }
-  return launch("reduce_scatter_tensor", CommType::reduce_scatter_tensor, pg, t, out,
-                std::move(finish), [&](c10d::Backend& b) {
-                  at::Tensor flat_in = in.reshape({-1});
-                  at::Tensor flat_out = out.view({-1});
+  at::Tensor engine_in = how.to_engine(in).reshape({-1});
+  at::Tensor engine_out = how.engine_output(out);
+  return launch("reduce_scatter_tensor", CommType::reduce_scatter_tensor, pg, t, engine_out,
+                finish_reduction(how, op, out, k), [&](c10d::Backend& b) {
+                  at::Tensor flat_out = engine_out.view({-1});
                   c10d::ReduceScatterOptions o;
-                  o.reduceOp = to_c10d(op);
-                  return b._reduce_scatter_base(flat_out, flat_in, o);
+                  o.reduceOp = to_c10d(engine_op);
+                  return b._reduce_scatter_base(flat_out, engine_in, o);
                 });
 }
 
@@ -256,11 +263,11 @@ at::Tensor all_to_all_single(const at::Tensor& t, int64_t split_dim, int64_t con
     record(CommType::all_to_all_single, t, pg);
     return PendingResult({}, finish(in), nullptr, "").wait();
   }
+  at::Tensor flat_out = detail::movable(out.view({-1}));
+  at::Tensor flat_in = detail::movable(in.view({-1}));
   return launch("all_to_all_single", CommType::all_to_all_single, pg, t, out, finish,
                 [&](c10d::Backend& b) {
                   std::vector<int64_t> splits;  // empty = even
-                  at::Tensor flat_out = out.view({-1});
-                  at::Tensor flat_in = in.view({-1});
                   return b.alltoall_base(flat_out, flat_in, splits, splits);
                 })
       .wait();
@@ -275,9 +282,10 @@ at::Tensor broadcast(const at::Tensor& t, int src, ProcessGroup& pg) {
     record(CommType::broadcast, t, pg);
     return buf;
   }
+  at::Tensor engine = detail::movable(buf);
   return launch("broadcast", CommType::broadcast, pg, t, buf, nullptr,
                 [&](c10d::Backend& b) {
-                  std::vector<at::Tensor> v{buf};
+                  std::vector<at::Tensor> v{engine};
                   c10d::BroadcastOptions o;
                   o.rootRank = src;
                   return b.broadcast(v, o);
@@ -295,15 +303,15 @@ at::Tensor scatter(const std::vector<at::Tensor>& chunks_on_src, const at::Tenso
     record(CommType::scatter, like, pg);
     return out.copy_(chunks_on_src.at(0));
   }
+  std::vector<at::Tensor> outs{detail::movable(out)};
+  std::vector<std::vector<at::Tensor>> ins;
+  if (pg.rank() == src) {
+    std::vector<at::Tensor> cs;
+    for (const auto& c : chunks_on_src) cs.push_back(detail::movable(detail::dense(c)));
+    ins.push_back(std::move(cs));
+  }
   return launch("scatter", CommType::scatter, pg, like, out, nullptr,
                 [&](c10d::Backend& b) {
-                  std::vector<at::Tensor> outs{out};
-                  std::vector<std::vector<at::Tensor>> ins;
-                  if (pg.rank() == src) {
-                    std::vector<at::Tensor> cs;
-                    for (const auto& c : chunks_on_src) cs.push_back(c.contiguous());
-                    ins.push_back(std::move(cs));
-                  }
                   c10d::ScatterOptions o;
                   o.rootRank = src;
                   return b.scatter(outs, ins, o);
@@ -339,6 +347,7 @@ PendingResult launch_p2p(bool sending, ProcessGroup& pg, int peer, int tag, at::
               pg.rank(), " of ", pg.size(), ")");
   TORCH_CHECK(tag >= 0, "dtensor: ", name, ": tag must be non-negative, got ", tag);
   const int src = sending ? pg.rank() : peer, dst = sending ? peer : pg.rank();
+  std::vector<at::Tensor> v{detail::movable(buffer)};
   record(sending ? CommType::send : CommType::recv, buffer, pg);
   const int64_t seq = detail::begin_p2p(pg, src, dst, buffer);
   const std::string channel = detail::p2p_channel(pg, src, dst);
@@ -346,7 +355,6 @@ PendingResult launch_p2p(bool sending, ProcessGroup& pg, int peer, int tag, at::
                            describe_p2p(name, pg, buffer, peer, tag, seq, channel);
   c10::intrusive_ptr<c10d::Work> work;
   try {
-    std::vector<at::Tensor> v{buffer};
     c10d::Backend& b = backend_for(pg, buffer);
     work = sending ? b.send(v, peer, tag) : b.recv(v, peer, tag);
   } catch (const std::exception& e) {
@@ -360,7 +368,7 @@ PendingResult launch_p2p(bool sending, ProcessGroup& pg, int peer, int tag, at::
 }  // namespace
 
 PendingResult isend(const at::Tensor& t, int dst, ProcessGroup& pg, int tag) {
-  return launch_p2p(/*sending=*/true, pg, dst, tag, t.contiguous());
+  return launch_p2p(/*sending=*/true, pg, dst, tag, detail::dense(t));
 }
 
 PendingResult irecv(const at::Tensor& like, int src, ProcessGroup& pg, int tag) {

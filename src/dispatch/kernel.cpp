@@ -732,9 +732,61 @@ void wrap_returns(const Compiled& cd, c10::SmallVector<at::Tensor, 2>& written,
   }
 }
 
+// Whether `e` is LibTorch's refusal to hand out the memory of a tensor without storage.
+bool reads_missing_storage(const c10::Error& e) {
+  const std::string& m = e.msg();
+  return m.find("Cannot access data pointer of Tensor that doesn't have storage") !=
+             std::string::npos ||
+         m.find("Cannot access storage of") != std::string::npos;
+}
+
+// "(S(0))[8, 4], (R)[4]": the placements and global shapes of the DTensors among `args`.
+std::string describe_dtensors(c10::ArrayRef<c10::IValue> args) {
+  std::vector<SpecPtr> specs;
+  auto add = [&](const at::Tensor& t) {
+    if (is_dtensor(t)) specs.push_back(dtensor_impl(t)->spec());
+  };
+  for (const auto& a : args) {
+    if (a.isTensor()) {
+      add(a.toTensor());
+    } else if (a.isTensorList()) {
+      for (const at::Tensor& t : a.toTensorList()) add(t);
+    } else if (a.isList()) {
+      for (const c10::IValue& v : a.toListRef()) {
+        if (v.isTensor()) add(v.toTensor());
+      }
+    }
+  }
+  return describe(specs);
+}
+
 }  // namespace
 
 void dtensor_kernel(const c10::OperatorHandle& op, torch::jit::Stack* stack) { run(op, stack); }
+
+void composite_kernel(const c10::OperatorHandle& op, c10::DispatchKeySet ks,
+                      torch::jit::Stack* stack) {
+  const OpInfo& info = op_info(op);
+  if (C10_UNLIKELY(info.decomposition != nullptr)) {
+    (*info.decomposition)(*stack);
+    return;
+  }
+  // The arguments, kept to name them if the decomposition fails (the call consumes the stack).
+  const size_t nargs = info.num_args;
+  const c10::SmallVector<c10::IValue, 8> args(stack->end() - nargs, stack->end());
+  try {
+    op.redispatchBoxed(ks & c10::after_autograd_keyset, stack);
+  } catch (const c10::Error& e) {
+    if (!reads_missing_storage(e)) throw;
+    TORCH_CHECK(false, "dtensor: ", info.name, " cannot run on DTensor inputs ",
+                describe_dtensors(args),
+                ": LibTorch implements it by decomposing it above the DTensor kernel, and the "
+                "decomposition reads a DTensor's memory, which a DTensor does not have (its "
+                "values are shards on the ranks). Run it on full_tensor() or to_local() "
+                "values, or register a DTensor decomposition for it "
+                "(dispatch::register_decomposition)");
+  }
+}
 
 CacheStats cache_stats() {
   CacheStats s = tl_stats;

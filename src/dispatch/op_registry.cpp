@@ -28,6 +28,12 @@ std::unordered_map<std::string, std::vector<std::unique_ptr<ContextRule>>>& cont
   static std::unordered_map<std::string, std::vector<std::unique_ptr<ContextRule>>> r;
   return r;
 }
+// Stable addresses: OpInfos point into them.
+std::unordered_map<std::string, std::unique_ptr<Decomposition>>& decompositions() {
+  static std::unordered_map<std::string, std::unique_ptr<Decomposition>> d;
+  return d;
+}
+
 void attach_context_rules(OpInfo& info) {
   info.context_rules.clear();
   auto it = context_rules().find(info.name);
@@ -96,6 +102,8 @@ std::unique_ptr<OpInfo> build(const c10::OperatorHandle& op) {
       mark_static(*info, it->second->static_args);
     }
     attach_context_rules(*info);
+    auto d = decompositions().find(info->name);
+    if (d != decompositions().end()) info->decomposition = d->second.get();
   }
   return info;
 }
@@ -119,6 +127,19 @@ void register_rule(const std::string& qualified_name, Rule rule, std::vector<int
     if (info->name != qualified_name) continue;
     info->rule = &slot->rule;
     mark_static(*info, slot->static_args);
+  }
+}
+
+void register_decomposition(const std::string& qualified_name, Decomposition decomposition) {
+  std::lock_guard<std::mutex> l(mu());
+  auto& slot = decompositions()[qualified_name];
+  if (slot) {
+    *slot = std::move(decomposition);
+  } else {
+    slot = std::make_unique<Decomposition>(std::move(decomposition));
+  }
+  for (auto& [k, info] : infos()) {
+    if (info->name == qualified_name) info->decomposition = slot.get();
   }
 }
 

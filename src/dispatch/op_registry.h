@@ -19,6 +19,7 @@ struct ContextRule {
 struct OpInfo {
   std::string name;  // "aten::add.Tensor"
   const Rule* rule = nullptr;
+  const Decomposition* decomposition = nullptr;   // run by composite_kernel instead of LibTorch's
   std::vector<const ContextRule*> context_rules;  // checked first while their bits are set
   size_t num_args = 0;
   size_t num_returns = 0;

@@ -1,8 +1,9 @@
 // Installs the kernel: a backend fallback for our key, plus a direct registration on every op that
 // has a CompositeExplicitAutograd(NonFunctional) kernel, because those kernels would otherwise run
 // on the wrapper before any fallback, and on the few CompositeImplicitAutograd backward ops whose
-// decomposition writes into a plain global-size zeros tensor
-// (docs/ARCHITECTURE.md, "Why composite ops are routed to our kernel").
+// decomposition writes into a plain global-size zeros tensor; the other CompositeImplicitAutograd
+// ops get composite_kernel on our autograd key, which names them when their decomposition reads
+// a DTensor's memory (docs/ARCHITECTURE.md, "Why composite ops are routed to our kernel").
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/_to_copy_compositeexplicitautograd_dispatch.h>
 #include <torch/library.h>
@@ -34,34 +35,51 @@ bool builds_plain_zeros(const std::string& name) {
   return false;
 }
 
+void composite(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::Stack* stack) {
+  composite_kernel(op, ks, stack);
+}
+
 int route_composite_ops() {
   auto& d = c10::Dispatcher::singleton();
   const c10::DispatchKey key = dtensor_dispatch_key();
-  // One IMPL library per namespace; kept for the life of the process.
-  static std::map<std::string, std::unique_ptr<torch::Library>> libs;
+  const c10::DispatchKey autograd_key =
+      c10::getAutogradKeyFromBackend(c10::toBackendComponent(key));
+  // One IMPL library per (namespace, key); kept for the life of the process.
+  static std::map<std::pair<std::string, c10::DispatchKey>, std::unique_ptr<torch::Library>> libs;
   int n = 0;
   for (const auto& name : d.getAllOpNames()) {
     auto op = d.findOp(name);
     if (!op) continue;
-    if (!op->hasKernelForDispatchKey(c10::DispatchKey::CompositeExplicitAutograd) &&
-        !op->hasKernelForDispatchKey(c10::DispatchKey::CompositeExplicitAutogradNonFunctional) &&
-        !builds_plain_zeros(name.name)) {
-      continue;
-    }
-    if (op->hasKernelForDispatchKey(key)) continue;
+    const bool explicit_composite =
+        op->hasKernelForDispatchKey(c10::DispatchKey::CompositeExplicitAutograd) ||
+        op->hasKernelForDispatchKey(c10::DispatchKey::CompositeExplicitAutogradNonFunctional) ||
+        builds_plain_zeros(name.name);
+    // Decomposed above our key: its kernel on our autograd key names the op if the
+    // decomposition reads a DTensor's memory.
+    const bool implicit_composite =
+        !explicit_composite &&
+        op->hasKernelForDispatchKey(c10::DispatchKey::CompositeImplicitAutograd) &&
+        !op->hasKernelForDispatchKey(c10::DispatchKey::Autograd) &&
+        !op->hasKernelForDispatchKey(autograd_key);
+    if (!(explicit_composite || implicit_composite) || op->hasKernelForDispatchKey(key)) continue;
     const std::string& full = name.name;
     const auto sep = full.find("::");
     if (sep == std::string::npos) continue;
     const std::string ns = full.substr(0, sep);
-    auto& lib = libs[ns];
+    const c10::DispatchKey on = explicit_composite ? key : autograd_key;
+    auto& lib = libs[{ns, on}];
     if (!lib) {
-      lib = std::make_unique<torch::Library>(torch::Library::IMPL, ns, key, __FILE__, __LINE__);
+      lib = std::make_unique<torch::Library>(torch::Library::IMPL, ns, on, __FILE__, __LINE__);
     }
     const std::string op_name = name.overload_name.empty()
                                     ? full.substr(sep + 2)
                                     : full.substr(sep + 2) + "." + name.overload_name;
-    lib->impl(op_name.c_str(), torch::CppFunction::makeFromBoxedFunction<&boxed>());
-    ++n;
+    if (explicit_composite) {
+      lib->impl(op_name.c_str(), torch::CppFunction::makeFromBoxedFunction<&boxed>());
+      ++n;
+    } else {
+      lib->impl(op_name.c_str(), torch::CppFunction::makeFromBoxedFunction<&composite>());
+    }
   }
   return n;
 }

@@ -1,5 +1,9 @@
 // Joining and splitting: cat, stack, split, unbind, as iteration spaces
-// (strategy/iteration_space.h).
+// (strategy/iteration_space.h); tensor_split by a tensor, as a decomposition.
+#include <ATen/ops/tensor_split.h>
+
+#include "dtensor/core/api.h"
+#include "dtensor/core/dtensor_impl.h"
 #include "dtensor/ops/rule_utils.h"
 #include "strategy/iteration_space.h"
 
@@ -71,16 +75,45 @@ Decision unbind(const OpCall& call) {
   return decide(call, dropping_dim_space(call, in, wrap_dim(call.int_arg(1, 0), in.ndim())));
 }
 
+// tensor_split by a tensor of indices or sections: LibTorch's decomposition reads that tensor's
+// memory. A DTensor's values are read as a replica (every rank gets the same), as PyTorch's
+// DTensor reads them with tolist(); then the split by sections or indices decomposes into views.
+void tensor_split_by_tensor(std::vector<c10::IValue>& stack) {
+  const int64_t dim = stack.back().toInt();
+  const at::Tensor by = stack[stack.size() - 2].toTensor();
+  const at::Tensor self = stack[stack.size() - 3].toTensor();
+  torch::jit::drop(stack, 3);
+  TORCH_CHECK(by.device().is_cpu(),
+              "tensor_split expected tensor_indices_or_sections to be on cpu, ", "but it's on ",
+              by.device());
+  TORCH_CHECK(by.scalar_type() == at::kLong, "tensor_split expected tensor_indices_or_sections to ",
+              "have dtype of long, but got ", by.scalar_type());
+  TORCH_CHECK(by.dim() <= 1,
+              "tensor_split expected tensor_indices_or_sections to be a zero-dimensional ",
+              "or one-dimensional tensor, but got a tensor with ", by.dim(), " dims");
+  const at::Tensor values = (is_dtensor(by) ? full_tensor(by) : by).contiguous();
+  if (values.dim() == 0) {
+    stack.emplace_back(at::tensor_split(self, values.item<int64_t>(), dim));
+  } else {
+    const std::vector<int64_t> indices(values.data_ptr<int64_t>(),
+                                       values.data_ptr<int64_t>() + values.numel());
+    stack.emplace_back(at::tensor_split(self, indices, dim));
+  }
+}
+
 }  // namespace
 
 DTENSOR_RULES(concat_ops) {
   using dispatch::register_rule;
   register_rule("aten::cat", cat);
   register_rule("aten::stack", stack);
-  register_rule({"aten::split.Tensor", "aten::split_with_sizes", "aten::unsafe_split.Tensor",
-                 "aten::unsafe_split_with_sizes"},
-                split);
+  register_rule(
+      {"aten::split.Tensor", "aten::split_with_sizes", "aten::unsafe_split.Tensor",
+       "aten::unsafe_split_with_sizes", "aten::split_with_sizes_copy", "aten::split_copy.Tensor"},
+      split);
   register_rule("aten::unbind.int", unbind);
+  dispatch::register_decomposition("aten::tensor_split.tensor_indices_or_sections",
+                                   tensor_split_by_tensor);
 }
 
 }  // namespace dtensor::ops

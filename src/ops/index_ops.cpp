@@ -204,6 +204,24 @@ Decision scatter(const OpCall& call, ScatterKind kind, bool inplace) {
   return decide(call, s);
 }
 
+// bucketize.Tensor(self, boundaries, *, out_int32, right): each element is looked up alone in
+// the whole (replicated) boundaries, so self's shards stay.
+Decision bucketize(const OpCall& call) {
+  const Placements p = keep_shards(call.input(0).placements(), [](int64_t) { return true; });
+  Decision d = all_outputs(call, {p, replicate_all(call.mesh_ndim())}, p);
+  d.output_meta = {contiguous_meta(call.input(0).shape(), proxy_result_dtype(call))};  // no meta
+  return d;
+}
+
+// nonzero_static(self, *, size, fill_value): the positions of the nonzero elements in order, a
+// search over the whole tensor: replicated.
+Decision nonzero_static(const OpCall& call) {
+  const Placements r = replicate_all(call.mesh_ndim());
+  Decision d = all_outputs(call, {r}, r);
+  d.output_meta = {contiguous_meta({call.int_arg(1), call.input(0).ndim()}, at::kLong)};
+  return d;
+}
+
 }  // namespace
 
 DTENSOR_RULES(index_ops) {
@@ -217,6 +235,8 @@ DTENSOR_RULES(index_ops) {
   register_rule("aten::index_add", [](const OpCall& c) { return index_add(c, false); });
   register_rule("aten::index_add_", [](const OpCall& c) { return index_add(c, true); });
   register_rule("aten::gather", gather);
+  register_rule("aten::bucketize.Tensor", bucketize);
+  register_rule("aten::nonzero_static", nonzero_static);
   register_rule("aten::scatter.src",
                 [](const OpCall& c) { return scatter(c, ScatterKind::Src, false); });
   register_rule("aten::scatter_.src",

@@ -1,7 +1,8 @@
-// Layer norm and fused RMS norm. Statistics are taken over the trailing normalised dims, so those
-// dims (and pending sums) are replicated while shards of the outer dims (batch, sequence) are kept.
-// The weight and bias gradients sum over the outer dims: a shard there leaves a pending sum, which
-// is why sequence-parallel norm weights get Partial gradients with no communication.
+// Layer norm, fused RMS norm and group norm. Statistics are taken over the trailing normalised
+// dims, so those dims (and pending sums) are replicated while shards of the outer dims (batch,
+// sequence) are kept. The weight and bias gradients sum over the outer dims: a shard there leaves a
+// pending sum, which is why sequence-parallel norm weights get Partial gradients with no
+// communication.
 #include <ATen/OpMathType.h>
 
 #include "dtensor/ops/rule_utils.h"
@@ -86,6 +87,53 @@ Decision norm_backward(const OpCall& call, bool rms) {
   return d;
 }
 
+// Group norm normalises each sample's groups of channels: only batch shards stay. The kernels
+// take the batch size N as an argument, rewritten to this rank's rows.
+Placements batch_only(c10::ArrayRef<Placement> p) {
+  return keep_shards(p, [](int64_t d) { return d == 0; });
+}
+
+// native_group_norm(input, weight?, bias?, N, C, HxW, group, eps) -> (out, mean, rstd); the
+// statistics are (N, group).
+Decision group_norm_forward(const OpCall& call) {
+  const DTensorSpec& in = call.input(0);
+  const Placements p = batch_only(in.placements());
+  std::vector<Placements> inputs{p};
+  for (size_t j = 1; j < call.num_inputs(); ++j) inputs.push_back(replicate_all(call.mesh_ndim()));
+  Decision d = all_outputs(call, std::move(inputs), p);
+  d.local_args.push_back({3, local_shape_of(call.mesh(), in.shape(), p)[0]});
+  // No meta kernel: the statistics are (N, group) in the input's dtype (CPU).
+  const std::vector<int64_t> stats{in.shape()[0], call.int_arg(6)};
+  d.output_meta = {contiguous_meta(in.shape(), in.dtype()), contiguous_meta(stats, in.dtype()),
+                   contiguous_meta(stats, in.dtype())};
+  return d;
+}
+
+// native_group_norm_backward(grad_out, input, mean, rstd, weight?, N, C, HxW, group,
+//                            output_mask[3]) -> (grad_input, grad_weight, grad_bias): the
+// parameter gradients sum over the batch, pending where it is sharded.
+Decision group_norm_backward(const OpCall& call) {
+  const DTensorSpec& in = call.input(input_of(call, 1));
+  const Placements p = batch_only(in.placements());
+  const auto mask = call.arg(9).toBoolList();
+  Decision d;
+  for (const auto& x : call.inputs()) {
+    d.inputs.push_back(x.arg == 4 ? replicate_all(call.mesh_ndim()) : p);
+  }
+  for (int r = 0; r < 3; ++r) {
+    if (!mask[r]) {
+      d.outputs.push_back(std::nullopt);
+    } else {
+      d.outputs.push_back(r == 0 ? p : sum_outer(p));
+    }
+  }
+  d.local_args.push_back({5, local_shape_of(call.mesh(), in.shape(), p)[0]});
+  const std::vector<int64_t> channels{call.int_arg(6)};
+  d.output_meta = {contiguous_meta(in.shape(), in.dtype()), contiguous_meta(channels, in.dtype()),
+                   contiguous_meta(channels, in.dtype())};
+  return d;
+}
+
 }  // namespace
 
 DTENSOR_RULES(norm_ops) {
@@ -97,6 +145,8 @@ DTENSOR_RULES(norm_ops) {
   register_rule("aten::_fused_rms_norm", [](const OpCall& c) { return norm_forward(c, true); });
   register_rule("aten::_fused_rms_norm_backward",
                 [](const OpCall& c) { return norm_backward(c, true); });
+  register_rule("aten::native_group_norm", group_norm_forward);
+  register_rule("aten::native_group_norm_backward", group_norm_backward);
 }
 
 }  // namespace dtensor::ops

@@ -20,7 +20,7 @@ struct ReductionKind {
 
 std::vector<bool> reduced_dims(int64_t nd, const std::optional<std::vector<int64_t>>& dims) {
   std::vector<bool> reduced(nd, !dims || dims->empty());
-  if (dims) {
+  if (dims && nd > 0) {  // a 0-d tensor's dim 0 or -1 is itself: nothing to mark
     for (auto d : *dims) reduced[wrap_dim(d, nd)] = true;
   }
   return reduced;
@@ -88,14 +88,13 @@ Decision reduce(const OpCall& call, ReductionKind kind, std::optional<std::vecto
   return d;
 }
 
-// max.dim / min.dim / argmax / argmin: values and indices along `dim` (nullopt: over the
-// flattened tensor). The reduced dim is gathered so that local indices are global ones;
-// shards of other dims stay.
-Decision reduce_with_indices(const OpCall& call, std::optional<int64_t> dim, bool keepdim) {
+// A reduction that needs each reduced dim whole (values with their global indices, a
+// variance): the reduced dims are gathered, shards of other dims stay, pending values are
+// reduced first. dims = nullopt or empty: every dim.
+Decision reduce_whole_dims(const OpCall& call, const std::optional<std::vector<int64_t>>& dims,
+                           bool keepdim) {
   const DTensorSpec& in = call.input(0);
-  const int64_t nd = in.ndim();
-  std::vector<bool> reduced(nd, !dim.has_value());
-  if (dim && nd > 0) reduced[wrap_dim(*dim, nd)] = true;
+  const std::vector<bool> reduced = reduced_dims(in.ndim(), dims);
   Placements tgt, out;
   for (const Placement& p : in.placements()) {
     if (p.is_shard() && !reduced[p.dim()]) {
@@ -107,6 +106,50 @@ Decision reduce_with_indices(const OpCall& call, std::optional<int64_t> dim, boo
     }
   }
   return all_outputs(call, {tgt}, out);
+}
+
+// The same for var and std (and var_mean, std_mean), which have no meta kernel: every return
+// has the reduced shape.
+Decision variance(const OpCall& call) {
+  // var(self, unbiased) reduces every dim; the other overloads take (self, dim, ..., keepdim).
+  const bool all = call.num_args() < 4;
+  const std::optional<std::vector<int64_t>> dims = all ? std::nullopt : call.opt_int_list_arg(1);
+  const bool keepdim = !all && call.bool_arg(3);
+  Decision d = reduce_whole_dims(call, dims, keepdim);
+  const DTensorSpec& in = call.input(0);
+  const std::vector<bool> reduced = reduced_dims(in.ndim(), dims);
+  std::vector<int64_t> shape;
+  for (int64_t i = 0; i < in.ndim(); ++i) {
+    if (!reduced[i] || keepdim) shape.push_back(reduced[i] ? 1 : in.shape()[i]);
+  }
+  for (size_t r = 0; r < d.outputs.size(); ++r) {
+    d.output_meta.push_back(contiguous_meta(shape, proxy_result_dtype(call, r)));
+  }
+  return d;
+}
+
+// max.dim / min.dim / argmax / argmin: values and indices along `dim` (nullopt: over the
+// flattened tensor), the indices global.
+Decision reduce_with_indices(const OpCall& call, std::optional<int64_t> dim, bool keepdim) {
+  if (!dim) return reduce_whole_dims(call, std::nullopt, keepdim);
+  return reduce_whole_dims(call, std::vector<int64_t>{*dim}, keepdim);
+}
+
+// histc(self, bins, min, max): with a range given (min < max) each rank counts its shard into
+// the same bins, so shards become a pending sum; with min = max = 0 the range is the data's
+// own min and max, which a shard does not know: replicated (PyTorch's rule).
+Decision histc(const OpCall& call) {
+  const DTensorSpec& in = call.input(0);
+  const bool ranged = call.arg(2).toScalar().toDouble() != call.arg(3).toScalar().toDouble();
+  Placements tgt, out;
+  for (const Placement& p : in.placements()) {
+    const bool keep = ranged && p.is_shard();
+    tgt.push_back(keep ? p : Replicate());
+    out.push_back(keep ? Placement(Partial()) : Placement(Replicate()));
+  }
+  Decision d = all_outputs(call, {tgt}, out);
+  d.output_meta = {contiguous_meta({call.int_arg(1)}, in.dtype())};  // no meta kernel
+  return d;
 }
 
 // sort / topk / cumsum along `dim`: that dim is gathered (every output element depends on
@@ -193,6 +236,11 @@ DTENSOR_RULES(reduction) {
   register_rule("aten::prod", [](const OpCall& c) {
     return reduce(c, {ReduceOp::Product, false, kAnySize}, {}, false);
   });
+  // prod.dim_int(self, dim, keepdim, dtype): an empty shard's product is 1, the identity.
+  register_rule("aten::prod.dim_int", [](const OpCall& c) {
+    return reduce(c, {ReduceOp::Product, false, kAnySize}, std::vector<int64_t>{c.int_arg(1)},
+                  c.bool_arg(2));
+  });
   // any/all of an empty shard is false/true, the identity of the combining max/min
   register_rule({"aten::any", "aten::any.dim", "aten::any.dims"}, [](const OpCall& c) {
     return reduce(c, {ReduceOp::Max, false, kAnySize}, any_all_dims(c),
@@ -220,6 +268,13 @@ DTENSOR_RULES(reduction) {
   register_rule("aten::value_selecting_reduction_backward", value_selecting_backward);
   register_rule({"aten::cumsum", "aten::cumprod"},
                 [](const OpCall& c) { return along_dim(c, c.int_arg(1)); });
+  // var/std(self, dim?, correction or unbiased, keepdim) and var_mean/std_mean: not linear in
+  // the shards (PyTorch's rule), so the reduced dims are gathered.
+  register_rule({"aten::var.correction", "aten::var.dim", "aten::std.correction", "aten::std.dim",
+                 "aten::var_mean.correction", "aten::std_mean.correction"},
+                variance);
+  register_rule({"aten::var", "aten::std"}, variance);
+  register_rule("aten::histc", histc, /*static_args=*/{2, 3});
 }
 
 }  // namespace dtensor::ops

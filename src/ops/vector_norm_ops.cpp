@@ -16,7 +16,9 @@ Decision vector_norm(const OpCall& call, double ord, std::optional<std::vector<i
   const int64_t nd = in.ndim();
   std::vector<bool> reduced(nd, !dims || dims->empty());
   if (dims) {
-    for (auto d : *dims) reduced[wrap_dim(d, nd)] = true;
+    for (auto d : *dims) {
+      if (nd > 0) reduced[wrap_dim(d, nd)] = true;  // a 0-d tensor's dim 0 or -1 is itself
+    }
   }
   Placements tgt, out;
   for (size_t i = 0; i < in.placements().size(); ++i) {

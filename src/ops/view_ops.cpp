@@ -217,9 +217,12 @@ DTENSOR_RULES(view_ops) {
                 [](const OpCall& c) { return view_like(c, false); });
   register_rule("aten::_reshape_alias", [](const OpCall& c) { return view_like(c, true); });
   register_rule("aten::expand", expand);
-  register_rule({"aten::t", "aten::transpose.int", "aten::t_", "aten::transpose_"}, transpose);
-  register_rule("aten::permute", permute);
-  register_rule({"aten::unsqueeze", "aten::unsqueeze_"}, unsqueeze);
+  // The *_copy ops return the view's values in a fresh tensor: the same placements.
+  register_rule({"aten::t", "aten::transpose.int", "aten::t_", "aten::transpose_", "aten::t_copy",
+                 "aten::transpose_copy.int"},
+                transpose);
+  register_rule({"aten::permute", "aten::permute_copy"}, permute);
+  register_rule({"aten::unsqueeze", "aten::unsqueeze_", "aten::unsqueeze_copy"}, unsqueeze);
   register_rule({"aten::squeeze", "aten::squeeze.dim", "aten::squeeze.dims", "aten::squeeze_",
                  "aten::squeeze_.dim"},
                 squeeze);

@@ -14,11 +14,11 @@
 #include <ATen/core/Reduction.h>
 #include <ATen/ops/cross_entropy_loss_native.h>
 #include <torch/autograd.h>
-#include <torch/library.h>
 
 #include "dtensor/core/api.h"
 #include "dtensor/core/dtensor_impl.h"
 #include "dtensor/core/shard_math.h"
+#include "dtensor/dispatch/op_call.h"
 #include "dtensor/ops/kernel_collectives.h"
 #include "dtensor/ops/layout_invariant.h"
 #include "dtensor/tp/loss_parallel.h"
@@ -155,13 +155,17 @@ at::Tensor cross_entropy_loss(const at::Tensor& self, const at::Tensor& target,
          smooth * (label_smoothing / static_cast<double>(self.size(c)));
 }
 
-// Registered from code: the autograd key follows the configured DTensor backend key.
+// The DTensor decomposition of cross_entropy_loss (run at the DTensor autograd key in place of
+// LibTorch's, dispatch::register_decomposition).
 const bool registered = [] {
-  static torch::Library lib(
-      torch::Library::IMPL, "aten",
-      c10::getAutogradKeyFromBackend(c10::toBackendComponent(dtensor_dispatch_key())), __FILE__,
-      __LINE__);
-  lib.impl("cross_entropy_loss", TORCH_FN(cross_entropy_loss));
+  dispatch::register_decomposition("aten::cross_entropy_loss", [](std::vector<c10::IValue>& s) {
+    const size_t a = s.size() - 6;
+    at::Tensor loss = cross_entropy_loss(s[a].toTensor(), s[a + 1].toTensor(),
+                                         s[a + 2].toOptional<at::Tensor>(), s[a + 3].toInt(),
+                                         s[a + 4].toSymInt(), s[a + 5].toDouble());
+    torch::jit::drop(s, 6);
+    s.emplace_back(std::move(loss));
+  });
   return true;
 }();
 

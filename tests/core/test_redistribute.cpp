@@ -301,3 +301,42 @@ TEST(Redistribute2D, AOneRankMeshDimIsARelabelWithoutCollectives) {
     EXPECT_TENSOR_EQ(local_tensor(out), global);
   });
 }
+
+// Every kind of dtype, through every transition that communicates (gathers, reductions,
+// reduce-scatters), on uneven and empty shards, against the single-device tensor: complex
+// numbers and int16 included, which Gloo cannot carry as they are.
+TEST(Redistribute1D, EveryDtypeRedistributesLikeOneDevice) {
+  run_ranks(4, [](int rank) {
+    auto mesh = init_device_mesh("cpu", {4});
+    // One dtype of each way the collectives carry them (tests/comm/test_dtype_transport.cpp
+    // takes every dtype through every collective).
+    const std::vector<c10::ScalarType> dtypes = {
+        at::kComplexFloat, at::kComplexDouble, at::kComplexHalf,   at::kShort,
+        at::kBool,         at::kUInt64,        at::kFloat8_e4m3fn, at::kBFloat16};
+    const std::vector<std::pair<Placement, Placement>> moves = {
+        {Shard(0), Replicate()}, {Shard(1), Replicate()}, {Partial(), Replicate()},
+        {Partial(), Shard(0)},   {Partial(), Shard(1)},   {Shard(0), Shard(1)},
+        {Shard(1), Shard(0)},    {Replicate(), Shard(0)}};
+    for (const auto dtype : dtypes) {
+      for (const std::vector<int64_t>& shape : {std::vector<int64_t>{5, 3}}) {  // uneven
+        at::manual_seed(11);  // the same global tensor on every rank
+        at::Tensor global = at::randint(0, 3, shape, at::kDouble);
+        if (c10::isComplexType(dtype)) global = at::complex(global, -global);
+        global = dtype == at::kBool ? global.ne(0) : global.to(dtype);
+        for (const auto& [from, to] : moves) {
+          SCOPED_TRACE(std::string(c10::toString(dtype)) + " " + name({from}, {to}, shape));
+          // A Partial(sum) held whole by rank 0, as zeros by the others.
+          at::Tensor local = from.is_partial()
+                                 ? (rank == 0 ? global.clone() : at::zeros_like(global))
+                                 : expected_local(global, mesh, {from}).clone();
+          auto dt = from_local(local, mesh, {from},
+                               {.shape = global.sizes().vec(), .stride = global.strides().vec()});
+          auto out = redistribute(dt, {to});
+          EXPECT_EQ(local_tensor(out).scalar_type(), dtype);
+          EXPECT_TENSOR_EQ(local_tensor(out), expected_local(global, mesh, {to}));
+          EXPECT_TENSOR_EQ(full_tensor(out), global);
+        }
+      }
+    }
+  });
+}

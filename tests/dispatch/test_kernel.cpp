@@ -185,3 +185,98 @@ TEST(Kernel, EveryRegisteredRuleNamesARealOperator) {
         << "a sharding rule is registered for '" << name << "', which is no operator";
   }
 }
+
+// A CompositeImplicitAutograd op whose LibTorch decomposition reads a DTensor's memory (which a
+// DTensor does not have) fails naming itself and its DTensor inputs, and the next op runs;
+// tensor_split by a tensor of indices or sections has a decomposition of its own and matches one
+// device, forward and backward.
+TEST(Kernel, CompositeOpsReadingADTensorsMemoryNameThemselvesAndTensorSplitRuns) {
+  run_ranks(2, [](int) {
+    auto mesh = init_device_mesh("cpu", {2});
+    at::manual_seed(5);
+    const auto g = at::randn({2, 4, 8});
+    auto x = distribute_tensor(g, mesh, {Shard(0)});
+    EXPECT_ERROR(at::max_pool1d(x, {2}), c10::Error, "aten::max_pool1d",
+                 "cannot run on DTensor inputs (S(0))[2, 4, 8]", "reads a DTensor's memory");
+    auto rep = [&](const at::Tensor& t) { return distribute_tensor(t, mesh, {Replicate()}); };
+    const auto log_probs = at::randn({6, 2, 5}).log_softmax(2);
+    const auto targets = at::randint(1, 5, {2, 3});
+    EXPECT_ERROR(at::ctc_loss(rep(log_probs), rep(targets), rep(at::full({2}, 6, at::kLong)),
+                              rep(at::full({2}, 3, at::kLong))),
+                 c10::Error, "aten::ctc_loss", "(R)[6, 2, 5], (R)[2, 3], (R)[2], (R)[2]");
+    EXPECT_TENSOR_EQ(full_tensor(x * 2), g * 2);
+
+    auto y = distribute_tensor(g, mesh, {Shard(0)}).requires_grad_(true);
+    const auto leaf = g.clone().requires_grad_(true);
+    for (const auto& by :
+         {at::tensor(std::vector<int64_t>{1, 5}), at::scalar_tensor(3, at::kLong)}) {
+      SCOPED_TRACE(by.dim() == 0 ? "sections" : "indices");
+      const auto parts = at::tensor_split(y, rep(by), 2);
+      const auto want = at::tensor_split(leaf, by, 2);
+      ASSERT_EQ(parts.size(), want.size());
+      at::Tensor loss = at::zeros({}), want_loss = at::zeros({});
+      for (size_t i = 0; i < parts.size(); ++i) {
+        EXPECT_EQ(placements(parts[i]), Placements{Shard(0)});
+        EXPECT_TENSOR_EQ(full_tensor(parts[i]), want[i]);
+        loss = loss + full_tensor(parts[i]).pow(2).sum() * static_cast<double>(i + 1);
+        want_loss = want_loss + want[i].pow(2).sum() * static_cast<double>(i + 1);
+      }
+      y.mutable_grad() = at::Tensor();
+      leaf.mutable_grad() = at::Tensor();
+      loss.backward();
+      want_loss.backward();
+      EXPECT_TENSOR_CLOSE(full_tensor(y.grad()), leaf.grad(), 1e-6, 1e-6);
+    }
+  });
+}
+
+// The kinds of op that ended every rank on Gloo (conversions to complex and int16 dtypes,
+// view_as_complex, FFTs of a last-dim-sharded input): each matches one device or, for the FFTs,
+// which have no sharding rule, is refused before any collective; either way the next op runs.
+TEST(Kernel, ComplexAndInt16ResultsOfShardedInputsMatchOneDeviceOrAreRefusedCleanly) {
+  run_ranks(2, [](int) {
+    auto mesh = init_device_mesh("cpu", {2});
+    at::manual_seed(9);
+    const auto g = at::randn({4, 6, 2});
+    using F = std::function<at::Tensor(const at::Tensor&)>;
+    const std::vector<std::pair<const char*, F>> ops = {
+        {"to(complex64)", [](const at::Tensor& t) { return t.to(at::kComplexFloat); }},
+        {"to(complex128)", [](const at::Tensor& t) { return t.to(at::kComplexDouble); }},
+        {"chalf", [](const at::Tensor& t) { return t.to(at::kComplexHalf); }},
+        {"to(int16)", [](const at::Tensor& t) { return (t * 100).to(at::kShort); }},
+        {"view_as_complex", [](const at::Tensor& t) { return at::view_as_complex(t); }},
+    };
+    // No sharding rule yet: refused before any collective, or, once a rule comes, equal.
+    const std::vector<std::pair<const char*, F>> ruleless = {
+        {"aten::_fft_c2c",
+         [](const at::Tensor& t) { return at::fft_fft(t.to(at::kComplexFloat)); }},
+        {"aten::_fft_r2c", [](const at::Tensor& t) { return at::fft_rfft(t); }},
+    };
+    for (int64_t d : {0, 1, 2}) {
+      auto x = distribute_tensor(g, mesh, {Shard(d)});
+      for (const auto& [name, f] : ops) {
+        SCOPED_TRACE(std::string(name) + " of S(" + std::to_string(d) + ")");
+        const auto got = full_tensor(f(x));
+        const auto want = f(g);
+        EXPECT_EQ(got.scalar_type(), want.scalar_type());
+        EXPECT_TENSOR_EQ(got, want);
+        EXPECT_TENSOR_EQ(full_tensor(x * 2), g * 2);
+      }
+      for (const auto& [name, f] : ruleless) {
+        SCOPED_TRACE(std::string(name) + " of S(" + std::to_string(d) + ")");
+        CommDebugMode comm;
+        at::Tensor got;
+        try {
+          got = f(x);
+        } catch (const c10::Error& e) {
+          EXPECT_CONTAINS(e.what_without_backtrace(), name);
+          EXPECT_CONTAINS(e.what_without_backtrace(),
+                          "does not have a sharding strategy registered");
+          EXPECT_EQ(comm.get_total_counts(), 0);
+        }
+        if (got.defined()) EXPECT_TENSOR_CLOSE(full_tensor(got), f(g), 1e-5, 1e-5);
+        EXPECT_TENSOR_EQ(full_tensor(x * 2), g * 2);
+      }
+    }
+  });
+}

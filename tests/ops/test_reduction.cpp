@@ -119,3 +119,21 @@ TEST(Reduction, GradientThroughValueSelectingReductionsIsADTensorOnTheLeafMesh) 
     }
   });
 }
+
+// A 0-d tensor's dim 0 (or -1) is the tensor itself: reducing over it used to write past the
+// end of the rule's per-dim table (a crash found by the OpInfo sweep: sum, amax, mean,
+// linalg_vector_norm of a 0-d DTensor with dim=0).
+TEST(Reduction, OverDimZeroOfAZeroDimTensor) {
+  run_ranks(2, [](int) {
+    auto mesh = init_device_mesh("cpu", {2});
+    auto g = at::scalar_tensor(-3.5, at::kDouble);
+    auto dt = distribute_tensor(g, mesh, {Replicate()});
+    for (int64_t dim : {0, -1}) {
+      EXPECT_TENSOR_EQ(full_tensor(dt.sum({dim})), g.sum({dim}));
+      EXPECT_TENSOR_EQ(full_tensor(dt.amax({dim}, true)), g.amax({dim}, true));
+      EXPECT_TENSOR_EQ(full_tensor(dt.mean({dim})), g.mean({dim}));
+      EXPECT_TENSOR_EQ(full_tensor(at::linalg_vector_norm(dt, 2, {dim})),
+                       at::linalg_vector_norm(g, 2, {dim}));
+    }
+  });
+}

@@ -296,8 +296,14 @@ void run_ranks(int world_size, const std::function<void(int)>& body, const RunOp
            << "shape " << actual.sizes() << " != expected " << expected.sizes();
   }
   if (actual.numel() == 0) return ::testing::AssertionSuccess();
-  auto a = actual.detach().to(at::kDouble).cpu();
-  auto e = expected.detach().to(at::kDouble).cpu();
+  // Complex values compare as real pairs (a cast to double would drop the imaginary parts).
+  const bool complex = actual.is_complex() || expected.is_complex();
+  auto as_compared = [complex](const at::Tensor& t) {
+    at::Tensor d = t.detach().cpu();
+    return complex ? at::view_as_real(d.to(at::kComplexDouble)) : d.to(at::kDouble);
+  };
+  auto a = as_compared(actual);
+  auto e = as_compared(expected);
   if (at::allclose(a, e, rtol, atol)) return ::testing::AssertionSuccess();
   auto diff = (a - e).abs();
   return ::testing::AssertionFailure()

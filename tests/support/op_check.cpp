@@ -107,9 +107,11 @@ bool check_op(const DeviceMesh& mesh, const std::string& label, const OpFn& fn,
     at::Tensor w =
         at::randn(ref[k].sizes(), gen, ref[k].options().device(at::kCPU).requires_grad(false))
             .to(ref[k].device());
-    at::Tensor rterm = (ref[k] * w).sum();
+    at::Tensor rterm = o.sum_loss ? ref[k].sum() : (ref[k] * w).sum();
     at::Tensor dterm;
-    if (is_dtensor(out[k])) {
+    if (o.sum_loss) {
+      dterm = out[k].sum();
+    } else if (is_dtensor(out[k])) {
       auto wd = distribute_tensor(w, device_mesh(out[k]), replicate_all(device_mesh(out[k]).ndim()),
                                   std::nullopt);
       dterm = (out[k] * wd).sum();

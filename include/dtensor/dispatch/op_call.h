@@ -120,6 +120,15 @@ void register_context_rule(const std::string& qualified_name, int64_t context_ma
 /// Registers `rule` as a context rule under each of `names` (see above).
 void register_context_rule(std::initializer_list<const char*> names, int64_t context_mask,
                            const Rule& rule);
+/// A DTensor-aware decomposition of a CompositeImplicitAutograd op: given the boxed arguments on
+/// `stack`, it pops them and pushes the results. It runs above autograd, in place of LibTorch's
+/// decomposition, when a DTensor is among the arguments (PyTorch registers the same with
+/// `py_impl(CompositeImplicitAutograd)`); for composites whose LibTorch decomposition reads an
+/// argument's memory, which a DTensor does not have.
+using Decomposition = std::function<void(std::vector<c10::IValue>& stack)>;
+/// Registers `decomposition` for a CompositeImplicitAutograd op ("aten::tensor_split.
+/// tensor_indices_or_sections"). Later registrations replace earlier ones.
+void register_decomposition(const std::string& qualified_name, Decomposition decomposition);
 /// Whether an ordinary rule (register_rule) is registered for `qualified_name`.
 bool has_rule(const std::string& qualified_name);
 /// Every name a rule was registered for, sorted (a misspelt name registers a rule that no

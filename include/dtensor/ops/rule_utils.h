@@ -39,6 +39,15 @@ Placements remap_shards(c10::ArrayRef<Placement> p, F&& map) {
   return out;
 }
 
+/// Placements of an input whose op can run on shards of some dims only: Shard(d) stays where
+/// `keep(d)`; every other Shard and every Partial (the op is not linear) become Replicate.
+template <typename F>
+Placements keep_shards(c10::ArrayRef<Placement> p, F&& keep) {
+  Placements out;
+  for (const auto& x : p) out.push_back(x.is_shard() && keep(x.dim()) ? x : Replicate());
+  return out;
+}
+
 /// Number of shards of tensor dim d.
 inline int64_t shards_of_dim(const DeviceMesh& mesh, c10::ArrayRef<Placement> p, int64_t d) {
   int64_t n = 1;
