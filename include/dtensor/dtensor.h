@@ -29,6 +29,7 @@
 #include "dtensor/dispatch/cache.h"
 #include "dtensor/dispatch/explicit_redistribution.h"
 #include "dtensor/dispatch/implicit_replication.h"
+#include "dtensor/dispatch/op_census.h"
 #include "dtensor/dispatch/op_call.h"
 #include "dtensor/fsdp/clip_grad_norm.h"
 #include "dtensor/fsdp/fully_shard.h"
