@@ -21,8 +21,6 @@
 #include <utility>
 #include <vector>
 
-extern char** environ;
-
 namespace {
 
 using Clock = std::chrono::steady_clock;

@@ -34,6 +34,7 @@
 #include "dtensor/models/hf_checkpoint.h"
 #include "dtensor/text/bpe_tokenizer.h"
 #include "support/distributed.h"
+#include "support/files.h"
 #include "support/fixture_copy.h"
 #include "support/shell.h"
 #include "support/temp_dir.h"
@@ -42,6 +43,7 @@
 using namespace dtensor;
 using namespace dtensor::train;
 using dtensor::testing::FixtureCopy;
+using dtensor::testing::read_file;
 using dtensor::testing::run_ranks;
 using dtensor::testing::shell;
 using dtensor::testing::TempDir;
@@ -128,13 +130,6 @@ void expect_finetune_like_one_device(const std::string& family, int world,
       std::printf("%s TP=%d vs one device after 3 steps: max |difference| %.3g\n", family.c_str(),
                   world, worst);
   });
-}
-
-std::string read_file(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  std::stringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
 }
 
 std::string train_command(int ranks, const std::string& args) {

@@ -19,11 +19,11 @@
 #include <vector>
 
 #include "support/errors.h"
+#include "support/files.h"
 #include "support/temp_dir.h"
 #include "train/metrics.h"
 
-extern char** environ;
-
+using dtensor::testing::read_file;
 using dtensor::testing::TempDir;
 
 namespace {
@@ -91,13 +91,6 @@ size_t count(const std::string& text, const std::string& part) {
   size_t n = 0;
   for (size_t p = text.find(part); p != std::string::npos; p = text.find(part, p + 1)) ++n;
   return n;
-}
-
-std::string read_file(const std::string& path) {
-  std::ifstream in(path);
-  std::stringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
 }
 
 }  // namespace

@@ -32,6 +32,7 @@
 #include "dtensor/dtensor.h"
 #include "support/distributed.h"
 #include "support/errors.h"
+#include "support/files.h"
 #include "support/temp_dir.h"
 
 using namespace dtensor;
@@ -622,23 +623,15 @@ TEST(Checkpoint, ChecksumsAreCrc32cOfEachTensorsBytes) {
 
 namespace {
 
-std::string read_bytes(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  return {std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
-}
-void write_bytes(const std::string& path, const std::string& bytes) {
-  std::ofstream(path, std::ios::binary | std::ios::trunc) << bytes;
-}
-
 // Replaces the first `from` in the file's bytes by `to` (same length), e.g. a digit of the
 // header's metadata; fails the test when `from` is absent.
 void edit_bytes(const std::string& path, const std::string& from, const std::string& to) {
-  std::string bytes = read_bytes(path);
+  std::string bytes = read_file(path);
   const size_t at = bytes.find(from);
   ASSERT_NE(at, std::string::npos) << "\"" << from << "\" not in " << path;
   ASSERT_EQ(from.size(), to.size());
   bytes.replace(at, from.size(), to);
-  write_bytes(path, bytes);
+  write_file(path, bytes);
 }
 
 // A small model after one AdamW step at lr 0.001, saved at step 1.
@@ -751,7 +744,7 @@ TEST(Checkpoint, NoSingleBitFlipLoadsSilentlyChangedValues) {
   const std::string good = dir.file("good.safetensors");
   save_trained(good);
   const Loaded expected = load_everything(good);
-  const std::string bytes = read_bytes(good);
+  const std::string bytes = read_file(good);
   const uint64_t header_end = checkpoint::safetensors::File(good).data_offset();
 
   std::mt19937_64 rng(20261124);
@@ -763,7 +756,7 @@ TEST(Checkpoint, NoSingleBitFlipLoadsSilentlyChangedValues) {
     const uint64_t bit = rng() % (bytes.size() * 8);
     std::string damaged = bytes;
     damaged[bit / 8] = static_cast<char>(damaged[bit / 8] ^ (1u << (bit % 8)));
-    write_bytes(path, damaged);
+    write_file(path, damaged);
     ++runs;
     in_header += bit / 8 < header_end;
     Loaded got;

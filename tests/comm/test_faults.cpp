@@ -26,11 +26,14 @@
 #include "support/errors.h"
 #include "support/rank_outcomes.h"
 #include "support/temp_dir.h"
+#include "support/timing.h"
 
 using namespace dtensor;
 using dtensor::testing::describe_outcomes;
+using dtensor::testing::now;
 using dtensor::testing::RankOutcome;
 using dtensor::testing::run_ranks_collect;
+using dtensor::testing::seconds_since;
 
 namespace {
 
@@ -50,11 +53,6 @@ dtensor::testing::RunOptions no_init(std::chrono::seconds connect = std::chrono:
 // take, so a test passing under it shows the fault ended the rendezvous, not the bound.
 constexpr auto kArrivalBound = std::chrono::seconds(30);
 constexpr double kFaultSeenWithin = 10.0;
-
-std::chrono::steady_clock::time_point now() { return std::chrono::steady_clock::now(); }
-double seconds_since(std::chrono::steady_clock::time_point t) {
-  return std::chrono::duration<double>(now() - t).count();
-}
 
 // Rank `rank` of a job whose store rank 0 hosts at `port` (as without torchrun's agent).
 void claim(int rank, int world_size, int port) {

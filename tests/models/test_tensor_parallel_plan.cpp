@@ -14,6 +14,7 @@
 #include "dtensor/dtensor.h"
 #include "dtensor/models/meta_init.h"
 #include "dtensor/models/transformer.h"
+#include "support/comm_counts.h"
 #include "support/distributed.h"
 #include "support/memory.h"
 #include "support/model_compare.h"
@@ -326,10 +327,6 @@ void expect_counts(const StepCounts& got, const StepCounts& want) {
       << "reduce_partial_grads";
   EXPECT_EQ(format_comm_counts(got.optimizer), format_comm_counts(want.optimizer)) << "optimizer";
 }
-
-constexpr auto AR = CommType::all_reduce;
-constexpr auto AG = CommType::all_gather_into_tensor;
-constexpr auto RS = CommType::reduce_scatter_tensor;
 
 }  // namespace
 
