@@ -122,4 +122,10 @@ std::string history_key(const std::string& prefix, const std::string& group, int
 // What this rank's threads wait in now (collectives, MPI calls). Call with health().mu held.
 std::vector<Wait> current_waits_locked();
 
+// Records the world's first failure ("rank R failed: ..."), this rank's own included: collectives
+// no longer start, and those waiting end. False when one was already recorded. Holds `mu`; the
+// caller then calls wake_waiters() without it.
+bool record_failure_locked(int rank, const std::string& message);
+void wake_waiters();
+
 }  // namespace dtensor::comm::detail

@@ -18,12 +18,6 @@
 namespace dtensor::comm::detail {
 namespace {
 
-void wake_waiters() {
-  auto& h = health();
-  { std::lock_guard<std::mutex> g(h.wake_mu); }
-  h.wake_cv.notify_all();
-}
-
 // Wakes the threads waiting on work without a future; their wait then sees peer_failed.
 void abort_waits_locked() {
   for (c10d::Work* w : health().abortable) {
@@ -35,6 +29,28 @@ void abort_waits_locked() {
   }
 }
 
+}  // namespace
+
+void wake_waiters() {
+  auto& h = health();
+  { std::lock_guard<std::mutex> g(h.wake_mu); }
+  h.wake_cv.notify_all();
+}
+
+bool record_failure_locked(int rank, const std::string& message) {
+  auto& h = health();
+  if (h.peer_failed.load()) return false;
+  h.peer_failure = "rank " + std::to_string(rank) + " failed: " + message;
+  {
+    std::lock_guard<std::mutex> w(h.wake_mu);
+    h.peer_failed.store(true);
+  }
+  abort_waits_locked();
+  return true;
+}
+
+namespace {
+
 void handle_event(c10d::Store& store, const std::string& event) {
   auto& h = health();
   auto p = split(event, '\t', 3);
@@ -44,13 +60,7 @@ void handle_event(c10d::Store& store, const std::string& event) {
   if (p[0] == "fail") {
     {
       std::lock_guard<std::mutex> g(h.mu);
-      if (h.peer_failed.load()) return;
-      h.peer_failure = "rank " + p[1] + " failed: " + p[2];
-      {
-        std::lock_guard<std::mutex> w(h.wake_mu);
-        h.peer_failed.store(true);
-      }
-      abort_waits_locked();
+      if (!record_failure_locked(from, p[2])) return;
     }
     wake_waiters();
   } else if (p[0] == "diag") {

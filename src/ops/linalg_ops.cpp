@@ -3,6 +3,7 @@
 // batch dims keep their shards, every factor sharded like the input's batch. A diagonal reads
 // across its two dims: they are replicated, the other dims keep their shards.
 #include "dtensor/ops/rule_utils.h"
+#include "strategy/iteration_space.h"
 
 namespace dtensor::ops {
 namespace {
@@ -24,6 +25,43 @@ Decision batched_matrices(const OpCall& call, const std::vector<bool>& has_value
   d.inputs = first_input_as(call, p);
   for (bool v : has_values) d.outputs.push_back(v ? p : replicate_all(call.mesh_ndim()));
   return d;
+}
+
+// linalg_solve_triangular(A, B, *, upper, left, unitriangular): one triangular solve per
+// batch. The batch dims broadcast as in an element-wise op and may be sharded (A's with B's
+// where A has them, else A replicated), the matrix dims stay whole; linear in B, so a pending
+// sum of B passes to the result (PyTorch's strategies for it).
+Decision solve_triangular(const OpCall& call) {
+  using namespace iteration;
+  const DTensorSpec& a = call.input(0);
+  const DTensorSpec& b = call.input(1);
+  TORCH_CHECK_VALUE(a.ndim() >= 2 && b.ndim() >= 2, call.name(),
+                    ": A and B must be (batches of) matrices, got inputs ", call.placements_str());
+  const int64_t batch = std::max(a.ndim(), b.ndim()) - 2;
+  // Operand dim of logical batch dim L (right-aligned), or kBroadcast where it has none.
+  auto dim_of = [&](const DTensorSpec& t, int64_t L) {
+    const int64_t d = L - (batch - (t.ndim() - 2));
+    return d < 0 ? kBroadcast : d;
+  };
+  Space s(call.num_inputs());
+  for (int64_t L = 0; L < batch; ++L) {
+    const int64_t da = dim_of(a, L), db = dim_of(b, L);
+    s.add_dim(std::max(da < 0 ? 1 : a.shape()[da], db < 0 ? 1 : b.shape()[db]), L, true);
+  }
+  // The result has B's matrix dims.
+  s.add_dim(b.shape()[b.ndim() - 2], batch, false);
+  s.add_dim(b.shape()[b.ndim() - 1], batch + 1, false);
+  s.lin = Lin::Sum;
+  for (size_t j = 0; j < 2; ++j) {
+    const DTensorSpec& t = call.input(j);
+    Operand& o = s.operand(j, /*linear=*/j == 1, /*broadcast=*/true);
+    for (int64_t L = 0; L < batch; ++L) o.dims[L] = dim_of(t, L);
+    if (j == 1) {
+      o.dims[batch] = t.ndim() - 2;
+      o.dims[batch + 1] = t.ndim() - 1;
+    }
+  }
+  return decide(call, s);
 }
 
 // diagonal(self, offset, dim1, dim2) and linalg_diagonal(A, *, offset, dim1, dim2): the other
@@ -134,6 +172,7 @@ DTENSOR_RULES(linalg_ops) {
     const bool q = !c.arg(1).isString() || c.arg(1).toStringRef() != "r";
     return batched_matrices(c, {q, true});
   });
+  register_rule("aten::linalg_solve_triangular", solve_triangular);
   register_rule({"aten::diagonal", "aten::diagonal_copy", "aten::linalg_diagonal"}, diagonal);
   register_rule("aten::diagonal_backward", diagonal_backward);
   register_rule("aten::diag_embed", diag_embed);

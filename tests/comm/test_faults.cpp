@@ -391,6 +391,25 @@ TEST(CollectiveFaults, ReportFailureStopsAPeerInABarrier) {
   EXPECT_LT(out[0].seconds, 1.5) << describe_outcomes(out);
 }
 
+// The rank that failed starts no further collective itself, whenever its peers read the
+// notice: before, its next all_reduce ran with a peer that had not polled the store yet, and the
+// notice ended some later collective instead, one the watchdog's timing chose.
+TEST(CollectiveFaults, AFailedRanksNextCollectiveFailsAtOnceOnItAndItsPeers) {
+  auto out = traced(run_ranks_collect(
+      2,
+      [](int rank) {
+        loop(2, [](int) {});
+        if (rank == 1) comm::report_failure("rank 1 gave up on purpose");
+        comm::all_reduce(at::ones({4}), ReduceOp::Sum, *comm::world_group());
+      },
+      kOpts));
+  EXPECT_TRUE(exited(out[0], 2) && exited(out[1], 2)) << describe_outcomes(out);
+  EXPECT_CONTAINS(out[1].message,
+                  "all_reduce float32[4] (collective #3 on group world) not started: rank 1 "
+                  "failed: rank 1 gave up on purpose");
+  EXPECT_CONTAINS(out[0].message, "rank 1 failed: rank 1 gave up on purpose");
+}
+
 // A receive that a failure stops before it starts names its end of the channel and the peer.
 TEST(CollectiveFaults, AMessageNotStartedNamesItsDirectionAndPeer) {
   // The watchdog sees the report within a few hundred milliseconds when idle; 3 s keeps that

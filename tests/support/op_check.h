@@ -31,8 +31,8 @@ struct OpCheckOptions {
 ::testing::AssertionResult same_layout(const at::Tensor& actual, const at::Tensor& expected);
 
 // Whether `grad`, the gradient of `leaf`, is a DTensor on the leaf's mesh when the leaf is a
-// DTensor (undefined gradients, plain leaves and the empty gradient of a legacy empty [0]
-// leaf, which cat's backward formula builds as a plain tensor, pass).
+// DTensor (undefined gradients and plain leaves pass), also where the derivative formula builds
+// it as a plain tensor (cat's zeros for a legacy empty [0] operand).
 ::testing::AssertionResult grad_on_leaf_mesh(const at::Tensor& grad, const at::Tensor& leaf);
 
 // Distributes `inputs` (global tensors, identical on every rank) with `placements` (a Partial
