@@ -19,11 +19,14 @@
 #include <vector>
 
 #include "checkpoints.h"
-#include "corpus.h"
-#include "counting_allocator.h"
+#include "common/corpus.h"
+#include "common/counting_allocator.h"
+#include "common/run_config.h"
+#include "common/tokenizer.h"
+#include "common/trainer.h"
 #include "dtensor/comm/backend.h"
 #include "dtensor/comm/collectives.h"
-#include "dtensor/comm/error_message.h"
+#include "dtensor/util/error_message.h"
 #include "dtensor/comm/process_group.h"
 #include "dtensor/mesh/device_mesh.h"
 #include "dtensor/pp/pipeline.h"
@@ -31,9 +34,6 @@
 #include "loss_plot.h"
 #include "metrics.h"
 #include "progress.h"
-#include "run_config.h"
-#include "tokenizer.h"
-#include "trainer.h"
 #include "verify_tp1.h"
 
 namespace dtensor::train {
@@ -113,8 +113,9 @@ std::string invariant_description(const RunConfig& c) {
 
 std::string pipeline_line(const RunConfig& c, int64_t threads) {
   std::ostringstream s;
-  s << "PP=" << c.pp << (c.fsdp ? " x FSDP=" + std::to_string(c.dp) : std::string())
-    << " x TP=" << c.tp << " (blocks per stage ";
+  const std::string dp = c.fsdp ? " x FSDP=" : " x DP=";
+  s << "PP=" << c.pp << (c.dp > 1 ? dp + std::to_string(c.dp) : std::string()) << " x TP=" << c.tp
+    << " (blocks per stage ";
   const int64_t stages = c.pp * c.virtual_stages;
   for (int64_t k = 0; k < stages; ++k) {
     const auto [first, end] = pp::stage_layer_range(c.model.n_layers, k, stages);
@@ -203,8 +204,8 @@ class TrainingRun {
         out_dir_(o.out_dir),
         checkpoints_((out_dir_ / "checkpoints").string(), static_cast<int>(o.keep_ckpts)),
         tty_(o.progress == "bar" || (o.progress == "auto" && ProgressBar::stderr_is_tty())),
-        bar_(rank0_ ? std::cerr : null_stream_, tty_,
-             o.log_every > 0 ? o.log_every : std::max<int64_t>(1, cfg_.steps / 20)) {}
+        log_every_(o.log_every > 0 ? o.log_every : std::max<int64_t>(1, cfg_.steps / 20)),
+        bar_(rank0_ ? std::cerr : null_stream_, tty_, log_every_) {}
 
   int run() {
     prepare_output_and_resume();
@@ -377,9 +378,33 @@ class TrainingRun {
     const double eta = mean_step * static_cast<double>(cfg_.stop_at - step - 1);
     ProgressState state{step + 1, cfg_.stop_at, s.loss, rate, s.lr, eta};
     state.bubble = s.bubble;
+    state.routing = routing_summary(step + 1, s);
     state.bubble_formula = cfg_.bubble_formula();
     if (!std::isnan(s.bubble)) bubbles_.push_back(s.bubble);
     bar_.update(state);
+  }
+
+  // With experts: the mean auxiliary loss and the fewest and most tokens an expert got (summed
+  // over the sparse layers) over the steps since the last logged line, as text for the line of
+  // step `done` when one is printed there (the progress bar's rule), else "" (and kept adding).
+  std::string routing_summary(int64_t done, const StepStats& s) {
+    if (!s.tokens_per_expert.defined()) return "";
+    routing_tokens_ = routing_tokens_.defined() ? routing_tokens_ + s.tokens_per_expert
+                                                : s.tokens_per_expert.clone();
+    routing_aux_ += s.aux_loss;
+    ++routing_steps_;
+    const bool line = done % log_every_ == 0 || done == cfg_.stop_at || done == 1;
+    if (!line && !tty_) return "";
+    const std::string text = fmt("  aux %.4f", routing_aux_ / static_cast<double>(routing_steps_)) +
+                             "  tokens/expert " +
+                             std::to_string(routing_tokens_.min().item<int64_t>()) + ".." +
+                             std::to_string(routing_tokens_.max().item<int64_t>());
+    if (line) {
+      routing_tokens_ = at::Tensor();
+      routing_aux_ = 0;
+      routing_steps_ = 0;
+    }
+    return text;
   }
 
   void finish_training() {
@@ -506,6 +531,7 @@ class TrainingRun {
   std::optional<Trainer> reference_;
   std::optional<MetricsWriter> metrics_;
   const bool tty_;
+  const int64_t log_every_;  // steps between logged lines
   std::ostream null_stream_{nullptr};
   ProgressBar bar_;
 
@@ -513,6 +539,10 @@ class TrainingRun {
   int64_t step_peak_bytes_ = 0, step_peak_at_ = 0;  // see report_step_peak
   double last_val_ = std::numeric_limits<double>::quiet_NaN();
   double train_s_ = 0, eval_s_ = 0, ckpt_s_ = 0, hf_s_ = 0;
+  // routing_summary's sums since the last logged line.
+  at::Tensor routing_tokens_;
+  double routing_aux_ = 0;
+  int64_t routing_steps_ = 0;
   std::string hf_out_;
   int64_t last_ckpt_step_ = -1;
 };
@@ -524,7 +554,7 @@ TextTokenizer hf_tokenizer(const RunConfig& cfg) {
   try {
     t = TextTokenizer::from_hf_file(path);
   } catch (const std::exception& e) {
-    throw std::invalid_argument("--hf: " + comm::error_message(e));
+    throw std::invalid_argument("--hf: " + util::error_message(e));
   }
   if (t.vocab_size() > cfg.model.vocab_size) {
     throw std::invalid_argument("--hf: " + path + " has " + std::to_string(t.vocab_size()) +
@@ -546,8 +576,21 @@ int run_training(const TrainOptions& o, const comm::LaunchEnv& env) {
     if (!cfg.hf_dir.empty()) tokenizer = hf_tokenizer(cfg);
   } catch (const std::exception& e) {
     // The same on every rank, decided before any rank meets another: rank 0 explains.
-    if (env.rank == 0) std::cerr << "dtensor_train: " << comm::error_message(e) << std::endl;
+    if (env.rank == 0) std::cerr << "dtensor_train: " << util::error_message(e) << std::endl;
     return 2;
+  }
+  if (o.print_plan) {
+    // The plan this launch would apply, as a --plan file: the file's own, or the built-in one
+    // for its TP degree and options (models::tensor_parallel_plan).
+    if (env.rank != 0) return 0;
+    if (cfg.plan) {
+      std::cout << plan_file_json(cfg.plan->plan, cfg.plan->sequence_parallel);
+    } else {
+      const models::TensorParallelOptions tp = parallelize_options(cfg).tp;
+      std::cout << plan_file_json(models::tensor_parallel_plan(cfg.model, cfg.tp, tp),
+                                  tp.sequence_parallel);
+    }
+    return 0;
   }
   at::set_num_threads(static_cast<int>(o.threads));
   return TrainingRun(o, env, std::move(cfg), std::move(tokenizer), wall_start).run();

@@ -1,4 +1,4 @@
-// Hugging Face Llama checkpoints out: config.json and model.safetensors as save_pretrained
+// Hugging Face checkpoints out: config.json and model.safetensors as save_pretrained
 // writes them, from a model at any TP degree, FSDP-sharded (fsdp::fully_shard) or not.
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
@@ -6,6 +6,7 @@
 #include <exception>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <optional>
@@ -17,7 +18,10 @@
 #include "dtensor/core/api.h"
 #include "dtensor/core/dtensor_impl.h"
 #include "dtensor/models/hf_checkpoint.h"
+#include "dtensor/util/atomic_file.h"
+#include "dtensor/models/hf_experts.h"
 #include "hf_families.h"
+#include "parameter_schema.h"
 
 namespace dtensor::models {
 
@@ -48,19 +52,6 @@ at::Tensor rotate_half_rows(const at::Tensor& w, int64_t head_dim) {
   return w.reshape({n / head_dim, head_dim / 2, 2, -1}).transpose(1, 2).reshape(w.sizes());
 }
 
-void write_text_atomically(const std::string& path, const std::string& text) {
-  const std::string tmp = path + ".tmp";
-  {
-    std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
-    out << text;
-    out.flush();
-    TORCH_CHECK(out.good(), "save_hf: writing '", tmp, "' failed");
-  }
-  std::error_code ec;
-  fs::rename(tmp, path, ec);
-  TORCH_CHECK(!ec, "save_hf: renaming '", tmp, "' to '", path, "' failed: ", ec.message());
-}
-
 }  // namespace
 
 void save_hf(const std::string& dir, const TransformerImpl& model, const HfSaveOptions& options) {
@@ -73,12 +64,29 @@ void save_hf(const std::string& dir, const TransformerImpl& model, const HfSaveO
   std::vector<Item> items;
   std::vector<safetensors::Writer::Entry> entries;
   c10::ScalarType model_dtype = at::kFloat;
+  // A sparse layer's stacked experts, written as the family stores them (hf_expert_tensors).
+  std::map<int64_t, std::map<std::string, at::Tensor>> experts;
   for (const auto& p : model.named_parameters(/*recurse=*/true)) {
     const std::string& name = p.key();
     model_dtype = p.value().scalar_type();
     const at::Tensor& t = p.value();
+    const auto row = detail::find_parameter_row(name);
+    if (row && detail::is_expert_role(row->row->role)) {
+      experts[row->layer][name.substr(name.rfind('.') + 1)] = t;
+      continue;
+    }
     items.push_back({hf_parameter_name(name, config), t, detail::has_rotary_rows(name)});
   }
+  // The experts as ExpertWeights from what `get` makes of each parameter.
+  auto expert_weights = [](const std::map<std::string, at::Tensor>& params, const auto& get) {
+    ExpertWeights w;
+    at::Tensor* members[] = {&w.w1, &w.w2, &w.w3, &w.b1, &w.b2, &w.b3};
+    for (int i = 0; i < 6; ++i) {
+      const auto it = params.find(expert_param_name(static_cast<ExpertParam>(i)));
+      if (it != params.end()) *members[i] = get(it->second);
+    }
+    return w;
+  };
   const c10::ScalarType dtype = options.dtype.value_or(model_dtype);
   // Every rank refuses an unsupported dtype or family before any collective.
   torch_dtype_name(dtype);
@@ -92,6 +100,17 @@ void save_hf(const std::string& dir, const TransformerImpl& model, const HfSaveO
   }
   for (const auto& item : items) {
     entries.push_back({item.hf_name, dtype, item.param.sizes().vec()});
+  }
+  const HfExpertLayout* layout = experts.empty() ? nullptr : family->experts;
+  TORCH_CHECK(experts.empty() || layout, "save_hf: architecture ", family->architecture,
+              " has no experts to hold the model's");
+  for (const auto& [layer, params] : experts) {
+    // Shapes only: the global shapes on the meta device.
+    const ExpertWeights shapes = expert_weights(params, [](const at::Tensor& t) {
+      return at::empty(t.sizes(), at::TensorOptions().device(at::kMeta));
+    });
+    for (const auto& [name, t] : hf_expert_tensors(*layout, layer, shapes))
+      entries.push_back({name, dtype, t.sizes().vec()});
   }
 
   const bool writes = checkpoint::detail::global_rank() == 0;
@@ -121,11 +140,26 @@ void save_hf(const std::string& dir, const TransformerImpl& model, const HfSaveO
       error = std::current_exception();
     }
   }
+  for (const auto& [layer, params] : experts) {
+    // Every rank gathers (FSDP's and TP's shards), rank 0 writes.
+    const ExpertWeights whole = expert_weights(params, [&](const at::Tensor& t) {
+      const at::Tensor full = is_dtensor(t) ? full_tensor(t.detach()) : t.detach();
+      return writes ? full.cpu().to(dtype) : full;
+    });
+    if (!writes || error) continue;
+    try {
+      for (const auto& [name, t] : hf_expert_tensors(*layout, layer, whole))
+        writer->write(t.contiguous());
+    } catch (...) {
+      error = std::current_exception();
+    }
+  }
   if (writes && !error) {
     try {
       writer->finish({{"format", "pt"}});
-      write_text_atomically((fs::path(dir) / "config.json").string(),
-                            detail::hf_config_json(config, *family, torch_dtype_name(dtype)));
+      util::write_file_atomically((fs::path(dir) / "config.json").string(),
+                                  detail::hf_config_json(config, *family, torch_dtype_name(dtype)),
+                                  "save_hf");
     } catch (...) {
       error = std::current_exception();
     }

@@ -318,6 +318,58 @@ TEST(Checkpoint, ResumedTrainingContinuesExactlyLikeAnUninterruptedRun) {
   }
 }
 
+// dtensor::optim::CapturableAdamW saves as AdamW: its checkpoint resumes torch::optim::AdamW and
+// AdamW's resumes it (the step count back in a float64 tensor on the parameter's device), at
+// TP 2, each resumed run continuing as the uninterrupted one.
+TEST(Checkpoint, CapturableAdamWStateInterchangesWithAdamW) {
+  TempDir dir;
+  const auto options = torch::optim::AdamWOptions(0.05).weight_decay(0.01).amsgrad(true);
+  auto make = [&](bool capturable, const torch::nn::Sequential& m)
+      -> std::unique_ptr<torch::optim::Optimizer> {
+    if (capturable) return std::make_unique<optim::CapturableAdamW>(m->parameters(), options);
+    return std::make_unique<torch::optim::AdamW>(m->parameters(), options);
+  };
+  run_ranks(2, [&](int) {
+    auto mesh = init_device_mesh("cpu", {2});
+    for (bool saved_by_capturable : {true, false}) {
+      SCOPED_TRACE(saved_by_capturable ? "CapturableAdamW -> AdamW" : "AdamW -> CapturableAdamW");
+      const std::string path = dir.file(saved_by_capturable ? "c.safetensors" : "a.safetensors");
+      auto model = mlp(kDim, kHidden, 0, at::kDouble);
+      shard(*model, mesh, kMegatron);
+      auto opt = make(saved_by_capturable, model);
+      train(model, *opt, mesh, 0, 3);
+      save_checkpoint(path, *model, opt.get(), {.step = 3});
+      train(model, *opt, mesh, 3, 3);
+      const auto uninterrupted = global_values(*model);
+
+      auto resumed = mlp(kDim, kHidden, /*seed=*/1, at::kDouble);
+      shard(*resumed, mesh, kMegatron);
+      auto resumed_opt = make(!saved_by_capturable, resumed);
+      load_checkpoint(path, *resumed, resumed_opt.get());
+      if (saved_by_capturable) {
+        for (const auto& p : resumed->parameters()) {
+          const auto& s = dynamic_cast<const torch::optim::AdamWParamState&>(
+              *resumed_opt->state().at(p.unsafeGetTensorImpl()));
+          EXPECT_EQ(s.step(), 3);
+        }
+      } else {
+        for (const auto& p : resumed->parameters()) {
+          const auto& s = dynamic_cast<const optim::CapturableAdamWParamState&>(
+              *resumed_opt->state().at(p.unsafeGetTensorImpl()));
+          EXPECT_EQ(s.step().scalar_type(), at::kDouble);
+          EXPECT_EQ(s.step().device(), local_tensor(p).device());
+          EXPECT_EQ(s.step().item<double>(), 3);
+          EXPECT_EQ(placements(s.max_exp_avg_sq()), placements(p));
+        }
+      }
+      train(resumed, *resumed_opt, mesh, 3, 3);
+      for (const auto& [name, t] : global_values(*resumed)) {
+        EXPECT_TENSOR_CLOSE(t, uninterrupted.at(name), 1e-12, 1e-12);
+      }
+    }
+  });
+}
+
 TEST(Checkpoint, TrainingResumesAtAnotherTpDegree) {
   TempDir dir;
   const std::string path = dir.file("adamw.safetensors");

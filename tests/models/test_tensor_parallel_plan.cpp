@@ -75,10 +75,13 @@ void expect_training_matches(const DeviceMesh& mesh, const Case& c) {
     auto targets = at::randint(c.config.vocab_size, {2, c.seqlen}, at::kLong);
     ref_opt.zero_grad();
     tp_opt.zero_grad();
-    auto ref_loss = loss_and_backward(ref->forward(tokens), targets);
+    // With experts, the loss includes the auxiliary loss (training_loss).
+    at::Tensor ref_loss = training_loss(*ref, ref->forward(tokens), targets);
+    ref_loss.backward();
     auto logits = model->forward(tokens);
     EXPECT_EQ(is_dtensor(logits), c.options.loss_parallel);
-    auto loss = loss_and_backward(logits, targets);
+    at::Tensor loss = training_loss(*model, logits, targets);
+    loss.backward();
     reduce_partial_grads(*model);
     EXPECT_TRUE(close_to_scale(loss, ref_loss, c.tol)) << "loss";
     for (const auto& [name, p] : tp_params) {
@@ -271,9 +274,8 @@ TEST(LlamaTp, PlanRefusesWhatItCannotShardNamingTheFix) {
     auto mesh2d = init_device_mesh("cpu", {2, 2}, {"dp", "tp"});
     Transformer on2d(tiny(2));
     apply_tensor_parallel(*on2d, mesh2d);
-    EXPECT_EQ(on2d->tp_state()->mesh.size(), 2);
-    EXPECT_EQ(spec_of(on2d->layers[0]->as<TransformerBlock>()->attention->wq->weight).mesh(),
-              *get_tp_mesh(mesh2d));
+    EXPECT_EQ(spec_of(on2d->block(0).attention->wq->weight).mesh().size(), 2);
+    EXPECT_EQ(spec_of(on2d->block(0).attention->wq->weight).mesh(), *get_tp_mesh(mesh2d));
     auto tokens4 = at::randint(64, {1, 4}, at::kLong);
     EXPECT_TRUE(close_to_scale(full_tensor(on2d->forward(tokens4).detach()),
                                ref->forward(tokens4).detach(), 1e-5));
@@ -369,6 +371,65 @@ TEST(LlamaTp, TrainingStepIssuesTheAnalyticMinimumOfCollectives) {
         }
         // Every op's local result came back in the layout its rule announced: no extra copies.
         EXPECT_EQ(dispatch::cache_stats().layout_copies - copies_before, 0);
+      }
+    });
+  }
+}
+
+// Mixture-of-experts decoders (all layers sparse, and a dense layer before a sparse one): three
+// AdamW steps in float64 with the auxiliary loss equal one device's (loss, every gradient, every
+// parameter within 1e-9), with and without sequence parallelism, and built on the meta device.
+TEST(LlamaTp, MoeDecoderTrainingMatchesOneDeviceAuxLossIncluded) {
+  for (int tp : {2, 4}) {
+    run_ranks(tp, [](int) {
+      auto mesh = init_device_mesh("cpu", {comm::get_world_size()});
+      DecoderConfig moe = DecoderConfig::preset("tiny-moe");
+      DecoderConfig mixed = moe;
+      mixed.moe->sparse_layers = {false, true};
+      expect_training_matches(mesh, {"MoE SP + LP", moe, kSpLp});
+      expect_training_matches(mesh, {"MoE LP, dense layer 0", mixed, kLp});
+      expect_training_matches(mesh, {"MoE empty SP + LP", mixed, kSpLp, at::kDouble, 1e-9, 8,
+                                     /*empty=*/true});
+    });
+  }
+}
+
+// Mixture-of-experts blocks (the "moe" sublayer's MoeParallel style, experts split like dense
+// feed-forwards). Per sparse block, against a dense one's 2 all-gathers and 2 reduce-scatters
+// each way: with SP the attention's as before, the block's input all-gathered and its output
+// all-reduced forward (then cut to this rank's sequence shard), its output's gradient
+// all-gathered and its input's gradient all-reduced backward; without SP one all-reduce each
+// way. The router's Partial gradients join reduce_partial_grads' one all-reduce.
+TEST(LlamaTp, MoeTrainingStepIssuesCollectivesByFormula) {
+  for (int tp : {2, 4}) {
+    run_ranks(tp, [](int) {
+      auto mesh = init_device_mesh("cpu", {comm::get_world_size()});
+      for (const std::vector<bool>& sparse : {std::vector<bool>{true, true}, {false, true}}) {
+        DecoderConfig c = DecoderConfig::preset("tiny-moe");
+        c.moe->sparse_layers = sparse;
+        const int64_t L = c.n_layers, S = std::count(sparse.begin(), sparse.end(), true), D = L - S;
+        for (const auto& options : {kSpLp, kLp}) {
+          SCOPED_TRACE(c10::str("tp=", mesh.size(), " sparse layers ", S,
+                                " sp=", options.sequence_parallel));
+          Transformer model(c);
+          model->to(at::kDouble);
+          apply_tensor_parallel(*model, mesh, options);
+          torch::optim::AdamW opt(model->parameters(), torch::optim::AdamWOptions(1e-3));
+          StepCounts want;
+          if (options.sequence_parallel) {
+            want.forward = {{RS, 1 + 2 * D + S}, {AG, 2 * L + 1}, {AR, S}};
+            want.backward = {{AG, 1 + 2 * L}, {RS, 1 + 2 * D + S}, {AR, S}};
+          } else {
+            want.forward = {{AR, 1 + 2 * L}};
+            want.backward = {{AR, 1 + 2 * L}};
+          }
+          want.reduce = {{AR, 1}};
+          want.loss = {{AR, 3}};
+          for (int step = 0; step < 2; ++step) {
+            SCOPED_TRACE(step);
+            expect_counts(count_step(model, opt, c.vocab_size), want);
+          }
+        }
       }
     });
   }
