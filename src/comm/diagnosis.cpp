@@ -233,12 +233,10 @@ std::string bounded_diagnosis(const WorkContext& c, const std::string& head,
       head + unreachable(c, "within " + c10::str(wait.count() / 1000.0) + " s (no diagnosis)") +
       tail;
   // The report is still on its way: this rank's next collective must fail already.
-  bool wake = false;
   {
     std::lock_guard<std::mutex> l(health().mu);
-    wake = record_failure_locked(health().rank, msg);
+    record_own_failure_locked(health().rank, msg);
   }
-  if (wake) wake_waiters();
   return msg;
 }
 

@@ -100,7 +100,6 @@ void report_failure(const std::string& message) {
   std::string prefix;
   int rank = -1;
   std::vector<std::pair<std::string, std::string>> histories;
-  bool wake = false;
   {
     // try_lock: the terminate handler may run on a thread that holds the lock.
     std::unique_lock<std::mutex> g(h.mu, std::defer_lock);
@@ -114,13 +113,12 @@ void report_failure(const std::string& message) {
     // This rank's next collective fails too, whenever the peers hear of it: else it could run
     // among ranks that have not polled the store yet, and the notice end a later, unrelated
     // collective instead (which one depended on the watchdog's timing).
-    wake = store && detail::record_failure_locked(rank, message);
+    if (store) detail::record_own_failure_locked(rank, message);
     for (const auto& [name, group] : h.groups) {
       histories.emplace_back(detail::history_key(prefix, name, rank),
                              detail::serialize(group.history));
     }
   }
-  if (wake) detail::wake_waiters();
   if (!store || h.store_lost.load() || h.reported.exchange(true)) return;
   try {
     // Where this rank stopped, for the peers' diagnosis (it will not answer their questions).

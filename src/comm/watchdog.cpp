@@ -16,6 +16,14 @@
 #include "last_words.h"
 
 namespace dtensor::comm::detail {
+
+void record_own_failure_locked(int rank, const std::string& message) {
+  auto& h = health();
+  if (h.own_failed.load()) return;
+  h.own_failure = "rank " + std::to_string(rank) + " failed: " + message;
+  h.own_failed.store(true);
+}
+
 namespace {
 
 // Wakes the threads waiting on work without a future; their wait then sees peer_failed.
@@ -198,6 +206,8 @@ void health_start(c10::intrusive_ptr<c10d::Store> store, std::string prefix, int
     h.works.clear();
     h.peer_failure.clear();
     h.peer_failed.store(false);
+    h.own_failure.clear();
+    h.own_failed.store(false);
     h.reported.store(false);
     h.poisoned.store(false);
   }
@@ -246,11 +256,11 @@ bool health_poisoned() { return health().poisoned.load(); }
 
 void throw_if_peer_failed(const std::string& where) {
   auto& h = health();
-  if (!h.peer_failed.load()) return;
+  if (!h.peer_failed.load() && !h.own_failed.load()) return;
   std::string failure;
   {
     std::lock_guard<std::mutex> g(h.mu);
-    failure = h.peer_failure;
+    failure = h.peer_failed.load() ? h.peer_failure : h.own_failure;
   }
   TORCH_CHECK(false, "dtensor: rank ", h.rank, ": ", where, " not started: ", failure,
               " (every rank stops when one fails)");
