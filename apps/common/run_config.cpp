@@ -184,7 +184,8 @@ void resolve_parallelism(const TrainOptions& o, int64_t world_size, RunConfig& c
                                 .dp_shard = o.dp_shard,
                                 .tp = -1,
                                 .pp = o.pp,
-                                .world_size = world_size}
+                                .world_size = world_size,
+                                .world_mesh = std::nullopt}
                .resolved();
   } catch (const std::exception& e) {
     bad(util::error_message(e));
@@ -250,7 +251,7 @@ std::string RunConfig::to_json() const {
 }
 
 models::ParallelDims RunConfig::parallel_dims() const {
-  models::ParallelDims d{.tp = tp, .pp = pp, .world_size = world_size};
+  models::ParallelDims d{.tp = tp, .pp = pp, .world_size = world_size, .world_mesh = std::nullopt};
   (fsdp ? d.dp_shard : d.dp_replicate) = dp;
   return d;
 }
