@@ -90,6 +90,26 @@ bool linear_partial(const Placement& x) {
          (x.reduce_op() == ReduceOp::Sum || x.reduce_op() == ReduceOp::Avg);
 }
 
+// The placements of a linear op that moves input dim d to output dim to[d] (d < to.size()): such
+// shards follow, a pending sum passes, anything else is gathered. Returns {input, output}.
+std::pair<Placements, Placements> follow_dim_map(const Placements& in,
+                                                 const std::vector<int64_t>& to) {
+  Placements tgt, out;
+  for (const auto& x : in) {
+    if (x.is_shard() && x.dim() < static_cast<int64_t>(to.size())) {
+      tgt.push_back(x);
+      out.push_back(Shard(to[x.dim()]));
+    } else if (linear_partial(x)) {
+      tgt.push_back(x);
+      out.push_back(x);
+    } else {
+      tgt.push_back(Replicate());
+      out.push_back(Replicate());
+    }
+  }
+  return {tgt, out};
+}
+
 // diagonal_backward(grad_output, input_sizes, offset, dim1, dim2): zeros of input_sizes with the
 // gradient on the diagonal. The gradient's dims map back to the input's other dims; its
 // diagonal dim is replicated; a pending sum passes (the zeros add nothing).
@@ -103,19 +123,7 @@ Decision diagonal_backward(const OpCall& call) {
   for (int64_t d = 0; d < nd; ++d) {
     if (map[d]) back.push_back(d);
   }
-  Placements tgt, out;
-  for (const auto& x : grad.placements()) {
-    if (x.is_shard() && x.dim() < static_cast<int64_t>(back.size())) {
-      tgt.push_back(x);
-      out.push_back(Shard(back[x.dim()]));
-    } else if (linear_partial(x)) {
-      tgt.push_back(x);
-      out.push_back(x);
-    } else {
-      tgt.push_back(Replicate());
-      out.push_back(Replicate());
-    }
-  }
+  const auto [tgt, out] = follow_dim_map(grad.placements(), back);
   Decision d = all_outputs(call, {tgt}, out);
   d.local_args.push_back({1, c10::IValue(local_shape_of(call.mesh(), sizes, out))});
   return d;
@@ -132,19 +140,7 @@ Decision diag_embed(const OpCall& call) {
   for (int64_t d = 0; d < nd; ++d) {
     if (d != dim1 && d != dim2) to_out.push_back(d);
   }
-  Placements tgt, out;
-  for (const auto& x : in.placements()) {
-    if (x.is_shard() && x.dim() < in.ndim() - 1) {
-      tgt.push_back(x);
-      out.push_back(Shard(to_out[x.dim()]));
-    } else if (linear_partial(x)) {
-      tgt.push_back(x);
-      out.push_back(x);
-    } else {
-      tgt.push_back(Replicate());
-      out.push_back(Replicate());
-    }
-  }
+  const auto [tgt, out] = follow_dim_map(in.placements(), to_out);
   return all_outputs(call, {tgt}, out);
 }
 
