@@ -19,8 +19,9 @@
 
 #include "backends.h"
 #include "dtensor/comm/backend.h"
-#include "dtensor/util/error_message.h"
 #include "dtensor/comm/recording_backend.h"
+#include "dtensor/comm/store_server.h"
+#include "dtensor/util/error_message.h"
 #include "health.h"
 
 namespace dtensor::comm {
@@ -449,7 +450,8 @@ void init_process_group(const InitOptions& options_in) {
   }
   c10::intrusive_ptr<c10d::TCPStore> store;
   try {
-    store = c10::make_intrusive<c10d::TCPStore>(e.master_addr, so);
+    store = so.isServer ? start_store_server(e.master_addr, e.master_port, so)
+                        : c10::make_intrusive<c10d::TCPStore>(e.master_addr, so);
   } catch (const std::exception& ex) {
     TORCH_CHECK(false, "dtensor: rank ", e.rank, " could not rendezvous with ", e.world_size,
                 " ranks at ", where(e), " within ", seconds(join_bound),

@@ -18,6 +18,7 @@
 #include "common/local_ranks.h"
 #include "dtensor/comm/failure.h"
 #include "dtensor/comm/process_group.h"
+#include "dtensor/comm/store_server.h"
 #include "support/mpi_job.h"
 #include "support/rank_outcomes.h"
 
@@ -91,11 +92,9 @@ std::vector<RankOutcome> fork_ranks(int world_size, const std::function<void(int
   agent.add(launch::spawn_function([&]() -> int {
     ::close(port_pipe[0]);
     c10d::TCPStoreOptions so;
-    so.port = 0;
-    so.isServer = true;
     so.waitWorkers = false;
     so.timeout = options.comm_timeout;
-    auto store = c10::make_intrusive<c10d::TCPStore>("127.0.0.1", so);
+    auto store = dtensor::comm::start_store_server("127.0.0.1", 0, so);
     const int p = store->getPort();
     write_all(port_pipe[1], std::to_string(p) + "\n");
     ::close(port_pipe[1]);
@@ -204,7 +203,8 @@ void run_in_mpi_job(int rank, const std::function<void(int)>& body, const RunOpt
     so.waitWorkers = false;
     so.timeout = o.comm_timeout;
     job.host = rank == 0;
-    job.store = c10::make_intrusive<c10d::TCPStore>("127.0.0.1", so);
+    job.store = rank == 0 ? dtensor::comm::start_store_server("127.0.0.1", port, so)
+                          : c10::make_intrusive<c10d::TCPStore>("127.0.0.1", so);
   }
   ::setenv("TORCHELASTIC_USE_AGENT_STORE", "True", 1);
   ::setenv("MASTER_ADDR", "127.0.0.1", 1);
