@@ -17,6 +17,7 @@
 #include "dtensor/comm/process_group.h"
 #include "dtensor/comm/recording_backend.h"
 #include "dtensor/comm/reduce_op.h"
+#include "dtensor/comm/store_server.h"
 #include "dtensor/core/api.h"
 #include "dtensor/core/distribute_module.h"
 #include "dtensor/core/dtensor_impl.h"
