@@ -118,6 +118,8 @@ int main(int argc, char** argv) {
   models::CaptureConditions conditions;
   conditions.cuda =
       at::detail::getCUDAHooks().hasCUDA() && at::detail::getCUDAHooks().deviceCount() > 0;
+  // A CPU LibTorch build has no GPU either: name the build, the cause.
+  if (!models::built_with_cuda_graphs()) conditions.cuda = true;
   if (auto why = models::capture_refusal(conditions)) {
     std::printf("bench_captured_step: nothing timed: %s\n", why->c_str());
     std::printf(
