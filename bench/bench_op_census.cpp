@@ -4,7 +4,8 @@
 // 1-rank mesh (sequence parallel, loss parallel: every parameter a DTensor). A step is zero_grad,
 // forward, cross entropy, backward, (b) reduce_partial_grads, clipping on the device and
 // torch::optim::AdamW's step, counted after one warm-up step. Issue 41's aim is (b) = (a) op for
-// op; the table lists every op whose counts differ, the largest differences first.
+// op (tests/dispatch/test_op_census.cpp asserts what is left); the table lists every op whose
+// counts differ, the largest differences first.
 //
 //   build/bench/bench_op_census [--preset bench] [--batch 2] [--seq 64]
 //

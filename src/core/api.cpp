@@ -80,7 +80,7 @@ struct FromLocalFn : torch::autograd::Function<FromLocalFn> {
     ctx->set_materialize_grads(false);
     ctx->saved_data["spec"] = spec;
     auto s = static_cast<SpecHolder*>(spec.toCapsule().get())->spec;
-    return {make_dtensor(local.detach(), s)};
+    return {make_dtensor(local.tensor_data(), s)};
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     return {grad_to_local(grads[0], *held(ctx).spec), at::Tensor()};
@@ -91,8 +91,9 @@ struct ToLocalFn : torch::autograd::Function<ToLocalFn> {
   static variable_list forward(AutogradContext* ctx, const at::Tensor& dt, c10::IValue spec) {
     ctx->set_materialize_grads(false);
     ctx->saved_data["spec"] = spec;
-    const at::Tensor& local = dtensor_impl(dt)->local();
-    return {local.view_as(local)};
+    // A fresh tensor on the local's memory and version counter for autograd to own, made
+    // without an op (view_as or detach would be one more op per call on the step's stream).
+    return {dtensor_impl(dt)->local().tensor_data()};
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const at::Tensor& g = grads[0];
@@ -281,7 +282,8 @@ at::Tensor from_local(const at::Tensor& local_in, const DeviceMesh& mesh,
   }
   auto spec = make_spec(mesh, placements, std::move(meta));
   if (!c10::GradMode::is_enabled() || !local.requires_grad()) {
-    return make_dtensor(local.detach(), std::move(spec));
+    // local without its autograd history (detach's result, made without an op)
+    return make_dtensor(local.tensor_data(), std::move(spec));
   }
   return FromLocalFn::apply(local, hold(std::move(spec)))[0];
 }

@@ -57,9 +57,10 @@ Decision embedding(const OpCall& call) {
     }
   }
   Decision d = dispatch::choose(call, expand_to_mesh(call, choices, 1));
+  // Rows split over one rank are all the rows: the plain lookup, no masking.
   const auto& wp = d.inputs[0];
-  if (std::any_of(wp.begin(), wp.end(), [](const Placement& p) { return p.is_shard(0); })) {
-    d.local_kernel = masked_lookup;
+  for (int64_t m = 0; m < call.mesh_ndim(); ++m) {
+    if (wp[m].is_shard(0) && call.mesh().size(m) > 1) d.local_kernel = masked_lookup;
   }
   std::vector<int64_t> shape = indices.shape();
   shape.push_back(weight.shape().at(1));

@@ -35,7 +35,12 @@ int64_t reduce_partial_grads(const std::vector<at::Tensor>& params) {
     if (!spec.has_partial()) continue;
     ++reduced;
     // Sharded gradients keep their layout; only shard-free ones flatten into a shared buffer.
-    if (spec.has_shard()) {
+    // Sums over one rank are relabels: no buffer either (no op at TP=1).
+    bool communicates = false;
+    for (size_t m = 0; m < pl.size(); ++m) {
+      communicates |= pl[m].is_partial() && spec.mesh().size(static_cast<int64_t>(m)) > 1;
+    }
+    if (spec.has_shard() || !communicates) {
       p.mutable_grad() = redistribute(g, clear_partial(pl));
       continue;
     }

@@ -6,6 +6,7 @@
 
 #include "dtensor/core/api.h"
 #include "dtensor/core/dtensor_impl.h"
+#include "dtensor/ops/layout_invariant.h"
 #include "dtensor/tp/loss_parallel.h"
 
 namespace dtensor::tp {
@@ -50,6 +51,21 @@ at::Tensor vocab_parallel_cross_entropy(const at::Tensor& logits, const at::Tens
               "DTensor sharded on the class (last) dim, got a plain tensor of shape ",
               logits.sizes(), "; use at::cross_entropy_loss for plain logits");
   const at::Tensor plain_targets = is_dtensor(targets) ? full_tensor(targets) : targets;
+  // Logits whole on every rank (split over one rank, e.g. TP=1): plain LibTorch's loss on the
+  // local tensor, its ops and bits, instead of the vocab-parallel pieces. Not in the
+  // layout-invariant mode, whose canonical sum over the classes is the same at every degree.
+  const auto& spec = *dtensor_impl(logits)->spec();
+  bool whole = ops::layout_invariant_segments() == 0;
+  for (size_t m = 0; m < spec.placements().size(); ++m) {
+    whole &= spec.placements()[m].is_replicate() || spec.mesh().size(static_cast<int64_t>(m)) == 1;
+  }
+  if (whole) {
+    // The gradient comes back as the logits' placements with any Partial read as Replicate.
+    const Placements grad = clear_partial(spec.placements());
+    return at::cross_entropy_loss(
+        to_local(logits, std::vector<Placement>(grad.begin(), grad.end())).flatten(0, -2),
+        plain_targets.flatten());
+  }
   return VocabParallelCrossEntropy::apply(logits, plain_targets);
 }
 
