@@ -25,6 +25,8 @@
 #include "dtensor/core/random.h"
 #include "dtensor/core/redistribute.h"
 #include "dtensor/core/shard_math.h"
+#include "dtensor/cp/context_attention.h"
+#include "dtensor/cp/context_layout.h"
 #include "dtensor/dispatch/cache.h"
 #include "dtensor/dispatch/explicit_redistribution.h"
 #include "dtensor/dispatch/implicit_replication.h"
