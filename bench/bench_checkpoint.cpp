@@ -27,7 +27,7 @@
 #include <string>
 #include <vector>
 
-#include "cli/cli.h"
+#include "common/cli.h"
 #include "dtensor/checkpoint/checkpoint.h"
 #include "dtensor/checkpoint/crc32c.h"
 #include "dtensor/dtensor.h"

@@ -31,7 +31,7 @@
 #include <vector>
 
 #include "bench_support.h"
-#include "cli/cli.h"
+#include "common/cli.h"
 #include "dtensor/dtensor.h"
 
 namespace {

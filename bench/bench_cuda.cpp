@@ -1,4 +1,4 @@
-// bench_cuda: the Llama model on one GPU. (a) a bfloat16 training step of the plain LibTorch
+// bench_cuda: a bundled preset model (Llama-shaped) on one GPU. (a) a bfloat16 training step of the plain LibTorch
 // model against the same model through dtensor TP on a 1-rank CUDA mesh; (b) greedy decode
 // tokens/s of generate() at TP=1 against Hugging Face transformers on the same GPU, weights and
 // prompts. Run by scripts/gpu-check; prints a note and no numbers where no GPU is visible.
@@ -25,7 +25,7 @@
 #include <vector>
 
 #include "bench_support.h"
-#include "cli/cli.h"
+#include "common/cli.h"
 #include "dtensor/comm/comm_debug_mode.h"
 #include "dtensor/dispatch/cache.h"
 #include "dtensor/dtensor.h"

@@ -16,7 +16,7 @@
 #include <vector>
 
 #include "bench_support.h"
-#include "cli/cli.h"
+#include "common/cli.h"
 #include "dtensor/dtensor.h"
 
 using namespace dtensor;

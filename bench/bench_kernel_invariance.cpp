@@ -22,7 +22,7 @@
 #include <string>
 #include <vector>
 
-#include "cli/cli.h"
+#include "common/cli.h"
 
 namespace {
 

@@ -37,12 +37,12 @@
 #include <string>
 #include <vector>
 
-#include "cli/cli.h"
+#include "common/cli.h"
+#include "common/local_ranks.h"
 #include "dtensor/comm/backend.h"
 #include "dtensor/dtensor.h"
 #include "dtensor/models/parallelize.h"
 #include "dtensor/models/transformer_stage.h"
-#include "launch/local_ranks.h"
 
 namespace {
 
@@ -193,7 +193,7 @@ double run_layout(const Options& opt, const models::DecoderConfig& config, const
       adam.zero_grad();
       models::loss_and_backward(model->forward(x.narrow(0, first, rows)), y.narrow(0, first, rows));
       models::reduce_partial_grads(*model);
-      fsdp::clip_grad_norm_(model->parameters(), 1.0);
+      dtensor::nn::utils::clip_grad_norm_(model->parameters(), 1.0);
       adam.step();
     }));
   }
@@ -213,7 +213,7 @@ double run_layout(const Options& opt, const models::DecoderConfig& config, const
     adam.zero_grad();
     p.schedule->step(x.narrow(0, first, rows), y.narrow(0, first, rows));
     for (auto& st : p.stages) models::reduce_partial_grads(*st);
-    fsdp::clip_grad_norm_(params, 1.0, clip);
+    dtensor::nn::utils::clip_grad_norm_(params, 1.0, clip);
     adam.step();
   }));
 }

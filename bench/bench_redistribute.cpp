@@ -30,9 +30,9 @@
 #include <vector>
 
 #include "bench_support.h"
-#include "cli/cli.h"
+#include "common/cli.h"
+#include "common/local_ranks.h"
 #include "dtensor/dtensor.h"
-#include "launch/local_ranks.h"
 
 namespace {
 

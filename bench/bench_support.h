@@ -13,7 +13,7 @@
 #include <system_error>
 #include <vector>
 
-#include "launch/local_ranks.h"
+#include "common/local_ranks.h"
 
 namespace dtensor::bench {
 

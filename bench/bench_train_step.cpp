@@ -1,4 +1,4 @@
-// bench_train_step: one training step of the bundled Llama ("bench" preset) six ways, in one
+// bench_train_step: one training step of the bundled "bench" preset (Llama-shaped) six ways, in one
 // run on one machine:
 //   (a)  plain   LibTorch, the model without apply_tensor_parallel (no DTensor anywhere)
 //   (b)  tp1     dtensor-cpp TP on a 1-rank mesh (every parameter a DTensor)
@@ -46,12 +46,12 @@
 #include <vector>
 
 #include "bench_support.h"
-#include "cli/cli.h"
+#include "common/cli.h"
+#include "common/local_ranks.h"
 #include "dtensor/checkpoint/remove_directory.h"
 #include "dtensor/checkpoint/safetensors.h"
 #include "dtensor/dtensor.h"
 #include "dtensor/models/transformer.h"
-#include "launch/local_ranks.h"
 
 namespace {
 
@@ -182,7 +182,7 @@ class Worker {
         mesh_ = dtensor::init_device_mesh("cpu", {dtensor::comm::get_world_size()}, {"dp"});
         dtensor::fsdp::FullyShardOptions block_options, root_options;
         block_options.reshard_after_forward = true;
-        for (auto& block : *model_->layers)
+        for (models::TransformerBlockImpl* block : model_->blocks())
           dtensor::fsdp::fully_shard(*block, *mesh_, block_options);
         dtensor::fsdp::fully_shard(*model_, *mesh_, root_options);
       } else {

@@ -18,8 +18,8 @@
 #include <string>
 #include <vector>
 
-#include "cli/cli.h"
-#include "dtensor/comm/error_message.h"
+#include "common/cli.h"
+#include "dtensor/util/error_message.h"
 #include "dtensor/comm/failure.h"
 #include "dtensor/dtensor.h"
 
@@ -246,7 +246,7 @@ int main(int argc, char** argv) {
   try {
     return run(*options);
   } catch (const std::exception& e) {
-    const std::string message = dtensor::comm::error_message(e);
+    const std::string message = dtensor::util::error_message(e);
     std::cerr << "dtensor_demo: " << message << std::endl;
     dtensor::comm::report_failure(message);
   }

@@ -24,7 +24,7 @@
 #include <thread>
 #include <vector>
 
-#include "launch/local_ranks.h"
+#include "common/local_ranks.h"
 #include "line_writer.h"
 #include "options.h"
 #include "tagged_output.h"

@@ -1,6 +1,6 @@
 #include "options.h"
 
-#include "cli/cli.h"
+#include "common/cli.h"
 
 namespace dtrun {
 namespace {

@@ -1,5 +1,6 @@
-// dtensor_generate: text generation with the bundled Llama model, tensor-parallel over the
-// ranks of a launch (dtrun -n 2 dtensor_generate ...) or alone. See --help.
+// dtensor_generate: text generation with a dtensor_train checkpoint, a Hugging Face checkpoint
+// of any supported family or a preset's random weights, tensor-parallel over the ranks of a
+// launch (dtrun -n 2 dtensor_generate ...) or alone. See --help.
 #include <ATen/Parallel.h>
 
 #include <CLI/CLI.hpp>
@@ -13,7 +14,8 @@
 #include <thread>
 #include <vector>
 
-#include "dtensor/comm/error_message.h"
+#include "common/tokenizer.h"
+#include "dtensor/util/error_message.h"
 #include "dtensor/comm/failure.h"
 #include "dtensor/comm/process_group.h"
 #include "dtensor/mesh/device_mesh.h"
@@ -21,7 +23,6 @@
 #include "dtensor/ops/layout_invariant.h"
 #include "dtensor/text/bpe_tokenizer.h"
 #include "model_source.h"
-#include "train/tokenizer.h"
 
 namespace {
 
@@ -126,9 +127,10 @@ int main(int argc, char** argv) {
   const auto env = comm::read_launch_env();
   Options o;
   CLI::App app{
-      "Generates text with the bundled Llama model, tensor-parallel over the ranks of a launch\n"
-      "(dtrun -n 2 dtensor_generate --checkpoint runs/demo --prompt \"Once\"). Rank 0 streams\n"
-      "the continuation to stdout and prints prompt and output tokens/s to stderr.",
+      "Generates text with a trained, Hugging Face or random-weight model, tensor-parallel over\n"
+      "the ranks of a launch (dtrun -n 2 dtensor_generate --checkpoint runs/demo --prompt\n"
+      "\"Once\"). Rank 0 streams the continuation to stdout and prints prompt and output\n"
+      "tokens/s to stderr.",
       "dtensor_generate"};
   auto* model_group = app.add_option_group("model", "where the weights come from (one of)");
   model_group
@@ -181,7 +183,7 @@ int main(int argc, char** argv) {
   try {
     return run(o, env);
   } catch (const std::exception& e) {
-    const std::string message = comm::error_message(e);
+    const std::string message = util::error_message(e);
     std::cerr << "dtensor_generate: error on rank " << env.rank << ": " << message << std::endl;
     comm::report_failure(message);
     return 1;

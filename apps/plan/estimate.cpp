@@ -5,9 +5,9 @@
 #include <cmath>
 #include <stdexcept>
 
-#include "dtensor/comm/error_message.h"
+#include "common/run_config.h"
+#include "dtensor/util/error_message.h"
 #include "dtensor/pp/pipeline.h"
-#include "train/run_config.h"
 
 namespace dtensor::plan {
 namespace {
@@ -87,7 +87,7 @@ Plan make_plan(const Layout& layout, const Hardware& hw,
   try {
     plan.config = train::resolve_run_config(o, layout.world_size);
   } catch (const std::exception& e) {
-    plan.refusals.push_back(comm::error_message(e));
+    plan.refusals.push_back(util::error_message(e));
     return plan;
   }
   const train::RunConfig& c = plan.config;
@@ -110,7 +110,7 @@ Plan make_plan(const Layout& layout, const Hardware& hw,
     } catch (const std::exception& e) {
       plan.refusals.push_back("the library refused this layout while simulating rank " +
                               std::to_string(w.rank) + " (" + w.label +
-                              "): " + comm::error_message(e));
+                              "): " + util::error_message(e));
       return plan;
     }
     std::map<std::tuple<std::string, std::string, std::string>, LedgerRow> rows;

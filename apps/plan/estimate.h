@@ -10,8 +10,8 @@
 #include <tuple>
 #include <vector>
 
+#include "common/options.h"
 #include "simulate.h"
-#include "train/options.h"
 
 namespace dtensor::plan {
 

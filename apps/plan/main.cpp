@@ -7,15 +7,14 @@
 #include <chrono>
 #include <cstdio>
 #include <filesystem>
-#include <fstream>
 #include <iomanip>
 #include <iostream>
 #include <nlohmann/json.hpp>
 #include <sstream>
 
-#include "cli/cli.h"
-#include "dtensor/comm/error_message.h"
+#include "common/cli.h"
 #include "dtensor/models/hf_checkpoint.h"
+#include "dtensor/util/error_message.h"
 #include "estimate.h"
 
 namespace {
@@ -26,14 +25,14 @@ using dtensor::plan::Plan;
 
 const char* const kUsage = R"help(usage: dtensor_plan [options]
 
-Plans a training run of the bundled Llama model before launching it: builds the model on the
-meta device (no weights, no memory), applies the layout with the same calls dtensor_train
-makes (apply_tensor_parallel, apply_ac, fully_shard, pipeline stages and schedule) and runs one
-training step as one representative rank of each distinct class (each pipeline stage) of a
-simulated world, whose collectives complete at once and are recorded. Prints the layout's
-validity (with the fix), memory per rank, every collective of a step per (op, mesh dim,
-phase), and an estimated step time. See docs/PLANNING.md for the model and what is not
-simulated.
+Plans a training run (of a preset, a config or a Hugging Face config.json) before launching it:
+builds the model on the meta device (no weights, no memory), applies the layout with the same
+calls dtensor_train makes (apply_tensor_parallel, apply_ac, fully_shard, pipeline stages and
+schedule) and runs one training step as one representative rank of each distinct class (each
+pipeline stage) of a simulated world, whose collectives complete at once and are recorded.
+Prints the layout's validity (with the fix), memory per rank, every collective of a step per
+(op, mesh dim, phase), and an estimated step time. See docs/PLANNING.md for the model and what
+is not simulated.
 
 Model (one of):
   --model NAME           llama3-8b | llama3-70b | llama3-405b (Meta's shapes), or
@@ -114,16 +113,12 @@ void apply_model(const std::string& name, dtensor::train::TrainOptions& o) {
   if (!o.seq_len) o.seq_len = 8192;
 }
 
-std::string temp_config_from_hf(const std::string& path) {
+// The model of a Hugging Face config.json (`path` names the file or its folder).
+dtensor::models::DecoderConfig config_from_hf(const std::string& path) {
   namespace fs = std::filesystem;
   const fs::path p(path);
   const std::string dir = fs::is_directory(p) ? p.string() : p.parent_path().string();
-  const auto hf = dtensor::models::read_hf_config(dir.empty() ? "." : dir);
-  const std::string out =
-      (fs::temp_directory_path() / ("dtensor_plan_" + std::to_string(::getpid()) + ".json"))
-          .string();
-  std::ofstream(out) << hf.config.to_json();
-  return out;
+  return dtensor::models::read_hf_config(dir.empty() ? "." : dir).config;
 }
 
 std::string gib(int64_t bytes) {
@@ -283,13 +278,9 @@ void print_plan(const Plan& p, const Hardware& hw, std::ostream& out) {
       << seconds(p.sim_seconds) << "\n";
 }
 
-}  // namespace
-
-int main(int argc, char** argv) {
-  Cli cli;
+// The command line's options, into `cli` (and its layout's TrainOptions).
+void add_options(CLI::App& app, Cli& cli) {
   auto& o = cli.layout.options;
-  o.ac = "none";
-  CLI::App app("dtensor_plan");
   app.add_option("--model", cli.model)
       ->check(dtensor::cli::one_of({"llama3-8b", "llama3-70b", "llama3-405b"}));
   app.add_option("--preset", o.preset)->check(dtensor::cli::one_of({"tiny", "demo", "bench"}));
@@ -333,69 +324,69 @@ int main(int argc, char** argv) {
   app.add_option("--gpus-per-node", cli.hw.gpus_per_node)->check(dtensor::cli::integer(1));
   app.add_flag("--json", cli.json);
   app.add_option("--progress", cli.progress)->check(dtensor::cli::one_of({"auto", "bar", "none"}));
-  if (auto code = dtensor::cli::parse(app, argc, argv, kUsage)) return *code;
-  {
-    const auto comma = cli.mfu.find(',');
-    try {
-      cli.hw.mfu_low = std::stod(cli.mfu.substr(0, comma));
-      cli.hw.mfu_high =
-          comma == std::string::npos ? cli.hw.mfu_low : std::stod(cli.mfu.substr(comma + 1));
-    } catch (...) {
-      return dtensor::cli::usage_error(app, "--mfu expects LOW,HIGH, got '" + cli.mfu + "'");
-    }
-    if (!(cli.hw.mfu_low > 0 && cli.hw.mfu_low <= cli.hw.mfu_high && cli.hw.mfu_high <= 1))
-      return dtensor::cli::usage_error(app,
-                                       "--mfu expects 0 < LOW <= HIGH <= 1, got '" + cli.mfu + "'");
-  }
-  std::string temp_config;
+}
+
+// --mfu LOW,HIGH into the hardware's range; an error message for a bad value.
+std::optional<std::string> parse_mfu(Cli& cli) {
+  const auto comma = cli.mfu.find(',');
   try {
-    if (!cli.model.empty()) apply_model(cli.model, o);
-    if (!cli.hf_config.empty()) o.config_path = temp_config = temp_config_from_hf(cli.hf_config);
-  } catch (const std::exception& e) {
-    std::cerr << "dtensor_plan: " << dtensor::comm::error_message(e) << "\n";
-    return 2;
+    cli.hw.mfu_low = std::stod(cli.mfu.substr(0, comma));
+    cli.hw.mfu_high =
+        comma == std::string::npos ? cli.hw.mfu_low : std::stod(cli.mfu.substr(comma + 1));
+  } catch (...) {
+    return "--mfu expects LOW,HIGH, got '" + cli.mfu + "'";
   }
-  o.sequence_parallel = !cli.no_sp;
-  o.grad_clip = 1.0;
+  if (!(cli.hw.mfu_low > 0 && cli.hw.mfu_low <= cli.hw.mfu_high && cli.hw.mfu_high <= 1))
+    return "--mfu expects 0 < LOW <= HIGH <= 1, got '" + cli.mfu + "'";
+  return std::nullopt;
+}
 
-  // The layouts: the one given, or every split of the world.
-  std::vector<Layout> layouts;
-  auto layout_for = [&](int64_t dp, int64_t tp, int64_t pp) {
-    Layout l = cli.layout;
-    l.world_size = dp * tp * pp;
-    l.tp = tp;
-    l.options.pp = pp;
-    if (o.dp > 1 && o.dp_shard == 1) {
-      l.options.dp = dp;
-    } else {
-      l.options.dp_shard = dp;
-      l.options.dp = 1;
-    }
-    if (pp == 1) {
-      l.options.schedule.reset();
-      l.options.virtual_stages.reset();
-      l.options.microbatches.reset();
-    }
-    const int64_t m = l.options.microbatches.value_or(pp);
-    l.options.batch_size = cli.batch.value_or(dp * m);
-    if (dp == 1 && l.options.mixed_precision == "bf16") l.options.mixed_precision = "none";
-    return l;
-  };
-  if (cli.search) {
-    if (!cli.world_size) return dtensor::cli::usage_error(app, "--search needs --world-size N");
-    for (auto [dp, tp, pp] : dtensor::plan::splits_of(*cli.world_size))
-      layouts.push_back(layout_for(dp, tp, pp));
+// The layout of `cli` split dp x tp x pp.
+Layout layout_for(const Cli& cli, int64_t dp, int64_t tp, int64_t pp) {
+  const auto& o = cli.layout.options;
+  Layout l = cli.layout;
+  l.world_size = dp * tp * pp;
+  l.tp = tp;
+  l.options.pp = pp;
+  if (o.dp > 1 && o.dp_shard == 1) {
+    l.options.dp = dp;
   } else {
-    const int64_t dp = std::max(o.dp, o.dp_shard);
-    const int64_t pp = o.pp;
-    const int64_t world = cli.world_size.value_or(cli.tp.value_or(1) * dp * pp);
-    const int64_t tp = cli.tp.value_or(world / std::max<int64_t>(1, dp * pp));
-    Layout l = layout_for(dp, tp, pp);
-    l.world_size = world;
-    l.tp = cli.tp;
-    layouts.push_back(l);
+    l.options.dp_shard = dp;
+    l.options.dp = 1;
   }
+  if (pp == 1) {
+    l.options.schedule.reset();
+    l.options.virtual_stages.reset();
+    l.options.microbatches.reset();
+  }
+  const int64_t m = l.options.microbatches.value_or(pp);
+  l.options.batch_size = cli.batch.value_or(dp * m);
+  if (dp == 1 && l.options.mixed_precision == "bf16") l.options.mixed_precision = "none";
+  return l;
+}
 
+// The layouts to plan: every split of --world-size with --search, else the one given.
+std::vector<Layout> layouts_of(const Cli& cli) {
+  const auto& o = cli.layout.options;
+  std::vector<Layout> layouts;
+  if (cli.search) {
+    for (auto [dp, tp, pp] : dtensor::plan::splits_of(*cli.world_size))
+      layouts.push_back(layout_for(cli, dp, tp, pp));
+    return layouts;
+  }
+  const int64_t dp = std::max(o.dp, o.dp_shard);
+  const int64_t pp = o.pp;
+  const int64_t world = cli.world_size.value_or(cli.tp.value_or(1) * dp * pp);
+  const int64_t tp = cli.tp.value_or(world / std::max<int64_t>(1, dp * pp));
+  Layout l = layout_for(cli, dp, tp, pp);
+  l.world_size = world;
+  l.tp = cli.tp;
+  layouts.push_back(l);
+  return layouts;
+}
+
+// One plan per layout, with a progress bar on stderr (--progress) once it takes a second.
+std::vector<Plan> plan_all(const Cli& cli, const std::vector<Layout>& layouts) {
   const bool tty = ::isatty(STDERR_FILENO);
   const bool bar = cli.progress == "bar" || (cli.progress == "auto" && tty);
   const auto start = std::chrono::steady_clock::now();
@@ -418,43 +409,48 @@ int main(int argc, char** argv) {
   }
   if (bar && std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count() >= 1.0)
     std::cerr << "\n";
-  if (!temp_config.empty()) std::filesystem::remove(temp_config);
+  return plans;
+}
 
-  if (cli.search) {
-    std::vector<const Plan*> valid;
+// --search: the valid splits, fastest first, then the refused ones with their first reason.
+int report_search(const Cli& cli, const std::vector<Layout>& layouts,
+                  const std::vector<Plan>& plans) {
+  std::vector<const Plan*> valid;
+  for (const auto& p : plans)
+    if (p.refusals.empty()) valid.push_back(&p);
+  std::stable_sort(valid.begin(), valid.end(),
+                   [](const Plan* a, const Plan* b) { return a->step_high_s < b->step_high_s; });
+  if (cli.json) {
+    nlohmann::ordered_json j = nlohmann::ordered_json::array();
+    for (const auto* p : valid) j.push_back(to_json(*p));
     for (const auto& p : plans)
-      if (p.refusals.empty()) valid.push_back(&p);
-    std::stable_sort(valid.begin(), valid.end(),
-                     [](const Plan* a, const Plan* b) { return a->step_high_s < b->step_high_s; });
-    if (cli.json) {
-      nlohmann::ordered_json j = nlohmann::ordered_json::array();
-      for (const auto* p : valid) j.push_back(to_json(*p));
-      for (const auto& p : plans)
-        if (!p.refusals.empty()) j.push_back(to_json(p));
-      std::cout << j.dump(2) << "\n";
-    } else {
-      std::cout << "valid splits of " << *cli.world_size << " ranks, fastest first (step time "
-                << "range; peak memory per rank):\n";
-      int i = 0;
-      for (const auto* p : valid)
-        std::cout << "  " << ++i << ". " << std::left << std::setw(32) << layout_name(p->config)
-                  << seconds(p->step_low_s) << " .. " << seconds(p->step_high_s) << "   "
-                  << gib(p->peak_bytes) << "\n";
-      std::cout << "refused:\n";
-      for (size_t k = 0; k < plans.size(); ++k) {
-        if (plans[k].refusals.empty()) continue;
-        const Layout& l = layouts[k];
-        std::cout << "  dp " << std::max(l.options.dp, l.options.dp_shard) << " x tp "
-                  << l.tp.value_or(0) << " x pp " << l.options.pp << ": "
-                  << plans[k].refusals.front() << "\n";
-      }
+      if (!p.refusals.empty()) j.push_back(to_json(p));
+    std::cout << j.dump(2) << "\n";
+  } else {
+    std::cout << "valid splits of " << *cli.world_size << " ranks, fastest first (step time "
+              << "range; peak memory per rank):\n";
+    int i = 0;
+    for (const auto* p : valid)
+      std::cout << "  " << ++i << ". " << std::left << std::setw(32) << layout_name(p->config)
+                << seconds(p->step_low_s) << " .. " << seconds(p->step_high_s) << "   "
+                << gib(p->peak_bytes) << "\n";
+    std::cout << "refused:\n";
+    for (size_t k = 0; k < plans.size(); ++k) {
+      if (plans[k].refusals.empty()) continue;
+      const Layout& l = layouts[k];
+      std::cout << "  dp " << std::max(l.options.dp, l.options.dp_shard) << " x tp "
+                << l.tp.value_or(0) << " x pp " << l.options.pp << ": " << plans[k].refusals.front()
+                << "\n";
     }
-    return valid.empty() ? 3 : 0;
   }
-  const Plan& p = plans.front();
-  std::optional<Plan> other;  // --compare-ac: the same layout with the other AC mode
+  return valid.empty() ? 3 : 0;
+}
+
+// One layout's plan, and with --compare-ac the peaks of the same layout with the other AC mode.
+int report_one(const Cli& cli, const Layout& layout, const Plan& p) {
+  std::optional<Plan> other;
   if (cli.compare_ac) {
-    Layout l = layouts.front();
+    Layout l = layout;
     l.options.ac = l.options.ac == "none" ? "full" : "none";
     other = dtensor::plan::make_plan(l, cli.hw);
   }
@@ -477,4 +473,31 @@ int main(int argc, char** argv) {
     }
   }
   return p.refusals.empty() ? 0 : 3;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Cli cli;
+  auto& o = cli.layout.options;
+  o.ac = "none";
+  CLI::App app("dtensor_plan");
+  add_options(app, cli);
+  if (auto code = dtensor::cli::parse(app, argc, argv, kUsage)) return *code;
+  if (auto bad = parse_mfu(cli)) return dtensor::cli::usage_error(app, *bad);
+  try {
+    if (!cli.model.empty()) apply_model(cli.model, o);
+    if (!cli.hf_config.empty()) o.model_config = config_from_hf(cli.hf_config);
+  } catch (const std::exception& e) {
+    std::cerr << "dtensor_plan: " << dtensor::util::error_message(e) << "\n";
+    return 2;
+  }
+  o.sequence_parallel = !cli.no_sp;
+  o.grad_clip = 1.0;
+  if (cli.search && !cli.world_size)
+    return dtensor::cli::usage_error(app, "--search needs --world-size N");
+  const std::vector<Layout> layouts = layouts_of(cli);
+  const std::vector<Plan> plans = plan_all(cli, layouts);
+  return cli.search ? report_search(cli, layouts, plans)
+                    : report_one(cli, layouts.front(), plans.front());
 }

@@ -1,4 +1,4 @@
-// Meta kernels for the operators a training step of the Llama model runs whose meta
+// Meta kernels for the operators a training step of the decoder runs whose meta
 // implementations PyTorch writes in Python (torch/_meta_registrations.py), so LibTorch alone
 // has none: without them the step cannot run on the meta device. Each computes only the
 // output's shape, dtype and strides, as the Python one does.

@@ -8,9 +8,9 @@
 #include <string>
 #include <vector>
 
+#include "common/run_config.h"
 #include "dtensor/comm/recording_backend.h"
 #include "step_record.h"
-#include "train/run_config.h"
 
 namespace dtensor::plan {
 

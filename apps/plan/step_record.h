@@ -8,10 +8,10 @@
 #include <string>
 #include <vector>
 
+#include "common/corpus.h"
+#include "common/counting_allocator.h"
+#include "common/trainer.h"
 #include "dtensor/comm/comm_debug_mode.h"
-#include "train/corpus.h"
-#include "train/counting_allocator.h"
-#include "train/trainer.h"
 
 namespace dtensor::plan {
 

@@ -3,7 +3,7 @@
 #include <filesystem>
 #include <stdexcept>
 
-#include "trainer.h"
+#include "common/trainer.h"
 
 namespace dtensor::train {
 namespace {

@@ -3,9 +3,9 @@
 #include <exception>
 #include <filesystem>
 
+#include "common/trainer.h"
 #include "dtensor/checkpoint/rank0_outcome.h"
 #include "dtensor/models/hf_checkpoint.h"
-#include "trainer.h"
 
 namespace dtensor::train {
 

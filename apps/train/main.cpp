@@ -1,4 +1,4 @@
-// dtensor_train: tensor-parallel training of the bundled Llama-style model, or fine-tuning of a
+// dtensor_train: tensor-parallel training of a bundled preset model, or fine-tuning of a
 // Hugging Face checkpoint (--hf), on the ranks of a launch (dtrun, torchrun --no-python, srun,
 // mpirun), or alone as one rank. See --help.
 #include <ATen/Parallel.h>
@@ -8,10 +8,10 @@
 #include <iostream>
 #include <thread>
 
-#include "dtensor/comm/error_message.h"
+#include "common/options.h"
+#include "dtensor/util/error_message.h"
 #include "dtensor/comm/failure.h"
 #include "dtensor/comm/process_group.h"
-#include "options.h"
 #include "train_run.h"
 
 namespace {
@@ -35,7 +35,7 @@ int main(int argc, char** argv) {
   try {
     return finish(dtensor::train::run_training(*options, env), env);
   } catch (const std::exception& e) {
-    const std::string message = dtensor::comm::error_message(e);
+    const std::string message = dtensor::util::error_message(e);
     std::cerr << "dtensor_train: error on rank " << env.rank << ": " << message << std::endl;
     dtensor::comm::report_failure(message);  // the other ranks stop at once, naming this one
     return 1;

@@ -19,11 +19,14 @@
 #include <vector>
 
 #include "checkpoints.h"
-#include "corpus.h"
-#include "counting_allocator.h"
+#include "common/corpus.h"
+#include "common/counting_allocator.h"
+#include "common/run_config.h"
+#include "common/tokenizer.h"
+#include "common/trainer.h"
 #include "dtensor/comm/backend.h"
 #include "dtensor/comm/collectives.h"
-#include "dtensor/comm/error_message.h"
+#include "dtensor/util/error_message.h"
 #include "dtensor/comm/process_group.h"
 #include "dtensor/mesh/device_mesh.h"
 #include "dtensor/pp/pipeline.h"
@@ -31,9 +34,6 @@
 #include "loss_plot.h"
 #include "metrics.h"
 #include "progress.h"
-#include "run_config.h"
-#include "tokenizer.h"
-#include "trainer.h"
 #include "verify_tp1.h"
 
 namespace dtensor::train {
@@ -113,8 +113,9 @@ std::string invariant_description(const RunConfig& c) {
 
 std::string pipeline_line(const RunConfig& c, int64_t threads) {
   std::ostringstream s;
-  s << "PP=" << c.pp << (c.fsdp ? " x FSDP=" + std::to_string(c.dp) : std::string())
-    << " x TP=" << c.tp << " (blocks per stage ";
+  const std::string dp = c.fsdp ? " x FSDP=" : " x DP=";
+  s << "PP=" << c.pp << (c.dp > 1 ? dp + std::to_string(c.dp) : std::string()) << " x TP=" << c.tp
+    << " (blocks per stage ";
   const int64_t stages = c.pp * c.virtual_stages;
   for (int64_t k = 0; k < stages; ++k) {
     const auto [first, end] = pp::stage_layer_range(c.model.n_layers, k, stages);
@@ -524,7 +525,7 @@ TextTokenizer hf_tokenizer(const RunConfig& cfg) {
   try {
     t = TextTokenizer::from_hf_file(path);
   } catch (const std::exception& e) {
-    throw std::invalid_argument("--hf: " + comm::error_message(e));
+    throw std::invalid_argument("--hf: " + util::error_message(e));
   }
   if (t.vocab_size() > cfg.model.vocab_size) {
     throw std::invalid_argument("--hf: " + path + " has " + std::to_string(t.vocab_size()) +
@@ -546,8 +547,21 @@ int run_training(const TrainOptions& o, const comm::LaunchEnv& env) {
     if (!cfg.hf_dir.empty()) tokenizer = hf_tokenizer(cfg);
   } catch (const std::exception& e) {
     // The same on every rank, decided before any rank meets another: rank 0 explains.
-    if (env.rank == 0) std::cerr << "dtensor_train: " << comm::error_message(e) << std::endl;
+    if (env.rank == 0) std::cerr << "dtensor_train: " << util::error_message(e) << std::endl;
     return 2;
+  }
+  if (o.print_plan) {
+    // The plan this launch would apply, as a --plan file: the file's own, or the built-in one
+    // for its TP degree and options (models::tensor_parallel_plan).
+    if (env.rank != 0) return 0;
+    if (cfg.plan) {
+      std::cout << plan_file_json(cfg.plan->plan, cfg.plan->sequence_parallel);
+    } else {
+      const models::TensorParallelOptions tp = parallelize_options(cfg).tp;
+      std::cout << plan_file_json(models::tensor_parallel_plan(cfg.model, cfg.tp, tp),
+                                  tp.sequence_parallel);
+    }
+    return 0;
   }
   at::set_num_threads(static_cast<int>(o.threads));
   return TrainingRun(o, env, std::move(cfg), std::move(tokenizer), wall_start).run();

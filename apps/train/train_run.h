@@ -1,8 +1,8 @@
 #pragma once
 // The whole command: data, mesh, training loop with progress, metrics, evaluation and
 // checkpoints, then the plot, the summary, and the optional sample and TP=1 check.
+#include "common/options.h"
 #include "dtensor/comm/process_group.h"
-#include "options.h"
 
 namespace dtensor::train {
 

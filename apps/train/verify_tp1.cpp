@@ -7,8 +7,8 @@
 #include <ostream>
 #include <set>
 
+#include "common/trainer.h"
 #include "dtensor/checkpoint/checkpoint.h"
-#include "trainer.h"
 
 namespace dtensor::train {
 

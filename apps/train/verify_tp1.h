@@ -7,9 +7,9 @@
 #include <string>
 #include <vector>
 
-#include "corpus.h"
-#include "run_config.h"
-#include "trainer.h"
+#include "common/corpus.h"
+#include "common/run_config.h"
+#include "common/trainer.h"
 
 namespace dtensor::train {
 

@@ -20,6 +20,7 @@
 #include "dtensor/comm/process_group.h"
 #include "dtensor/core/api.h"
 #include "dtensor/core/dtensor_impl.h"
+#include "dtensor/mesh/device_mesh.h"
 #include "optimizer_state.h"
 
 namespace dtensor::checkpoint {
@@ -50,16 +51,11 @@ std::string placements_string(const Placements& ps) {
   return c10::Join(", ", each);
 }
 
-// The size of the mesh's "tp" dim; a mesh with names but no "tp" (FSDP's "dp") has none: 1.
+// The size of the mesh's "tp" dim (mesh_for_role's rule); a mesh with names but no "tp" (FSDP's
+// "dp") has none: 1; an unnamed mesh of several dims counts all its ranks.
 int64_t tp_degree_of(const DeviceMesh& mesh) {
-  if (mesh.has_dim_names()) {
-    const auto& names = mesh.dim_names();
-    for (size_t i = 0; i < names.size(); ++i) {
-      if (names[i] == "tp") return mesh.size(static_cast<int64_t>(i));
-    }
-    return 1;
-  }
-  return mesh.size();
+  if (const auto tp = mesh_for_role(mesh, "tp")) return tp->size();
+  return mesh.has_dim_names() ? 1 : mesh.size();
 }
 
 detail::ParamNames param_names(const torch::nn::Module& module) {

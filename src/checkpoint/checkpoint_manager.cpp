@@ -14,7 +14,8 @@
 #include <regex>
 
 #include "dtensor/checkpoint/rank0_outcome.h"
-#include "dtensor/comm/error_message.h"
+#include "dtensor/util/atomic_file.h"
+#include "dtensor/util/error_message.h"
 
 namespace dtensor::checkpoint {
 namespace fs = std::filesystem;
@@ -68,19 +69,8 @@ std::optional<std::string> CheckpointManager::latest() const {
 }
 
 void CheckpointManager::point_latest_at(const std::string& file_name) const {
-  const fs::path target = fs::path(dir_) / kLatest;
-  const std::string tmp = target.string() + ".tmp-" + std::to_string(::getpid());
-  const std::string text = file_name + "\n";
-  const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-  TORCH_CHECK(fd >= 0, "CheckpointManager: cannot create '", tmp, "': ", std::strerror(errno));
-  const bool ok = ::write(fd, text.data(), text.size()) == static_cast<ssize_t>(text.size()) &&
-                  ::fsync(fd) == 0;
-  const std::string err = std::strerror(errno);
-  ::close(fd);
-  if (!ok || ::rename(tmp.c_str(), target.c_str()) != 0) {
-    ::unlink(tmp.c_str());
-    TORCH_CHECK(false, "CheckpointManager: cannot update '", target.string(), "': ", err);
-  }
+  util::write_file_atomically((fs::path(dir_) / kLatest).string(), file_name + "\n",
+                              "CheckpointManager");
 }
 
 void CheckpointManager::prune(int64_t newest_step) const {
@@ -150,7 +140,7 @@ std::optional<CheckpointMetadata> CheckpointManager::load_latest(torch::nn::Modu
     try {
       verify_checkpoint(path);
     } catch (const c10::Error& e) {
-      const std::string why = comm::error_message(e);
+      const std::string why = util::error_message(e);
       reasons += "\n  " + why;
       if (on_skip) {
         on_skip(path, why);

@@ -7,7 +7,7 @@
 #include <cstring>
 
 #include "dtensor/comm/collectives.h"
-#include "dtensor/comm/error_message.h"
+#include "dtensor/util/error_message.h"
 #include "dtensor/comm/process_group.h"
 
 namespace dtensor::checkpoint::detail {
@@ -31,7 +31,7 @@ void share_rank0_outcome(std::exception_ptr error_on_rank0, const std::string& w
     if (!error_on_rank0) {
       p[0] = 1;
     } else {
-      const std::string msg = comm::error_message(error_on_rank0);
+      const std::string msg = util::error_message(error_on_rank0);
       std::memcpy(p + 1, msg.data(), std::min<size_t>(msg.size(), kMessageBytes - 2));
     }
   }

@@ -17,6 +17,8 @@
 #include <tuple>
 #include <utility>
 
+#include "dtensor/util/atomic_file.h"
+
 namespace dtensor::checkpoint::safetensors {
 
 // The format stores little-endian data; we copy tensor memory as is.
@@ -77,16 +79,6 @@ void write_all(int fd, const void* data, size_t size, uint64_t offset, bool posi
     size -= static_cast<size_t>(n);
     offset += static_cast<uint64_t>(n);
   }
-}
-
-// Flushes a rename to disk (the directory entry), so a crash cannot lose a finished file.
-void sync_directory_of(const std::string& path) {
-  std::filesystem::path dir = std::filesystem::path(path).parent_path();
-  if (dir.empty()) dir = ".";
-  const int fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  if (fd < 0) return;  // best effort: some file systems do not allow opening directories
-  ::fsync(fd);
-  ::close(fd);
 }
 
 }  // namespace
@@ -200,7 +192,7 @@ void Writer::finish(const Metadata& metadata) {
   TORCH_CHECK(::rename(tmp_path_.c_str(), path_.c_str()) == 0, "safetensors: renaming '", tmp_path_,
               "' to '", path_, "' failed: ", errno_text());
   finished_ = true;
-  sync_directory_of(path_);
+  util::sync_directory_of(path_);  // a crash cannot lose the finished file
 }
 
 // ---------------------------------------------------------------------------------------------

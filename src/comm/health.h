@@ -1,6 +1,8 @@
 #pragma once
 // Comm-internal: collective fingerprints, the failure watchdog and the diagnosis a failed
 // collective runs before it throws (see include/dtensor/comm/failure.h for the behaviour).
+// Implemented by one file per concern: fingerprints.cpp, watchdog.cpp, diagnosis.cpp and
+// last_words.cpp, over the record they share (health_state.h).
 #include <ATen/core/Tensor.h>
 
 #include <chrono>

@@ -19,7 +19,7 @@
 
 #include "backends.h"
 #include "dtensor/comm/backend.h"
-#include "dtensor/comm/error_message.h"
+#include "dtensor/util/error_message.h"
 #include "dtensor/comm/recording_backend.h"
 #include "health.h"
 
@@ -454,14 +454,14 @@ void init_process_group(const InitOptions& options_in) {
     TORCH_CHECK(false, "dtensor: rank ", e.rank, " could not rendezvous with ", e.world_size,
                 " ranks at ", where(e), " within ", seconds(join_bound),
                 " s (a rank never started, crashed before joining, or the port is taken): ",
-                error_message(ex));
+                util::error_message(ex));
   }
   const std::string prefix = "dtensor/g" + std::to_string(s.generation++) + "/";
   s.prefix = prefix;
   const auto lost_store = [&](const std::exception& ex) {
     TORCH_CHECK(false, "dtensor: rank ", e.rank, ": lost the store at ", where(e),
                 " during rendezvous (", agent_store ? "the launcher" : "rank 0",
-                " hosts it and probably exited): ", error_message(ex));
+                " hosts it and probably exited): ", util::error_message(ex));
   };
   try {
     rendezvous(*store, e, prefix, deadline, join_bound, so.isServer);

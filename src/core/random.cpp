@@ -7,6 +7,8 @@
 #include <mutex>
 #include <vector>
 
+#include "dtensor/util/hash.h"
+
 namespace dtensor {
 namespace {
 
@@ -38,14 +40,12 @@ std::pair<uint64_t, uint64_t> reserve_counters(uint64_t n) {
   return {s.seed, first};
 }
 
-// SplitMix64 finaliser: a counter-based generator, so any element is computable on its own.
-inline uint64_t mix64(uint64_t z) {
-  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-  return z ^ (z >> 31);
-}
+// SplitMix64's mix of the seed and the element's counter: a counter-based generator, so any
+// element is computable on its own.
 inline double uniform01(uint64_t seed, uint64_t counter) {
-  const uint64_t x = mix64(seed * 0x9e3779b97f4a7c15ull + mix64(counter + 0x632be59bd9b4e019ull));
+  using util::splitmix64_mix;
+  const uint64_t x = splitmix64_mix(seed * util::kSplitMix64Gamma +
+                                    splitmix64_mix(counter + 0x632be59bd9b4e019ull));
   return static_cast<double>(x >> 11) * (1.0 / 9007199254740992.0);  // [0, 1)
 }
 

@@ -1,6 +1,4 @@
-// clip_grad_norm_: see include/dtensor/fsdp/clip_grad_norm.h.
-#include "dtensor/fsdp/clip_grad_norm.h"
-
+// clip_grad_norm_: see include/dtensor/nn/clip_grad.h.
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 #include <torch/nn/utils/clip_grad.h>
@@ -15,9 +13,10 @@
 #include "dtensor/core/dtensor_impl.h"
 #include "dtensor/dispatch/implicit_replication.h"
 #include "dtensor/fsdp/fully_shard.h"
+#include "dtensor/nn/clip_grad.h"
 #include "dtensor/ops/layout_invariant.h"
 
-namespace dtensor::fsdp {
+namespace dtensor::nn::utils {
 namespace {
 
 using GroupList = std::vector<std::shared_ptr<comm::ProcessGroup>>;
@@ -28,7 +27,7 @@ GroupList groups_sharding(const at::Tensor& grad) {
   GroupList over;
   if (!is_dtensor(grad)) return over;
   const DTensorSpec& spec = spec_of(grad);
-  TORCH_CHECK(!spec.has_partial(), "fsdp::clip_grad_norm_: a gradient has placements ",
+  TORCH_CHECK(!spec.has_partial(), "clip_grad_norm_: a gradient has placements ",
               to_string(spec.placements()),
               "; reduce Partial gradients first (models::reduce_partial_grads)");
   for (int64_t d = 0; d < spec.mesh().ndim(); ++d)
@@ -123,7 +122,7 @@ std::vector<double> canonical_squares(const std::vector<at::Tensor>& params, int
         nd == 0 || (shape[0] % grid.rows == 0 && (nd < 2 || shape[last] % grid.cols == 0) &&
                     aligned(offset[0], row_len) && aligned(extent[0], row_len) &&
                     (nd < 2 || (aligned(offset[last], col_len) && aligned(extent[last], col_len)))),
-        "fsdp::clip_grad_norm_ in LayoutInvariantMode(", segments, "): a gradient of shape ",
+        "clip_grad_norm_ in LayoutInvariantMode(", segments, "): a gradient of shape ",
         c10::IntArrayRef(shape), " does not split into the mode's blocks (", grid.rows,
         " along dim 0",
         nd >= 2 ? ", " + std::to_string(grid.cols) + " along the last" : std::string(),
@@ -211,7 +210,7 @@ double clip_grad_norm_(const std::vector<at::Tensor>& params, double max_norm,
       continue;
     }
     counted.push_back(p);
-    any_shard = any_shard || is_fsdp_shard(p);
+    any_shard = any_shard || fsdp::is_fsdp_shard(p);
   }
   double total = 0;
   const int64_t segments = ops::layout_invariant_segments();
@@ -248,4 +247,4 @@ double clip_grad_norm_(const std::vector<at::Tensor>& params, double max_norm,
   return norm;
 }
 
-}  // namespace dtensor::fsdp
+}  // namespace dtensor::nn::utils

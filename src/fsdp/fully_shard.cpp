@@ -26,6 +26,7 @@
 #include "dtensor/core/dtensor_impl.h"
 #include "dtensor/core/shard_math.h"
 #include "dtensor/tp/module_hooks.h"
+#include "sync_units.h"
 
 namespace dtensor::fsdp {
 namespace {
@@ -80,35 +81,11 @@ at::Tensor rows_of(const ParamSlot& p) { return local_tensor(p.shard); }
 // sums the unsharded gradients into grad_acc instead of reduce-scattering them, and its
 // all-gathered parameters are kept for the next forwards and regathers (valid while the shards
 // keep the versions they had when gathered).
-struct SyncState {
-  std::mutex mu;
-  bool requires_sync = true;
+struct SyncState : detail::GradientSync {
   at::Tensor grad_acc;  // [dp, segment] in the reduce dtype, summed over the deferred backwards
   at::Tensor kept;      // [dp, segment]: the all-gathered shards
   std::vector<int64_t> kept_versions;
 };
-
-// The units fully_shard made, by module, for set_requires_gradient_sync. The weak reference
-// to the module tells a live entry from one whose module is gone (its address may be reused).
-struct UnitEntry {
-  std::weak_ptr<const torch::nn::Module> module;
-  bool owned = false;  // whether a shared_ptr owned the module (else only `sync` is checked)
-  std::weak_ptr<SyncState> sync;
-  bool live(const torch::nn::Module* at) const {
-    if (sync.expired()) return false;
-    if (!owned) return true;
-    const auto m = module.lock();
-    return m && m.get() == at;
-  }
-};
-std::mutex& units_mu() {
-  static std::mutex mu;
-  return mu;
-}
-std::unordered_map<const torch::nn::Module*, UnitEntry>& units() {
-  static std::unordered_map<const torch::nn::Module*, UnitEntry> m;
-  return m;
-}
 
 struct UnitState {
   std::string unit_name;
@@ -421,18 +398,6 @@ struct GatherParams : torch::autograd::Function<GatherParams> {
   }
 };
 
-// Calls f on every tensor in v (a tensor, or tuples and lists of them).
-template <class F>
-void for_each_tensor(const c10::IValue& v, F&& f) {
-  if (v.isTensor()) {
-    f(v.toTensor());
-  } else if (v.isTuple()) {
-    for (const auto& e : v.toTupleRef().elements()) for_each_tensor(e, f);
-  } else if (v.isList()) {
-    for (const c10::IValue& e : v.toListRef()) for_each_tensor(e, f);
-  }
-}
-
 // Casts the floating-point tensors among the call's arguments (top level) to `dtype`, so that
 // a unit computing in param_dtype receives inputs of that dtype.
 void cast_floating_args(tp::ModuleCall& call, at::ScalarType dtype) {
@@ -654,7 +619,7 @@ void after_forward(const UnitState& st, const CurrentCall& current, c10::IValue&
     };
   track.last_done = c10::weak_intrusive_ptr<GatheredCall>(call);
   if (c10::GradMode::is_enabled()) {
-    for_each_tensor(output, [&](const at::Tensor& t) {
+    detail::for_each_tensor(output, [&](const at::Tensor& t) {
       if (t.defined() && t.requires_grad())
         t.register_hook([call](const at::Tensor&) { call->regather(); });
     });
@@ -679,13 +644,7 @@ void fully_shard(torch::nn::Module& unit, const DeviceMesh& dp_mesh, FullyShardO
   collect(unit, "", *st, seen);
   if (st->params.empty()) return;  // nothing left to shard (every parameter in child units)
   shard_parameters(*st, dp_mesh);
-  {
-    std::lock_guard<std::mutex> l(units_mu());
-    for (auto it = units().begin(); it != units().end();)
-      it = it->second.live(it->first) ? std::next(it) : units().erase(it);
-    std::weak_ptr<const torch::nn::Module> self = unit.weak_from_this();
-    units()[&unit] = UnitEntry{self, !self.expired(), st->sync};
-  }
+  detail::register_sync_unit(unit, st->sync);
 
   auto current = std::make_shared<c10::intrusive_ptr<GatheredCall>>();
   std::shared_ptr<const UnitState> cst = st;
@@ -699,25 +658,6 @@ void fully_shard(torch::nn::Module& unit, const DeviceMesh& dp_mesh, FullyShardO
       [cst, current](torch::nn::Module&, const tp::ModuleCall&, c10::IValue& output) {
         after_forward(*cst, current, output);
       });
-}
-
-int64_t set_requires_gradient_sync(torch::nn::Module& module, bool requires_gradient_sync) {
-  std::vector<std::shared_ptr<SyncState>> found;
-  {
-    std::lock_guard<std::mutex> l(units_mu());
-    auto visit = [&](const torch::nn::Module& m) {
-      auto it = units().find(&m);
-      if (it == units().end() || !it->second.live(&m)) return;
-      if (auto sync = it->second.sync.lock()) found.push_back(std::move(sync));
-    };
-    visit(module);
-    for (const auto& m : module.modules(/*include_self=*/false)) visit(*m);
-  }
-  for (const auto& sync : found) {
-    std::lock_guard<std::mutex> l(sync->mu);
-    sync->requires_sync = requires_gradient_sync;
-  }
-  return static_cast<int64_t>(found.size());
 }
 
 }  // namespace dtensor::fsdp

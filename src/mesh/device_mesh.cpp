@@ -213,6 +213,16 @@ std::shared_ptr<comm::ProcessGroup> DeviceMesh::get_group(const std::string& nam
 
 DeviceMesh DeviceMesh::operator[](const std::string& name) const { return slice({name}); }
 
+std::optional<DeviceMesh> mesh_for_role(const DeviceMesh& mesh, const std::string& role) {
+  if (!mesh.has_dim_names()) {
+    if (mesh.ndim() == 1) return mesh;
+    return std::nullopt;
+  }
+  const auto& names = mesh.dim_names();
+  if (std::find(names.begin(), names.end(), role) == names.end()) return std::nullopt;
+  return mesh.ndim() == 1 ? mesh : mesh[role];
+}
+
 namespace {
 
 // The sub-mesh of `parent` through this rank over its dims `dims`, in that order (any order:

@@ -40,7 +40,7 @@ DecoderConfig DecoderConfig::preset(const std::string& name) {
     c.multiple_of = 256;
     c.max_seq_len = 512;
   } else {
-    TORCH_CHECK(false, "unknown Llama preset '", name,
+    TORCH_CHECK(false, "unknown model preset '", name,
                 "'; presets: ", c10::Join(", ", preset_names()));
   }
   return c;

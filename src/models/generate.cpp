@@ -1,4 +1,4 @@
-// Cached inference for the Llama model on local shards (Decoder), sampling, and generate().
+// Cached inference for the decoder on local shards (CachedDecoder), sampling, and generate().
 #include "dtensor/models/generate.h"
 
 #include <ATen/ATen.h>
@@ -17,13 +17,16 @@
 #include "dtensor/core/shard_math.h"
 #include "dtensor/nn/layers.h"
 #include "dtensor/ops/layout_invariant.h"
+#include "parameter_schema.h"
+#include "tp_layout.h"
+#include "dtensor/util/hash.h"
 
 namespace dtensor::models {
 
 namespace {
 
-// This rank's part of a parameter, after checking that the plan placed it as the Decoder
-// expects on `tp` ranks (`shard_dim` nullopt: replicated or plain).
+// This rank's part of a parameter, after checking that the plan placed it as its schema row says
+// on `tp` ranks (`shard_dim` nullopt: replicated or plain).
 at::Tensor local_part(const at::Tensor& param, std::optional<int64_t> shard_dim, int64_t tp,
                       const std::string& name) {
   if (!is_dtensor(param)) return param.detach();
@@ -39,80 +42,67 @@ at::Tensor local_part(const at::Tensor& param, std::optional<int64_t> shard_dim,
 
 uint64_t mix(uint64_t a, uint64_t b) {
   // splitmix64 of the pair: distinct (seed, step) pairs give unrelated generator seeds.
-  uint64_t z = a * 0x9E3779B97F4A7C15ULL + b + 0x632BE59BD9B4E019ULL;
-  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
-  z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
-  return z ^ (z >> 31);
+  return util::splitmix64_mix(a * util::kSplitMix64Gamma + b + 0x632BE59BD9B4E019ULL);
 }
 
 }  // namespace
 
-// ---- Decoder ----
+// ---- CachedDecoder ----
 
-Decoder::Decoder(const TransformerImpl& model) : config_(model.config()) {
+CachedDecoder::CachedDecoder(const TransformerImpl& model) : config_(model.config()) {
   const DecoderConfig& c = config_;
-  if (model.tp_state()) {
-    mesh_ = model.tp_state()->mesh;
-    tp_ = mesh_->size();
-    rank_ = mesh_->get_local_rank();
-  }
+  TORCH_CHECK(!model.is_pipeline_stage(), "CachedDecoder: takes a whole model, not pipeline stage ",
+              model.stage_index());
+  const detail::TpLayout layout = detail::tp_layout_of(model);
+  mesh_ = layout.mesh;
+  tp_ = layout.tp;
+  rank_ = layout.rank;
   const int64_t hd = c.head_dim();
-  const std::optional<int64_t> rows = 0, cols = 1;
-  embedding_ = local_part(model.tok_embeddings->weight, rows, tp_, "tok_embeddings.weight");
-  vocab_offset_ = chunk_range(c.vocab_size, tp_, rank_).offset;
-  norm_ = local_part(model.norm->weight, std::nullopt, tp_, "norm.weight");
-  output_ = local_part(model.output->weight, rows, tp_, "output.weight");
-  const bool kv_sharded = c.kv_heads() % tp_ == 0;
-  const at::Tensor kv_index = kv_heads_of_rank(c.n_heads, c.kv_heads(), rank_, tp_);
-  for (size_t i = 0; i < model.layers->size(); ++i) {
-    const auto* block = model.layers->ptr(i)->as<TransformerBlockImpl>();
-    const std::string p = "layers." + std::to_string(i) + ".";
-    const auto& a = *block->attention;
-    const auto& f = *block->feed_forward;
-    auto kv = [&](const at::Tensor& w, const std::string& name) -> at::Tensor {
-      if (!w.defined()) return {};
-      if (kv_sharded) return local_part(w, rows, tp_, name);
-      // Replicated projection: keep the rows of the heads this rank's query heads use.
-      at::Tensor whole = local_part(w, std::nullopt, tp_, name);
-      return whole.unflatten(0, {c.kv_heads(), hd})
-          .index_select(0, kv_index.to(whole.device()))
-          .flatten(0, 1);
-    };
-    auto optional = [&](const at::Tensor& w, std::optional<int64_t> dim,
-                        const std::string& name) -> at::Tensor {
-      return w.defined() ? local_part(w, dim, tp_, name) : at::Tensor();
-    };
-    const std::optional<int64_t> whole = std::nullopt;
-    layers_.push_back({
-        local_part(block->attention_norm->weight, whole, tp_, p + "attention_norm.weight"),
-        local_part(a.wq->weight, rows, tp_, p + "attention.wq.weight"),
-        kv(a.wk->weight, p + "attention.wk.weight"),
-        kv(a.wv->weight, p + "attention.wv.weight"),
-        local_part(a.wo->weight, cols, tp_, p + "attention.wo.weight"),
-        local_part(block->ffn_norm->weight, whole, tp_, p + "ffn_norm.weight"),
-        local_part(f.w1->weight, rows, tp_, p + "feed_forward.w1.weight"),
-        local_part(f.w2->weight, cols, tp_, p + "feed_forward.w2.weight"),
-        local_part(f.w3->weight, rows, tp_, p + "feed_forward.w3.weight"),
-        optional(a.wq->bias, rows, p + "attention.wq.bias"),
-        kv(a.wk->bias, p + "attention.wk.bias"),
-        kv(a.wv->bias, p + "attention.wv.bias"),
-        optional(a.wo->bias, whole, p + "attention.wo.bias"),
-        a.q_norm.is_empty()
-            ? at::Tensor()
-            : local_part(a.q_norm->weight, whole, tp_, p + "attention.q_norm.weight"),
-        a.k_norm.is_empty()
-            ? at::Tensor()
-            : local_part(a.k_norm->weight, whole, tp_, p + "attention.k_norm.weight"),
-        block->attention_post_norm.is_empty()
-            ? at::Tensor()
-            : local_part(block->attention_post_norm->weight, whole, tp_,
-                         p + "attention_post_norm.weight"),
-        block->ffn_post_norm.is_empty()
-            ? at::Tensor()
-            : local_part(block->ffn_post_norm->weight, whole, tp_, p + "ffn_post_norm.weight"),
-        a.window,
-    });
+  // This rank's part of parameter `name` laid out as its row says.
+  auto part = [&](const std::string& name, const at::Tensor& param,
+                  detail::TpPlacement placement) -> at::Tensor {
+    switch (placement) {
+      case detail::TpPlacement::kRows:
+        return local_part(param, 0, tp_, name);
+      case detail::TpPlacement::kColumns:
+        return local_part(param, 1, tp_, name);
+      case detail::TpPlacement::kReplicated:
+        return local_part(param, std::nullopt, tp_, name);
+      case detail::TpPlacement::kKvRows: {
+        if (layout.kv_sharded) return local_part(param, 0, tp_, name);
+        // Replicated projection: keep the rows of the heads this rank's query heads use.
+        const at::Tensor whole = local_part(param, std::nullopt, tp_, name);
+        return whole.unflatten(0, {c.kv_heads(), hd})
+            .index_select(0, layout.kv_heads.to(whole.device()))
+            .flatten(0, 1);
+      }
+    }
+    TORCH_CHECK(false, "CachedDecoder: unknown placement of '", name, "'");
+  };
+  const auto params = model.named_parameters(/*recurse=*/true);
+  const size_t roles = static_cast<size_t>(detail::Role::kCount);
+  layers_.assign(static_cast<size_t>(c.n_layers), std::vector<at::Tensor>(roles));
+  for (int64_t l = 0; l < c.n_layers; ++l) windows_.push_back(c.window(l));
+  for (const detail::NamedRow& entry : detail::parameter_names(c)) {
+    const at::Tensor* param = params.find(entry.name);
+    TORCH_CHECK(param, "CachedDecoder: the model has no parameter '", entry.name, "'");
+    const at::Tensor local = part(entry.name, *param, entry.row->tp);
+    switch (entry.row->role) {
+      case detail::Role::kEmbedding:
+        embedding_ = local;
+        break;
+      case detail::Role::kFinalNorm:
+        norm_ = local;
+        break;
+      case detail::Role::kOutput:
+        output_ = local;
+        break;
+      default:
+        layers_[static_cast<size_t>(entry.layer)][static_cast<size_t>(entry.row->role)] = local;
+    }
   }
+  if (!output_.defined()) output_ = embedding_;  // tied: the head is the embedding
+  vocab_offset_ = chunk_range(c.vocab_size, tp_, rank_).offset;
   rope_ = model.rope(c.max_seq_len, norm_.options());
   local_rope_ = rope_;
   for (int64_t i = 0; i < c.n_layers; ++i)
@@ -121,12 +111,12 @@ Decoder::Decoder(const TransformerImpl& model) : config_(model.config()) {
   eps_ = c.norm_eps;
 }
 
-at::Tensor Decoder::all_reduce(const at::Tensor& t) const {
+at::Tensor CachedDecoder::all_reduce(const at::Tensor& t) const {
   if (tp_ == 1) return t;
   return comm::all_reduce(t, ReduceOp::Sum, mesh_->group(0));
 }
 
-at::Tensor Decoder::embed(const at::Tensor& tokens) const {
+at::Tensor CachedDecoder::embed(const at::Tensor& tokens) const {
   if (tp_ == 1) return at::embedding(embedding_, tokens);
   // Vocab rows are sharded: look up the tokens this rank holds, zeros elsewhere, then sum.
   const int64_t n = embedding_.size(0);
@@ -150,18 +140,49 @@ at::Tensor norm(const at::Tensor& x, const at::Tensor& weight, const DecoderConf
 
 }  // namespace
 
-at::Tensor Decoder::forward(const at::Tensor& tokens_in, KVCache& cache) {
+// A row-parallel projection: this rank's part of the contracted dim times its columns of w,
+// summed over the TP ranks, the bias added once after the sum. In LayoutInvariantMode the sum
+// is the mode's canonical one, the same bits at every TP degree, as in the modules' forward.
+at::Tensor CachedDecoder::row_parallel(const at::Tensor& x, const at::Tensor& w,
+                                       const at::Tensor& bias) const {
+  at::Tensor out;
+  if (ops::layout_invariant_segments() > 0) {
+    out = detail::rows_padded(x.reshape({-1, x.size(-1)}), [&](const at::Tensor& rows) {
+            return ops::canonical_mm(rows, w.t(), mesh_ ? &*mesh_ : nullptr, 0,
+                                     "CachedDecoder::forward (row-parallel linear)");
+          }).view({x.size(0), x.size(1), -1});
+  } else if (tp_ == 1) {
+    return at::linear(x, w, bias);
+  } else {
+    out = all_reduce(at::linear(x, w));
+  }
+  return bias.defined() ? out + bias : out;
+}
+
+// A column-parallel projection (this rank's columns of w): in LayoutInvariantMode with the rows
+// padded as detail::rows_padded says, so that a decode step's row equals a prefill's.
+at::Tensor CachedDecoder::column_parallel(const at::Tensor& x, const at::Tensor& w,
+                                          const at::Tensor& bias) {
+  return detail::rows_padded(x.reshape({-1, x.size(-1)}),
+                             [&](const at::Tensor& rows) { return at::linear(rows, w, bias); })
+      .view({x.size(0), x.size(1), -1});
+}
+
+at::Tensor CachedDecoder::forward(const at::Tensor& tokens_in, KVCache& cache) {
   at::NoGradGuard no_grad;
   TORCH_CHECK(tokens_in.dim() == 2 && tokens_in.size(0) == cache.batch() && tokens_in.size(1) > 0,
-              "Decoder::forward: tokens must be (batch=", cache.batch(), ", seqlen>0), got ",
+              "CachedDecoder::forward: tokens must be (batch=", cache.batch(), ", seqlen>0), got ",
               tokens_in.sizes());
   const int64_t B = tokens_in.size(0), S = tokens_in.size(1), t0 = cache.length();
-  TORCH_CHECK(t0 + S <= cache.max_len(), "Decoder::forward: ", t0, " cached + ", S,
+  TORCH_CHECK(t0 + S <= cache.max_len(), "CachedDecoder::forward: ", t0, " cached + ", S,
               " new positions exceed the cache's max_len=", cache.max_len());
   const int64_t hd = config_.head_dim();
-  TORCH_CHECK(layers_.empty() || cache.keys(0).size(2) * hd == layers_[0].wk.size(0),
-              "Decoder::forward: the cache holds ", cache.keys(0).size(2),
-              " KV heads per layer, this rank's model ", layers_[0].wk.size(0) / hd,
+  const auto wk_rows = [this] {
+    return layers_[0][static_cast<size_t>(detail::Role::kWk)].size(0);
+  };
+  TORCH_CHECK(layers_.empty() || cache.keys(0).size(2) * hd == wk_rows(),
+              "CachedDecoder::forward: the cache holds ", cache.keys(0).size(2),
+              " KV heads per layer, this rank's model ", layers_.empty() ? 0 : wk_rows() / hd,
               "; build the KVCache from the same model");
   const auto device = norm_.device();
   const at::Tensor tokens = tokens_in.to(device, at::kLong);
@@ -177,55 +198,37 @@ at::Tensor Decoder::forward(const at::Tensor& tokens_in, KVCache& cache) {
   const double scale = config_.query_pre_attn_scalar > 0 ? config_.attention_scale() : 0;
   // One mask per distinct window (block_math.h: padding slots never seen, sliding windows).
   std::map<int64_t, at::Tensor> masks;
-  for (const Layer& w : layers_) {
-    if (!masks.count(w.window))
-      masks[w.window] = detail::attention_mask(t0, S, pad, w.window, device);
+  for (const int64_t window : windows_) {
+    if (!masks.count(window)) masks[window] = detail::attention_mask(t0, S, pad, window, device);
   }
 
-  // A row-parallel projection: this rank's part of the contracted dim times its columns of w,
-  // summed over the TP ranks, the bias added once after the sum. In LayoutInvariantMode the sum
-  // is the mode's canonical one, the same bits at every TP degree, as in the modules' forward.
-  auto row_parallel = [&](const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias) {
-    at::Tensor out;
-    if (ops::layout_invariant_segments() > 0) {
-      out = detail::rows_padded(x.reshape({-1, x.size(-1)}), [&](const at::Tensor& rows) {
-              return ops::canonical_mm(rows, w.t(), mesh_ ? &*mesh_ : nullptr, 0,
-                                       "Decoder::forward (row-parallel linear)");
-            }).view({x.size(0), x.size(1), -1});
-    } else if (tp_ == 1) {
-      return at::linear(x, w, bias);
-    } else {
-      out = all_reduce(at::linear(x, w));
-    }
-    return bias.defined() ? out + bias : out;
-  };
-
-  // A column-parallel projection (this rank's columns of w): in LayoutInvariantMode with the rows
-  // padded as detail::rows_padded says, so that a decode step's row equals a prefill's.
-  auto linear = [](const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias = {}) {
-    return detail::rows_padded(x.reshape({-1, x.size(-1)}),
-                               [&](const at::Tensor& rows) { return at::linear(rows, w, bias); })
-        .view({x.size(0), x.size(1), -1});
-  };
-
   at::Tensor h = detail::scale_embeddings(embed(tokens), config_.dim, config_.scale_embeddings);
+  using detail::Role;
   for (size_t l = 0; l < layers_.size(); ++l) {
-    const Layer& w = layers_[l];
-    const at::Tensor& r = w.window > 0 ? local_rope : rope;
-    at::Tensor x = norm(h, w.attention_norm, config_, eps_);
-    const at::Tensor q = detail::heads(linear(x, w.wq, w.bq), hd, w.q_norm, eps_, r, off);
-    const at::Tensor k = detail::heads(linear(x, w.wk, w.bk), hd, w.k_norm, eps_, r, off);
-    const at::Tensor v = detail::heads(linear(x, w.wv, w.bv), hd, {}, eps_, {});
+    const auto& w = layers_[l];
+    auto W = [&w](Role role) -> const at::Tensor& { return w[static_cast<size_t>(role)]; };
+    const int64_t window = windows_[l];
+    const at::Tensor& r = window > 0 ? local_rope : rope;
+    at::Tensor x = norm(h, W(Role::kAttentionNorm), config_, eps_);
+    const at::Tensor q = detail::heads(column_parallel(x, W(Role::kWq), W(Role::kBq)), hd,
+                                       W(Role::kQNorm), eps_, r, off);
+    const at::Tensor k = detail::heads(column_parallel(x, W(Role::kWk), W(Role::kBk)), hd,
+                                       W(Role::kKNorm), eps_, r, off);
+    const at::Tensor v =
+        detail::heads(column_parallel(x, W(Role::kWv), W(Role::kBv)), hd, {}, eps_, {});
     detail::LayerCache layer_cache{cache.keys(static_cast<int64_t>(l)),
                                    cache.values(static_cast<int64_t>(l)), t0};
-    const at::Tensor attn = detail::attend(q, k, v, masks.at(w.window), &layer_cache, scale);
-    at::Tensor o = row_parallel(attn, w.wo, w.bo);
-    if (w.attention_post_norm.defined()) o = norm(o, w.attention_post_norm, config_, eps_);
+    const at::Tensor attn = detail::attend(q, k, v, masks.at(window), &layer_cache, scale);
+    at::Tensor o = row_parallel(attn, W(Role::kWo), W(Role::kBo));
+    if (W(Role::kAttentionPostNorm).defined())
+      o = norm(o, W(Role::kAttentionPostNorm), config_, eps_);
     h = h + o;
-    x = norm(h, w.ffn_norm, config_, eps_);
-    at::Tensor f = row_parallel(
-        detail::gated_activation(linear(x, w.w1), linear(x, w.w3), config_.activation), w.w2, {});
-    if (w.ffn_post_norm.defined()) f = norm(f, w.ffn_post_norm, config_, eps_);
+    x = norm(h, W(Role::kFfnNorm), config_, eps_);
+    const at::Tensor gate = column_parallel(x, W(Role::kW1), {});
+    const at::Tensor up = column_parallel(x, W(Role::kW3), {});
+    at::Tensor f =
+        row_parallel(detail::gated_activation(gate, up, config_.activation), W(Role::kW2), {});
+    if (W(Role::kFfnPostNorm).defined()) f = norm(f, W(Role::kFfnPostNorm), config_, eps_);
     h = h + f;
   }
   cache.advance(S);
@@ -307,7 +310,7 @@ GenerateResult generate(const TransformerImpl& model,
     padding[b] = longest - n;
     tokens[b].narrow(0, longest - n, n).copy_(at::tensor(prompts[b], at::kLong));
   }
-  Decoder decoder(model);
+  CachedDecoder decoder(model);
   KVCache cache(model, B, std::max<int64_t>(max_len, longest));
   cache.set_padding(padding);
 

@@ -1,4 +1,4 @@
-// Hugging Face Llama checkpoints in: config.json to DecoderConfig, HF names to ours, q/k rows from
+// Hugging Face checkpoints in: config.json to DecoderConfig, HF names to ours, q/k rows from
 // rotate-half order to interleaved pairs, and each rank's slices read straight from the files.
 #include "dtensor/models/hf_checkpoint.h"
 

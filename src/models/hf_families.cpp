@@ -1,5 +1,5 @@
-// The Hugging Face decoder families as data (hf_families.h): the family table, the parameter
-// name table, and config.json read into / written from DecoderConfig.
+// The Hugging Face decoder families as data (hf_families.h): the family table, config.json read
+// into / written from DecoderConfig, and the parameters' HF names (from parameter_schema.h).
 #include "hf_families.h"
 
 #include <ATen/ATen.h>
@@ -12,6 +12,7 @@
 #include <optional>
 
 #include "dtensor/models/hf_checkpoint.h"
+#include "parameter_schema.h"
 
 namespace dtensor::models {
 
@@ -391,71 +392,19 @@ std::string hf_config_json(const DecoderConfig& c, const HfFamily& f, const std:
 }
 
 bool has_rotary_rows(const std::string& name) {
-  for (const char* suffix :
-       {"attention.wq.weight", "attention.wk.weight", "attention.wq.bias", "attention.wk.bias",
-        "attention.q_norm.weight", "attention.k_norm.weight"}) {
-    if (name.ends_with(suffix)) return true;
-  }
-  return false;
+  const auto found = find_parameter_row(name);
+  return found && found->row->rotary_rows;
 }
 
 }  // namespace detail
 
-namespace {
-
-// Our name -> HF's, for the parts under "layers.N.", the same in every family.
-const std::map<std::string, std::string>& layer_names() {
-  static const std::map<std::string, std::string> names{
-      {"attention.wq.weight", "self_attn.q_proj.weight"},
-      {"attention.wk.weight", "self_attn.k_proj.weight"},
-      {"attention.wv.weight", "self_attn.v_proj.weight"},
-      {"attention.wo.weight", "self_attn.o_proj.weight"},
-      {"attention.wq.bias", "self_attn.q_proj.bias"},
-      {"attention.wk.bias", "self_attn.k_proj.bias"},
-      {"attention.wv.bias", "self_attn.v_proj.bias"},
-      {"attention.wo.bias", "self_attn.o_proj.bias"},
-      {"attention.q_norm.weight", "self_attn.q_norm.weight"},
-      {"attention.k_norm.weight", "self_attn.k_norm.weight"},
-      {"feed_forward.w1.weight", "mlp.gate_proj.weight"},
-      {"feed_forward.w2.weight", "mlp.down_proj.weight"},
-      {"feed_forward.w3.weight", "mlp.up_proj.weight"},
-      {"attention_norm.weight", "input_layernorm.weight"},
-      {"ffn_norm.weight", "post_attention_layernorm.weight"},
-  };
-  return names;
-}
-
-// With post norms (Gemma) HF's post_attention_layernorm is the norm after attention, and the one
-// before the feed-forward is pre_feedforward_layernorm.
-const std::map<std::string, std::string>& post_norm_layer_names() {
-  static const std::map<std::string, std::string> names{
-      {"attention_post_norm.weight", "post_attention_layernorm.weight"},
-      {"ffn_norm.weight", "pre_feedforward_layernorm.weight"},
-      {"ffn_post_norm.weight", "post_feedforward_layernorm.weight"},
-  };
-  return names;
-}
-
-}  // namespace
-
 std::string hf_parameter_name(const std::string& name, const DecoderConfig& config) {
-  if (name == "tok_embeddings.weight") return "model.embed_tokens.weight";
-  if (name == "norm.weight") return "model.norm.weight";
-  if (name == "output.weight") return "lm_head.weight";
-  if (name.rfind("layers.", 0) == 0) {
-    const size_t dot = name.find('.', 7);
-    if (dot != std::string::npos) {
-      const std::string prefix = "model.layers." + name.substr(7, dot - 7) + ".";
-      const std::string rest = name.substr(dot + 1);
-      if (config.post_norms) {
-        const auto it = post_norm_layer_names().find(rest);
-        if (it != post_norm_layer_names().end()) return prefix + it->second;
-      }
-      const auto it = layer_names().find(rest);
-      if (it != layer_names().end()) return prefix + it->second;
-    }
-  }
-  TORCH_CHECK(false, "parameter \"", name, "\" has no Hugging Face counterpart");
+  const auto found = detail::find_parameter_row(name);
+  TORCH_CHECK(found, "parameter \"", name, "\" has no Hugging Face counterpart");
+  const detail::ParameterRow& row = *found->row;
+  const std::string hf = config.post_norms && row.hf_post_norms ? row.hf_post_norms : row.hf;
+  if (found->layer < 0) return hf;
+  return "model.layers." + std::to_string(found->layer) + "." + hf;
 }
 
 }  // namespace dtensor::models

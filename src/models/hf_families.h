@@ -1,8 +1,8 @@
 #pragma once
 // The Hugging Face decoder families the loader and the saver know, as data: what each
 // architecture's config.json means for DecoderConfig, and one table of parameter names shared by
-// all of them (docs/ARCHITECTURE.md, "Model families": adding a family is a row here, its
-// name-table entries if it has new parameters, and a fixture test).
+// all of them (docs/ARCHITECTURE.md, "One decoder, many families": adding a family is a row
+// here, its name-table entries if it has new parameters, and a fixture test).
 #include <c10/core/ScalarType.h>
 
 #include <nlohmann/json.hpp>

@@ -1,4 +1,4 @@
-// Hugging Face Llama checkpoints out: config.json and model.safetensors as save_pretrained
+// Hugging Face checkpoints out: config.json and model.safetensors as save_pretrained
 // writes them, from a model at any TP degree, FSDP-sharded (fsdp::fully_shard) or not.
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
@@ -17,6 +17,7 @@
 #include "dtensor/core/api.h"
 #include "dtensor/core/dtensor_impl.h"
 #include "dtensor/models/hf_checkpoint.h"
+#include "dtensor/util/atomic_file.h"
 #include "hf_families.h"
 
 namespace dtensor::models {
@@ -46,19 +47,6 @@ std::string torch_dtype_name(c10::ScalarType t) {
 at::Tensor rotate_half_rows(const at::Tensor& w, int64_t head_dim) {
   const int64_t n = w.size(0);
   return w.reshape({n / head_dim, head_dim / 2, 2, -1}).transpose(1, 2).reshape(w.sizes());
-}
-
-void write_text_atomically(const std::string& path, const std::string& text) {
-  const std::string tmp = path + ".tmp";
-  {
-    std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
-    out << text;
-    out.flush();
-    TORCH_CHECK(out.good(), "save_hf: writing '", tmp, "' failed");
-  }
-  std::error_code ec;
-  fs::rename(tmp, path, ec);
-  TORCH_CHECK(!ec, "save_hf: renaming '", tmp, "' to '", path, "' failed: ", ec.message());
 }
 
 }  // namespace
@@ -124,8 +112,9 @@ void save_hf(const std::string& dir, const TransformerImpl& model, const HfSaveO
   if (writes && !error) {
     try {
       writer->finish({{"format", "pt"}});
-      write_text_atomically((fs::path(dir) / "config.json").string(),
-                            detail::hf_config_json(config, *family, torch_dtype_name(dtype)));
+      util::write_file_atomically((fs::path(dir) / "config.json").string(),
+                                  detail::hf_config_json(config, *family, torch_dtype_name(dtype)),
+                                  "save_hf");
     } catch (...) {
       error = std::current_exception();
     }

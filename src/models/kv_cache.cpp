@@ -3,14 +3,12 @@
 
 #include "dtensor/core/dtensor_impl.h"
 #include "dtensor/models/generate.h"
+#include "tp_layout.h"
 
 namespace dtensor::models {
 
 int64_t KVCache::local_kv_heads(const TransformerImpl& model) {
-  const DecoderConfig& c = model.config();
-  if (!model.tp_state()) return c.kv_heads();
-  const DeviceMesh& mesh = model.tp_state()->mesh;
-  return kv_heads_of_rank(c.n_heads, c.kv_heads(), mesh.get_local_rank(), mesh.size()).numel();
+  return detail::tp_layout_of(model).kv_heads.numel();
 }
 
 KVCache::KVCache(const TransformerImpl& model, int64_t batch, int64_t max_len)

@@ -1,5 +1,5 @@
 #pragma once
-// Building the Llama without parameter memory: modules constructed on the meta device, then each
+// Building the decoder without parameter memory: modules constructed on the meta device, then each
 // rank's local parameters allocated (or handed over from a checkpoint reader) after the TP plan
 // has cut them, so no rank ever holds the whole model.
 #include <ATen/core/Tensor.h>

@@ -1,4 +1,4 @@
-// The Llama built on the meta device and given only each rank's local parameters.
+// The decoder built on the meta device and given only each rank's local parameters.
 #include "dtensor/models/meta_init.h"
 
 #include <ATen/ATen.h>

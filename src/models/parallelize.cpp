@@ -6,41 +6,41 @@
 #include <algorithm>
 #include <optional>
 
+#include "dtensor/fsdp/replicate.h"
+
 namespace dtensor::models {
 namespace {
 
-// The dim of `mesh` named `name` as a 1-D mesh (the mesh itself when it is 1-D and so named).
-std::optional<DeviceMesh> mesh_dim_named(const DeviceMesh& mesh, const std::string& name) {
-  const auto& names = mesh.dim_names();
-  if (std::find(names.begin(), names.end(), name) == names.end()) return std::nullopt;
-  return mesh.ndim() == 1 ? mesh : mesh[name];
-}
-
-// TP where the mesh has a "tp" dim (get_tp_mesh) of more than one rank, as torchtitan decides
-// (of one rank too with tensor_parallel_on_one_rank).
-std::optional<DeviceMesh> tp_to_apply(const DeviceMesh& mesh, const ParallelizeOptions& o) {
-  std::optional<DeviceMesh> tp = get_tp_mesh(mesh);
-  if (tp && mesh.ndim() == 1 && mesh.has_dim_names() && mesh.dim_names()[0] != "tp")
-    tp.reset();  // a 1-D mesh named otherwise ("dp", "pp") is not TP's
+// TP where the mesh has a "tp" dim of more than one rank (a 1-D mesh without names is TP's), as
+// torchtitan decides (of one rank too with tensor_parallel_on_one_rank).
+std::optional<DeviceMesh> tp_to_apply(const ParallelDims& dims, const ParallelizeOptions& o) {
+  std::optional<DeviceMesh> tp = dims.mesh("tp");
   if (tp && tp->size() == 1 && !o.tensor_parallel_on_one_rank) tp.reset();
   return tp;
 }
 
-DeviceMesh fsdp_mesh_of(const DeviceMesh& mesh) {
-  std::optional<DeviceMesh> dp = mesh_dim_named(mesh, "dp");
-  TORCH_CHECK(dp, "parallelize: fully_shard needs a mesh dimension named \"dp\", got ", mesh.str());
+DeviceMesh fsdp_mesh_of(const ParallelDims& dims) {
+  std::optional<DeviceMesh> dp = dims.mesh("dp_shard");
+  TORCH_CHECK(dp, "parallelize: fully_shard needs a mesh dimension named \"dp\", got ",
+              dims.world_mesh->str());
   return *dp;
 }
 
-// AC, then FSDP: the blocks `blocks` as units, then `root` with what is left.
-void checkpoint_and_shard(torch::nn::Module& root, const std::vector<torch::nn::Module*>& blocks,
-                          const DeviceMesh& mesh, const ParallelizeOptions& o) {
+// AC, then the data parallelism "dp" says: FSDP with the blocks as units, then the root with
+// what is left; or the root replicated, its gradients averaged after each backward.
+void checkpoint_and_shard(TransformerImpl& root, const ParallelDims& dims,
+                          const ParallelizeOptions& o) {
   ac::apply_ac<TransformerBlockImpl>(root, o.ac, o.ac_options);
-  if (!o.fully_shard) return;
-  const DeviceMesh dp = fsdp_mesh_of(mesh);
+  if (!o.fully_shard) {
+    // (A "dp" of one rank has nothing to average.)
+    if (const auto dp = dims.mesh("dp_replicate"); dp && dp->size() > 1)
+      fsdp::replicate(root, *dp, o.replicate);
+    return;
+  }
+  const DeviceMesh dp = fsdp_mesh_of(dims);
   fsdp::FullyShardOptions unit = o.fsdp;
   unit.reshard_after_forward = true;
-  for (torch::nn::Module* block : blocks) fsdp::fully_shard(*block, dp, unit);
+  for (TransformerBlockImpl* block : root.blocks()) fsdp::fully_shard(*block, dp, unit);
   unit.reshard_after_forward = false;
   fsdp::fully_shard(root, dp, unit);
 }
@@ -49,33 +49,24 @@ void checkpoint_and_shard(torch::nn::Module& root, const std::vector<torch::nn::
 
 void parallelize(TransformerImpl& model, const DeviceMesh& mesh, const ParallelizeOptions& options,
                  const std::function<void(TransformerImpl&)>& after_tensor_parallel) {
-  if (const auto tp = tp_to_apply(mesh, options)) {
+  const bool stage = model.is_pipeline_stage();
+  TORCH_CHECK(!stage || !options.tp_plan,
+              "parallelize: a pipeline stage runs the built-in plan (without sequence "
+              "parallelism); tp_plan applies to whole models");
+  const ParallelDims dims = ParallelDims::from_mesh(mesh, options.fully_shard);
+  if (const auto tp = tp_to_apply(dims, options)) {
     if (options.tp_plan) {
       options.tp_plan(model, *tp);
     } else {
-      apply_tensor_parallel(model, *tp, options.tp);
+      TensorParallelOptions o = options.tp;
+      // A stage's activations cross its boundaries whole, and overlap_comm overlaps
+      // sequence-parallel collectives.
+      if (stage) o.overlap_comm = false;
+      apply_tensor_parallel(model, *tp, o);
     }
   }
   if (after_tensor_parallel) after_tensor_parallel(model);
-  std::vector<torch::nn::Module*> blocks;
-  for (const auto& block : *model.layers) blocks.push_back(block.get());
-  checkpoint_and_shard(model, blocks, mesh, options);
-}
-
-void parallelize(TransformerStageImpl& stage, const DeviceMesh& mesh,
-                 const ParallelizeOptions& options) {
-  TORCH_CHECK(!options.tp_plan,
-              "parallelize: a pipeline stage runs the built-in plan (without sequence "
-              "parallelism); tp_plan applies to whole models");
-  if (const auto tp = tp_to_apply(mesh, options)) {
-    TensorParallelOptions o = options.tp;
-    o.sequence_parallel = false;  // activations cross the stage boundaries replicated
-    o.overlap_comm = false;       // it overlaps sequence-parallel collectives
-    apply_tensor_parallel(stage, *tp, o);
-  }
-  std::vector<torch::nn::Module*> blocks;
-  for (const auto& item : *stage.layers) blocks.push_back(item.value().get());
-  checkpoint_and_shard(stage, blocks, mesh, options);
+  checkpoint_and_shard(model, dims, options);
 }
 
 std::vector<at::Tensor> TransformerPipeline::parameters() const {
@@ -86,7 +77,7 @@ std::vector<at::Tensor> TransformerPipeline::parameters() const {
 }
 
 namespace {
-bool tied_copy_in(const std::vector<TransformerStage>& stages, const at::Tensor& param) {
+bool tied_copy_in(const std::vector<Transformer>& stages, const at::Tensor& param) {
   for (const auto& st : stages)
     if (st->tied_across_stages() && param.is_same(st->output->weight)) return true;
   return false;
@@ -97,8 +88,8 @@ bool TransformerPipeline::is_tied_copy(const at::Tensor& param) const {
   return tied_copy_in(stages, param);
 }
 
-fsdp::ClipGradNormOptions TransformerPipeline::clip_options() const {
-  fsdp::ClipGradNormOptions o;
+nn::utils::ClipGradNormOptions TransformerPipeline::clip_options() const {
+  nn::utils::ClipGradNormOptions o;
   o.stage_group = pipes.front()->pp_mesh().get_group(0);
   // The stages by value: the options may outlive a moved-from TransformerPipeline.
   o.counted_elsewhere = [stages = stages](const at::Tensor& p) { return tied_copy_in(stages, p); };

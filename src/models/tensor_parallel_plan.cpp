@@ -1,16 +1,23 @@
-// The Llama tensor-parallel plan (torchtitan's; docs/ARCHITECTURE.md, "The Llama plan"), the
+// The decoder's tensor-parallel plan (torchtitan's; docs/ARCHITECTURE.md, "The Llama plan"), the
 // replicated-KV projection used when KV heads do not split over the TP ranks, and the
 // pending-gradient reduction.
 #include <ATen/ATen.h>
 #include <c10/util/StringUtil.h>
 
+#include <algorithm>
+#include <string>
+#include <vector>
+
 #include "dtensor/core/api.h"
 #include "dtensor/core/distribute_module.h"
 #include "dtensor/core/dtensor_impl.h"
+#include "dtensor/models/parallel_dims.h"
 #include "dtensor/models/transformer.h"
-#include "dtensor/models/transformer_stage.h"
 #include "dtensor/tp/parallelize_module.h"
 #include "dtensor/tp/styles.h"
+#include "overlapped_plan.h"
+#include "parallel_rules.h"
+#include "parameter_schema.h"
 
 namespace dtensor::models {
 
@@ -132,10 +139,7 @@ at::Tensor kv_heads_of_rank(int64_t n_heads, int64_t n_kv_heads, int64_t rank, i
 }
 
 std::optional<DeviceMesh> get_tp_mesh(const DeviceMesh& mesh) {
-  if (mesh.ndim() == 1) return mesh;
-  for (const auto& name : mesh.dim_names())
-    if (name == "tp") return mesh["tp"];
-  return std::nullopt;
+  return ParallelDims::from_mesh(mesh).mesh("tp");
 }
 
 namespace {
@@ -151,84 +155,121 @@ struct PlanParts {
 DeviceMesh tp_mesh_of(const DeviceMesh& device_mesh) {
   const std::optional<DeviceMesh> tp_mesh = get_tp_mesh(device_mesh);
   TORCH_CHECK(tp_mesh,
-              "apply_tensor_parallel needs a 1-D mesh or one with a dimension named "
-              "\"tp\", got ",
+              "apply_tensor_parallel needs a mesh with a dimension named \"tp\" (or a 1-D mesh "
+              "without names), got ",
               device_mesh.str(), " (see get_tp_mesh)");
   return *tp_mesh;
 }
 
-tp::ParallelizePlan decoder_plan(const DecoderConfig& config, int64_t tp, bool sp, bool lp,
-                                 const PlanParts& parts, bool overlap = false) {
-  using namespace tp;
-  const bool kv_sharded = config.kv_heads() % tp == 0;
-  auto kv_style = [&]() -> Style {
-    if (kv_sharded) return ColwiseParallel();
-    return ReplicatedKVProjection(config.n_heads, config.kv_heads(), config.head_dim());
-  };
-  // Activations between blocks: sequence shards (SP) or whole (Megatron).
-  const Placement between = sp ? Shard(1) : Replicate();
-  const Placement logits = lp ? Shard(-1) : Replicate();
+// The module a parameter belongs to ("attention.wq" of "attention.wq.weight").
+std::string module_of(const char* parameter) {
+  const std::string name = parameter;
+  return name.substr(0, name.rfind('.'));
+}
 
-  ParallelizePlan plan;
-  if (parts.embedding) {
-    plan.emplace_back("tok_embeddings",
-                      RowwiseParallel({.input_layouts = Replicate(), .output_layouts = between}));
+// What the built-in plan is made for.
+struct PlanChoices {
+  const DecoderConfig& config;
+  int64_t tp;
+  bool sp, lp;  // sequence parallelism, loss parallelism
+  PlanParts parts;
+  bool overlap = false;
+  int64_t overlap_chunks = 2;
+  // Activations between blocks: sequence shards (SP) or whole (Megatron).
+  Placement between() const { return sp ? Placement(Shard(1)) : Placement(Replicate()); }
+};
+
+// The style a schema row's plan entry gives its module; nullopt: no entry.
+std::optional<tp::Style> row_style(const PlanChoices& c, detail::PlanStyle style) {
+  using namespace tp;
+  using detail::PlanStyle;
+  switch (style) {
+    case PlanStyle::kNone:
+      return std::nullopt;
+    case PlanStyle::kEmbedding:
+      return RowwiseParallel({.input_layouts = Replicate(), .output_layouts = c.between()});
+    case PlanStyle::kNorm:
+      if (!c.sp) return std::nullopt;
+      return SequenceParallel();
+    case PlanStyle::kPostNorm:
+      // Post norms take the sequence shards wo and w2 reduce-scatter to and hand plain shards
+      // back to the residual sum; without SP they run whole, as the other norms.
+      if (!c.sp) return std::nullopt;
+      return SequenceParallel({.use_local_output = true});
+    case PlanStyle::kHead: {
+      const Placement logits = c.lp ? Placement(Shard(-1)) : Placement(Replicate());
+      if (c.overlap)
+        return detail::overlapped_head(c.overlap_chunks, c.lp, c.parts.head_shares_embedding);
+      if (c.parts.head_shares_embedding) {
+        // output.weight is tok_embeddings.weight (Shard(0), vocab rows, once that is sharded):
+        // the head keeps only ColwiseParallel's input and output conversions.
+        return PrepareModuleInputOutput({
+            .input_layouts = Layouts{c.between()},
+            .desired_input_layouts = Layouts{Replicate()},
+            .output_layouts = Layouts{Shard(-1)},
+            .desired_output_layouts = Layouts{logits},
+            .use_local_output = !c.lp,
+        });
+      }
+      return ColwiseParallel(
+          {.input_layouts = c.between(), .output_layouts = logits, .use_local_output = !c.lp});
+    }
+    case PlanStyle::kColwise:
+      return ColwiseParallel();
+    case PlanStyle::kKvColwise: {
+      const DecoderConfig& m = c.config;
+      if (m.kv_heads() % c.tp == 0) return ColwiseParallel();
+      return ReplicatedKVProjection(m.n_heads, m.kv_heads(), m.head_dim());
+    }
+    case PlanStyle::kRowwise:
+      return RowwiseParallel({.output_layouts = c.between()});
+    case PlanStyle::kHeadNorm:
+      return ReplicatedHeadNorm();
   }
-  if (parts.head) {
-    if (sp) plan.emplace_back("norm", SequenceParallel());
-    if (parts.head_shares_embedding) {
-      // output.weight is tok_embeddings.weight (Shard(0), vocab rows, once that is sharded): the
-      // head keeps only ColwiseParallel's input and output conversions.
-      plan.emplace_back("output", PrepareModuleInputOutput({
-                                      .input_layouts = Layouts{between},
-                                      .desired_input_layouts = Layouts{Replicate()},
-                                      .output_layouts = Layouts{Shard(-1)},
-                                      .desired_output_layouts = Layouts{logits},
-                                      .use_local_output = !lp,
-                                  }));
-    } else {
-      plan.emplace_back("output", ColwiseParallel({.input_layouts = between,
-                                                   .output_layouts = logits,
-                                                   .use_local_output = !lp}));
-    }
+  return std::nullopt;
+}
+
+// A sublayer's input conversion: one for all its projections (wq, wk and wv: their three input
+// gradients then meet in one all_reduce instead of three, without SP too). With overlap the
+// sublayer gathers its sequence-sharded input itself, piece by piece.
+tp::Style sublayer_style(const PlanChoices& c, const detail::Sublayer& sub) {
+  if (c.overlap) {
+    return sub.path == std::string("attention") ? detail::overlapped_attention(c.overlap_chunks)
+                                                : detail::overlapped_feed_forward(c.overlap_chunks);
   }
-  if (parts.layers) {
-    if (sp) plan.emplace_back("layers.*.attention_norm", SequenceParallel());
-    // One conversion of the block input for wq, wk and wv together (without SP too: their
-    // three input gradients then meet in one all_reduce instead of three).
-    // With overlap the projections gather their sequence-sharded input themselves.
-    if (!overlap) {
-      plan.emplace_back(
-          "layers.*.attention",
-          PrepareModuleInput({.input_layouts = Layouts{between, std::nullopt},
-                              .desired_input_layouts = Layouts{Replicate(), std::nullopt}}));
+  tp::Layouts in{c.between()}, desired{Replicate()};
+  for (int64_t i = 1; i < sub.inputs; ++i) {
+    in.push_back(std::nullopt);
+    desired.push_back(std::nullopt);
+  }
+  return tp::PrepareModuleInput({.input_layouts = in, .desired_input_layouts = desired});
+}
+
+// The built-in plan, from the parameter schema (parameter_schema.h): each parameter's module gets
+// the style its row names, and a block's sublayer its input conversion before its first
+// projection.
+tp::ParallelizePlan decoder_plan(const PlanChoices& c) {
+  tp::ParallelizePlan plan;
+  for (const detail::ParameterRow& row : detail::model_parameter_rows()) {
+    const bool embedding = row.plan == detail::PlanStyle::kEmbedding;
+    if (embedding ? !c.parts.embedding : !c.parts.head) continue;
+    if (auto style = row_style(c, row.plan)) plan.emplace_back(module_of(row.name), *style);
+  }
+  if (!c.parts.layers) return plan;
+  std::vector<std::string> converted;
+  for (const detail::ParameterRow& row : detail::block_parameter_rows()) {
+    bool present = false;  // in some block (a block type's rows are in its blocks only)
+    for (int64_t l = 0; l < c.config.n_layers && !present; ++l) present = row.present(c.config, l);
+    if (!present) continue;
+    const std::string module = module_of(row.name);
+    for (const detail::Sublayer& sub : detail::block_sublayers()) {
+      if (module.rfind(std::string(sub.path) + ".", 0) != 0 ||
+          std::find(converted.begin(), converted.end(), sub.path) != converted.end())
+        continue;
+      plan.emplace_back("layers.*." + std::string(sub.path), sublayer_style(c, sub));
+      converted.emplace_back(sub.path);
     }
-    plan.emplace_back("layers.*.attention.wq", ColwiseParallel());
-    plan.emplace_back("layers.*.attention.wk", kv_style());
-    plan.emplace_back("layers.*.attention.wv", kv_style());
-    plan.emplace_back("layers.*.attention.wo", RowwiseParallel({.output_layouts = between}));
-    if (config.qk_norm) {
-      plan.emplace_back("layers.*.attention.q_norm", ReplicatedHeadNorm());
-      plan.emplace_back("layers.*.attention.k_norm", ReplicatedHeadNorm());
-    }
-    // Post norms take the sequence shards wo and w2 reduce-scatter to and hand plain shards back
-    // to the residual sum; without SP they run whole, as the other norms.
-    if (sp && config.post_norms) {
-      plan.emplace_back("layers.*.attention_post_norm",
-                        SequenceParallel({.use_local_output = true}));
-    }
-    if (sp) plan.emplace_back("layers.*.ffn_norm", SequenceParallel());
-    if (!overlap) {
-      plan.emplace_back("layers.*.feed_forward",
-                        PrepareModuleInput({.input_layouts = Layouts{between},
-                                            .desired_input_layouts = Layouts{Replicate()}}));
-    }
-    plan.emplace_back("layers.*.feed_forward.w1", ColwiseParallel());
-    plan.emplace_back("layers.*.feed_forward.w2", RowwiseParallel({.output_layouts = between}));
-    plan.emplace_back("layers.*.feed_forward.w3", ColwiseParallel());
-    if (sp && config.post_norms) {
-      plan.emplace_back("layers.*.ffn_post_norm", SequenceParallel({.use_local_output = true}));
-    }
+    if (auto style = row_style(c, row.plan)) plan.emplace_back("layers.*." + module, *style);
   }
   return plan;
 }
@@ -238,69 +279,59 @@ tp::ParallelizePlan decoder_plan(const DecoderConfig& config, int64_t tp, bool s
 void apply_tensor_parallel(TransformerImpl& model, const DeviceMesh& device_mesh,
                            TensorParallelOptions options) {
   const DeviceMesh mesh = tp_mesh_of(device_mesh);
-  TORCH_CHECK(!model.tp_state(), "apply_tensor_parallel: the model is already parallelized");
+  for (const auto& p : model.parameters())
+    TORCH_CHECK(!is_dtensor(p), "apply_tensor_parallel: the model is already parallelized",
+                model.is_pipeline_stage() ? c10::str(" (pipeline stage ", model.stage_index(), ")")
+                                          : std::string());
   const DecoderConfig& config = model.config();
   config.validate_tp(mesh.size());
-  const bool sp = options.sequence_parallel, lp = options.loss_parallel;
+  // A pipeline stage's activations cross its boundaries whole: sequence parallelism would leave
+  // sequence-sharded DTensors there.
+  const bool stage = model.is_pipeline_stage();
+  const bool sp = options.sequence_parallel && !stage, lp = options.loss_parallel;
   if (options.overlap_comm) {
-    TORCH_CHECK(
-        sp,
-        "apply_tensor_parallel: overlap_comm overlaps the sequence-parallel all-gathers and "
-        "reduce-scatters, so it needs sequence_parallel=true (got false); set "
-        "overlap_comm=false or enable sequence parallelism");
-    TORCH_CHECK(config.kv_heads() % mesh.size() == 0,
-                "apply_tensor_parallel: overlap_comm needs "
-                "wk/wv ColwiseParallel, i.e. n_kv_heads divisible by tp; got n_kv_heads=",
-                config.kv_heads(), " and tp=", mesh.size(),
-                ". Set overlap_comm=false or use a tp "
-                "degree that divides n_kv_heads");
-    TORCH_CHECK(!config.qkv_bias && !config.wo_bias,
-                "apply_tensor_parallel: overlap_comm multiplies by the projection weights alone; "
-                "the config has attention biases (qkv_bias/wo_bias). Set overlap_comm=false");
-    TORCH_CHECK(options.overlap_chunks >= 1,
-                "apply_tensor_parallel: overlap_chunks must be at least 1, got ",
-                options.overlap_chunks);
+    TORCH_CHECK(!stage, "apply_tensor_parallel: pipeline stage ", model.stage_index(),
+                ": overlap_comm needs sequence parallelism, which pipeline stages do not use; set "
+                "overlap_comm=false");
+    TORCH_CHECK(!options.plan,
+                "apply_tensor_parallel: overlap_comm overlaps the built-in plan's "
+                "collectives; a plan of your own has its own");
+    try {
+      detail::check_overlap_comm(config, mesh.size(), options);
+    } catch (const c10::Error& e) {
+      TORCH_CHECK(false, "apply_tensor_parallel: ", e.msg());
+    }
   }
+  PlanParts parts;
+  parts.embedding = !model.tok_embeddings.is_empty();
+  parts.head = !model.output.is_empty();
+  parts.head_shares_embedding = parts.embedding && parts.head && config.tie_embeddings;
+  parts.layers = !model.layers->empty();
+  const PlanChoices choices{
+      config, mesh.size(), sp, lp, parts, options.overlap_comm, options.overlap_chunks};
+  tp::parallelize_module(model, mesh, options.plan ? *options.plan : decoder_plan(choices),
+                         options.src_data_rank);
+  if (parts.head_shares_embedding) model.tie_output_to_embedding();
+  // The checks of sequence parallelism, where the plan meets its input.
+  if (sp && parts.embedding) {
+    const int64_t tp = mesh.size();
+    model.register_forward_pre_hook([tp](torch::nn::Module& m, tp::ModuleCall& call) {
+      const at::Tensor& tokens = call.args.at(0).toTensor();
+      if (tokens.dim() == 2) detail::check_sequence_parallel_length(tokens.size(1), tp);
+      if (m.is_training())
+        detail::check_dropout_without_sequence_parallel(
+            dynamic_cast<TransformerImpl&>(m).config().dropout);
+    });
+  }
+}
+
+tp::ParallelizePlan tensor_parallel_plan(const DecoderConfig& config, int64_t tp,
+                                         const TensorParallelOptions& options) {
   PlanParts parts;
   parts.head_shares_embedding = config.tie_embeddings;
   parts.layers = config.n_layers > 0;
-  tp::parallelize_module(model, mesh,
-                         decoder_plan(config, mesh.size(), sp, lp, parts, options.overlap_comm),
-                         options.src_data_rank);
-  if (options.overlap_comm) {
-    for (const auto& layer : *model.layers) {
-      auto& block = *layer->as<TransformerBlock>();
-      block.attention->overlap = OverlapComm{mesh, options.overlap_chunks};
-      block.feed_forward->overlap = OverlapComm{mesh, options.overlap_chunks};
-    }
-  }
-  if (config.tie_embeddings) model.tie_output_to_embedding();
-  std::optional<int64_t> head_chunks;
-  if (options.overlap_comm) head_chunks = options.overlap_chunks;
-  model.set_tp_state({mesh, sp, lp, head_chunks});
-}
-
-void apply_tensor_parallel(TransformerStageImpl& stage, const DeviceMesh& device_mesh,
-                           TensorParallelOptions options) {
-  const DeviceMesh mesh = tp_mesh_of(device_mesh);
-  TORCH_CHECK(!stage.tp_state, "apply_tensor_parallel: ", "pipeline stage ", stage.stage_index(),
-              " is already parallelized");
-  const DecoderConfig& config = stage.config();
-  config.validate_tp(mesh.size());
-  // Sequence parallelism would leave sequence-sharded DTensors at the stage boundaries.
-  const bool lp = options.loss_parallel;
-  TORCH_CHECK(!options.overlap_comm, "apply_tensor_parallel: pipeline stage ", stage.stage_index(),
-              ": overlap_comm needs sequence parallelism, which pipeline "
-              "stages do not use; set overlap_comm=false");
-  PlanParts parts;
-  parts.embedding = !stage.tok_embeddings.is_empty();
-  parts.head = !stage.output.is_empty();
-  parts.head_shares_embedding = parts.embedding && parts.head && config.tie_embeddings;
-  parts.layers = !stage.layers->empty();
-  tp::parallelize_module(stage, mesh, decoder_plan(config, mesh.size(), /*sp=*/false, lp, parts),
-                         options.src_data_rank);
-  if (parts.head_shares_embedding) stage.output->weight = stage.tok_embeddings->weight;
-  stage.tp_state = TransformerImpl::TensorParallelState{mesh, false, lp};
+  return decoder_plan({config, tp, options.sequence_parallel, options.loss_parallel, parts,
+                       options.overlap_comm, options.overlap_chunks});
 }
 
 }  // namespace dtensor::models

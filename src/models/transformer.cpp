@@ -1,4 +1,5 @@
-// The Llama model (torchtitan's llama3), its deterministic initialisation and the loss.
+// The decoder (torchtitan's llama3 and its families), whole or a pipeline stage of it, its
+// deterministic initialisation and the loss.
 #include "dtensor/models/transformer.h"
 
 #include <ATen/ATen.h>
@@ -10,18 +11,15 @@
 #include "dtensor/core/api.h"
 #include "dtensor/core/dtensor_impl.h"
 #include "dtensor/models/residual_dropout.h"
+#include "dtensor/pp/pipeline.h"
 #include "dtensor/tp/loss_parallel.h"
-#include "dtensor/tp/overlap.h"
+#include "dtensor/util/hash.h"
 #include "meta_construction.h"
+#include "parameter_schema.h"
 
 namespace dtensor::models {
 
 namespace {
-
-// Without overlap, autograd sums the input gradients of wq, wk and wv as (v + k) + q: the value
-// path's backward finishes first (its nodes were created last), then the key's. The overlapped
-// projections sum in the same order so that their results are bitwise the same.
-const std::vector<int64_t> kQkvGradSumOrder{2, 1, 0};
 
 // A q/k norm weight as attention uses it: replicated under TP, its local value enters with a
 // Partial gradient (each rank's heads give part of it), summed by reduce_partial_grads.
@@ -39,14 +37,11 @@ struct ParameterRegistry : torch::nn::Module {
   }
 };
 
-// FNV-1a: a hash that is the same in every build, so seeds do not depend on the library.
+// FNV-1a: a hash that is the same in every build, so seeds do not depend on the library. Its
+// basis is not FNV's standard one (a digit short of it), and stays so: every initial weight
+// depends on it.
 uint64_t stable_hash(uint64_t seed, const std::string& s) {
-  uint64_t h = 1469598103934665603ULL ^ (seed * 0x9E3779B97F4A7C15ULL);
-  for (unsigned char c : s) {
-    h ^= c;
-    h *= 1099511628211ULL;
-  }
-  return h;
+  return util::fnv1a(s, 1469598103934665603ULL ^ (seed * util::kSplitMix64Gamma));
 }
 
 // torch.nn.init.trunc_normal_ (absolute bounds a, b), drawn in float64 on the CPU.
@@ -74,6 +69,29 @@ at::Tensor llama3_scaled_frequencies(const at::Tensor& freqs, const Llama3RopeSc
   return at::where(medium, blended, scaled);
 }
 
+// The initial value of a parameter of `shape` drawn as `init` says (block `layer`'s).
+at::Tensor initial_value(detail::Init init, at::IntArrayRef shape, int64_t layer,
+                         const DecoderConfig& config, at::Generator gen) {
+  switch (init) {
+    case detail::Init::kEmbedding:
+      return at::empty(shape, at::kDouble).normal_(0.0, 1.0, gen);
+    case detail::Init::kProjection:
+      return trunc_normal(shape, 0.02, -2.0, 2.0, gen);
+    case detail::Init::kDepthScaled:  // torchtitan's depth init: output paths shrink with depth
+      return trunc_normal(shape, 0.02 / std::sqrt(2.0 * static_cast<double>(layer + 1)), -2.0, 2.0,
+                          gen);
+    case detail::Init::kHead: {
+      const double std = 1.0 / std::sqrt(static_cast<double>(config.dim));
+      return trunc_normal(shape, std, -3 * std, 3 * std, gen);
+    }
+    case detail::Init::kNormScale:  // where the scale is one (offset + weight, nn::RMSNorm)
+      return at::full(shape, 1.0 - config.norm_weight_offset, at::kDouble);
+    case detail::Init::kZeros:
+      return at::zeros(shape, at::kDouble);
+  }
+  TORCH_CHECK(false, "Transformer::init_weights: unknown initialisation");
+}
+
 }  // namespace
 
 // ---- modules ----
@@ -91,11 +109,7 @@ FeedForwardImpl::FeedForwardImpl(int64_t dim, int64_t hidden_dim, std::string ac
 at::Tensor FeedForwardImpl::forward(const at::Tensor& x) {
   return call_forward(
       [this](const at::Tensor& x) {
-        if (!overlap) return w2(detail::gated_activation(w1(x), w3(x), activation));
-        const auto h =
-            tp::all_gather_matmul(x, {w1->weight, w3->weight}, overlap->mesh, overlap->chunks);
-        return tp::matmul_reduce_scatter(detail::gated_activation(h[0], h[1], activation),
-                                         w2->weight, overlap->mesh, overlap->chunks);
+        return w2(detail::gated_activation(w1(x), w3(x), activation));
       },
       x);
 }
@@ -128,28 +142,23 @@ AttentionImpl::AttentionImpl(const DecoderConfig& config, int64_t layer_id)
 at::Tensor AttentionImpl::forward(const at::Tensor& x, const at::Tensor& rope) {
   return call_forward(
       [this](const at::Tensor& x, const at::Tensor& rope) {
-        at::Tensor q, k, v;
-        if (overlap) {
-          const auto qkv = tp::all_gather_matmul(x, {wq->weight, wk->weight, wv->weight},
-                                                 overlap->mesh, overlap->chunks, kQkvGradSumOrder);
-          q = qkv[0], k = qkv[1], v = qkv[2];
-        } else {
-          q = wq(x), k = wk(x), v = wv(x);
-        }
-        const at::Tensor r = rope.unsqueeze(0);
-        const at::Tensor xq =
-            detail::heads(q, head_dim, norm_weight(q_norm), norm_eps, r, norm_offset);
-        const at::Tensor xk =
-            detail::heads(k, head_dim, norm_weight(k_norm), norm_eps, r, norm_offset);
-        const at::Tensor xv = detail::heads(v, head_dim, {}, norm_eps, {});
-        const at::Tensor mask =
-            detail::attention_mask(0, xq.size(1), /*padding=*/{}, window, xq.device());
-        const at::Tensor out = detail::attend(xq, xk, xv, mask, /*cache=*/nullptr, scale);
-        if (overlap)
-          return tp::matmul_reduce_scatter(out, wo->weight, overlap->mesh, overlap->chunks);
-        return wo(out);
+        // In this order: autograd then sums the input's gradient as (v + k) + q, which the
+        // overlapped plan reproduces (argument evaluation order would be unspecified).
+        const at::Tensor q = wq(x), k = wk(x), v = wv(x);
+        return wo(attend(q, k, v, rope));
       },
       x, rope);
+}
+
+at::Tensor AttentionImpl::attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                 const at::Tensor& rope) {
+  const at::Tensor r = rope.unsqueeze(0);
+  const at::Tensor xq = detail::heads(q, head_dim, norm_weight(q_norm), norm_eps, r, norm_offset);
+  const at::Tensor xk = detail::heads(k, head_dim, norm_weight(k_norm), norm_eps, r, norm_offset);
+  const at::Tensor xv = detail::heads(v, head_dim, {}, norm_eps, {});
+  const at::Tensor mask =
+      detail::attention_mask(0, xq.size(1), /*padding=*/{}, window, xq.device());
+  return detail::attend(xq, xk, xv, mask, /*cache=*/nullptr, scale);
 }
 
 TransformerBlockImpl::TransformerBlockImpl(int64_t layer_id_, const DecoderConfig& config)
@@ -185,12 +194,15 @@ at::Tensor TransformerBlockImpl::forward(const at::Tensor& x, const at::Tensor& 
       x, rope);
 }
 
-TransformerImpl::TransformerImpl(DecoderConfig config) : config_(std::move(config)) {
+TransformerImpl::TransformerImpl(DecoderConfig config)
+    : config_(std::move(config)), end_layer_(config_.n_layers) {
   config_.validate();
   tok_embeddings =
       register_module("tok_embeddings", dtensor::nn::Embedding(config_.vocab_size, config_.dim));
-  layers = register_module("layers", torch::nn::ModuleList());
-  for (int64_t i = 0; i < config_.n_layers; ++i) layers->push_back(TransformerBlock(i, config_));
+  std::vector<std::pair<std::string, std::shared_ptr<torch::nn::Module>>> blocks;
+  for (int64_t i = 0; i < config_.n_layers; ++i)
+    blocks.emplace_back(std::to_string(i), TransformerBlock(i, config_).ptr());
+  layers = register_module("layers", torch::nn::ModuleDict(blocks));
   dtensor::nn::RMSNormOptions norm_options(config_.dim);
   norm_options.eps = config_.norm_eps;
   norm_options.weight_offset = config_.norm_weight_offset;
@@ -217,7 +229,76 @@ TransformerImpl::TransformerImpl(DecoderConfig config) : config_(std::move(confi
   if (!meta) init_weights(0);
 }
 
+TransformerImpl::TransformerImpl(TransformerImpl& whole, int64_t stage, int64_t num_stages)
+    : config_(whole.config()),
+      stage_(stage),
+      num_stages_(num_stages),
+      pipeline_stage_(true),
+      rope_table_(whole.rope_table_),
+      local_rope_table_(whole.local_rope_table_) {
+  for (const auto& p : whole.parameters())
+    TORCH_CHECK(!is_dtensor(p),
+                "split_transformer_stage: split the model before apply_tensor_parallel (then "
+                "parallelize each stage with apply_tensor_parallel(stage, mesh))");
+  TORCH_CHECK(!whole.is_pipeline_stage(),
+              "split_transformer_stage: the model is a pipeline stage "
+              "already; split the whole model");
+  std::tie(first_layer_, end_layer_) = pp::stage_layer_range(config_.n_layers, stage, num_stages);
+  const bool first = stage == 0, last = stage == num_stages - 1;
+  if (first) tok_embeddings = register_module("tok_embeddings", whole.tok_embeddings);
+  std::vector<std::pair<std::string, std::shared_ptr<torch::nn::Module>>> blocks;
+  for (int64_t i = first_layer_; i < end_layer_; ++i)
+    blocks.emplace_back(std::to_string(i), whole.layers[std::to_string(i)]);
+  layers = register_module("layers", torch::nn::ModuleDict(blocks));
+  if (!last) return;
+  norm = register_module("norm", whole.norm);
+  if (!config_.tie_embeddings || first) {
+    output = register_module("output", whole.output);
+    return;
+  }
+  // The embedding lives on the first stage: this stage gets a copy of its own, kept equal by
+  // summing the two stages' gradients (make_pipeline_stage ties them).
+  const at::Tensor& embedding = whole.tok_embeddings->weight;
+  const auto make_output = [this] {
+    output =
+        dtensor::nn::Linear(torch::nn::LinearOptions(config_.dim, config_.vocab_size).bias(false));
+  };
+  if (embedding.is_meta()) {  // shapes only, like the whole: init_stage_weights fills it
+    detail::MetaConstructionGuard meta;
+    make_output();
+  } else {
+    // Linear's own initialisation draws from the default generator: restore it, so that this
+    // rank's later random numbers (a batch drawn alike on every rank) stay the others'.
+    at::Generator gen = at::detail::getDefaultCPUGenerator();
+    const at::Tensor state = gen.get_state();
+    make_output();
+    gen.set_state(state);
+  }
+  output->to(embedding.scalar_type());
+  if (!embedding.is_meta()) {
+    at::NoGradGuard no_grad;
+    output->weight.copy_(embedding);
+  }
+  output = register_module("output", output);
+  tied_across_stages_ = true;
+}
+
+TransformerBlockImpl& TransformerImpl::block(int64_t layer) const {
+  const std::string key = std::to_string(layer);
+  TORCH_CHECK(layers->contains(key), "Transformer: block ", layer, " is not in this ",
+              pipeline_stage_ ? "pipeline stage" : "model");
+  return *(*layers)[key]->as<TransformerBlockImpl>();
+}
+
+std::vector<TransformerBlockImpl*> TransformerImpl::blocks() const {
+  std::vector<TransformerBlockImpl*> out;
+  for (const auto& item : *layers) out.push_back(item.value()->as<TransformerBlockImpl>());
+  return out;
+}
+
 void TransformerImpl::tie_output_to_embedding() {
+  // A pipeline stage holds one end at most (the last stage's head is a copy of its own).
+  if (tok_embeddings.is_empty() || output.is_empty()) return;
   // The output head uses the embedding's weight but does not register it: parameters() then
   // lists it once (as Python's dedup does), so an optimizer steps it once.
   auto& registry = ParameterRegistry::of(*output);
@@ -233,65 +314,60 @@ at::Tensor TransformerImpl::rope(int64_t seqlen, const at::TensorOptions& option
   return (local ? local_rope_table_ : rope_table_).slice(0, 0, seqlen).to(options);
 }
 
-at::Tensor TransformerImpl::forward(const at::Tensor& tokens) {
+at::Tensor TransformerImpl::forward(const at::Tensor& input) {
   return call_forward(
-      [this](const at::Tensor& tokens) {
-        TORCH_CHECK(tokens.dim() == 2, "Transformer: tokens must be (batch, seqlen), got ",
-                    tokens.sizes());
-        const int64_t seqlen = tokens.size(1);
+      [this](const at::Tensor& input) {
+        at::Tensor h = input;
         // FSDP swaps the embedding's weight for its gathered tensor around each forward (and TP
         // for its DTensor): a tied head computes with whatever the embedding holds now.
         if (config_.tie_embeddings) tie_output_to_embedding();
-        if (tp_state_ && tp_state_->sequence_parallel) {
-          const int64_t tp = tp_state_->mesh.size();
-          TORCH_CHECK(seqlen % tp == 0, "sequence length ", seqlen, " is not divisible by tp=", tp,
-                      ": sequence parallelism keeps equal sequence shards as plain local "
-                      "tensors; pad the batch to a multiple of ",
-                      tp, " or apply_tensor_parallel with sequence_parallel=false");
-          TORCH_CHECK(!is_training() || config_.dropout == 0,
-                      "Transformer: residual dropout keys its masks by whole sequences, but "
-                      "sequence parallelism gives each rank a slice of them; apply_tensor_parallel "
-                      "with sequence_parallel=false, or set DecoderConfig::dropout to 0");
+        if (!tok_embeddings.is_empty()) {
+          TORCH_CHECK(input.dim() == 2, "Transformer", stage_label(),
+                      ": tokens must be (batch, seqlen), got ", input.sizes());
+          h = detail::scale_embeddings(tok_embeddings(input), config_.dim,
+                                       config_.scale_embeddings);
+        } else {
+          TORCH_CHECK(input.dim() == 3 && input.size(2) == config_.dim, "Transformer",
+                      stage_label(), ": expected hidden states (batch, seqlen, ", config_.dim,
+                      "), got ", input.sizes());
         }
-        auto h =
-            detail::scale_embeddings(tok_embeddings(tokens), config_.dim, config_.scale_embeddings);
+        // The whole sequence (tokens are whole on every rank; a stage's hidden states are whole,
+        // as stages run without sequence parallelism).
         const at::Tensor& local = is_dtensor(h) ? local_tensor(h) : h;
+        const int64_t seqlen = tok_embeddings.is_empty() ? local.size(1) : input.size(1);
         // The global table, and the sliding layers' own when their base differs.
         const at::Tensor rope_table = rope(seqlen, local.options());
         const at::Tensor local_table =
             local_rope_table_.defined() ? local_rope_table_.slice(0, 0, seqlen).to(local.options())
                                         : rope_table;
-        for (int64_t i = 0; i < static_cast<int64_t>(layers->size()); ++i) {
-          const bool slides = config_.window(i) > 0;
-          h = layers[i]->as<TransformerBlock>()->forward(h, slides ? local_table : rope_table);
+        for (TransformerBlockImpl* block : blocks()) {
+          const bool slides = config_.window(block->layer_id) > 0;
+          h = block->forward(h, slides ? local_table : rope_table);
         }
-        const double cap = config_.final_logit_softcap;
-        if (tp_state_ && tp_state_->overlap_chunks)
-          return detail::softcap(overlapped_head(norm(h)), cap);
-        return detail::softcap(output(norm(h)), cap);
+        if (!norm.is_empty()) h = norm(h);
+        if (output.is_empty()) return h;
+        return detail::softcap(output(h), config_.final_logit_softcap);
       },
-      tokens);
+      input);
 }
 
-// The output head with its input all-gather in pieces: the local matmul ColwiseParallel (or
-// the tied head's input/output conversions) would run, so the logits are bitwise the same,
-// vocab-sharded under loss parallel and gathered whole otherwise.
-at::Tensor TransformerImpl::overlapped_head(const at::Tensor& x) {
-  const TensorParallelState& tp = *tp_state_;
-  const at::Tensor local =
-      tp::all_gather_matmul(x, {output->weight}, tp.mesh, *tp.overlap_chunks)[0];
-  const at::Tensor logits = from_local(local, tp.mesh, {Shard(local.dim() - 1)});
-  if (tp.loss_parallel) return logits;
-  return to_local(redistribute(logits, {Replicate()}));
+std::string TransformerImpl::stage_label() const {
+  if (!pipeline_stage_) return "";
+  return " (pipeline stage " + std::to_string(stage_) + " of " + std::to_string(num_stages_) + ")";
 }
 
 void TransformerImpl::init_weights(uint64_t seed) {
   at::NoGradGuard no_grad;
-  auto set = [&](const std::string& name, at::Tensor& param, auto draw) {
+  const auto params = named_parameters(/*recurse=*/true);
+  for (const detail::NamedRow& entry : detail::parameter_names(config_)) {
+    const at::Tensor* found = params.find(entry.name);
+    if (found == nullptr) continue;  // in another pipeline stage
+    const at::Tensor& param = *found;
     // A parameter without memory belongs to another rank's pipeline stage (init_stage_weights).
-    if ((is_dtensor(param) ? local_tensor(param) : param).is_meta()) return;
-    auto gen = at::make_generator<at::CPUGeneratorImpl>(stable_hash(seed, name));
-    at::Tensor full = draw(param.sizes(), gen);
+    if ((is_dtensor(param) ? local_tensor(param) : param).is_meta()) continue;
+    auto gen = at::make_generator<at::CPUGeneratorImpl>(stable_hash(seed, entry.name));
+    const at::Tensor full =
+        initial_value(entry.row->init, param.sizes(), entry.layer, config_, gen);
     if (is_dtensor(param)) {
       // Keep this rank's chunk of the whole value: no communication.
       const auto& spec = spec_of(param);
@@ -301,58 +377,6 @@ void TransformerImpl::init_weights(uint64_t seed) {
     } else {
       param.copy_(full);
     }
-  };
-  auto normal = [](double std) {
-    return [std](at::IntArrayRef shape, at::Generator gen) {
-      return at::empty(shape, at::kDouble).normal_(0.0, std, gen);
-    };
-  };
-  auto truncated = [](double std, double a = -2.0, double b = 2.0) {
-    return [=](at::IntArrayRef shape, at::Generator gen) {
-      return trunc_normal(shape, std, a, b, gen);
-    };
-  };
-  // Norm weights start where their scale is one (offset + weight, dtensor::nn::RMSNorm).
-  const double one = 1.0 - config_.norm_weight_offset;
-  auto ones = [one](at::IntArrayRef shape, at::Generator) {
-    return at::full(shape, one, at::kDouble);
-  };
-
-  set("tok_embeddings.weight", tok_embeddings->weight, normal(1.0));
-  for (size_t i = 0; i < layers->size(); ++i) {
-    auto block = layers[i]->as<TransformerBlock>();
-    const std::string p = "layers." + std::to_string(i) + ".";
-    // torchtitan's depth init: output projections shrink with depth.
-    const double init_std = 0.02 / std::sqrt(2.0 * static_cast<double>(i + 1));
-    set(p + "attention_norm.weight", block->attention_norm->weight, ones);
-    set(p + "ffn_norm.weight", block->ffn_norm->weight, ones);
-    if (!block->attention_post_norm.is_empty()) {
-      set(p + "attention_post_norm.weight", block->attention_post_norm->weight, ones);
-      set(p + "ffn_post_norm.weight", block->ffn_post_norm->weight, ones);
-    }
-    set(p + "attention.wq.weight", block->attention->wq->weight, truncated(0.02));
-    set(p + "attention.wk.weight", block->attention->wk->weight, truncated(0.02));
-    set(p + "attention.wv.weight", block->attention->wv->weight, truncated(0.02));
-    set(p + "attention.wo.weight", block->attention->wo->weight, truncated(init_std));
-    set(p + "feed_forward.w1.weight", block->feed_forward->w1->weight, truncated(0.02));
-    set(p + "feed_forward.w2.weight", block->feed_forward->w2->weight, truncated(init_std));
-    set(p + "feed_forward.w3.weight", block->feed_forward->w3->weight, truncated(init_std));
-    auto& a = *block->attention;
-    auto zeros = [](at::IntArrayRef shape, at::Generator) { return at::zeros(shape, at::kDouble); };
-    std::pair<const char*, dtensor::nn::Linear> projections[] = {
-        {"wq", a.wq}, {"wk", a.wk}, {"wv", a.wv}, {"wo", a.wo}};
-    for (auto& [name, linear] : projections) {
-      if (linear->bias.defined()) set(p + "attention." + name + ".bias", linear->bias, zeros);
-    }
-    if (!a.q_norm.is_empty()) {
-      set(p + "attention.q_norm.weight", a.q_norm->weight, ones);
-      set(p + "attention.k_norm.weight", a.k_norm->weight, ones);
-    }
-  }
-  set("norm.weight", norm->weight, ones);
-  if (!config_.tie_embeddings) {
-    const double std = 1.0 / std::sqrt(static_cast<double>(config_.dim));
-    set("output.weight", output->weight, truncated(std, -3 * std, 3 * std));
   }
 }
 

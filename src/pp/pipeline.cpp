@@ -8,7 +8,7 @@
 
 #include "dtensor/comm/collectives.h"
 #include "dtensor/comm/comm_debug_mode.h"
-#include "dtensor/comm/error_message.h"
+#include "dtensor/util/error_message.h"
 #include "dtensor/comm/failure.h"
 #include "dtensor/core/api.h"
 #include "dtensor/core/dtensor_impl.h"
@@ -54,7 +54,7 @@ void guarded(const PipelineStage& stage, const std::string& where, F&& f) {
   try {
     f();
   } catch (const std::exception& e) {
-    fail(stage, where, comm::error_message(e));
+    fail(stage, where, util::error_message(e));
   }
 }
 
@@ -102,15 +102,7 @@ void send_activation(const at::Tensor& out, std::optional<at::Tensor>& like, int
 
 }  // namespace
 
-std::optional<DeviceMesh> get_pp_mesh(const DeviceMesh& mesh) {
-  if (mesh.has_dim_names()) {
-    for (const auto& name : mesh.dim_names())
-      if (name == "pp") return mesh.ndim() == 1 ? mesh : mesh["pp"];
-    return std::nullopt;
-  }
-  if (mesh.ndim() == 1) return mesh;
-  return std::nullopt;
-}
+std::optional<DeviceMesh> get_pp_mesh(const DeviceMesh& mesh) { return mesh_for_role(mesh, "pp"); }
 
 std::pair<int64_t, int64_t> stage_layer_range(int64_t n_layers, int64_t stage, int64_t num_stages) {
   TORCH_CHECK(num_stages >= 1 && stage >= 0 && stage < num_stages, "stage_layer_range: stage ",
@@ -337,6 +329,50 @@ at::Tensor Schedule::step(const at::Tensor& inputs, const at::Tensor& targets) {
   timing_.total_s = seconds_since(start);
   if (losses_.empty()) return {};
   return at::stack(losses_).mean();
+}
+
+at::Tensor Schedule::eval(const at::Tensor& inputs, int64_t n_microbatches) {
+  at::NoGradGuard no_grad;
+  const int64_t m = n_microbatches > 0 ? n_microbatches : n_microbatches_;
+  auto& pg = stage_.pp_mesh_.group(0);
+  const auto device_options = at::TensorOptions().device(stage_.pp_mesh_.device());
+  std::vector<at::Tensor> in_mb, outputs;
+  if (stages_.front()->is_first()) {
+    TORCH_CHECK(inputs.defined() && inputs.dim() >= 1 && inputs.size(0) % m == 0,
+                stages_.front()->label(), ": evaluation inputs must be a tensor whose dim 0 (",
+                inputs.defined() && inputs.dim() ? inputs.size(0) : 0, ") splits into ", m,
+                " equal micro-batches");
+    in_mb = inputs.chunk(m, 0);
+  }
+  std::vector<comm::PendingResult> sends;
+  // Stage by stage in order (a rank's stages are pp apart): every receive waits only for a
+  // lower stage, which its rank reaches first, and sends do not block.
+  for (PipelineStage* st : stages_) {
+    const int64_t g = st->stage_index();
+    // This call's activation shapes at the stage's boundaries, sent with the first micro-batch.
+    std::optional<at::Tensor> in_like, out_like;
+    for (int64_t i = 0; i < m; ++i) {
+      guarded(*st, "evaluation forward of micro-batch " + std::to_string(i), [&] {
+        const at::Tensor x =
+            st->is_first()
+                ? in_mb[i]
+                : recv_activation(in_like, device_options, static_cast<int>(st->rank_of(g - 1)), pg,
+                                  shape_tag(g - 1), forward_tag(g - 1, m, i));
+        at::Tensor out = st->forward(x);
+        if (st->is_last()) {
+          outputs.push_back(out);
+          return;
+        }
+        send_activation(out, out_like, static_cast<int>(st->rank_of(g + 1)), pg, shape_tag(g),
+                        forward_tag(g, m, i), sends);
+      });
+    }
+  }
+  guarded(stage_, "end of evaluation, waiting for its sends", [&] {
+    for (auto& sent : sends) sent.wait();
+  });
+  if (outputs.empty()) return {};
+  return outputs.size() == 1 ? outputs.front() : at::cat(outputs, 0);
 }
 
 void PipelineStage::set_boundary_activations(std::optional<at::Tensor> input_like,

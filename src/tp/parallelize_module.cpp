@@ -18,6 +18,7 @@
 #include "dtensor/comm/recording_backend.h"
 #include "dtensor/core/distribute_module.h"
 #include "dtensor/tp/module_hooks.h"
+#include "dtensor/util/hash.h"
 #include "style_support.h"
 
 namespace dtensor::tp {
@@ -190,14 +191,7 @@ std::vector<SetupItem> parse_setup(const std::string& text) {
 }
 
 // FNV-1a: equal texts give equal hashes on every rank and build.
-int64_t setup_hash(const std::string& text) {
-  uint64_t h = 1469598103934665603ULL;
-  for (unsigned char c : text) {
-    h ^= c;
-    h *= 1099511628211ULL;
-  }
-  return static_cast<int64_t>(h);
-}
+int64_t setup_hash(const std::string& text) { return static_cast<int64_t>(util::fnv1a(text)); }
 
 // The first difference between rank 0's setup and rank `r`'s.
 std::string first_difference(const std::string& text0, const std::string& text_r, int64_t r) {

@@ -9,11 +9,11 @@
 #include <map>
 #include <tuple>
 
+#include "common/options.h"
+#include "common/run_config.h"
 #include "dtensor/comm/process_group.h"
 #include "plan/simulate.h"
 #include "support/distributed.h"
-#include "train/options.h"
-#include "train/run_config.h"
 
 using namespace dtensor;
 

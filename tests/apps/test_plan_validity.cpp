@@ -4,11 +4,16 @@
 
 #include <cstdio>
 #include <fstream>
+#include <functional>
 #include <iterator>
 #include <string>
+#include <vector>
 
+#include "common/run_config.h"
+#include "dtensor/models/hf_checkpoint.h"
 #include "plan/estimate.h"
 #include "support/distributed.h"
+#include "support/errors.h"
 #include "support/shell.h"
 #include "support/temp_dir.h"
 
@@ -72,9 +77,11 @@ TEST(PlanValidity, MoreStagesThanLayers) {
                  {"at least one block per stage", "4 layers"});
 }
 
-// Pipeline stages with FSDP inside them are a layout now; with plain replication they are not.
-TEST(PlanValidity, PipelineWithPlainDataParallelIsNotSupportedYet) {
-  expect_refused(layout(4, {{"pp", 2}, {"dp", 2}}), {"--pp 2 cannot be combined with --dp"});
+// Pipeline stages with FSDP inside them are a layout, and so are stages replicated over dp.
+TEST(PlanValidity, PipelineWithPlainDataParallelIsALayout) {
+  const plan::Plan p = plan::make_plan(layout(4, {{"pp", 2}, {"dp", 2}}), {});
+  EXPECT_TRUE(p.refusals.empty()) << p.refusals[0];
+  EXPECT_FALSE(p.ranks.empty());
 }
 
 TEST(PlanValidity, PipelineWithFsdpIsAValidLayout) {
@@ -100,7 +107,9 @@ TEST(PlanValidity, BFloat16FsdpOverSequenceParallelTpPlans) {
 TEST(PlanValidity, ALibraryErrorWhileSimulatingIsRefusedWithoutAStackTrace) {
   std::ifstream in(std::string(DTENSOR_TRAIN_PLANS) + "/llama_tp.json");
   std::string plan_text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-  const std::string wo = R"x("layers.*.attention.wo": "RowwiseParallel(output_layouts=Shard(1))")x";
+  const std::string wo =
+      R"x("layers.*.attention.wo": "RowwiseParallel(input_layouts=(Shard(dim=-1),), )x"
+      R"x(output_layouts=(Shard(dim=1),), use_local_output=True)")x";
   const auto at = plan_text.find(wo);
   ASSERT_NE(at, std::string::npos) << "the built-in plan no longer has " << wo;
   plan_text.replace(at, wo.size(), R"x("layers.*.attention.wo": "RowwiseParallel()")x");
@@ -126,17 +135,114 @@ TEST(PlanValidity, ALibraryErrorWhileSimulatingIsRefusedWithoutAStackTrace) {
   EXPECT_EQ(r.output.find("frame #"), std::string::npos) << r.output;
 }
 
+// Every rule of combining the parallelisms with the model and the batch is the library's
+// (models::ParallelDims::validate): dtensor_plan refuses a layout in the words dtensor_train
+// refuses it with, one case per rule the trainer held before.
+TEST(PlanValidity, RefusesLayoutsInTheTrainersWords) {
+  struct Case {
+    const char* rule;
+    int64_t world;
+    std::function<void(train::TrainOptions&)> set;
+    const char* words;
+  };
+  const std::vector<Case> cases = {
+      {"heads over tp", 3, [](train::TrainOptions&) {}, "n_heads=4 is not divisible by tp=3"},
+      {"sequence over tp", 4, [](train::TrainOptions& o) { o.seq_len = 30; },
+       "sequence length 30 is not divisible by tp=4"},
+      {"dropout under sequence parallelism", 2, [](train::TrainOptions& o) { o.dropout = 0.1; },
+       "residual dropout keys its masks by whole sequences"},
+      {"overlap without sequence parallelism", 2,
+       [](train::TrainOptions& o) {
+         o.overlap_comm = true;
+         o.sequence_parallel = false;
+       },
+       "overlap_comm overlaps the built-in plan's sequence-parallel"},
+      {"overlap in pipeline stages", 2,
+       [](train::TrainOptions& o) {
+         o.pp = 2;
+         o.overlap_comm = true;
+       },
+       "overlap_comm does not apply to pipeline parallelism (pp=2)"},
+      {"blocks per stage", 8,
+       [](train::TrainOptions& o) {
+         o.pp = 8;
+         o.microbatches = 8;
+       },
+       "needs at least one block per stage, but the model has 4 layers for 8 stages"},
+      {"micro-batches", 2,
+       [](train::TrainOptions& o) {
+         o.pp = 2;
+         o.microbatches = 3;
+       },
+       "the batch of 8 rows does not split into microbatches=3 equal micro-batches"},
+      {"interleaved rounds", 2,
+       [](train::TrainOptions& o) {
+         o.pp = 2;
+         o.schedule = "interleaved";
+         o.batch_size = 10;
+         o.microbatches = 5;
+       },
+       "use microbatches a multiple of 2 or below 4"},
+      {"batch over dp", 4,
+       [](train::TrainOptions& o) {
+         o.dp_shard = 4;
+         o.batch_size = 6;
+       },
+       "the batch of 6 rows does not split over dp=4 data-parallel ranks"},
+      {"dp with dp_shard", 4,
+       [](train::TrainOptions& o) {
+         o.dp = 2;
+         o.dp_shard = 2;
+       },
+       "(HSDP: replicas of FSDP groups) is not built yet"},
+      {"mixed precision without FSDP", 2,
+       [](train::TrainOptions& o) { o.mixed_precision = "bf16"; },
+       "mixed precision (fsdp.param_dtype) is FSDP's"},
+      {"mixed precision in float64", 2,
+       [](train::TrainOptions& o) {
+         o.dp_shard = 2;
+         o.mixed_precision = "bf16";
+         o.dtype = "float64";
+       },
+       "FSDP's mixed precision keeps float32 parameters"},
+      {"layout-invariant segments", 2, [](train::TrainOptions& o) { o.layout_invariant = 3; },
+       "the layout-invariant mode (P=3): P is the number of canonical segments"},
+      {"layout-invariant with dp", 2,
+       [](train::TrainOptions& o) {
+         o.layout_invariant = 4;
+         o.dp = 2;
+       },
+       "plain data parallelism's all-reduce (dp_replicate=2) is not canonical yet"},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.rule);
+    plan::Layout l = layout(c.world, {});
+    c.set(l.options);
+    std::string trainer = "(accepted)";
+    try {
+      train::resolve_run_config(l.options, c.world);
+    } catch (const std::exception& e) {
+      trainer = e.what();
+    }
+    EXPECT_CONTAINS(trainer, c.words);
+    const plan::Plan p = plan::make_plan(l, {});
+    ASSERT_EQ(p.refusals.size(), 1u);
+    EXPECT_EQ(p.refusals[0], trainer);
+  }
+}
+
 TEST(PlanValidity, BatchDoesNotSplitIntoMicrobatches) {
-  expect_refused(layout(2, {{"pp", 2}, {"microbatches", 3}}), {"--microbatches 3"});
+  expect_refused(layout(2, {{"pp", 2}, {"microbatches", 3}}),
+                 {"does not split into microbatches=3 equal micro-batches"});
 }
 
 TEST(PlanValidity, BatchNotDivisibleByDp) {
   expect_refused(layout(4, {{"dp_shard", 4}, {"batch", 6}}),
-                 {"--batch-size 6 is not divisible by --dp-shard 4"});
+                 {"the batch of 6 rows does not split over dp=4 data-parallel ranks"});
 }
 
 TEST(PlanValidity, SequenceNotDivisibleForSequenceParallelism) {
-  expect_refused(layout(4, {{"seq", 30}}), {"--seq-len is 30", "multiple of 4"});
+  expect_refused(layout(4, {{"seq", 30}}), {"sequence length 30", "multiple of 4"});
 }
 
 TEST(PlanValidity, OverTheDeviceMemory) {
@@ -225,4 +331,27 @@ TEST(PlanValidity, APlanAfterOtherLayoutsInOneProcessEqualsItsPlanAlone) {
         }
       },
       {.init_process_group = false});
+}
+
+// --hf-config builds the run from the checkpoint's config as an object: the same plan as that
+// config written to a --config file, and nothing written meanwhile (a temporary config file was
+// left in TMPDIR when a usage error ended the run before).
+TEST(PlanValidity, AHuggingFaceConfigPlansAsItsConfigFileAndWritesNoFile) {
+  const std::string hf = std::string(DTENSOR_HF_FIXTURES) + "/family_models/qwen3";
+  dtensor::testing::TempDir dir, tmp;
+  const std::string config = dir.file("qwen3.json");
+  std::ofstream(config) << models::read_hf_config(hf).config.to_json();
+  const std::string plan = "env TMPDIR=" + tmp.path().string() + " " + DTENSOR_PLAN_PATH +
+                           " --world-size 2 --seq-len 32 --progress none ";
+  // Everything but the last line, the simulation's own wall time.
+  auto without_timing = [](std::string text) { return text.substr(0, text.rfind("\nsimulated")); };
+  const auto from_hf = dtensor::testing::shell(plan + "--hf-config " + hf);
+  const auto from_file = dtensor::testing::shell(plan + "--config " + config);
+  ASSERT_EQ(from_hf.exit_code, 0) << from_hf.output;
+  ASSERT_EQ(from_file.exit_code, 0) << from_file.output;
+  EXPECT_EQ(without_timing(from_hf.output), without_timing(from_file.output));
+  const auto usage = dtensor::testing::shell("env TMPDIR=" + tmp.path().string() + " " +
+                                             DTENSOR_PLAN_PATH + " --search --hf-config " + hf);
+  EXPECT_EQ(usage.exit_code, 2) << usage.output;
+  EXPECT_EQ(tmp.entries(), std::vector<std::string>{});
 }

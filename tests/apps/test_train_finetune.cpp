@@ -23,6 +23,10 @@
 #include <string>
 #include <vector>
 
+#include "common/corpus.h"
+#include "common/options.h"
+#include "common/run_config.h"
+#include "common/trainer.h"
 #include "dtensor/checkpoint/checkpoint.h"
 #include "dtensor/checkpoint/checkpoint_manager.h"
 #include "dtensor/checkpoint/safetensors.h"
@@ -33,11 +37,7 @@
 #include "support/fixture_copy.h"
 #include "support/shell.h"
 #include "support/temp_dir.h"
-#include "train/corpus.h"
 #include "train/metrics.h"
-#include "train/options.h"
-#include "train/run_config.h"
-#include "train/trainer.h"
 
 using namespace dtensor;
 using namespace dtensor::train;

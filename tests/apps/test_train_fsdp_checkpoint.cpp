@@ -9,14 +9,14 @@
 #include <string>
 #include <vector>
 
+#include "common/corpus.h"
+#include "common/run_config.h"
+#include "common/tokenizer.h"
+#include "common/trainer.h"
 #include "dtensor/dtensor.h"
 #include "support/distributed.h"
 #include "support/temp_dir.h"
 #include "train/checkpoints.h"
-#include "train/corpus.h"
-#include "train/run_config.h"
-#include "train/tokenizer.h"
-#include "train/trainer.h"
 
 using namespace dtensor;
 using namespace dtensor::train;

@@ -247,7 +247,7 @@ TEST(TrainRun, PlanFileWithAnotherPlanMatchesOneDevice) {
   // Megatron's plan as the file gives it: activations replicated between blocks and the logits
   // gathered (no sequence or loss parallelism).
   TempDir dir;
-  std::ofstream(dir.file("megatron.json")) << R"json({
+  std::ofstream(dir.file("megatron.json")) << R"json({"sequence_parallel": false, "plan": {
     "tok_embeddings": "RowwiseParallel(input_layouts=Replicate())",
     "output": "ColwiseParallel(output_layouts=Replicate())",
     "layers.*.attention.wq": "ColwiseParallel()",
@@ -257,7 +257,7 @@ TEST(TrainRun, PlanFileWithAnotherPlanMatchesOneDevice) {
     "layers.*.feed_forward.w1": "ColwiseParallel()",
     "layers.*.feed_forward.w2": "RowwiseParallel()",
     "layers.*.feed_forward.w3": "ColwiseParallel()"
-  })json";
+  }})json";
   const auto r = train(2, {"--steps", "3", "--plan", dir.file("megatron.json"), "--out",
                            dir.file("run"), "--verify-tp1"});
   ASSERT_EQ(r.exit_code, 0) << r.output;
@@ -267,8 +267,9 @@ TEST(TrainRun, PlanFileWithAnotherPlanMatchesOneDevice) {
 TEST(TrainRun, BadPlanFileFailsOnceNamingTheFileAndTheEntry) {
   TempDir dir;
   const std::string bad = dir.file("bad.json");
-  std::ofstream(bad) << R"json({"layers.*.attention.wq": "ColwiseParallel()",
-    "layers.*.attention.wo": "RowwiseParallel(output_layout=Shard(1))"})json";
+  std::ofstream(bad) << R"json({"sequence_parallel": false, "plan": {
+    "layers.*.attention.wq": "ColwiseParallel()",
+    "layers.*.attention.wo": "RowwiseParallel(output_layout=Shard(1))"}})json";
   auto r = train(2, {"--steps", "1", "--plan", bad, "--out", dir.file("run")});
   EXPECT_EQ(r.exit_code, 2) << r.output;
   const std::string named = "--plan " + bad + ": entry \"layers.*.attention.wo\"";
@@ -276,13 +277,13 @@ TEST(TrainRun, BadPlanFileFailsOnceNamingTheFileAndTheEntry) {
   EXPECT_CONTAINS(r.output, "unknown style arguments: output_layout");
 
   const std::string broken = dir.file("broken.json");
-  std::ofstream(broken) << R"json({"output": )json";
+  std::ofstream(broken) << R"json({"plan": {"output": )json";
   r = train(2, {"--steps", "1", "--plan", broken, "--out", dir.file("run")});
   EXPECT_EQ(r.exit_code, 2) << r.output;
   EXPECT_CONTAINS(r.output, "--plan " + broken + ": not valid JSON");
 
   const std::string not_text = dir.file("not_text.json");
-  std::ofstream(not_text) << R"json({"output": 3})json";
+  std::ofstream(not_text) << R"json({"sequence_parallel": false, "plan": {"output": 3}})json";
   r = train(2, {"--steps", "1", "--plan", not_text, "--out", dir.file("run")});
   EXPECT_EQ(r.exit_code, 2) << r.output;
   EXPECT_CONTAINS(r.output,
@@ -291,6 +292,26 @@ TEST(TrainRun, BadPlanFileFailsOnceNamingTheFileAndTheEntry) {
   r = train(2, {"--steps", "1", "--plan", dir.file("missing.json"), "--out", dir.file("run")});
   EXPECT_EQ(r.exit_code, 2) << r.output;
   EXPECT_CONTAINS(r.output, "--plan " + dir.file("missing.json") + ": cannot open the file");
+
+  // A plan says whether it shards the sequence: a file of styles alone is refused naming the key.
+  const std::string unsaid = dir.file("unsaid.json");
+  std::ofstream(unsaid) << R"json({"plan": {"output": "ColwiseParallel()"}})json";
+  r = train(2, {"--steps", "1", "--plan", unsaid, "--out", dir.file("run")});
+  EXPECT_EQ(r.exit_code, 2) << r.output;
+  EXPECT_CONTAINS(r.output, "--plan " + unsaid + ": \"sequence_parallel\" must be true or false");
+}
+
+// --print-plan writes the plan a launch would apply as a --plan file: the shipped llama_tp.json
+// is what it prints for the tiny preset (the built-in plan, from the parameter schema).
+TEST(TrainRun, PrintPlanWritesTheBuiltInPlanAsAPlanFile) {
+  const auto r = run({DTENSOR_TRAIN_PATH, "--preset", "tiny", "--print-plan"});
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_EQ(r.output, read_file(std::string(DTENSOR_TRAIN_PLANS) + "/llama_tp.json"));
+  const auto megatron =
+      run({DTENSOR_TRAIN_PATH, "--preset", "tiny", "--no-sequence-parallel", "--print-plan"});
+  ASSERT_EQ(megatron.exit_code, 0) << megatron.output;
+  EXPECT_CONTAINS(megatron.output, "\"sequence_parallel\": false");
+  EXPECT_EQ(megatron.output.find("SequenceParallel"), std::string::npos) << megatron.output;
 }
 
 // bf16 mixed precision inside pipeline stages (pp x dp_shard on 4 ranks): the blocks compute in
@@ -339,6 +360,14 @@ TEST(TrainRun, PipelineStagesTrainResumeAndMatchOneDevice) {
   EXPECT_NE(resumed.output.find("(step 2)"), std::string::npos) << resumed.output;
   EXPECT_NE(resumed.output.find("verify-tp1: PASSED"), std::string::npos) << resumed.output;
   EXPECT_EQ(read_metrics_csv(dir.file("run/metrics.csv")).size(), 4u);
+
+  // Stages replicated over plain data parallelism (pp x dp on 4 ranks): each stage's gradients
+  // averaged over dp once per step; the losses are one device's.
+  const auto replicated = train(4, {"--pp", "2", "--dp", "2", "--dtype", "float64", "--steps", "2",
+                                    "--out", dir.file("replicated"), "--verify-tp1"});
+  ASSERT_EQ(replicated.exit_code, 0) << replicated.output;
+  EXPECT_CONTAINS(replicated.output, "PP=2 x DP=2 x TP=1 (blocks per stage 1 + 1");
+  EXPECT_CONTAINS(replicated.output, "verify-tp1: PASSED");
 
   // With FSDP inside the stages (pp x dp_shard on 4 ranks) and the interleaved schedule; its
   // checkpoint (FSDP shards gathered) resumes at (pp, tp) = (2, 1) with 1F1B and takes the

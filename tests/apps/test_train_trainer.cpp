@@ -14,6 +14,10 @@
 #include <string>
 #include <vector>
 
+#include "common/corpus.h"
+#include "common/run_config.h"
+#include "common/tokenizer.h"
+#include "common/trainer.h"
 #include "dtensor/checkpoint/checkpoint.h"
 #include "dtensor/checkpoint/checkpoint_manager.h"
 #include "dtensor/checkpoint/safetensors.h"
@@ -22,10 +26,6 @@
 #include "support/errors.h"
 #include "support/temp_dir.h"
 #include "train/checkpoints.h"
-#include "train/corpus.h"
-#include "train/run_config.h"
-#include "train/tokenizer.h"
-#include "train/trainer.h"
 
 using namespace dtensor;
 using namespace dtensor::train;
@@ -61,7 +61,7 @@ void expect_like_one_device(const RunConfig& cfg, const DeviceMesh& mesh) {
   one_cfg.world_size = one_cfg.dp = one_cfg.tp = 1;
   one_cfg.fsdp = false;
   one_cfg.ac = "none";
-  EXPECT_EQ(ac::is_checkpointed(*tp.model().layers[1]), cfg.ac != "none");
+  EXPECT_EQ(ac::is_checkpointed(tp.model().block(1)), cfg.ac != "none");
   Trainer one(one_cfg, std::nullopt);
   for (int64_t step = 0; step < cfg.steps; ++step) {
     SCOPED_TRACE("step " + std::to_string(step));
@@ -190,7 +190,7 @@ TEST(TrainTrainer, DpShardRefusesBadDegreesAndDp) {
         try {
           tiny_config(4, 1, true, true, /*dp_shard=*/3);
         } catch (const std::invalid_argument& e) {
-          EXPECT_NE(std::string(e.what()).find("--dp-shard 3 does not divide the 4 ranks"),
+          EXPECT_NE(std::string(e.what()).find("dp_shard=3 does not divide the 4 ranks"),
                     std::string::npos)
               << e.what();
           throw;
@@ -612,14 +612,16 @@ TEST(TrainTrainer, LayoutInvariantRefusesWhatItDoesNotCover) {
     return std::string("(accepted)");
   };
   EXPECT_CONTAINS(refusal(2, [](TrainOptions& o) { o.layout_invariant = 3; }), "a power of two");
-  EXPECT_CONTAINS(refusal(4, [](TrainOptions& o) { o.dp_shard = 4; }), "covers --dp-shard up to 2");
-  EXPECT_CONTAINS(refusal(4, [](TrainOptions& o) { o.dp = 2; }), "with --dp");
+  EXPECT_CONTAINS(refusal(4, [](TrainOptions& o) { o.dp_shard = 4; }),
+                  "covers FSDP (dp_shard) up to 2 ranks");
+  EXPECT_CONTAINS(refusal(4, [](TrainOptions& o) { o.dp = 2; }),
+                  "plain data parallelism's all-reduce (dp_replicate=2) is not canonical yet");
   EXPECT_CONTAINS(refusal(4,
                           [](TrainOptions& o) {
                             o.pp = 2;
                             o.microbatches = 4;
                           }),
-                  "drop --microbatches 4 (it is 2)");
+                  "microbatches must be 2, not 4");
   EXPECT_CONTAINS(refusal(4,
                           [](TrainOptions& o) {
                             o.pp = 2;
@@ -630,11 +632,12 @@ TEST(TrainTrainer, LayoutInvariantRefusesWhatItDoesNotCover) {
   EXPECT_EQ(refusal(4, [](TrainOptions& o) { o.pp = 2; }), "(accepted)");
   EXPECT_CONTAINS(refusal(4, [](TrainOptions& o) { o.layout_invariant = 2; }),
                   "the TP degree 4 must divide P");
-  EXPECT_CONTAINS(refusal(2, [](TrainOptions& o) { o.overlap_comm = true; }), "--overlap-comm");
+  EXPECT_CONTAINS(refusal(2, [](TrainOptions& o) { o.overlap_comm = true; }),
+                  "does not combine with overlap_comm");
   EXPECT_CONTAINS(refusal(4, [](TrainOptions& o) { o.kv_heads = 2; }),
-                  "at TP 4 the model's 2 KV heads are replicated over TP ranks");
+                  "at tp=4: the model's 2 KV heads are replicated over the TP ranks");
   EXPECT_CONTAINS(refusal(4, [](TrainOptions& o) { o.dim = 32; }),
-                  "at TP 4 the wq projection's column shards are 8 wide; the mode needs 16");
+                  "at tp=4: the wq projection's column shards are 8 wide; the mode needs 16");
   EXPECT_EQ(refusal(4, [](TrainOptions&) {}), "(accepted)");
   EXPECT_EQ(refusal(4, [](TrainOptions& o) { o.dp_shard = 2; }), "(accepted)");
 }

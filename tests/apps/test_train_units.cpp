@@ -13,17 +13,17 @@
 #include <string>
 #include <vector>
 
+#include "common/corpus.h"
+#include "common/lr_schedule.h"
+#include "common/options.h"
+#include "common/plan_file.h"
+#include "common/run_config.h"
+#include "common/tokenizer.h"
 #include "dtensor/tp/parse_style.h"
 #include "support/temp_dir.h"
-#include "train/corpus.h"
 #include "train/loss_plot.h"
-#include "train/lr_schedule.h"
 #include "train/metrics.h"
-#include "train/options.h"
-#include "train/plan_file.h"
 #include "train/progress.h"
-#include "train/run_config.h"
-#include "train/tokenizer.h"
 
 using namespace dtensor::train;
 namespace fs = std::filesystem;
@@ -396,14 +396,16 @@ TEST(TrainRunConfig, PresetDefaultsOverridesAndTpChecks) {
 
   // heads split evenly: 3 ranks cannot share 4 heads.
   expect_error({"--preset", "tiny"}, 3, "valid tp degrees");
-  expect_error({"--preset", "tiny", "--seq-len", "30"}, 4, "--no-sequence-parallel");
-  expect_error({"--preset", "tiny", "--dp", "3"}, 4, "--dp 3 does not divide");
-  expect_error({"--preset", "tiny", "--batch-size", "3", "--dp", "2"}, 2, "not divisible by --dp");
+  expect_error({"--preset", "tiny", "--seq-len", "30"}, 4,
+               "sequence length 30 is not divisible by tp=4");
+  expect_error({"--preset", "tiny", "--dp", "3"}, 4, "dp_replicate=3 does not divide the 4 ranks");
+  expect_error({"--preset", "tiny", "--batch-size", "3", "--dp", "2"}, 2,
+               "the batch of 3 rows does not split over dp=2 data-parallel ranks");
   expect_error({"--preset", "tiny", "--warmup", "50"}, 1, "--warmup 50 is longer than the run");
   // --overlap-comm overlaps the built-in plan's sequence-parallel collectives only.
   expect_error({"--preset", "tiny", "--overlap-comm", "--no-sequence-parallel"}, 2,
-               "--overlap-comm overlaps the built-in plan's sequence-parallel collectives; drop "
-               "it, or drop --no-sequence-parallel");
+               "overlap_comm overlaps the built-in plan's sequence-parallel all-gathers and "
+               "reduce-scatters, so it needs sequence_parallel=true");
   {
     auto overlap = parse({"--preset", "tiny", "--overlap-comm"}, code);
     ASSERT_TRUE(overlap);
@@ -413,8 +415,8 @@ TEST(TrainRunConfig, PresetDefaultsOverridesAndTpChecks) {
   // --dropout: a probability below 1, keyed by whole sequences (no sequence parallelism).
   expect_error({"--preset", "tiny", "--dropout", "1"}, 1, "--dropout 1: a probability below 1");
   expect_error({"--preset", "tiny", "--dropout", "0.1"}, 2,
-               "--dropout keys each mask by whole sequences, and sequence parallelism gives each "
-               "TP rank a slice of them: add --no-sequence-parallel");
+               "residual dropout keys its masks by whole sequences, but sequence parallelism "
+               "gives each rank a slice of them");
   {
     auto dropping = parse({"--preset", "tiny", "--dropout", "0.1", "--no-sequence-parallel"}, code);
     ASSERT_TRUE(dropping);
@@ -482,17 +484,26 @@ TEST(TrainRunConfig, PipelineLayoutAndRefusals) {
   EXPECT_EQ(c.dp, 2);
   EXPECT_TRUE(c.fsdp);
   EXPECT_EQ(c.tp, 2);
-  expect_error({"--preset", "tiny", "--pp", "2", "--dp", "2"}, 4,
-               "--pp 2 cannot be combined with --dp yet: use --dp-shard N");
+  // With --dp: a pp x dp x tp mesh, the stages replicated (built: parity in the library's
+  // tests/models/test_transformer_stage.cpp).
+  o = parse({"--preset", "tiny", "--pp", "2", "--dp", "2"}, code);
+  ASSERT_TRUE(o);
+  c = resolve_run_config(*o, 4);
+  EXPECT_EQ(c.pp, 2);
+  EXPECT_EQ(c.dp, 2);
+  EXPECT_FALSE(c.fsdp);
+  EXPECT_EQ(c.tp, 1);
   expect_error({"--preset", "tiny", "--pp", "2", "--dp-shard", "3"}, 8,
-               "--dp-shard 3 does not divide");
+               "pp=2 x dp_shard=3 = 6 does not divide the 8 ranks");
   expect_error({"--preset", "tiny", "--pp", "2", "--microbatches", "3"}, 2,
-               "--batch-size 4 does not split into --microbatches 3");
+               "the batch of 4 rows does not split into microbatches=3 equal micro-batches");
   expect_error({"--preset", "tiny", "--pp", "4"}, 4, "the model has 2 layers");
-  expect_error({"--preset", "tiny", "--pp", "3"}, 4, "--pp 3 does not divide the 4 ranks");
-  expect_error({"--preset", "tiny", "--pp", "2", "--plan", "x.json"}, 2, "--plan does not apply");
+  expect_error({"--preset", "tiny", "--pp", "3"}, 4, "pp=3 does not divide the 4 ranks");
+  expect_error({"--preset", "tiny", "--pp", "2", "--plan",
+                std::string(DTENSOR_TRAIN_PLANS) + "/llama_tp.json"},
+               2, "a custom tensor-parallel plan (tp_plan) does not apply to pipeline parallelism");
   expect_error({"--preset", "tiny", "--pp", "2", "--overlap-comm"}, 2,
-               "--overlap-comm does not apply to --pp");
+               "overlap_comm does not apply to pipeline parallelism (pp=2)");
   expect_error({"--preset", "tiny", "--microbatches", "2"}, 2, "add --pp N");
   // Interleaved: v stages per rank (default 2), the formula (pp - 1) / (v M + pp - 1).
   o = parse({"--preset", "tiny", "--layers", "4", "--pp", "2", "--schedule", "interleaved",
@@ -505,12 +516,12 @@ TEST(TrainRunConfig, PipelineLayoutAndRefusals) {
   EXPECT_DOUBLE_EQ(c.bubble_formula(), 1.0 / 9);
   EXPECT_EQ(one_device(c).virtual_stages, 1);
   expect_error({"--preset", "tiny", "--pp", "2", "--schedule", "interleaved"}, 2,
-               "the model has 2 layers (--layers) for 4 stages");
+               "the model has 2 layers for 4 stages (virtual_stages=2)");
   expect_error({"--preset", "tiny", "--pp", "2", "--virtual-stages", "2"}, 2,
                "--virtual-stages applies to --schedule interleaved");
   expect_error({"--preset", "tiny", "--layers", "4", "--pp", "2", "--schedule", "interleaved",
                 "--batch-size", "10", "--microbatches", "5"},
-               2, "use --microbatches a multiple of 2 or below 4");
+               2, "use microbatches a multiple of 2 or below 4");
   EXPECT_FALSE(parse({"--pp", "2", "--schedule", "zigzag"}, code));
   EXPECT_EQ(code, 2);
 }

@@ -20,9 +20,9 @@
 #include <sstream>
 #include <thread>
 
+#include "common/local_ranks.h"
 #include "dtensor/comm/failure.h"
 #include "dtensor/dtensor.h"
-#include "launch/local_ranks.h"
 #include "support/errors.h"
 #include "support/rank_outcomes.h"
 #include "support/temp_dir.h"

@@ -16,9 +16,9 @@
 #include <thread>
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 
+#include "common/local_ranks.h"
 #include "dtensor/comm/backend.h"
 #include "dtensor/dtensor.h"
-#include "launch/local_ranks.h"
 #include "support/distributed.h"
 #include "support/errors.h"
 #include "support/mpi_job.h"

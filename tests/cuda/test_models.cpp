@@ -132,7 +132,7 @@ TEST(CudaModels, FsdpMixedPrecisionBf16StaysNearFloat32) {
       auto run = [&](fsdp::FullyShardOptions opts) {
         const auto config = tiny();
         Transformer model = cuda_model(config, at::kFloat);
-        for (auto& block : *model->layers) fsdp::fully_shard(*block, mesh, opts);
+        for (TransformerBlockImpl* block : model->blocks()) fsdp::fully_shard(*block, mesh, opts);
         fsdp::fully_shard(*model, mesh, opts);
         torch::optim::AdamW opt(model->parameters(), torch::optim::AdamWOptions(1e-3));
         std::vector<double> losses;

@@ -56,7 +56,7 @@ struct ShardSetup {
 void shard_model(TransformerImpl& model, const DeviceMesh& dp_mesh, ShardSetup setup = {}) {
   if (setup.ac) ac::apply_ac<TransformerBlockImpl>(model, ac::ACMode::full);
   const fsdp::FullyShardOptions opts{setup.reshard_after_forward};
-  for (auto& block : *model.layers) fsdp::fully_shard(*block, dp_mesh, opts);
+  for (TransformerBlockImpl* block : model.blocks()) fsdp::fully_shard(*block, dp_mesh, opts);
   fsdp::fully_shard(model, dp_mesh, opts);
 }
 
@@ -564,7 +564,7 @@ void expect_memory_divided(int64_t dp) {
   {
     Transformer model(memory_config());
     for (const auto& p : model->parameters()) param_bytes += p.numel() * 8;
-    for (const auto& p : model->layers[0]->parameters()) largest_block += p.numel() * 8;
+    for (const auto& p : model->block(0).parameters()) largest_block += p.numel() * 8;
   }
   const StepMemory one = measure_step(nullptr, {});
   const std::vector<ShardSetup> setups = {
@@ -642,7 +642,7 @@ PrefetchRun run_prefetch(const DeviceMesh& mesh, bool prefetch, bool reshard) {
   const auto config = tiny();
   Transformer model = make_model(config);
   fsdp::FullyShardOptions opts{.reshard_after_forward = reshard, .prefetch = prefetch};
-  for (auto& block : *model->layers) fsdp::fully_shard(*block, mesh, opts);
+  for (TransformerBlockImpl* block : model->blocks()) fsdp::fully_shard(*block, mesh, opts);
   fsdp::fully_shard(*model, mesh, opts);
   torch::optim::AdamW opt(model->parameters(), torch::optim::AdamWOptions(1e-2));
   PrefetchRun run;
@@ -651,7 +651,7 @@ PrefetchRun run_prefetch(const DeviceMesh& mesh, bool prefetch, bool reshard) {
   std::vector<int64_t>*at_forward = nullptr, *at_backward = nullptr;
   // Registered after fully_shard's hooks, so they run after them.
   for (size_t i = 0; i < model->layers->size(); ++i) {
-    auto* h = dynamic_cast<tp::HookedModule*>(model->layers[i].get());
+    auto* h = dynamic_cast<tp::HookedModule*>(&model->block(static_cast<int64_t>(i)));
     h->register_forward_pre_hook([&, i](torch::nn::Module&, tp::ModuleCall&) {
       (*at_forward)[i] = count_records(*active, CommType::all_gather_into_tensor, false);
     });
@@ -742,7 +742,7 @@ PrecisionRun run_precision(const DeviceMesh& mesh, fsdp::FullyShardOptions opts)
   const auto config = tiny();
   Transformer model(config);
   model->init_weights(11);  // float32
-  for (auto& block : *model->layers) fsdp::fully_shard(*block, mesh, opts);
+  for (TransformerBlockImpl* block : model->blocks()) fsdp::fully_shard(*block, mesh, opts);
   fsdp::fully_shard(*model, mesh, opts);
   const auto in_use = record_parameters_in_use(*model);
   torch::optim::AdamW opt(model->parameters(), torch::optim::AdamWOptions(1e-3));

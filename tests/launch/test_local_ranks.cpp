@@ -14,7 +14,7 @@
 #include <cstring>
 #include <thread>
 
-#include "launch/local_ranks.h"
+#include "common/local_ranks.h"
 
 namespace launch = dtensor::launch;
 

@@ -218,7 +218,7 @@ void check_tp(int tp, TensorParallelOptions plan, bool tied) {
     KVCache cache(*model, 3, 20);
     EXPECT_EQ(cache.bytes(), 2 * config.n_layers * 3 * 20 * local_kv.at(tp).at(rank) * 4 * 8);
 
-    Decoder decoder(*model);
+    CachedDecoder decoder(*model);
     decoder.forward(at::tensor({1, 2, 3, 4, 5, 6}, at::kLong).view({3, 2}), cache);
     CommDebugMode comm;
     decoder.forward(at::tensor({7, 8, 9}, at::kLong).view({3, 1}), cache);

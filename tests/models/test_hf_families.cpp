@@ -389,7 +389,7 @@ TEST(HfFamilies, Gemma3PipelineStagesEqualTheWholeModel) {
   const at::Tensor tokens = reference("gemma3").at("tokens");
   at::NoGradGuard no_grad;
   const at::Tensor want = hf.model->forward(tokens);
-  TransformerStage first(*hf.model, 0, 2), last(*hf.model, 1, 2);
+  Transformer first(*hf.model, 0, 2), last(*hf.model, 1, 2);
   EXPECT_EQ(first->end_layer(), last->first_layer());
   EXPECT_LE((last->forward(first->forward(tokens)) - want).abs().max().item<double>(), 1e-12);
 }

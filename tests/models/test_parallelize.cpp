@@ -1,8 +1,8 @@
 // The library's entry point for a whole model, models::parallelize: TP over "tp", AC, FSDP over
-// "dp" on one named mesh, and fsdp::clip_grad_norm_ over the result. At (dp, tp) = (2, 2) with
-// FSDP and AC, (4, 1) with FSDP, (1, 4) TP alone, tied and untied, two AdamW steps with clipping
-// give one device's loss, norm, clipped gradients and parameters (float64, 1e-9); the dp ranks
-// each train on their rows of the batch (FSDP averages the gradients). Pipeline stages are
+// "dp" on one named mesh, and dtensor::nn::utils::clip_grad_norm_ over the result. At (dp, tp) =
+// (2, 2) with FSDP and AC, (4, 1) with FSDP, (1, 4) TP alone, tied and untied, two AdamW steps with
+// clipping give one device's loss, norm, clipped gradients and parameters (float64, 1e-9); the dp
+// ranks each train on their rows of the batch (FSDP averages the gradients). Pipeline stages are
 // tested in test_transformer_stage.cpp.
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
@@ -12,8 +12,8 @@
 #include <string>
 
 #include "dtensor/dtensor.h"
-#include "dtensor/fsdp/clip_grad_norm.h"
 #include "dtensor/models/parallelize.h"
+#include "dtensor/nn/clip_grad.h"
 #include "support/distributed.h"
 #include "support/model_compare.h"
 
@@ -88,7 +88,7 @@ void expect_matches_one_device(int64_t dp, int64_t tp, bool fully_shard, bool ac
                                       targets.narrow(0, first_row, rows));
         reduce_partial_grads(*model);
         const double ref_norm = torch::nn::utils::clip_grad_norm_(unique_parameters(*ref), 0.5);
-        const double norm = fsdp::clip_grad_norm_(unique_parameters(*model), 0.5);
+        const double norm = dtensor::nn::utils::clip_grad_norm_(unique_parameters(*model), 0.5);
         EXPECT_GT(ref_norm, 0.5);  // the gradients are scaled
         EXPECT_NEAR(norm, ref_norm, 1e-9 * ref_norm) << "gradient norm";
         const double mean_loss =
@@ -120,6 +120,10 @@ TEST(Parallelize, FsdpAloneMatchesOneDeviceDp4) {
 }
 TEST(Parallelize, TensorParallelAloneMatchesOneDeviceTp4) {
   expect_matches_one_device(1, 4, /*fully_shard=*/false, /*ac=*/true);
+}
+// "dp" without fully_shard: the ranks replicate the model and average its gradients (replicate).
+TEST(Parallelize, ReplicatedOverTensorParallelMatchesOneDeviceDp2Tp2) {
+  expect_matches_one_device(2, 2, /*fully_shard=*/false, /*ac=*/false);
 }
 
 // A mesh without "dp" cannot be fully sharded: the error names the mesh and the dim.

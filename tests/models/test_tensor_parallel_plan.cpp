@@ -270,9 +270,8 @@ TEST(LlamaTp, PlanRefusesWhatItCannotShardNamingTheFix) {
     auto mesh2d = init_device_mesh("cpu", {2, 2}, {"dp", "tp"});
     Transformer on2d(tiny(2));
     apply_tensor_parallel(*on2d, mesh2d);
-    EXPECT_EQ(on2d->tp_state()->mesh.size(), 2);
-    EXPECT_EQ(spec_of(on2d->layers[0]->as<TransformerBlock>()->attention->wq->weight).mesh(),
-              *get_tp_mesh(mesh2d));
+    EXPECT_EQ(spec_of(on2d->block(0).attention->wq->weight).mesh().size(), 2);
+    EXPECT_EQ(spec_of(on2d->block(0).attention->wq->weight).mesh(), *get_tp_mesh(mesh2d));
     auto tokens4 = at::randint(64, {1, 4}, at::kLong);
     EXPECT_TRUE(close_to_scale(full_tensor(on2d->forward(tokens4).detach()),
                                ref->forward(tokens4).detach(), 1e-5));

@@ -215,8 +215,7 @@ TEST(LlamaOverlap, RefusesWhatItCannotOverlapNamingTheFix) {
     // The functions name what they expect.
     Transformer plain(tiny(4));
     auto x = at::randn({2, 2, 32});
-    EXPECT_ERROR(tp::all_gather_matmul(
-                     x, {plain->layers[0]->as<TransformerBlock>()->attention->wq->weight}, mesh, 2),
+    EXPECT_ERROR(tp::all_gather_matmul(x, {plain->block(0).attention->wq->weight}, mesh, 2),
                  c10::Error, "tp::all_gather_matmul", "expected a 2-D DTensor Linear weight",
                  "a plain tensor", "ColwiseParallel");
   });

@@ -1,16 +1,17 @@
-// The Llama pipeline composed with FSDP and TP on a 3-D mesh ("pp", "dp", "tp") by the library's
-// entry point, parallelize_pipeline, in KempnerForge's order: each stage's blocks get TP (no
-// sequence parallelism), then AC, then fully_shard over "dp" (every block a unit with
-// reshard_after_forward, the stage's root with the embedding, norm and head). At (pp, dp, tp) =
-// (2, 2, 1), (2, 1, 2), (2, 2, 2) and (4, 2, 1), GPipe, 1F1B and interleaved 1F1B (v = 2) with
+// The Llama pipeline composed with FSDP (or plain replication) and TP on a 3-D mesh ("pp", "dp",
+// "tp") by the library's entry point, parallelize_pipeline, in KempnerForge's order: each stage's
+// blocks get TP (no sequence parallelism), then AC, then fully_shard over "dp" (every block a unit
+// with reshard_after_forward, the stage's root with the embedding, norm and head). At (pp, dp, tp)
+// = (2, 2, 1), (2, 1, 2), (2, 2, 2) and (4, 2, 1), GPipe, 1F1B and interleaved 1F1B (v = 2) with
 // M = 2 and 4 micro-batches per dp rank, tied and untied embeddings, three AdamW steps give the
-// loss, every gradient (clipped by one fsdp::clip_grad_norm_ to a max norm below the norm) and
-// every parameter of one device on the whole batch (float64, 1e-9). Per step, every rank issues
-// exactly one all-gather and one reduce-scatter per FSDP unit on its dp group (the schedule
-// defers the gradient sync to each stage's last micro-batch, and the units keep their gathered
-// parameters meanwhile), and the point-to-point messages of the pipeline alone; the TP
-// all_reduces summed over the stages of a pp group are the whole model's under the same plan,
-// M times.
+// loss, every gradient (clipped by one nn::utils::clip_grad_norm_ to a max norm below the norm)
+// and every parameter of one device on the whole batch (float64, 1e-9); so do stages replicated
+// over dp at (2, 2, 1) and (2, 2, 2) with M = 2. Per step, every rank issues exactly one
+// all-gather and one reduce-scatter per FSDP unit on its dp group (the schedule defers the
+// gradient sync to each stage's last micro-batch, and the units keep their gathered parameters
+// meanwhile), or one all_reduce per replicated stage, and the point-to-point messages of the
+// pipeline alone; the TP all_reduces summed over the stages of a pp group are the whole model's
+// under the same plan, M times.
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 #include <torch/nn/utils/clip_grad.h>
@@ -49,16 +50,16 @@ const char* kind_name(Kind k) {
 // entry point (models/parallelize.h), and their schedule.
 struct Built : LlamaStages {
   int64_t fsdp_units = 0;  // on this rank
-  fsdp::ClipGradNormOptions clip;
+  dtensor::nn::utils::ClipGradNormOptions clip;
 };
 
 Built build(const DeviceMesh& mesh, const DecoderConfig& config, Kind kind, bool ac,
-            int64_t microbatches) {
+            int64_t microbatches, bool fully_shard) {
   Transformer whole = meta_transformer(config);  // no rank holds the whole model
   whole->to(at::kDouble);
   ParallelizeOptions par{.tp = {.loss_parallel = true},
                          .ac = ac ? ac::ACMode::full : ac::ACMode::none,
-                         .fully_shard = true};
+                         .fully_shard = fully_shard};
   TransformerPipeline p =
       parallelize_pipeline(*whole, mesh, par,
                            {.schedule = kind == Kind::GPipe      ? "gpipe"
@@ -81,9 +82,12 @@ int64_t count(const CommCounts& c, CommType t) {
   return it == c.end() ? 0 : it->second;
 }
 
-// M = `microbatches` per dp rank; the batch has max(4, dp M) rows.
-void expect_layout_matches(int64_t pp, int64_t dp, int64_t tp, int64_t microbatches) {
-  run_ranks(static_cast<int>(pp * dp * tp), [pp, dp, tp, microbatches](int) {
+// M = `microbatches` per dp rank; the batch has max(4, dp M) rows. The dp ranks shard the stages
+// (FSDP) or, without `fully_shard`, replicate them (their gradients averaged after the last
+// micro-batch, one all_reduce per stage).
+void expect_layout_matches(int64_t pp, int64_t dp, int64_t tp, int64_t microbatches,
+                           bool fully_shard = true) {
+  run_ranks(static_cast<int>(pp * dp * tp), [pp, dp, tp, microbatches, fully_shard](int) {
     auto mesh = init_device_mesh("cpu", {pp, dp, tp}, {"pp", "dp", "tp"});
     const int64_t kMicrobatches = microbatches, kBatch = std::max<int64_t>(4, dp * microbatches);
     const int64_t dp_rank = mesh.get_local_rank("dp"), rows = kBatch / dp;
@@ -99,7 +103,7 @@ void expect_layout_matches(int64_t pp, int64_t dp, int64_t tp, int64_t microbatc
         Transformer ref(config);
         ref->to(at::kDouble);
         ref->init_weights(11);
-        Built b = build(mesh, config, kind, ac, kMicrobatches);
+        Built b = build(mesh, config, kind, ac, kMicrobatches, fully_shard);
         // FSDP units on this rank: each of its stages' blocks, and the stage itself where it
         // holds the embedding or the norm and head (stages 0 and S - 1).
         const int64_t v = kind == Kind::Interleaved ? 2 : 1, stages = v * pp;
@@ -109,7 +113,10 @@ void expect_layout_matches(int64_t pp, int64_t dp, int64_t tp, int64_t microbatc
           const auto [first, end] = pp::stage_layer_range(config.n_layers, g, stages);
           units += (end - first) + (g == 0 || g == stages - 1 ? 1 : 0);
         }
+        if (!fully_shard) units = v;  // each stage one replicated unit
         EXPECT_EQ(b.fsdp_units, units);
+        // The dp group's all_reduces per step: one per replicated stage (one bucket each).
+        const int64_t dp_reductions = !fully_shard && dp > 1 ? v : 0;
         const auto opt = torch::optim::AdamWOptions(1e-2).weight_decay(0.1);
         torch::optim::AdamW ref_opt(ref->parameters(), opt), opt_stage(b.parameters(), opt);
         const auto ref_params = params_of(*ref), params = b.params();
@@ -134,13 +141,13 @@ void expect_layout_matches(int64_t pp, int64_t dp, int64_t tp, int64_t microbatc
           // One clip_grad_norm_ for the layout: the norm of one device's gradients, and the
           // gradients scaled as LibTorch's clip_grad_norm_ scales them (max_norm below the norm).
           const double ref_norm = torch::nn::utils::clip_grad_norm_(unique_parameters(*ref), 0.5);
-          const double norm = fsdp::clip_grad_norm_(b.parameters(), 0.5, b.clip);
+          const double norm = dtensor::nn::utils::clip_grad_norm_(b.parameters(), 0.5, b.clip);
           EXPECT_NEAR(norm, ref_norm, 1e-9 * ref_norm) << "gradient norm";
           EXPECT_GT(ref_norm, 0.5);
           counts = debug.get_comm_counts();
           // One all-gather and one reduce-scatter per unit and step (dp > 1: a 1-rank group's
           // collectives are not issued).
-          if (dp > 1) {
+          if (dp > 1 && fully_shard) {
             EXPECT_EQ(count(counts, CommType::all_gather_into_tensor), units) << debug.table();
             EXPECT_EQ(count(counts, CommType::reduce_scatter_tensor), units) << debug.table();
           }
@@ -160,8 +167,12 @@ void expect_layout_matches(int64_t pp, int64_t dp, int64_t tp, int64_t microbatc
           for (const auto& [name, p] : params) {
             SCOPED_TRACE(name);
             ASSERT_TRUE(p.grad().defined());
-            EXPECT_TRUE(
-                close_to_scale(local_of(p.grad()), part_like(p, ref_params.at(name).grad()), 1e-9))
+            // FSDP's gradients have their leaves' placements; replicated TP keeps a gradient's
+            // own (a rowwise embedding's is a whole Replicate): compared whole.
+            EXPECT_TRUE(fully_shard
+                            ? close_to_scale(local_of(p.grad()),
+                                             part_like(p, ref_params.at(name).grad()), 1e-9)
+                            : close_to_scale(whole(p.grad()), ref_params.at(name).grad(), 1e-9))
                 << "gradient";
           }
           ref_opt.step();
@@ -175,7 +186,7 @@ void expect_layout_matches(int64_t pp, int64_t dp, int64_t tp, int64_t microbatc
         // TP's collectives (all_reduce only without sequence parallelism; FSDP's are
         // all-gathers and reduce-scatters) summed over the stages of a pp group: the whole model
         // under the same plan on one micro-batch, M times (AC's recomputes replay them).
-        const int64_t mine = count(counts, CommType::all_reduce);
+        const int64_t mine = count(counts, CommType::all_reduce) - dp_reductions;
         const int64_t total = comm::all_reduce(at::tensor({mine}, at::kLong), ReduceOp::Sum,
                                                mesh.group(mesh.dim_index("pp")))
                                   .item<int64_t>();
@@ -227,6 +238,22 @@ TEST(TransformerPipeline, InitStageWeightsGivesMemoryToThisRanksStagesOnly) {
   });
 }
 
+// Which stage holds each parameter comes from the split itself: the embedding on the first, the
+// blocks by stage_layer_range, the norm and head on the last (a tied head registers none).
+TEST(TransformerPipeline, StageOfParametersFollowsTheSplit) {
+  for (bool tied : {false, true}) {
+    SCOPED_TRACE(tied ? "tied" : "untied");
+    Transformer whole = meta_transformer(tiny_pipeline_llama(tied));
+    const auto owners = stage_of_parameters(*whole, 4);
+    EXPECT_EQ(owners.size(), unique_named_parameters(*whole).size());
+    EXPECT_EQ(owners.at("tok_embeddings.weight"), 0);
+    EXPECT_EQ(owners.at("norm.weight"), 3);
+    EXPECT_EQ(owners.count("output.weight"), tied ? 0u : 1u);
+    for (int64_t layer = 0; layer < 4; ++layer)
+      EXPECT_EQ(owners.at("layers." + std::to_string(layer) + ".attention.wq.weight"), layer);
+  }
+}
+
 TEST(LlamaPipelineFsdp, TrainingMatchesOneDevicePp2Dp2) {
   for (int64_t m : {2, 4}) expect_layout_matches(2, 2, 1, m);
 }
@@ -238,4 +265,11 @@ TEST(LlamaPipelineFsdp, TrainingMatchesOneDevicePp2Dp2Tp2) {
 }
 TEST(LlamaPipelineFsdp, TrainingMatchesOneDevicePp4Dp2) {
   for (int64_t m : {2, 4}) expect_layout_matches(4, 2, 1, m);
+}
+// Pipeline stages replicated over plain data parallelism (dtensor_train --pp with --dp).
+TEST(LlamaPipelineReplicate, TrainingMatchesOneDevicePp2Dp2) {
+  expect_layout_matches(2, 2, 1, 2, /*fully_shard=*/false);
+}
+TEST(LlamaPipelineReplicate, TrainingMatchesOneDevicePp2Dp2Tp2) {
+  expect_layout_matches(2, 2, 2, 2, /*fully_shard=*/false);
 }

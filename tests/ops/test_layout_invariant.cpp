@@ -16,9 +16,9 @@
 
 #include "dtensor/checkpoint/safetensors.h"
 #include "dtensor/dtensor.h"
-#include "dtensor/fsdp/clip_grad_norm.h"
 #include "dtensor/models/generate.h"
 #include "dtensor/models/transformer.h"
+#include "dtensor/nn/clip_grad.h"
 #include "dtensor/ops/layout_invariant.h"
 #include "support/distributed.h"
 #include "support/errors.h"
@@ -194,7 +194,7 @@ TEST(LayoutInvariantMode, SequenceParallelTrainingWithClippingHasTheSameBitsAtTp
         out["loss." + std::to_string(step)] = models::loss_and_backward(logits, tokens);
         tp::reduce_partial_grads(*model);
         // Below the gradients' norm (about 2.4 at the first step), so the scaling runs.
-        norms.push_back(fsdp::clip_grad_norm_(model->parameters(), 0.5));
+        norms.push_back(dtensor::nn::utils::clip_grad_norm_(model->parameters(), 0.5));
         adamw.step();
       }
       out["norms"] = at::tensor(norms, at::kDouble);
@@ -257,11 +257,12 @@ TEST(LayoutInvariantMode, ClippingRefusesAGradientThatDoesNotSplitIntoItsBlocks)
     p.mutable_grad() = at::ones({6});
     ops::LayoutInvariantMode invariant(4);
     EXPECT_CONTAINS(
-        message_of([&] { fsdp::clip_grad_norm_({p}, 1.0); }),
+        message_of([&] { dtensor::nn::utils::clip_grad_norm_({p}, 1.0); }),
         "a gradient of shape [6] does not split into the mode's blocks (8 along dim 0)");
     at::Tensor q = at::zeros({8, 4}).requires_grad_(true);
     q.mutable_grad() = at::full({8, 4}, 0.5);
-    EXPECT_EQ(fsdp::clip_grad_norm_({q}, 100.0), std::sqrt(8.0));  // 32 squares of 0.5
+    EXPECT_EQ(dtensor::nn::utils::clip_grad_norm_({q}, 100.0),
+              std::sqrt(8.0));  // 32 squares of 0.5
   });
 }
 
@@ -285,13 +286,13 @@ TEST(LayoutInvariantMode, ClippingAddsTheStagesSumsInTheWholeModelsOrder) {
     for (int k = 0; k < 16; ++k) second_stage.push_back(grad_with(tiny));
     std::vector<at::Tensor> whole = {grad_with(1.0)};
     for (int k = 0; k < 16; ++k) whole.push_back(grad_with(tiny));
-    const double one_device = fsdp::clip_grad_norm_(whole, 100.0);
+    const double one_device = dtensor::nn::utils::clip_grad_norm_(whole, 100.0);
     EXPECT_EQ(one_device, 1.0);
-    fsdp::ClipGradNormOptions staged;
+    dtensor::nn::utils::ClipGradNormOptions staged;
     staged.stage_group = mesh.get_group(0);
     const std::vector<at::Tensor> mine =
         rank == 0 ? std::vector<at::Tensor>{grad_with(1.0)} : second_stage;
-    EXPECT_EQ(fsdp::clip_grad_norm_(mine, 100.0, staged), one_device);
+    EXPECT_EQ(dtensor::nn::utils::clip_grad_norm_(mine, 100.0, staged), one_device);
   });
 }
 

@@ -251,6 +251,42 @@ TEST(PipelineSchedule, ActionsOfGPipe1F1BAndInterleaved) {
   });
 }
 
+// Schedule::eval: forward passes only, through every stage in order (interleaved stages too),
+// the last stage's logits equal to one device's; each boundary carries one shape message and one
+// activation per micro-batch.
+TEST(PipelineSchedule, EvalRunsTheForwardThroughEveryStage) {
+  run_ranks(4, [](int) {
+    auto mesh = pp_tp_mesh(2, 2);
+    auto config = tiny_pipeline_llama(/*tied=*/false);
+    Transformer ref(config);
+    ref->to(at::kDouble);
+    ref->init_weights(11);
+    ref->eval();
+    for (Kind kind : {Kind::OneFOneB, Kind::Interleaved}) {
+      for (int64_t m : {1, 2}) {
+        SCOPED_TRACE(std::string(kind_name(kind)) + " M=" + std::to_string(m));
+        Built b = build(mesh, config, kind, /*m=*/2);
+        for (auto& st : b.stages) st->eval();
+        auto tokens = at::randint(config.vocab_size, {kBatch, kSeq}, at::kLong);
+        CommDebugMode comm;
+        const at::Tensor out = b.schedule->eval(tokens, m);
+        comm.exit();
+        EXPECT_EQ(out.defined(), b.holds_last());
+        if (out.defined()) {
+          EXPECT_TRUE(close_to_scale(whole(out), ref->forward(tokens), 1e-12)) << "logits";
+        }
+        int64_t sends = 0, recvs = 0;
+        for (const auto& pipe : b.pipes) {
+          sends += pipe->is_last() ? 0 : 1 + m;
+          recvs += pipe->is_first() ? 0 : 1 + m;
+        }
+        EXPECT_EQ(count(comm.get_comm_counts(), CommType::send), sends);
+        EXPECT_EQ(count(comm.get_comm_counts(), CommType::recv), recvs);
+      }
+    }
+  });
+}
+
 // pp = 2, v = 2, M = 4: two rounds of 2 micro-batches; the backwards run the chunks in
 // reverse (the last stage's chunk first).
 TEST(PipelineSchedule, InterleavedRunsRoundsOfMicroBatchesThroughTheChunks) {

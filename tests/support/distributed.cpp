@@ -15,9 +15,9 @@
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 #include <vector>
 
+#include "common/local_ranks.h"
 #include "dtensor/comm/failure.h"
 #include "dtensor/comm/process_group.h"
-#include "launch/local_ranks.h"
 #include "support/mpi_job.h"
 #include "support/rank_outcomes.h"
 

@@ -24,7 +24,7 @@ inline models::DecoderConfig tiny_pipeline_llama(bool tied, int64_t n_layers = 4
 }
 
 struct LlamaStages {
-  std::vector<models::TransformerStage> stages;
+  std::vector<models::Transformer> stages;
   std::vector<std::unique_ptr<pp::PipelineStage>> pipes;
   std::unique_ptr<pp::Schedule> schedule;
 

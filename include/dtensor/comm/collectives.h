@@ -22,6 +22,11 @@ class PendingResult {
   /// in errors. Built by the *_async collectives.
   PendingResult(c10::intrusive_ptr<c10d::Work> work, at::Tensor buffer,
                 std::function<at::Tensor(at::Tensor)> finish, std::string what);
+  /// A result with no collective behind it (a transition that needs no communication, or a
+  /// group of one rank): ready(), wait() returns `value`, then() applies its step at once.
+  static PendingResult completed(at::Tensor value) {
+    return PendingResult({}, std::move(value), nullptr, "");
+  }
   /// True once wait() has run (or when default-constructed); does not poll the collective.
   bool ready() const { return !work_; }
   /// Blocks until the collective completes, then returns the result; throws naming the collective

@@ -26,7 +26,7 @@
 // FSDP's rows of the tp-local tensor (PyTorch's FSDP2 puts dp first and needs _StridedShard).
 // Being DTensors, the leaves need nothing FSDP-specific elsewhere: full_tensor() gives the
 // global value, checkpoints save and load them and their optimizer state like any DTensor, and
-// fsdp::clip_grad_norm_ counts each element once from the placements.
+// nn::utils::clip_grad_norm_ counts each element once from the placements.
 //
 //   for (auto& block : *model->layers) fsdp::fully_shard(*block, dp_mesh);
 //   fsdp::fully_shard(*model, dp_mesh);   // the root last: it takes the parameters left over

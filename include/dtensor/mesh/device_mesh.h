@@ -90,6 +90,12 @@ class DeviceMesh {
 DeviceMesh init_device_mesh(const std::string& device_type, std::vector<int64_t> mesh_shape,
                             std::vector<std::string> mesh_dim_names = {});
 
+/// The 1-D mesh playing `role` ("tp", "pp", "dp", ...) in `mesh`: its dimension named `role`
+/// (the mesh itself when that is its only dimension); a 1-D mesh without names plays any one role,
+/// the one its caller passed it for; otherwise nullopt. The one rule of every role lookup
+/// (models::ParallelDims, pp::get_pp_mesh).
+std::optional<DeviceMesh> mesh_for_role(const DeviceMesh& mesh, const std::string& role);
+
 /// The mesh DTensor APIs use when none is passed (set with MeshGuard, like `with mesh:`).
 std::optional<DeviceMesh> current_mesh();
 /// Makes `mesh` the current_mesh() on this thread until destruction; guards nest.

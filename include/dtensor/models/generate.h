@@ -1,5 +1,5 @@
 #pragma once
-// Text generation for the Llama model with a KV cache, at any TP degree.
+// Text generation for the decoder with a KV cache, at any TP degree.
 //
 //   Transformer model(DecoderConfig::preset("tiny"));
 //   apply_tensor_parallel(*model, mesh, {.sequence_parallel = false});  // or any plan options
@@ -67,13 +67,16 @@ class KVCache {
   at::Tensor padding_;
 };
 
-/// The model's forward on local shards, writing into and reading from a KVCache. Built once per
-/// model (it takes the local weights, selecting the replicated KV heads a rank keeps); the model
-/// must not be re-parallelized or have its parameters replaced while a Decoder uses it.
-class Decoder {
+/// The model's forward on local shards, writing into and reading from a KVCache: the cached
+/// inference engine generate() runs. Built once per model (it takes the local weights, selecting
+/// the replicated KV heads a rank keeps); the model must not be re-parallelized or have its
+/// parameters replaced while a CachedDecoder uses it. Which weights it takes, and how each must
+/// be placed, comes from the parameter schema (src/models/parameter_schema.cpp); the TP mesh and
+/// the KV-head layout from the parameters' DTensor specs.
+class CachedDecoder {
  public:
-  /// Takes `model`'s local weights (and its TP mesh, when parallelized).
-  explicit Decoder(const TransformerImpl& model);
+  /// Takes `model`'s local weights (and the TP mesh its parameters lie on, when parallelized).
+  explicit CachedDecoder(const TransformerImpl& model);
 
   /// tokens (B, S) int64, the same on every rank, at slots [cache.length(), +S). Returns the
   /// whole-vocabulary logits of the last position (B, vocab) in the model's dtype, identical on
@@ -84,25 +87,28 @@ class Decoder {
   int64_t tp() const { return tp_; }                       ///< TP degree (1 without TP).
 
  private:
-  struct Layer {
-    at::Tensor attention_norm, wq, wk, wv, wo, ffn_norm, w1, w2, w3;
-    at::Tensor bq, bk, bv, bo, q_norm, k_norm;      // undefined where the config has none
-    at::Tensor attention_post_norm, ffn_post_norm;  // undefined without post_norms
-    int64_t window;                                 // sliding window; 0: none
-  };
   at::Tensor embed(const at::Tensor& tokens) const;
   at::Tensor all_reduce(const at::Tensor& t) const;
+  at::Tensor row_parallel(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias) const;
+  static at::Tensor column_parallel(const at::Tensor& x, const at::Tensor& w,
+                                    const at::Tensor& bias);
 
   DecoderConfig config_;
   std::optional<DeviceMesh> mesh_;
   int64_t tp_ = 1, rank_ = 0;
   at::Tensor embedding_, norm_, output_;  // local shards
   int64_t vocab_offset_ = 0;              // first vocab row of embedding_ (and output_)
-  std::vector<Layer> layers_;
+  // Per block, its local weights by the role the schema gives them (undefined where the config
+  // has none), and its sliding window (0: none).
+  std::vector<std::vector<at::Tensor>> layers_;
+  std::vector<int64_t> windows_;
   at::Tensor rope_;        // (max_seq_len, head_dim / 2, 2) in the model's dtype
   at::Tensor local_rope_;  // the sliding layers' table (rope_local_theta), else rope_
   double eps_;
 };
+
+/// The former name of CachedDecoder, kept one release.
+using Decoder [[deprecated("renamed CachedDecoder")]] = CachedDecoder;
 
 /// How the next token is chosen from the logits.
 struct SamplingOptions {

@@ -35,8 +35,8 @@ struct HfConfig {
   DecoderConfig config;
   /// torch_dtype (transformers 4) or dtype (5): the dtype of the stored weights as saved.
   c10::ScalarType dtype = c10::ScalarType::Float;
-  /// The family config.json names ("Qwen3ForCausalLM"; see docs/ARCHITECTURE.md, "Model
-  /// families").
+  /// The family config.json names ("Qwen3ForCausalLM"; see docs/ARCHITECTURE.md, "One decoder,
+  /// many families").
   std::string architecture = "LlamaForCausalLM";
 };
 

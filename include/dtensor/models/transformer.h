@@ -16,9 +16,16 @@
 //   reduce_partial_grads(*model);                    // one all_reduce for the SP norm grads
 //   opt.step();
 //
-// Without apply_tensor_parallel the model is plain LibTorch.
+// Without apply_tensor_parallel the model is plain LibTorch. The model knows nothing of how it is
+// parallelized: the plan converts its modules' inputs and outputs with hooks (and, with
+// overlap_comm, runs attention and the feed-forward through forward wrappers), and whoever needs
+// the layout (the cached decoder, the KV cache) reads it from the parameters' DTensor specs.
+//
+// A pipeline stage is the same model with parts removed (torchtitan's Decoder): the embedding,
+// the final norm and the head may be absent, and `layers` holds the stage's blocks keyed by their
+// index in the whole model (dtensor/models/transformer_stage.h cuts them).
 #include <ATen/core/Tensor.h>
-#include <torch/nn/modules/container/modulelist.h>
+#include <torch/nn/modules/container/moduledict.h>
 #include <torch/nn/pimpl.h>
 
 #include <cstdint>
@@ -29,6 +36,7 @@
 
 #include "dtensor/mesh/device_mesh.h"
 #include "dtensor/nn/layers.h"
+#include "dtensor/tp/parallelize_module.h"
 #include "dtensor/tp/partial_grads.h"
 
 namespace dtensor::models {
@@ -48,7 +56,7 @@ struct Llama3RopeScaling {
 /// families need: Qwen2's q/k/v biases, Qwen3's per-head q/k norms and decoupled head size,
 /// Mistral's and Qwen's sliding windows, Gemma 3's block). Fields left 0 are derived (see below);
 /// the defaults (and the presets) are Llama's; the families' differences are data here
-/// (docs/ARCHITECTURE.md, "Model families").
+/// (docs/ARCHITECTURE.md, "One decoder, many families").
 struct DecoderConfig {
   int64_t vocab_size = 256;    ///< Tokens in the vocabulary.
   int64_t dim = 32;            ///< Model (embedding) width.
@@ -127,14 +135,6 @@ struct DecoderConfig {
   void validate_tp(int64_t tp) const;
 };
 
-/// Set on the attention and feed-forward modules by apply_tensor_parallel with overlap_comm:
-/// their projections then run through tp::all_gather_matmul and tp::matmul_reduce_scatter
-/// (dtensor/tp/overlap.h) on `mesh`, cutting the sequence into up to `chunks` pieces.
-struct OverlapComm {
-  DeviceMesh mesh;     ///< The TP mesh (1-D).
-  int64_t chunks = 2;  ///< Pieces of the sequence shard (see tp::overlap_chunks).
-};
-
 /// The gated feed-forward: w2(act(w1(x)) * w3(x)), act as DecoderConfig::activation says (SwiGLU
 /// with silu).
 class FeedForwardImpl : public dtensor::nn::Module {
@@ -146,7 +146,6 @@ class FeedForwardImpl : public dtensor::nn::Module {
 
   dtensor::nn::Linear w1{nullptr}, w2{nullptr}, w3{nullptr};  ///< The three projections.
   std::string activation;                                     ///< DecoderConfig::activation.
-  std::optional<OverlapComm> overlap;  ///< Set by apply_tensor_parallel with overlap_comm.
 };
 /// Module holder of FeedForwardImpl.
 TORCH_MODULE(FeedForward);
@@ -159,9 +158,15 @@ class AttentionImpl : public dtensor::nn::Module {
   /// Projections (biases as config says) and q/k norms of layer `layer_id` of `config`.
   explicit AttentionImpl(const DecoderConfig& config, int64_t layer_id = 0);
   /// x: (B, S, dim). rope: (S, head_dim / 2, 2), cos and sin of the rotation angles (real, so
-  /// Gloo can communicate it); the role of torchtitan's freqs_cis. The math after the
-  /// projections is block_math.h's, which generation runs too.
+  /// Gloo can communicate it); the role of torchtitan's freqs_cis. wo(attend(wq(x), wk(x),
+  /// wv(x), rope)).
   at::Tensor forward(const at::Tensor& x, const at::Tensor& rope);
+  /// The attention between the projections: the projected q, k, v (B, S, heads * head_dim, the
+  /// heads this rank holds) through per-head norms and rotary, the causal (sliding) mask and
+  /// scaled dot-product attention; returns (B, S, q heads * head_dim). block_math.h's math, which
+  /// generation runs too (and the overlapped plan around its own projections).
+  at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                    const at::Tensor& rope);
 
   int64_t n_heads, n_kv_heads, head_dim;  ///< Query heads, KV heads (before TP) and head size.
   int64_t window;                         ///< Sliding window of this layer; 0: none.
@@ -173,7 +178,6 @@ class AttentionImpl : public dtensor::nn::Module {
   /// Per-head RMSNorms (head_dim) of queries and keys; null unless config.qk_norm. Under TP their
   /// weights are replicated and their gradients Partial (summed by reduce_partial_grads).
   dtensor::nn::RMSNorm q_norm{nullptr}, k_norm{nullptr};
-  std::optional<OverlapComm> overlap;  ///< Set by apply_tensor_parallel with overlap_comm.
 };
 /// Module holder of AttentionImpl.
 TORCH_MODULE(Attention);
@@ -201,16 +205,24 @@ class TransformerBlockImpl : public dtensor::nn::Module {
 /// Module holder of TransformerBlockImpl.
 TORCH_MODULE(TransformerBlock);
 
-/// The whole model: embedding, blocks, final norm and output projection (vocab logits).
+/// The model: embedding, blocks, final norm and output projection (vocab logits); or a pipeline
+/// stage of it, the same model with parts removed.
 class TransformerImpl : public dtensor::nn::Module {
  public:
-  /// Builds the modules (call init_weights next); throws when `config` is invalid.
+  /// The whole model (call init_weights next); throws when `config` is invalid.
   explicit TransformerImpl(DecoderConfig config);
+  /// Stage `stage` of `num_stages` of `whole`: its blocks by pp::stage_layer_range, the
+  /// embedding on the first stage, the final norm and the head on the last, all shared with
+  /// `whole` (so parameter names are the whole model's). With tied embeddings and more than one
+  /// stage, the last stage's head gets a copy of the embedding of its own (see
+  /// tied_across_stages). Prefer split_transformer_stage (dtensor/models/transformer_stage.h).
+  TransformerImpl(TransformerImpl& whole, int64_t stage, int64_t num_stages);
 
-  /// tokens: (B, S) int64 with S <= max_seq_len, identical on every rank. Returns logits
-  /// (B, S, vocab): a plain tensor, or under loss-parallel TP a DTensor sharded on the vocab
-  /// (Shard(-1)); token_cross_entropy takes either.
-  at::Tensor forward(const at::Tensor& tokens);
+  /// tokens (B, S) int64 with S <= max_seq_len, identical on every rank, when the model has its
+  /// embedding, else hidden states (B, S, dim). Returns logits (B, S, vocab) when it has its head
+  /// - a plain tensor, or under loss-parallel TP a DTensor sharded on the vocab (Shard(-1));
+  /// token_cross_entropy takes either - else hidden states.
+  at::Tensor forward(const at::Tensor& input);
 
   /// torchtitan's initialisation drawn from `seed` alone: every parameter gets its own generator
   /// seeded from (seed, its name), values are drawn whole in float64 on the CPU and then cast.
@@ -225,38 +237,46 @@ class TransformerImpl : public dtensor::nn::Module {
   /// rope_theta.
   at::Tensor rope(int64_t seqlen, const at::TensorOptions& options, int64_t layer = -1) const;
 
-  const DecoderConfig& config() const { return config_; }  ///< The configuration it was built with.
+  const DecoderConfig& config() const { return config_; }  ///< The whole model's configuration.
 
-  dtensor::nn::Embedding tok_embeddings{nullptr};  ///< Token embedding (vocab, dim).
-  torch::nn::ModuleList layers{nullptr};           // TransformerBlock children "0", "1", ...
-  dtensor::nn::RMSNorm norm{nullptr};              ///< Final norm.
-  /// No bias. With tie_embeddings its weight member is tok_embeddings.weight and it registers no
-  /// parameter of its own, so parameters() lists the shared weight once.
+  /// Token embedding (vocab, dim); null on pipeline stages after the first.
+  dtensor::nn::Embedding tok_embeddings{nullptr};
+  /// TransformerBlock children keyed by their index in the whole model ("0", "1", ...).
+  torch::nn::ModuleDict layers{nullptr};
+  /// Final norm; null on pipeline stages before the last.
+  dtensor::nn::RMSNorm norm{nullptr};
+  /// No bias; null on pipeline stages before the last. With tie_embeddings its weight member is
+  /// tok_embeddings.weight and it registers no parameter of its own, so parameters() lists the
+  /// shared weight once.
   dtensor::nn::Linear output{nullptr};
 
-  /// Set by apply_tensor_parallel.
-  struct TensorParallelState {
-    DeviceMesh mesh;         ///< The TP mesh (1-D).
-    bool sequence_parallel;  ///< Whether the plan shards the sequence.
-    bool loss_parallel;      ///< Whether the logits stay vocab-sharded.
-    /// Set with overlap_comm (to overlap_chunks): the output head gathers its sequence-sharded
-    /// input piece by piece through tp::all_gather_matmul on `mesh`, as the blocks do.
-    std::optional<int64_t> overlap_chunks;
-  };
-  /// Set after apply_tensor_parallel; nullopt before.
-  const std::optional<TensorParallelState>& tp_state() const { return tp_state_; }
-  /// Used by apply_tensor_parallel.
-  void set_tp_state(TensorParallelState state) { tp_state_ = std::move(state); }
-  /// Points output.weight at tok_embeddings.weight (again, after the embedding was replaced).
+  /// The block of `layer` (its index in the whole model), which this model must hold.
+  TransformerBlockImpl& block(int64_t layer) const;
+  /// The blocks this model holds, in order.
+  std::vector<TransformerBlockImpl*> blocks() const;
+
+  /// Which pipeline stage this is, of how many (0 of 1: the whole model).
+  int64_t stage_index() const { return stage_; }
+  int64_t num_stages() const { return num_stages_; }    ///< 1 for the whole model.
+  int64_t first_layer() const { return first_layer_; }  ///< Index of its first block.
+  int64_t end_layer() const { return end_layer_; }      ///< One past its last block.
+  /// Whether this model was cut from a whole one for a pipeline (the stage constructor).
+  bool is_pipeline_stage() const { return pipeline_stage_; }
+  /// Whether output.weight is a copy of the embedding that lives on the first stage, kept equal
+  /// by summing the two stages' gradients (make_pipeline_stage ties them).
+  bool tied_across_stages() const { return tied_across_stages_; }
+  /// Points output.weight at tok_embeddings.weight (again, after the embedding was replaced);
+  /// nothing on a pipeline stage that lacks either.
   void tie_output_to_embedding();
 
  private:
-  at::Tensor overlapped_head(const at::Tensor& x);
+  std::string stage_label() const;  // " (pipeline stage 1 of 2)" on a stage
 
   DecoderConfig config_;
+  int64_t stage_ = 0, num_stages_ = 1, first_layer_ = 0, end_layer_ = 0;
+  bool pipeline_stage_ = false, tied_across_stages_ = false;
   at::Tensor rope_table_;  // (max_seq_len, head_dim/2, 2) float64; not a buffer, never sharded
   at::Tensor local_rope_table_;  // the same for rope_local_theta; undefined when it is unset
-  std::optional<TensorParallelState> tp_state_;
 };
 /// Module holder of TransformerImpl.
 TORCH_MODULE(Transformer);
@@ -286,19 +306,34 @@ struct TensorParallelOptions {
   bool overlap_comm = false;
   /// The most pieces the sequence shard is cut into with overlap_comm.
   int64_t overlap_chunks = 2;
+  /// A plan of the caller's own (e.g. read from a file) instead of the built-in one, applied as
+  /// given: sequence_parallel must then say whether it shards the sequence between blocks (the
+  /// checks of sequence parallelism are installed with it), the logits are vocab-sharded or not
+  /// as its "output" entry says, and overlap_comm is refused.
+  std::optional<tp::ParallelizePlan> plan;
 };
 
 /// Parallelizes `model` over `mesh` (1-D, or the dimension named "tp" of an N-D mesh) with the
 /// torchtitan plan, in place: tok_embeddings Rowwise (vocab rows), attention wq/wk/wv and
 /// feed_forward w1/w3 Colwise, wo/w2 Rowwise, output Colwise (vocab), norms SequenceParallel. Needs
 /// n_heads and the FFN hidden size divisible by tp (else throws listing valid degrees); with
-/// sequence parallelism the sequence length must be too (checked in forward). KV heads: when
-/// n_kv_heads % tp == 0, wk/wv are Colwise like wq; otherwise wk/wv stay replicated, every rank
-/// projects all KV heads and keeps those its query heads use (their gradients are Partial and
-/// summed by reduce_partial_grads). A tied embedding stays tied (both uses are Shard(0) on the
-/// vocab).
+/// sequence parallelism the sequence length must be too (a pre-hook of the model checks it, and
+/// refuses residual dropout in training). KV heads: when n_kv_heads % tp == 0, wk/wv are Colwise
+/// like wq; otherwise wk/wv stay replicated, every rank projects all KV heads and keeps those its
+/// query heads use (their gradients are Partial and summed by reduce_partial_grads). A tied
+/// embedding stays tied (both uses are Shard(0) on the vocab). A pipeline stage gets the plan of
+/// the parts it holds without sequence parallelism (options.sequence_parallel is ignored): its
+/// activations cross the stage boundaries as replicated plain tensors; the collectives per block
+/// are those of the whole model's plan without it.
 void apply_tensor_parallel(TransformerImpl& model, const DeviceMesh& mesh,
                            TensorParallelOptions options = {});
+
+/// The plan apply_tensor_parallel applies to a whole model of `config` on `tp` ranks with
+/// `options` (sequence_parallel, loss_parallel, overlap_comm), as (module path, style) in the
+/// order the entries apply: the parameters' rows (src/models/parameter_schema.cpp) each give
+/// their module its style. dtensor_train --print-plan writes it as a --plan file.
+tp::ParallelizePlan tensor_parallel_plan(const DecoderConfig& config, int64_t tp,
+                                         const TensorParallelOptions& options = {});
 
 /// The KV heads (global indices) that TP rank `rank` of `tp` keeps, in the order its query heads
 /// [rank * n_heads/tp, (rank+1) * n_heads/tp) use them: the distinct heads when each is used by the
@@ -306,7 +341,8 @@ void apply_tensor_parallel(TransformerImpl& model, const DeviceMesh& mesh,
 /// local query head. With n_kv_heads % tp == 0 these are the rank's ColwiseParallel rows of wk/wv.
 at::Tensor kv_heads_of_rank(int64_t n_heads, int64_t n_kv_heads, int64_t rank, int64_t tp);
 
-/// The mesh TP runs on: a 1-D mesh is itself, an N-D one its "tp" dim, else nullopt.
+/// The mesh TP runs on: ParallelDims::from_mesh(mesh).mesh("tp"), i.e. the dimension named "tp"
+/// (mesh_for_role's rule: a 1-D mesh without names is TP's), else nullopt.
 std::optional<DeviceMesh> get_tp_mesh(const DeviceMesh& mesh);
 
 /// Sums the pending (Partial) gradients before the optimizer step (tp/partial_grads.h).

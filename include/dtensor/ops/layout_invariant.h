@@ -17,14 +17,14 @@
 //     auto loss = F::cross_entropy(model->forward(tokens), targets);
 //     loss.backward();   // keep the mode alive here too: backward's sums are covered
 //     tp::reduce_partial_grads(*model);
-//     fsdp::clip_grad_norm_(model->parameters(), 1.0);
+//     nn::utils::clip_grad_norm_(model->parameters(), 1.0);
 //   }
 //
 // Contract (float32 tested): the TP degree of the mesh dim being summed divides max_degree, a
 // power of two; the summed dim divides into max_degree segments; column shards are at least 16
 // wide (narrower ones take another kernel path in this LibTorch). It costs one all_gather per
-// sum instead of an all_reduce, and max_degree smaller products. fsdp::clip_grad_norm_ takes its
-// own canonical sum in the mode, which also covers FSDP's leaves over at most 2 ranks; FSDP's
+// sum instead of an all_reduce, and max_degree smaller products. nn::utils::clip_grad_norm_ takes
+// its own canonical sum in the mode, which also covers FSDP's leaves over at most 2 ranks; FSDP's
 // reduce-scatter adds two ranks' gradients exactly alike in either order, so a trainer that cuts
 // its batch into 2 segments everywhere (dtensor_train does) is invariant at dp_shard 1 and 2 too,
 // and with pipeline stages whose micro-batches are those segments (the gradient norm gathers the

@@ -53,8 +53,9 @@
 
 namespace dtensor::pp {
 
-/// The mesh pipeline stages run on: the dimension named "pp" of `mesh` (itself when it is 1-D
-/// and so named), an unnamed 1-D mesh itself, else nullopt.
+/// The mesh pipeline stages run on: mesh_for_role(mesh, "pp") (dtensor/mesh/device_mesh.h), the
+/// rule models::ParallelDims reads every role by: the dimension named "pp" of `mesh` (itself when
+/// it is 1-D and so named), an unnamed 1-D mesh itself, else nullopt.
 std::optional<DeviceMesh> get_pp_mesh(const DeviceMesh& mesh);
 
 /// Layers [first, end) of stage `stage` of `num_stages` when `n_layers` are split as evenly as
@@ -164,6 +165,13 @@ class Schedule {
   /// the stage's parameters (zero them before, step the optimizer after). Returns the mean of
   /// the micro-batch losses (detached) on the last stage, an undefined tensor elsewhere.
   at::Tensor step(const at::Tensor& inputs, const at::Tensor& targets);
+
+  /// Forward passes only, without gradients (PyTorch's Schedule.eval): `inputs` (read on the
+  /// first stage) split into `n_microbatches` micro-batches along dim 0 (0: the schedule's M),
+  /// each through every stage in order. Returns the last stage's outputs joined along dim 0
+  /// (undefined on the other ranks). Each stage boundary carries one shape message per call and
+  /// one activation per micro-batch; call it between steps (it reuses the steps' tags).
+  at::Tensor eval(const at::Tensor& inputs, int64_t n_microbatches = 0);
 
   /// This stage's actions in the order the schedule runs them.
   virtual std::vector<Action> actions() const = 0;

@@ -14,9 +14,9 @@
 // TemplateProcessing (single sequences), ByteLevel, Sequence; added tokens (split out of the raw
 // or the normalized text as their `normalized` flag says, lstrip/rstrip). Anything else is
 // refused when the file is read, naming the file, the JSON key and its value (docs/ARCHITECTURE.md,
-// "Tokenizers"). Regexes run with PCRE2 in Unicode mode, normalization forms with utf8proc.
-// Independent of LibTorch. Errors throw std::invalid_argument (bad file, unsupported component,
-// text that is not UTF-8) or std::out_of_range (bad id).
+// "Tokenizers (layer `text`)"). Regexes run with PCRE2 in Unicode mode, normalization forms with
+// utf8proc. Independent of LibTorch. Errors throw std::invalid_argument (bad file, unsupported
+// component, text that is not UTF-8) or std::out_of_range (bad id).
 #include <cstdint>
 #include <memory>
 #include <optional>

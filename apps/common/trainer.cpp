@@ -1,7 +1,6 @@
 #include "trainer.h"
 
 #include <ATen/ATen.h>
-#include <ATen/CPUGeneratorImpl.h>
 
 #include <algorithm>
 #include <limits>
@@ -12,24 +11,21 @@
 #include "dtensor/core/api.h"
 #include "dtensor/core/distribute_module.h"
 #include "dtensor/core/dtensor_impl.h"
-#include "dtensor/fsdp/clip_grad_norm.h"
+#include "dtensor/models/generate.h"
 #include "dtensor/models/hf_checkpoint.h"
 #include "dtensor/models/meta_init.h"
+#include "dtensor/nn/clip_grad.h"
 #include "pipeline_part.h"
 
 namespace dtensor::train {
 
 DeviceMesh make_train_mesh(const RunConfig& cfg, const std::string& device_type) {
-  if (cfg.pp > 1 && cfg.fsdp) {
-    return init_device_mesh(device_type, {cfg.pp, cfg.dp, cfg.tp}, {"pp", "dp", "tp"});
-  }
-  if (cfg.pp > 1) return init_device_mesh(device_type, {cfg.pp, cfg.tp}, {"pp", "tp"});
-  return cfg.dp > 1 ? init_device_mesh(device_type, {cfg.dp, cfg.tp}, {"dp", "tp"})
-                    : init_device_mesh(device_type, {cfg.tp}, {"tp"});
+  return cfg.parallel_dims().build_mesh(device_type);
 }
 
 Trainer::Trainer(const RunConfig& config, std::optional<DeviceMesh> mesh)
     : config_(config), mesh_(std::move(mesh)) {
+  if (mesh_) dims_ = models::ParallelDims::from_mesh(*mesh_, config_.fsdp);
   const models::ParallelizeOptions par = parallelize_options(config_);
   if (mesh_ && config_.pp > 1) {
     // No rank builds the whole model: it is cut as shapes, and only this rank's stages get
@@ -79,15 +75,22 @@ Trainer::Trainer(const RunConfig& config, std::optional<DeviceMesh> mesh)
   optimizer_ = std::make_unique<torch::optim::AdamW>(std::move(groups), options);
 }
 
+std::optional<DeviceMesh> Trainer::dp_mesh() const {
+  if (!mesh_ || config_.dp == 1) return std::nullopt;
+  return dims_.mesh("dp");
+}
+
 at::Tensor Trainer::dp_slice(const at::Tensor& t) const {
-  if (!mesh_ || config_.dp == 1) return t;
+  const auto dp = dp_mesh();
+  if (!dp) return t;
   const int64_t rows = t.size(0) / config_.dp;
-  return t.narrow(0, mesh_->get_local_rank("dp") * rows, rows).contiguous();
+  return t.narrow(0, dp->get_local_rank() * rows, rows).contiguous();
 }
 
 int64_t Trainer::dp_first_row() const {
-  if (!mesh_ || config_.dp == 1) return 0;
-  return mesh_->get_local_rank("dp") * (config_.batch_size / config_.dp);
+  const auto dp = dp_mesh();
+  if (!dp) return 0;
+  return dp->get_local_rank() * (config_.batch_size / config_.dp);
 }
 
 models::DropoutKey Trainer::dropout_key(int64_t first_row) const {
@@ -97,39 +100,17 @@ models::DropoutKey Trainer::dropout_key(int64_t first_row) const {
 }
 
 double Trainer::mean_over_dp(double v) const {
-  if (!mesh_ || config_.dp == 1) return v;
+  const auto dp = dp_mesh();
+  if (!dp) return v;
   auto t = at::full({1}, v, at::kDouble);
-  return comm::all_reduce(t, ReduceOp::Sum, mesh_->group(mesh_->dim_index("dp"))).item<double>() /
+  return comm::all_reduce(t, ReduceOp::Sum, dp->group(0)).item<double>() /
          static_cast<double>(config_.dp);
-}
-
-// Data parallelism: each dp rank saw its slice of the batch; average the gradients over the
-// dp group with one all_reduce of all local gradient shards flattened together.
-void Trainer::all_reduce_dp_grads() {
-  if (!mesh_ || config_.dp == 1) return;
-  at::NoGradGuard no_grad;
-  std::vector<at::Tensor> locals;
-  for (const auto& p : params_) {
-    const at::Tensor& g = p.grad();
-    if (g.defined()) locals.push_back(is_dtensor(g) ? to_local(g) : g);
-  }
-  if (locals.empty()) return;
-  std::vector<at::Tensor> flat;
-  for (const auto& l : locals) flat.push_back(l.reshape({-1}));
-  auto summed =
-      comm::all_reduce(at::cat(flat), ReduceOp::Sum, mesh_->group(mesh_->dim_index("dp")));
-  summed.div_(static_cast<double>(config_.dp));
-  int64_t offset = 0;
-  for (auto& l : locals) {
-    l.copy_(summed.narrow(0, offset, l.numel()).view(l.sizes()));
-    offset += l.numel();
-  }
 }
 
 // One function for every layout (FSDP shards, DTensors, plain tensors, pipeline stages).
 double Trainer::clip_grad_norm(double max_norm) {
-  return fsdp::clip_grad_norm_(params_, max_norm,
-                               pp_ ? pp_->clip_options() : fsdp::ClipGradNormOptions{});
+  return nn::utils::clip_grad_norm_(params_, max_norm,
+                                    pp_ ? pp_->clip_options() : nn::utils::ClipGradNormOptions{});
 }
 
 models::TransformerImpl& Trainer::model() {
@@ -155,10 +136,9 @@ at::Tensor Trainer::forward_backward(const Batch& global_batch) {
   const models::DropoutKeyScope key(dropout_key(dp_first_row()));  // backward's recomputations too
   auto logits = logits_for_loss(config_, model_->forward(dp_slice(global_batch.inputs)));
   auto loss = models::loss_and_backward(logits, dp_slice(global_batch.targets));
-  if (mesh_ && !config_.fsdp) {  // FSDP's backward already reduce-scattered the gradients
-    models::reduce_partial_grads(*model_);
-    all_reduce_dp_grads();
-  }
+  // FSDP's backward reduce-scattered the gradients, replication's end averaged them over dp
+  // (models::parallelize); what TP alone leaves pending is summed here.
+  if (mesh_ && !config_.fsdp) models::reduce_partial_grads(*model_);
   return loss;
 }
 
@@ -325,7 +305,6 @@ std::vector<int64_t> Trainer::generate(const std::vector<int64_t>& prompt, int64
   const auto invariant = layout_invariant_mode();
   at::NoGradGuard no_grad;
   module().eval();
-  auto gen = at::make_generator<at::CPUGeneratorImpl>(seed);
   std::vector<int64_t> tokens = prompt;
   const int64_t window = config_.seq_len;
   for (int64_t i = 0; i < n_tokens; ++i) {
@@ -339,10 +318,11 @@ std::vector<int64_t> Trainer::generate(const std::vector<int64_t>& prompt, int64
     int64_t token = 0;
     if (logits.defined()) {
       if (is_dtensor(logits)) logits = full_tensor(logits);
-      auto last = logits.select(1, n - 1).squeeze(0).to(at::kDouble);
-      last = last.narrow(0, 0, std::min(decodable, last.size(0)));  // ids the tokenizer has
-      auto probs = at::softmax(last / temperature, 0);
-      token = at::multinomial(probs, 1, false, gen).item<int64_t>();
+      at::Tensor last = logits.select(1, n - 1);                    // (1, vocab)
+      last = last.narrow(1, 0, std::min(decodable, last.size(1)));  // ids the tokenizer has
+      // The library's sampler (generate() draws with it too): one generator per (seed, step).
+      token = models::sample_next_tokens(last, {.temperature = temperature, .seed = seed}, i)
+                  .item<int64_t>();
     }
     if (pp_) token = static_cast<int64_t>(pp_->from_last_stage(static_cast<double>(token)));
     tokens.push_back(token);

@@ -12,6 +12,7 @@
 
 #include "corpus.h"
 #include "dtensor/mesh/device_mesh.h"
+#include "dtensor/models/parallel_dims.h"
 #include "dtensor/models/residual_dropout.h"
 #include "dtensor/models/transformer.h"
 #include "dtensor/ops/layout_invariant.h"
@@ -30,8 +31,8 @@ struct StepStats {
 
 class PipelinePart;
 
-// The ranks of a run as a mesh: [pp, tp] under --pp, [dp, tp] with data parallelism, else [tp]
-// (dims named so), with local shards on `device_type`.
+// The ranks of a run as a mesh (models::ParallelDims::build_mesh: "pp", "dp" where there are
+// more than one, then "tp"), with local shards on `device_type`.
 DeviceMesh make_train_mesh(const RunConfig& config, const std::string& device_type = "cpu");
 
 // Bytes one rank holds for each kind of training state (its shards under TP or FSDP).
@@ -43,8 +44,7 @@ struct StateBytes {
 
 class Trainer {
  public:
-  // `mesh`: all ranks as [tp], [dp, tp] or, with config.pp > 1, [pp, tp] (dims named "dp",
-  // "pp", "tp"); nullopt: plain LibTorch.
+  // `mesh`: all ranks, dims named "pp", "dp", "tp" (make_train_mesh's); nullopt: plain LibTorch.
   Trainer(const RunConfig& config, std::optional<DeviceMesh> mesh);
 
   // One optimizer step on `global_batch` (this rank's dp slice of it is used) at 0-based
@@ -61,9 +61,9 @@ class Trainer {
   // Mean loss over `n_batches` validation batches, without gradients.
   double evaluate(const BatchSampler& val, int64_t n_batches);
 
-  // Up to `n_tokens` tokens continuing `prompt`, sampled with temperature from a generator
-  // seeded by `seed` (the same on every rank, so all ranks feed the same tokens), among the ids
-  // [0, decodable) the tokenizer can decode.
+  // Up to `n_tokens` tokens continuing `prompt`, sampled with temperature by the library's
+  // sampler (models::sample_next_tokens, seeded by (seed, step): the same on every rank, so all
+  // ranks feed the same tokens), among the ids [0, decodable) the tokenizer can decode.
   std::vector<int64_t> generate(const std::vector<int64_t>& prompt, int64_t n_tokens,
                                 double temperature, uint64_t seed, int64_t decodable = 256);
 
@@ -96,7 +96,8 @@ class Trainer {
   // Residual dropout's key for this step's rows from `first_row` on (models/residual_dropout.h):
   // the masks depend on the seed, the step and the global row, not on the layout.
   models::DropoutKey dropout_key(int64_t first_row) const;
-  void all_reduce_dp_grads();
+  // The data-parallel dim of the mesh (dims_' role "dp"); nullopt without data parallelism.
+  std::optional<DeviceMesh> dp_mesh() const;
   double clip_grad_norm(double max_norm);  // returns the global norm before clipping
   double mean_over_dp(double v) const;
   // --layout-invariant: this rank's segments of the global batch (kLayoutInvariantBatchSegments
@@ -109,6 +110,7 @@ class Trainer {
 
   RunConfig config_;
   std::optional<DeviceMesh> mesh_;
+  models::ParallelDims dims_;  // the roles of mesh_'s dims
   models::Transformer model_{nullptr};
   std::unique_ptr<torch::optim::AdamW> optimizer_;
   std::vector<at::Tensor> params_;

@@ -1,14 +1,14 @@
 #pragma once
-// dtensor_train --pp: this rank's pipeline stages (one, or --virtual-stages of them
-// interleaved) of the Llama model
-// (dtensor/models/transformer_stage.h) with tensor parallelism inside it (no sequence
+// dtensor_train --pp: this rank's pipeline stages (one, or --virtual-stages of them interleaved) of
+// the model (dtensor/models/transformer_stage.h) with tensor parallelism inside it (no sequence
 // parallelism), its schedule, the forward-only passes of evaluation and generation, and the
-// exchange of the whole model's state with a plain one-device Trainer for checkpoints. A
-// Trainer holds one when pipelined.
+// exchange of the whole model's state with a plain one-device Trainer for checkpoints. A Trainer
+// holds one when pipelined.
 #include <ATen/core/Tensor.h>
 #include <torch/optim/adamw.h>
 
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
@@ -37,8 +37,8 @@ class PipelinePart {
   // The last stage's copy of a tied embedding: its gradient equals the first stage's after the
   // step, so the global gradient norm counts it once (on the first stage).
   bool is_tied_copy(const at::Tensor& param) const { return pipeline_.is_tied_copy(param); }
-  // fsdp::clip_grad_norm_'s options for this rank's stages.
-  fsdp::ClipGradNormOptions clip_options() const { return pipeline_.clip_options(); }
+  // nn::utils::clip_grad_norm_'s options for this rank's stages.
+  nn::utils::ClipGradNormOptions clip_options() const { return pipeline_.clip_options(); }
 
   struct StepResult {
     double loss = 0;    // mean over the batch, on every rank
@@ -53,7 +53,8 @@ class PipelinePart {
   // The last run_schedule's micro-batch losses in order, as doubles (empty but on the last stage).
   std::vector<double> microbatch_losses() const;
 
-  // The last stage's logits for `tokens`, without gradients (undefined on the other stages).
+  // The last stage's logits for `tokens` (read on the first stage), without gradients
+  // (undefined on the other stages): pp::Schedule::eval of the batch as one micro-batch.
   at::Tensor forward(const at::Tensor& tokens);
   // The last stage's `v` on every stage.
   double from_last_stage(double v);
@@ -68,12 +69,12 @@ class PipelinePart {
                     torch::optim::AdamW& own_opt);
 
  private:
-  // The pp rank that holds the whole model's parameter `name`.
-  int64_t owner_of(const std::string& name) const;
   // This rank's parameters by their names in the whole model.
   std::vector<std::pair<std::string, at::Tensor>> named_parameters() const;
 
   RunConfig config_;
+  // The stage (of pp x virtual stages) holding each parameter of the whole model, by name.
+  std::map<std::string, int64_t> owners_;
   models::TransformerPipeline pipeline_;
   std::shared_ptr<torch::nn::Module> chunks_;
 };

@@ -1,6 +1,6 @@
 #include "options.h"
 
-#include "cli/cli.h"
+#include "cli.h"
 
 namespace dtensor::train {
 
@@ -8,10 +8,12 @@ namespace cli = dtensor::cli;
 
 const char* const kUsage = R"help(usage: dtensor_train [options]
 
-Trains the bundled Llama-style model with tensor parallelism over all ranks of the launch
-(TP degree = number of ranks), on the built-in text or a file, with AdamW and a warmup +
-cosine learning-rate schedule. Rank 0 shows progress on stderr and writes metrics.csv,
-loss.svg and checkpoints to --out.
+Trains a decoder-only transformer, a bundled preset (Llama-shaped; --preset, --config) or a
+Hugging Face checkpoint (--hf), on the ranks of the launch: tensor parallelism over the ranks
+that --dp/--dp-shard and --pp leave (TP degree = number of ranks / (dp x pp); all of them by
+default), on the built-in text or a file, with AdamW and a warmup + cosine learning-rate
+schedule. Rank 0 shows progress on stderr and writes metrics.csv, loss.svg and checkpoints to
+--out.
 
   build/apps/dtrun/dtrun -n 2 build/apps/train/dtensor_train --preset demo --verify-tp1
 
@@ -89,12 +91,17 @@ parallelism and numerics:
   --overlap-comm         overlap each block's sequence-parallel all-gathers and
                          reduce-scatters with its matmuls (same results, bitwise)
   --plan FILE            the TP plan from a JSON file instead of the built-in one (then the
-                         two options above do not apply): module paths (wildcards allowed)
-                         to styles as PyTorch writes them, applied in file order, e.g.
-                           {"layers.*.attention.wq": "ColwiseParallel()",
-                            "output": "ColwiseParallel(output_layouts=Replicate())"}
-                         apps/train/plans/llama_tp.json is the built-in plan
-  --dp N                 data-parallel degree; ranks form a dp x tp mesh (default 1)
+                         two options above do not apply): whether it shards the sequence,
+                         and module paths (wildcards allowed) to styles as PyTorch writes
+                         them, applied in file order, e.g.
+                           {"sequence_parallel": false,
+                            "plan": {"layers.*.attention.wq": "ColwiseParallel()",
+                                     "output": "ColwiseParallel(output_layouts=Replicate())"}}
+  --print-plan           print the TP plan this launch would apply, as a --plan file (the
+                         built-in one for its TP degree and the options above), and exit
+  --dp N                 data-parallel degree (plain replication: each rank trains on its rows
+                         of the batch, the gradients averaged after backward); ranks form a
+                         dp x tp mesh, pp x dp x tp with --pp (default 1)
   --dp-shard N           fully sharded data parallelism (FSDP) over N ranks: each rank holds
                          1/N of the parameters, gradients and AdamW state (of its TP share)
                          and gathers a block's parameters while it runs; ranks form a
@@ -104,7 +111,8 @@ parallelism and numerics:
                          also holds the embedding, the last the norm and output head), TP
                          without sequence parallelism inside each; ranks form a pp x tp
                          mesh, pp x dp_shard x tp with --dp-shard (FSDP inside each stage,
-                         one reduce-scatter per step); not with --dp or --plan
+                         one reduce-scatter per step) or pp x dp x tp with --dp (one
+                         all-reduce per stage and step); not with --plan
   --schedule S           pipeline schedule: gpipe | 1f1b | interleaved (default 1f1b)
   --virtual-stages V     interleaved: each rank runs V stages of V x N (round-robin; default 2)
   --microbatches M       micro-batches per step; must divide --batch-size (default: N of
@@ -197,6 +205,7 @@ void add_parallel_options(CLI::App& app, TrainOptions& o) {
       ->disable_flag_override();
   app.add_flag_callback("--overlap-comm", [&o] { o.overlap_comm = true; })->disable_flag_override();
   app.add_option("--plan", o.plan_path)->check(cli::non_empty());
+  app.add_flag("--print-plan", o.print_plan);
   app.add_option("--dp", o.dp)->check(cli::integer(1));
   app.add_option("--dp-shard", o.dp_shard)->check(cli::integer(1));
   app.add_option("--pp", o.pp)->check(cli::integer(1));

@@ -8,17 +8,14 @@
 #include <sstream>
 #include <stdexcept>
 
+#include "dtensor/util/hash.h"
+
 namespace dtensor::train {
 namespace {
 
-// splitmix64's finalizer: a good 64-bit mix, so hash(seed, stream, step, row) gives
-// independent-looking offsets without any generator state.
-uint64_t mix(uint64_t x) {
-  x += 0x9e3779b97f4a7c15ULL;
-  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ULL;
-  x = (x ^ (x >> 27)) * 0x94d049bb133111ebULL;
-  return x ^ (x >> 31);
-}
+// SplitMix64: a good 64-bit mix, so hash(seed, stream, step, row) gives independent-looking
+// offsets without any generator state.
+uint64_t mix(uint64_t x) { return util::splitmix64(x); }
 
 }  // namespace
 

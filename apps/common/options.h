@@ -5,6 +5,8 @@
 #include <string>
 #include <vector>
 
+#include "dtensor/models/transformer.h"
+
 namespace dtensor::train {
 
 struct TrainOptions {
@@ -14,6 +16,9 @@ struct TrainOptions {
   std::string hf_dir;
   std::string hf_out;  // where the fine-tuned HF directory goes; empty: OUT/hf
   std::string config_path;
+  // The model as a config object, in place of the preset and the --config file (dtensor_plan
+  // --hf-config reads one from a Hugging Face config.json); the shape flags still override it.
+  std::optional<models::DecoderConfig> model_config;
   std::optional<int64_t> dim, layers, heads, kv_heads, vocab, seq_len, ffn_dim;
 
   // Optimization.
@@ -50,7 +55,8 @@ struct TrainOptions {
   bool loss_parallel = true;
   // Overlap the sequence-parallel collectives with the matmuls (--overlap-comm).
   bool overlap_comm = false;
-  std::string plan_path;  // a TP plan as JSON instead of the built-in Llama plan (plan_file.h)
+  std::string plan_path;    // a TP plan as JSON instead of the built-in Llama plan (plan_file.h)
+  bool print_plan = false;  // print the TP plan the run would apply (as a --plan file), exit
   int64_t dp = 1;
   int64_t dp_shard = 1;                   // FSDP degree (fully_shard over that many ranks); 1: off
   std::string ac = "none";                // activation checkpointing: none | full | selective

@@ -9,6 +9,7 @@
 #include <optional>
 #include <string>
 
+#include "dtensor/models/parallel_dims.h"
 #include "dtensor/models/parallelize.h"
 #include "dtensor/models/transformer.h"
 #include "dtensor/pp/pipeline.h"
@@ -19,8 +20,8 @@
 namespace dtensor::train {
 
 // --layout-invariant: the segments each global batch is cut into whatever the layout, so also the
-// largest --dp-shard the mode covers (fsdp::clip_grad_norm_'s blocks allow dp of at most 2).
-inline constexpr int64_t kLayoutInvariantBatchSegments = 2;
+// largest --dp-shard the mode covers (the library's; models/parallel_dims.h).
+inline constexpr int64_t kLayoutInvariantBatchSegments = models::kLayoutInvariantBatchSegments;
 
 struct RunConfig {
   std::string preset;        // training defaults come from it
@@ -44,7 +45,8 @@ struct RunConfig {
   int64_t eval_batches = 0;
   c10::ScalarType dtype = c10::kFloat;
   int64_t world_size = 1, dp = 1, tp = 1;
-  bool fsdp = false;  // --dp-shard: the dp ranks shard the parameters (fully_shard)
+  // --dp-shard: the dp ranks shard the parameters (fully_shard); --dp: they replicate them
+  bool fsdp = false;
   bool sequence_parallel = true;
   bool loss_parallel = true;
   bool overlap_comm = false;          // --overlap-comm
@@ -60,13 +62,15 @@ struct RunConfig {
   // pipeline stages are told their boundary activations instead of exchanging their shapes.
   bool meta = false;
 
-  // --pp: pipeline stages (world_size = pp x tp then), their schedule and micro-batches.
+  // --pp: pipeline stages (world_size = pp x dp x tp), their schedule and micro-batches.
   int64_t pp = 1;
   std::string pp_schedule = "1f1b";  // gpipe | 1f1b | interleaved
   int64_t microbatches = 1;
   int64_t virtual_stages = 1;  // stages per rank (interleaved: --virtual-stages)
 
   int64_t tokens_per_step() const { return batch_size * seq_len; }
+  // The degrees (world_size = pp x dp x tp; dp shards with fsdp, else replicates).
+  models::ParallelDims parallel_dims() const;
   // The idle share of a step the schedule predicts: (pp - 1) / (v M + pp - 1).
   double bubble_formula() const { return pp::bubble_fraction(pp, virtual_stages, microbatches); }
   // The settings as one JSON object ({"model": ..., "train": ...}) for DIR/config.json.
@@ -80,6 +84,10 @@ RunConfig one_device(const RunConfig& config);
 // or --plan), AC, and FSDP over "dp" with --dp-shard (with bf16: compute in bfloat16, reduce
 // in float32), for the whole model and for each pipeline stage alike.
 models::ParallelizeOptions parallelize_options(const RunConfig& config);
+
+// What the library checks a layout against besides its degrees and the model
+// (ParallelDims::validate): the parallelize options, the pipeline, the batch and the dtype.
+models::TrainingOptions training_options(const RunConfig& config);
 
 // The logits the loss is computed from: float32 with bf16 mixed precision (as torchtitan
 // computes it), else as they are.

@@ -1,4 +1,4 @@
-#include "launch/local_ranks.h"
+#include "local_ranks.h"
 
 #include <arpa/inet.h>
 #include <fcntl.h>

@@ -1,11 +1,11 @@
-#include "dtensor/comm/error_message.h"
+#include "dtensor/util/error_message.h"
 
 #include <c10/util/Exception.h>
 
 #include <cstdlib>
 #include <cstring>
 
-namespace dtensor::comm {
+namespace dtensor::util {
 
 bool show_cpp_stacktraces() {
   for (const char* name : {"DTENSOR_SHOW_CPP_STACKTRACES", "TORCH_SHOW_CPP_STACKTRACES"}) {
@@ -32,4 +32,4 @@ std::string error_message(const std::exception_ptr& e) {
   }
 }
 
-}  // namespace dtensor::comm
+}  // namespace dtensor::util

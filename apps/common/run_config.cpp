@@ -11,8 +11,8 @@
 
 #include "corpus.h"
 #include "dtensor/ac/checkpoint.h"
-#include "dtensor/comm/error_message.h"
 #include "dtensor/models/hf_checkpoint.h"
+#include "dtensor/util/error_message.h"
 #include "tokenizer.h"
 
 namespace dtensor::train {
@@ -44,52 +44,22 @@ std::string num(double v) {
   return buf;
 }
 
-// --pp N: world = pp x tp; the combinations the pipeline trainer does not implement are refused.
-void resolve_pipeline(const TrainOptions& o, int64_t world_size, RunConfig& c) {
-  const std::string pp = "--pp " + std::to_string(o.pp);
-  if (o.dp > 1) {
-    bad(pp +
-        " cannot be combined with --dp yet: use --dp-shard N (FSDP inside each stage); "
-        "ranks form a pp x dp_shard x tp mesh");
-  }
-  if (!o.plan_path.empty())
-    bad("--plan does not apply to --pp: each stage uses the built-in plan without sequence "
-        "parallelism");
-  if (o.overlap_comm)
-    bad("--overlap-comm does not apply to --pp: each stage runs tensor parallelism without "
-        "sequence parallelism, whose collectives are what it overlaps");
-  if (world_size % o.pp != 0) {
-    bad(pp + " does not divide the " + std::to_string(world_size) +
-        " ranks of this launch (ranks form a pp x dp_shard x tp mesh)");
-  }
+// --pp N: the stages' schedule and micro-batches (ParallelDims::validate checks what combines).
+void resolve_pipeline(const TrainOptions& o, RunConfig& c) {
+  c.pp = o.pp;
   c.pp_schedule = o.schedule.value_or("1f1b");
   if (o.virtual_stages && c.pp_schedule != "interleaved")
     bad("--virtual-stages applies to --schedule interleaved");
   c.virtual_stages = c.pp_schedule == "interleaved" ? o.virtual_stages.value_or(2) : 1;
-  if (c.model.n_layers < o.pp * c.virtual_stages) {
-    bad(pp + " needs at least one block per stage, but the model has " +
-        std::to_string(c.model.n_layers) + " layers (--layers) for " +
-        std::to_string(o.pp * c.virtual_stages) + " stages");
-  }
-  c.pp = o.pp;
   c.microbatches = o.microbatches.value_or(o.pp);
-  if (const int64_t rounds = std::max<int64_t>(1, c.microbatches / c.pp);
-      c.pp_schedule == "interleaved" && c.microbatches % rounds != 0) {
-    bad("--schedule interleaved runs micro-batches in rounds of about " + pp +
-        " ranks: use --microbatches a multiple of " + std::to_string(c.pp) + " or below " +
-        std::to_string(2 * c.pp));
-  }
-  if (c.batch_size % c.microbatches != 0) {
-    bad("--batch-size " + std::to_string(c.batch_size) + " does not split into --microbatches " +
-        std::to_string(c.microbatches) + " equal micro-batches");
-  }
   // Activations cross stage boundaries as replicated plain tensors.
   c.sequence_parallel = false;
 }
 
 // --hf DIR: the model is the checkpoint's (options.cpp refuses the flags that would change it).
 void resolve_hf_model(const TrainOptions& o, RunConfig& c) {
-  if (!o.config_path.empty() || o.dim || o.layers || o.heads || o.kv_heads || o.ffn_dim || o.vocab)
+  if (!o.config_path.empty() || o.model_config || o.dim || o.layers || o.heads || o.kv_heads ||
+      o.ffn_dim || o.vocab)
     bad("--hf " + o.hf_dir + " gives the model (its config.json): drop --config and the " +
         "model-shape flags");
   if (!std::filesystem::is_directory(o.hf_dir)) bad("--hf: no such directory '" + o.hf_dir + "'");
@@ -97,7 +67,7 @@ void resolve_hf_model(const TrainOptions& o, RunConfig& c) {
   try {
     hf = models::read_hf_config(o.hf_dir);
   } catch (const std::exception& e) {
-    bad("--hf: " + comm::error_message(e));
+    bad("--hf: " + util::error_message(e));
   }
   c.preset = "hf";
   c.hf_dir = o.hf_dir;
@@ -119,9 +89,16 @@ void resolve_hf_model(const TrainOptions& o, RunConfig& c) {
 void resolve_model(const TrainOptions& o, RunConfig& c) {
   if (!o.hf_dir.empty()) return resolve_hf_model(o, c);
   c.preset = o.preset;
-  c.model_source = o.config_path.empty() ? "preset " + o.preset : o.config_path;
-  c.model = o.config_path.empty() ? models::DecoderConfig::preset(o.preset)
-                                  : models::DecoderConfig::from_json(read_text_file(o.config_path));
+  if (o.model_config) {
+    c.model_source = "the config given";
+    c.model = *o.model_config;
+  } else if (!o.config_path.empty()) {
+    c.model_source = o.config_path;
+    c.model = models::DecoderConfig::from_json(read_text_file(o.config_path));
+  } else {
+    c.model_source = "preset " + o.preset;
+    c.model = models::DecoderConfig::preset(o.preset);
+  }
   if (o.dim) c.model.dim = *o.dim;
   if (o.layers) c.model.n_layers = *o.layers;
   if (o.heads) c.model.n_heads = *o.heads;
@@ -168,152 +145,62 @@ void resolve_training(const TrainOptions& o, RunConfig& c) {
   c.verify_rtol = o.verify_rtol.value_or(c.dtype == c10::kDouble ? 1e-9 : 1e-4);
 }
 
-// --layout-invariant P: what the mode covers so far is tensor parallelism of a degree dividing P,
-// FSDP over up to kLayoutInvariantBatchSegments ranks and pipeline stages (one per rank).
+// --layout-invariant P: the sums of every layout the mode covers (ParallelDims::validate) in P
+// canonical segments. The norms run on whole sequences at every layout: pipeline stages cannot
+// shard them.
 void resolve_layout_invariant(const TrainOptions& o, RunConfig& c) {
-  const int64_t p = o.layout_invariant;
-  if (p == 0) return;
-  const std::string flag = "--layout-invariant " + std::to_string(p);
-  if ((p & (p - 1)) != 0)
-    bad(flag +
-        ": P is the number of canonical segments each sum is cut into: a power of two "
-        "(e.g. 4, for the same bits at TP 1, 2 and 4)");
-  const int64_t segments = kLayoutInvariantBatchSegments;
-  if (c.dp > 1 && !c.fsdp)
-    bad(flag + " covers tensor parallelism, --dp-shard up to " + std::to_string(segments) +
-        " and --pp: with --dp the plain data-parallel all-reduce is not canonical yet");
-  if (c.fsdp && segments % c.dp != 0)
-    bad(flag + " covers --dp-shard up to " + std::to_string(segments) +
-        ": each batch is cut into " + std::to_string(segments) +
-        " segments, and FSDP's sum of more ranks' gradients is not canonical yet");
-  if (c.bf16) bad(flag + " is float32 (or float64): drop --mixed-precision bf16");
-  if (c.batch_size % segments != 0)
-    bad(flag + " cuts each batch into " + std::to_string(segments) + " segments: --batch-size " +
-        std::to_string(c.batch_size) + " does not divide into them");
-  if (p % c.tp != 0)
-    bad(flag + ": the TP degree " + std::to_string(c.tp) +
-        " must divide P (each rank takes P / TP of the segments); launch " + std::to_string(p) +
-        " ranks or fewer, a divisor of it");
-  if (c.overlap_comm)
-    bad("--overlap-comm splits the blocks' products its own way; it does not combine with " + flag);
-  if (c.tp > 1) {
-    const models::DecoderConfig& m = c.model;
-    const std::string at_tp = flag + ": at TP " + std::to_string(c.tp);
-    if (m.kv_heads() % c.tp != 0)
-      bad(at_tp + " the model's " + std::to_string(m.kv_heads()) +
-          " KV heads are replicated over TP ranks, whose sum of their gradients is not canonical "
-          "yet: use a TP degree that divides the KV heads (--kv-heads)");
-    const std::vector<std::pair<std::string, int64_t>> columns = {
-        {"wq", m.n_heads * m.head_dim()},
-        {"wk and wv", m.kv_heads() * m.head_dim()},
-        {"w1 and w3", m.hidden_dim()},
-        {"output", m.vocab_size}};
-    for (const auto& [name, width] : columns)
-      if (width / c.tp < 16)
-        bad(at_tp + " the " + name + " projection's column shards are " +
-            std::to_string(width / c.tp) +
-            " wide; the mode needs 16 or more (narrower products take another kernel path in "
-            "this LibTorch): use a smaller TP degree or a wider model (--dim)");
-  }
-  if (c.pp > 1) {
-    // The schedule's micro-batches are the batch segments a dp_shard rank holds (the default
-    // resolve_parallelism gave --microbatches).
-    const int64_t m = segments / c.dp;
-    if (o.microbatches && *o.microbatches != m)
-      bad(flag + " runs the batch's " + std::to_string(segments) +
-          " segments as the micro-batches" +
-          (c.dp > 1 ? " of the " + std::to_string(c.dp) + " dp_shard ranks" : std::string()) +
-          ": drop --microbatches " + std::to_string(*o.microbatches) + " (it is " +
-          std::to_string(m) + ")");
-    if (c.virtual_stages > 1)
-      bad(flag + " runs one stage per rank: use --schedule 1f1b or gpipe, not interleaved");
-    if (c.model.tie_embeddings)
-      bad(flag +
-          " with --pp: the model ties its embedding to its output head, whose two "
-          "stages' gradients would be added in another order than one device adds them");
-  }
-  // The norms run on whole sequences at every layout: pipeline stages cannot shard them.
+  if (o.layout_invariant == 0) return;
   if (!c.plan) c.sequence_parallel = false;
-  c.layout_invariant = p;
+  c.layout_invariant = o.layout_invariant;
 }
 
-// The TP plan's options, pipeline stages and the data-parallel degree (plain or FSDP).
+// The degrees, the TP plan's options and the pipeline; then every rule of combining them with
+// the model and the batch, in the library's words (models::ParallelDims::validate).
 void resolve_parallelism(const TrainOptions& o, int64_t world_size, RunConfig& c) {
   c.sequence_parallel = o.sequence_parallel;
   c.loss_parallel = o.loss_parallel;
   c.overlap_comm = o.overlap_comm;
-  if (o.overlap_comm && (!o.plan_path.empty() || !o.sequence_parallel))
-    bad(std::string("--overlap-comm overlaps the built-in plan's sequence-parallel collectives; "
-                    "drop it, or drop ") +
-        (o.plan_path.empty() ? "--no-sequence-parallel" : "--plan"));
   c.ac = o.ac;
   if (o.ac_recompute_collectives && o.ac == "none")
     bad("--ac-recompute-collectives changes what --ac full or selective does: add one of them");
   c.ac_replay_collectives = !o.ac_recompute_collectives;
   if (o.pp == 1 && (o.schedule || o.microbatches))
     bad("--schedule and --microbatches apply to pipeline parallelism: add --pp N (N > 1)");
-  if (o.pp > 1) resolve_pipeline(o, world_size, c);
+  if (o.pp > 1) resolve_pipeline(o, c);
   if (!o.plan_path.empty()) {
     c.plan = read_plan_file(o.plan_path);
     c.sequence_parallel = c.plan->sequence_parallel;
   }
-
-  c.world_size = world_size;
-  c.dp = o.dp;
-  if (o.dp_shard > 1) {
-    if (o.dp > 1) {
-      bad("--dp-shard " + std::to_string(o.dp_shard) + " and --dp " + std::to_string(o.dp) +
-          " cannot be combined yet: use --dp-shard N (FSDP) or --dp N (plain replication)");
-    }
-    if (!o.plan_path.empty())
-      bad("--plan is a tensor-parallel plan; it does not apply to --dp-shard");
-    c.dp = o.dp_shard;
-    c.fsdp = true;
-  }
   if (o.mixed_precision == "bf16") {
-    if (!c.fsdp) bad("--mixed-precision bf16 is FSDP's: it needs --dp-shard N (N >= 2)");
-    if (c.dtype != c10::kFloat)
-      bad("--mixed-precision bf16 keeps float32 parameters: use --dtype float32, not " + o.dtype);
     c.bf16 = true;
     // bfloat16 keeps 8 significant bits: losses move by up to ~1e-3 relative from float32's
     // (4.6e-4 measured on the tiny preset over 6 steps), so the one-device check allows 1%.
     if (!o.verify_rtol) c.verify_rtol = 1e-2;
   }
-  if (world_size % (c.dp * c.pp) != 0) {
-    bad((c.fsdp ? "--dp-shard " : "--dp ") + std::to_string(c.dp) + " does not divide the " +
-        std::to_string(world_size) + " ranks of this launch" +
-        (c.pp > 1 ? " with --pp " + std::to_string(c.pp) : ""));
-  }
-  c.tp = world_size / (c.dp * c.pp);
-  // --layout-invariant: the micro-batches are the batch segments of a dp rank (checked there).
-  if (c.pp > 1 && o.layout_invariant > 0 && !o.microbatches)
-    c.microbatches = std::max<int64_t>(1, kLayoutInvariantBatchSegments / c.dp);
-  if (c.pp > 1 && c.batch_size % (c.dp * c.microbatches) != 0) {
-    bad("--batch-size " + std::to_string(c.batch_size) + " does not split into " +
-        std::to_string(c.dp) + " dp slices of --microbatches " + std::to_string(c.microbatches) +
-        " equal micro-batches");
-  }
-  if (c.batch_size % c.dp != 0) {
-    bad("--batch-size " + std::to_string(c.batch_size) + " is not divisible by " +
-        (c.fsdp ? "--dp-shard " : "--dp ") + std::to_string(c.dp));
-  }
+  models::ParallelDims dims;
   try {
-    c.model.validate_tp(c.tp);
+    // TP takes the ranks the other degrees leave.
+    dims = models::ParallelDims{.dp_replicate = o.dp,
+                                .dp_shard = o.dp_shard,
+                                .tp = -1,
+                                .pp = o.pp,
+                                .world_size = world_size}
+               .resolved();
   } catch (const std::exception& e) {
-    bad(comm::error_message(e) + " (the TP degree is the number of ranks / " +
-        (c.fsdp     ? "--dp-shard)"
-         : c.pp > 1 ? "--pp)"
-                    : "--dp)"));
+    bad(util::error_message(e));
   }
+  c.world_size = world_size;
+  c.fsdp = dims.dp_shard > 1;
+  c.dp = dims.dp();
+  c.tp = dims.tp;
+  // --layout-invariant: the micro-batches are the batch segments of a dp rank.
+  if (c.pp > 1 && o.layout_invariant > 0 && !o.microbatches)
+    c.microbatches = std::max<int64_t>(1, models::kLayoutInvariantBatchSegments / c.dp);
   resolve_layout_invariant(o, c);
-  if (c.model.dropout > 0 && c.tp > 1 && c.sequence_parallel)
-    bad("--dropout keys each mask by whole sequences, and sequence parallelism gives each TP rank "
-        "a slice of them: add --no-sequence-parallel" +
-        std::string(c.plan ? " (or a --plan without sequence parallelism)" : ""));
-  if (c.tp > 1 && c.sequence_parallel && c.seq_len % c.tp != 0) {
-    bad("sequence parallelism splits the sequence over the " + std::to_string(c.tp) +
-        " TP ranks, but --seq-len is " + std::to_string(c.seq_len) + ": use a multiple of " +
-        std::to_string(c.tp) + " or --no-sequence-parallel");
+  try {
+    dims.validate(c.model, training_options(c));
+  } catch (const std::exception& e) {
+    bad(util::error_message(e));
   }
 }
 
@@ -360,6 +247,25 @@ std::string RunConfig::to_json() const {
   if (!hf_dir.empty()) js << ", \"hf\": " << std::quoted(hf_dir);
   js << "}\n}\n";
   return js.str();
+}
+
+models::ParallelDims RunConfig::parallel_dims() const {
+  models::ParallelDims d{.tp = tp, .pp = pp, .world_size = world_size};
+  (fsdp ? d.dp_shard : d.dp_replicate) = dp;
+  return d;
+}
+
+models::TrainingOptions training_options(const RunConfig& config) {
+  models::TrainingOptions t;
+  t.parallelize = parallelize_options(config);
+  t.pipeline = {.schedule = config.pp_schedule,
+                .virtual_stages = config.virtual_stages,
+                .microbatches = config.microbatches};
+  t.batch_size = config.batch_size;
+  t.seq_len = config.seq_len;
+  t.dtype = config.dtype;
+  t.layout_invariant = config.layout_invariant;
+  return t;
 }
 
 models::ParallelizeOptions parallelize_options(const RunConfig& config) {

@@ -16,10 +16,6 @@
 namespace dtensor::train {
 namespace {
 
-// The forward-only passes (evaluation, generation) run after a step's messages are all
-// received; their own tag keeps them apart from the schedule's anyway.
-constexpr int kForwardOnlyTag = 32000;
-
 // The global value of `t` (a parameter or its AdamW state; FSDP's and TP's are DTensors).
 at::Tensor full_of(const at::Tensor& t) { return is_dtensor(t) ? full_tensor(t) : t; }
 
@@ -49,6 +45,9 @@ PipelinePart::PipelinePart(models::TransformerImpl& whole, const RunConfig& conf
   } else if (!config.meta) {
     fill = [dir = config.hf_dir](models::TransformerImpl& w) { models::load_hf_weights(dir, w); };
   }
+  // Which stage holds each parameter, from the split itself (before the stages are
+  // parallelized: it cuts the meta model once more, for every stage).
+  owners_ = models::stage_of_parameters(whole, config.pp * config.virtual_stages);
   const models::ParallelizeOptions par = parallelize_options(config);
   models::PipelineOptions schedule{
       .schedule = config.pp_schedule,
@@ -125,40 +124,10 @@ double PipelinePart::from_last_stage(double v) {
       .item<double>();
 }
 
-// Stage by stage in order: the stages of one rank are v apart, so each hands its output to the
-// next rank (the last one to the first).
+// The whole batch as one micro-batch through the stages (pp::Schedule::eval), as one device
+// computes it.
 at::Tensor PipelinePart::forward(const at::Tensor& tokens) {
-  at::NoGradGuard no_grad;
-  auto& pg = pipe().pp_mesh().group(0);
-  at::Tensor h;
-  for (size_t k = 0; k < pipeline_.stages.size(); ++k) {
-    const pp::PipelineStage& p = *pipeline_.pipes[k];
-    const int64_t g = p.stage_index();
-    h = tokens;
-    if (!p.is_first()) {
-      h = comm::recv(at::empty({tokens.size(0), tokens.size(1), config_.model.dim},
-                               at::TensorOptions().dtype(config_.dtype)),
-                     static_cast<int>(p.rank_of(g - 1)), pg, kForwardOnlyTag);
-    }
-    h = pipeline_.stages[k]->forward(h);
-    if (p.is_last()) return h;
-    comm::send(h.contiguous(), static_cast<int>(p.rank_of(g + 1)), pg, kForwardOnlyTag);
-  }
-  return {};
-}
-
-int64_t PipelinePart::owner_of(const std::string& name) const {
-  const std::string layers = "layers.";
-  if (name.rfind("tok_embeddings.", 0) == 0) return 0;
-  if (name.rfind(layers, 0) != 0) return config_.pp - 1;  // norm, output
-  const int64_t k = std::stoll(name.substr(layers.size(), name.find('.', layers.size())));
-  const int64_t stages = config_.pp * config_.virtual_stages;
-  for (int64_t s = 0; s < stages; ++s) {
-    auto [first, end] = pp::stage_layer_range(config_.model.n_layers, s, stages);
-    if (k >= first && k < end) return s % config_.pp;
-  }
-  TORCH_CHECK(false, "dtensor_train --pp: block ", k, " of parameter '", name,
-              "' is in no stage of ", stages);
+  return pipeline_.schedule->eval(tokens, /*n_microbatches=*/1);
 }
 
 // Every stage in turn broadcasts its parameters and AdamW state (whole tensors, gathered over
@@ -175,7 +144,7 @@ void PipelinePart::gather_into(torch::optim::AdamW& own_opt, models::Transformer
     std::vector<std::pair<std::string, at::Tensor>> owned;
     int64_t numel = 0;
     for (const auto& item : whole) {
-      if (owner_of(item.key()) != s) continue;
+      if (owners_.at(item.key()) % config_.pp != s) continue;
       owned.emplace_back(item.key(), item.value());
       numel += 3 * item.value().numel() + 1;
     }
