@@ -36,7 +36,8 @@ model:
                          is the training length (default: max_position_embeddings, at most
                          256); default --lr 2e-5, --steps 60, --batch-size 8
   --hf-out DIR           where --hf writes the fine-tuned model (default OUT/hf)
-  --preset NAME          tiny | demo | bench (default demo)
+  --preset NAME          tiny | tiny-moe | demo | bench (default demo); tiny-moe: tiny with
+                         4 experts of width 16, top 2, in both layers
   --config FILE          model config as JSON (DecoderConfig fields), replaces the preset
   --dim N                hidden size
   --layers N             transformer blocks
@@ -154,7 +155,7 @@ CLI::Option* add_optional(CLI::App& app, const std::string& name, std::optional<
 void add_model_options(CLI::App& app, TrainOptions& o) {
   app.add_option("--hf", o.hf_dir)->check(cli::non_empty());
   app.add_option("--hf-out", o.hf_out)->check(cli::non_empty());
-  app.add_option("--preset", o.preset)->check(cli::one_of({"tiny", "demo", "bench"}));
+  app.add_option("--preset", o.preset)->check(cli::one_of({"tiny", "tiny-moe", "demo", "bench"}));
   app.add_option("--config", o.config_path)->check(cli::non_empty());
   add_optional(app, "--dim", o.dim)->check(cli::integer(1));
   add_optional(app, "--layers", o.layers)->check(cli::integer(1));

@@ -26,7 +26,7 @@ struct PresetDefaults {
 };
 
 PresetDefaults defaults_for(const std::string& preset) {
-  if (preset == "tiny") return {20, 4, 3e-3};
+  if (preset == "tiny" || preset == "tiny-moe") return {20, 4, 3e-3};
   // --hf: a pretrained model moves a little, as fine-tuning recipes do (2e-5 is common).
   if (preset == "hf") return {60, 8, 2e-5};
   if (preset == "bench") return {50, 8, 1e-3};
@@ -184,7 +184,8 @@ void resolve_parallelism(const TrainOptions& o, int64_t world_size, RunConfig& c
                                 .dp_shard = o.dp_shard,
                                 .tp = -1,
                                 .pp = o.pp,
-                                .world_size = world_size}
+                                .world_size = world_size,
+                                .world_mesh = std::nullopt}
                .resolved();
   } catch (const std::exception& e) {
     bad(util::error_message(e));
@@ -250,7 +251,7 @@ std::string RunConfig::to_json() const {
 }
 
 models::ParallelDims RunConfig::parallel_dims() const {
-  models::ParallelDims d{.tp = tp, .pp = pp, .world_size = world_size};
+  models::ParallelDims d{.tp = tp, .pp = pp, .world_size = world_size, .world_mesh = std::nullopt};
   (fsdp ? d.dp_shard : d.dp_replicate) = dp;
   return d;
 }

@@ -15,6 +15,7 @@
 #include "dtensor/models/hf_checkpoint.h"
 #include "dtensor/models/meta_init.h"
 #include "dtensor/nn/clip_grad.h"
+#include "dtensor/util/hash.h"
 #include "pipeline_part.h"
 
 namespace dtensor::train {
@@ -95,8 +96,15 @@ int64_t Trainer::dp_first_row() const {
 
 models::DropoutKey Trainer::dropout_key(int64_t first_row) const {
   const uint64_t step_seed =
-      config_.seed * 0x9e3779b97f4a7c15ull + static_cast<uint64_t>(step_) + 1;
+      config_.seed * util::kSplitMix64Gamma + static_cast<uint64_t>(step_) + 1;
   return {.seed = step_seed, .first_row = first_row, .global_rows = config_.batch_size};
+}
+
+void Trainer::record_routing() {
+  const at::Tensor aux = model_->aux_loss();
+  if (!aux.defined()) return;
+  routing_.aux_loss = aux.item<double>();
+  routing_.tokens_per_expert = model_->tokens_per_expert().cpu();
 }
 
 double Trainer::mean_over_dp(double v) const {
@@ -135,7 +143,11 @@ at::Tensor Trainer::forward_backward(const Batch& global_batch) {
   }
   const models::DropoutKeyScope key(dropout_key(dp_first_row()));  // backward's recomputations too
   auto logits = logits_for_loss(config_, model_->forward(dp_slice(global_batch.inputs)));
-  auto loss = models::loss_and_backward(logits, dp_slice(global_batch.targets));
+  // With experts: plus router_aux_loss_coef times the auxiliary loss.
+  at::Tensor loss = models::training_loss(*model_, logits, dp_slice(global_batch.targets));
+  loss.backward();
+  loss = loss.detach();
+  record_routing();
   // FSDP's backward reduce-scattered the gradients, replication's end averaged them over dp
   // (models::parallelize); what TP alone leaves pending is summed here.
   if (mesh_ && !config_.fsdp) models::reduce_partial_grads(*model_);
@@ -172,7 +184,10 @@ at::Tensor Trainer::invariant_forward_backward(const Batch& global_batch) {
       const Batch& b = segments[static_cast<size_t>(k)];
       const models::DropoutKeyScope key(dropout_key(dp_first_row() + k * b.inputs.size(0)));
       auto logits = logits_for_loss(config_, model_->forward(b.inputs));
-      losses.push_back(models::loss_and_backward(logits, b.targets).item<double>());
+      at::Tensor loss = models::training_loss(*model_, logits, b.targets);
+      loss.backward();
+      losses.push_back(loss.item<double>());
+      record_routing();
     }
   }
   if (pp_ || !config_.fsdp) models::reduce_partial_grads(module());
@@ -211,6 +226,15 @@ StepStats Trainer::train_step(int64_t step, const Batch& global_batch) {
     stats.bubble = r.bubble;
   } else {
     stats.loss = mean_over_dp(loss.item<double>());
+  }
+  if (routing_.tokens_per_expert.defined()) {
+    stats.aux_loss = mean_over_dp(routing_.aux_loss);
+    stats.tokens_per_expert = routing_.tokens_per_expert;
+    if (const auto dp = dp_mesh()) {
+      stats.tokens_per_expert =
+          comm::all_reduce(stats.tokens_per_expert.to(at::kDouble), ReduceOp::Sum, dp->group(0))
+              .to(at::kLong);
+    }
   }
   return stats;
 }

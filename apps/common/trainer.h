@@ -27,6 +27,11 @@ struct StepStats {
   // --pp: the share of the pipeline schedule's step the stages spent not computing (waiting on
   // receives, sends and the tied-gradient swap), their mean; NaN without --pp.
   double bubble = std::numeric_limits<double>::quiet_NaN();
+  // With mixture-of-experts layers: the step's auxiliary (load-balancing) loss, mean over dp,
+  // and the tokens routed to each expert (E), summed over the sparse layers and the global
+  // batch; NaN and undefined without them.
+  double aux_loss = std::numeric_limits<double>::quiet_NaN();
+  at::Tensor tokens_per_expert;
 };
 
 class PipelinePart;
@@ -100,6 +105,8 @@ class Trainer {
   std::optional<DeviceMesh> dp_mesh() const;
   double clip_grad_norm(double max_norm);  // returns the global norm before clipping
   double mean_over_dp(double v) const;
+  // Keeps the last forward's auxiliary loss and tokens per expert for the step's stats.
+  void record_routing();
   // --layout-invariant: this rank's segments of the global batch (kLayoutInvariantBatchSegments
   // in all, split over dp), each a forward and backward of its own.
   std::vector<Batch> invariant_segments(const Batch& global_batch) const;
@@ -113,6 +120,10 @@ class Trainer {
   models::ParallelDims dims_;  // the roles of mesh_'s dims
   models::Transformer model_{nullptr};
   std::unique_ptr<torch::optim::AdamW> optimizer_;
+  struct Routing {
+    double aux_loss = 0;
+    at::Tensor tokens_per_expert;  // undefined without experts
+  } routing_;
   std::vector<at::Tensor> params_;
   std::shared_ptr<PipelinePart> pp_;  // --pp: this rank's stage, its schedule
   int64_t step_ = 0;                  // the step train_step runs (dropout's key)

@@ -44,6 +44,19 @@ void LineWriter::finish() {
 }
 
 void LineWriter::emit(std::string_view text, char terminator) {
+  if (error_rank_) {
+    if (held_error_) {
+      write_all(out_fd_, prefix_ + held_error_->line + "\n");
+      held_error_.reset();
+    }
+    if (at_line_start_ && terminator == '\n') {
+      held_error_ = parse_rank_error(*error_rank_, text);
+      if (held_error_) {
+        after_cr_ = false;
+        return;
+      }
+    }
+  }
   // No prefix before the '\n' of a "\r\n" pair, nor for a bare '\r': both only move the cursor.
   bool cursor_only = text.empty() && (terminator == '\r' || (terminator == '\n' && after_cr_));
   std::string line;

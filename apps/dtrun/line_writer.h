@@ -1,8 +1,12 @@
 #pragma once
 // Turns one rank's output stream into prefixed lines.
 #include <cstddef>
+#include <optional>
 #include <string>
 #include <string_view>
+#include <utility>
+
+#include "rank_errors.h"
 
 namespace dtrun {
 
@@ -21,6 +25,11 @@ class LineWriter {
   // End of the stream: writes what is left of an unterminated last line.
   void finish();
 
+  // Rank `rank`'s stderr: its latest error line (rank_errors.h) is held back instead of
+  // written, for dtrun to summarize at the end; a line that follows it writes it first.
+  void hold_errors_of(int rank) { error_rank_ = rank; }
+  std::optional<RankError> take_held_error() { return std::exchange(held_error_, std::nullopt); }
+
  private:
   // A line longer than this is written in pieces (only the first piece is prefixed).
   static constexpr size_t kMaxPending = 64 * 1024;
@@ -32,6 +41,8 @@ class LineWriter {
   std::string pending_;
   bool at_line_start_ = true;
   bool after_cr_ = false;
+  std::optional<int> error_rank_;
+  std::optional<RankError> held_error_;
 };
 
 }  // namespace dtrun

@@ -36,6 +36,10 @@ namespace launch = dtensor::launch;
 
 using Clock = std::chrono::steady_clock;
 
+// A failing rank's peers get this long to end on their own before dtrun stops them: ranks that
+// fail alike (a missing file) then all say why, and their error is printed once.
+constexpr auto kPeersFailAlikeWithin = std::chrono::seconds(1);
+
 // Self-pipe: signal handlers write the signal number, the poll loop reads it.
 int g_signal_pipe[2] = {-1, -1};
 
@@ -53,6 +57,33 @@ void message(const std::string& text) { write_all(STDERR_FILENO, "dtrun: " + tex
 [[noreturn]] void fatal(const std::string& text) {
   message(text);
   std::exit(1);
+}
+
+// Why execvp could not run `program` (a path as it is, a bare name searched in PATH), or 0.
+int cannot_execute(const std::string& program) {
+  if (program.find('/') != std::string::npos) {
+    return ::access(program.c_str(), X_OK) == 0 ? 0 : errno;
+  }
+  const char* path = std::getenv("PATH");
+  const std::string dirs = path ? path : "";
+  for (size_t start = 0; start <= dirs.size();) {
+    const size_t end = std::min(dirs.find(':', start), dirs.size());
+    const std::string candidate = dirs.substr(start, end - start) + "/" + program;
+    if (end > start && ::access(candidate.c_str(), X_OK) == 0) return 0;
+    start = end + 1;
+  }
+  return ENOENT;
+}
+
+// dtrun's message and exit code for a program that cannot be run.
+int report_cannot_run(const std::string& program, int error, bool launcher) {
+  std::string what = "cannot run '" + program + "': " + std::strerror(error);
+  if (error == ENOENT && program.find('/') == std::string::npos) {
+    what += launcher ? " (not found in PATH; install Open MPI, scripts/setup does)"
+                     : " (not found in PATH)";
+  }
+  message(what);
+  return error == ENOENT ? 127 : 126;
 }
 
 bool make_pipe(int fds[2]) {
@@ -82,7 +113,9 @@ struct Rank {
       : index(index),
         name(std::move(name)),
         out(STDOUT_FILENO, prefix ? "[rank " + std::to_string(index) + "] " : ""),
-        err(STDERR_FILENO, prefix ? "[rank " + std::to_string(index) + "] " : "") {}
+        err(STDERR_FILENO, prefix ? "[rank " + std::to_string(index) + "] " : "") {
+    if (prefix) err.hold_errors_of(index);
+  }
 
   int index;
   std::string name;  // "rank 3" or "mpirun", for messages
@@ -129,6 +162,7 @@ class Launcher {
 
     loop();
     sweep_leftovers();
+    print_rank_errors();
 
     if (launch_error_) return *launch_error_;
     if (failure_) return *failure_;
@@ -179,13 +213,7 @@ class Launcher {
     ::close(out[1]);
     ::close(err[1]);
     if (child.exec_errno != 0) {
-      std::string what = "cannot run '" + command[0] + "': " + std::strerror(child.exec_errno);
-      if (child.exec_errno == ENOENT && command[0].find('/') == std::string::npos) {
-        what += by_mpirun ? " (not found in PATH; install Open MPI, scripts/setup does)"
-                          : " (not found in PATH)";
-      }
-      message(what);
-      launch_error_ = child.exec_errno == ENOENT ? 127 : 126;
+      launch_error_ = report_cannot_run(command[0], child.exec_errno, by_mpirun);
     }
   }
 
@@ -229,6 +257,21 @@ class Launcher {
 
   bool all_reaped() const { return std::ranges::all_of(ranks_, &Rank::reaped); }
 
+  // The error lines the ranks ended with, each distinct one once (rank_errors.h).
+  void print_rank_errors() {
+    std::vector<RankError> errors;
+    const auto add = [&](std::optional<RankError> e) {
+      if (e) errors.push_back(std::move(*e));
+    };
+    if (tagged_) {
+      for (int r = 0; r < o_.nproc; ++r) add(tagged_->take_held_error(r));
+    } else {
+      for (Rank& r : ranks_) add(r.err.take_held_error());
+    }
+    for (const std::string& line : summarize_rank_errors(errors, o_.nnodes * o_.nproc, o_.prefix))
+      write_all(STDERR_FILENO, line + "\n");
+  }
+
   bool any_pipe_open() const {
     return std::ranges::any_of(ranks_,
                                [](const Rank& r) { return r.fds[0] >= 0 || r.fds[1] >= 0; });
@@ -242,15 +285,23 @@ class Launcher {
         if (r.pid != pid) continue;
         r.reaped = true;
         bool failed = WIFSIGNALED(status) || (WIFEXITED(status) && WEXITSTATUS(status) != 0);
-        if (failed && !stopping_) {
+        if (failed && !stopping_ && !failure_) {
           failure_ = launch::exit_code_of(status);
-          std::string text = r.name + " " + launch::describe_status(status);
-          if (!all_reaped()) text += "; stopping the other ranks";
-          message(text);
-          stop(SIGTERM);
+          failure_text_ = r.name + " " + launch::describe_status(status);
+          stop_others_at_ = Clock::now() + kPeersFailAlikeWithin;
         }
       }
     }
+  }
+
+  // Once the first failure's window has passed (or no rank is left), says which rank failed and
+  // stops the others.
+  void stop_after_failure(Clock::time_point now) {
+    if (!stop_others_at_ || (now < *stop_others_at_ && !all_reaped())) return;
+    stop_others_at_.reset();
+    const bool others = !all_reaped() && !stopping_;
+    message(failure_text_ + (others ? "; stopping the other ranks" : ""));
+    if (others) stop(SIGTERM);
   }
 
   void on_dtrun_signal(int sig) {
@@ -296,6 +347,7 @@ class Launcher {
     while (true) {
       reap();
       const auto now = Clock::now();
+      stop_after_failure(now);
       if (kill_at_ && now >= *kill_at_) kill_all();
       if (give_up_at_ && now >= *give_up_at_) {
         for (Rank& r : ranks_) {
@@ -318,7 +370,8 @@ class Launcher {
       }
 
       std::optional<Clock::time_point> wake;
-      for (auto t : {kill_at_, give_up_at_, stopping_ ? std::nullopt : linger_until}) {
+      for (auto t :
+           {kill_at_, give_up_at_, stop_others_at_, stopping_ ? std::nullopt : linger_until}) {
         if (t && (!wake || *t < *wake)) wake = t;
       }
       int timeout_ms = -1;
@@ -392,6 +445,8 @@ class Launcher {
   std::optional<Clock::time_point> give_up_at_;
   std::optional<int> launch_error_;
   std::optional<int> failure_;
+  std::string failure_text_;  // "rank 1 exited with code 3"
+  std::optional<Clock::time_point> stop_others_at_;
   int interrupted_by_ = 0;
 };
 
@@ -404,24 +459,19 @@ std::string fastest_backend([[maybe_unused]] int nproc) {
 #ifdef DTRUN_HAS_MPI
   const long cores = ::sysconf(_SC_NPROCESSORS_ONLN);
   if (nproc < 2 || (cores > 0 && nproc > cores)) return "gloo";
-  if (const char* path = std::getenv("PATH")) {
-    std::string dirs = path;
-    for (size_t start = 0; start <= dirs.size();) {
-      const size_t end = std::min(dirs.find(':', start), dirs.size());
-      const std::string candidate = dirs.substr(start, end - start) + "/mpirun";
-      if (end > start && ::access(candidate.c_str(), X_OK) == 0) return "mpi";
-      start = end + 1;
-    }
-  }
+  if (cannot_execute("mpirun") == 0) return "mpi";
 #endif
   return "gloo";
 }
 
 // MPI ranks must be started by the MPI launcher: the mpirun command line that starts the job
-// with the same rendezvous variables the forked ranks get.
+// with the same rendezvous variables the forked ranks get. --quiet: a failing rank's own error
+// line says why, without Open MPI's banners about the job's end after it (--quiet also
+// silences mpirun's message for a program it cannot run: dtrun checks that first).
 std::vector<std::string> mpirun_command(Options& o) {
   if (o.master_port == 0) o.master_port = launch::free_port();
-  std::vector<std::string> args = {"mpirun", "-np", std::to_string(o.nproc), "--oversubscribe"};
+  std::vector<std::string> args = {"mpirun", "-np", std::to_string(o.nproc), "--oversubscribe",
+                                   "--quiet"};
   if (::geteuid() == 0) args.push_back("--allow-run-as-root");
   const char* threads = std::getenv("OMP_NUM_THREADS");
   for (const std::string& var :
@@ -451,6 +501,9 @@ int main(int argc, char** argv) {
   }
   std::vector<std::string> mpirun;
   if (options->backend == "mpi") {
+    // mpirun --quiet would not say why it cannot start the program.
+    if (const int error = dtrun::cannot_execute(options->command[0]))
+      return dtrun::report_cannot_run(options->command[0], error, /*launcher=*/false);
     mpirun = dtrun::mpirun_command(*options);
   } else if (!options->backend.empty()) {
     ::setenv("DTENSOR_BACKEND", options->backend.c_str(), 1);

@@ -43,13 +43,16 @@ and OMP_NUM_THREADS=1 unless it is already set. Ranks run in
 their own process groups with stdin from /dev/null; their stdout goes to dtrun's stdout
 and their stderr to dtrun's stderr.
 
-When a rank exits non-zero or is killed by a signal, dtrun sends SIGTERM to the other
-ranks, SIGKILL after the grace period, and exits with that rank's code (128+signal for a
-signal). SIGINT and SIGTERM sent to dtrun are passed on to every rank; a second Ctrl-C
-kills them at once. Exit status: 0 when every rank succeeds, 2 for a usage error, 127
-(or 126) when the program cannot be found (or executed).
+When a rank exits non-zero or is killed by a signal, dtrun gives the other ranks a second
+to end on their own, then sends them SIGTERM, SIGKILL after the grace period, and exits
+with that rank's code (128+signal for a signal). A rank's last stderr line of the form
+"NAME: error on rank R: MESSAGE" is printed at the end, once for every rank that said the
+same ("NAME: error on every rank (2 of 2): MESSAGE"). SIGINT and SIGTERM sent to dtrun
+are passed on to every rank; a second Ctrl-C kills them at once. Exit status: 0 when every
+rank succeeds, 2 for a usage error, 127 (or 126) when the program cannot be found (or
+executed).
 
-With --backend mpi, dtrun runs `mpirun -np N --tag-output` (it must be on PATH), which
+With --backend mpi, dtrun runs `mpirun -np N --quiet --tag-output` (on PATH), which
 starts and stops the ranks; the rendezvous variables and DTENSOR_BACKEND=mpi are passed on
 with -x, and dtrun splits mpirun's tagged output back into "[rank R] " lines, so progress
 bars redraw in place as with forked ranks. dtrun's exit status is then mpirun's.

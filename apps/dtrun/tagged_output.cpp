@@ -13,6 +13,7 @@ TaggedOutput::TaggedOutput(int nproc, bool prefix)
     const std::string p = prefix ? "[rank " + std::to_string(r) + "] " : "";
     ranks_.push_back(std::make_unique<LineWriter>(STDOUT_FILENO, p));
     ranks_.push_back(std::make_unique<LineWriter>(STDERR_FILENO, p));
+    if (prefix) ranks_.back()->hold_errors_of(r);
   }
   parsers_[0].target = &launcher_out_;
   parsers_[1].target = &launcher_err_;

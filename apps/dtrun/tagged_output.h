@@ -3,6 +3,7 @@
 // the same "[rank R] " lines (and progress bars redrawn in place) as ranks dtrun forks itself.
 #include <cstddef>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -21,6 +22,10 @@ class TaggedOutput {
   void feed(int stream, const char* data, size_t size);
   // End of mpirun's `stream`: writes what is left.
   void finish(int stream);
+  // The error line rank `rank` ended with, held back (LineWriter::hold_errors_of).
+  std::optional<RankError> take_held_error(int rank) {
+    return ranks_[2 * rank + 1]->take_held_error();
+  }
 
  private:
   struct Parser {

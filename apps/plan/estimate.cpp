@@ -6,8 +6,8 @@
 #include <stdexcept>
 
 #include "common/run_config.h"
-#include "dtensor/util/error_message.h"
 #include "dtensor/pp/pipeline.h"
+#include "dtensor/util/error_message.h"
 
 namespace dtensor::plan {
 namespace {
@@ -68,13 +68,9 @@ Plan make_plan(const Layout& layout, const Hardware& hw,
   Plan plan;
   const auto t0 = std::chrono::steady_clock::now();
   const train::TrainOptions& o = layout.options;
-  const int64_t dp = std::max(o.dp, o.dp_shard);
-  if (layout.world_size % (dp * o.pp) != 0) {
-    plan.refusals.push_back("--world-size " + std::to_string(layout.world_size) +
-                            " is not divisible by dp x pp = " + std::to_string(dp * o.pp) +
-                            ": choose a world size that is a multiple of it");
-    return plan;
-  }
+  // The degrees' product and every rule of composing them are the trainer's
+  // (resolve_run_config: models::ParallelDims); only --tp is dtensor_plan's own.
+  const int64_t dp = o.dp * o.dp_shard;
   if (layout.tp && *layout.tp * dp * o.pp != layout.world_size) {
     plan.refusals.push_back("--tp " + std::to_string(*layout.tp) + " x dp " + std::to_string(dp) +
                             " x pp " + std::to_string(o.pp) + " = " +

@@ -361,7 +361,6 @@ Layout layout_for(const Cli& cli, int64_t dp, int64_t tp, int64_t pp) {
   }
   const int64_t m = l.options.microbatches.value_or(pp);
   l.options.batch_size = cli.batch.value_or(dp * m);
-  if (dp == 1 && l.options.mixed_precision == "bf16") l.options.mixed_precision = "none";
   return l;
 }
 
@@ -370,15 +369,23 @@ std::vector<Layout> layouts_of(const Cli& cli) {
   const auto& o = cli.layout.options;
   std::vector<Layout> layouts;
   if (cli.search) {
-    for (auto [dp, tp, pp] : dtensor::plan::splits_of(*cli.world_size))
-      layouts.push_back(layout_for(cli, dp, tp, pp));
+    for (auto [dp, tp, pp] : dtensor::plan::splits_of(*cli.world_size)) {
+      Layout l = layout_for(cli, dp, tp, pp);
+      // FSDP's mixed precision applies to the splits that shard; the others search in float32.
+      if (dp == 1 && l.options.mixed_precision == "bf16") l.options.mixed_precision = "none";
+      layouts.push_back(l);
+    }
     return layouts;
   }
-  const int64_t dp = std::max(o.dp, o.dp_shard);
+  const int64_t dp = o.dp * o.dp_shard;
   const int64_t pp = o.pp;
   const int64_t world = cli.world_size.value_or(cli.tp.value_or(1) * dp * pp);
   const int64_t tp = cli.tp.value_or(world / std::max<int64_t>(1, dp * pp));
   Layout l = layout_for(cli, dp, tp, pp);
+  // Both data-parallel degrees as given (layout_for folds them into one, for --search): the
+  // library refuses what it does not compose in the trainer's words.
+  l.options.dp = o.dp;
+  l.options.dp_shard = o.dp_shard;
   l.world_size = world;
   l.tp = cli.tp;
   layouts.push_back(l);

@@ -43,7 +43,7 @@ StepRecord record_step(train::Trainer& trainer, const train::Batch& batch,
 
 std::vector<std::string> not_simulated(const train::RunConfig& c) {
   std::vector<std::string> out;
-  const std::string clip = "gradient-norm clipping (fsdp::clip_grad_norm_) reads the global norm";
+  const std::string clip = "gradient-norm clipping (nn::utils::clip_grad_norm_) reads the global norm";
   if (c.pp > 1) {
     out.push_back(clip +
                   (c.tp > 1 ? ": the DTensor-aware norm's all_reduce(s) over tp, then " : ": ") +

@@ -38,11 +38,11 @@ std::string format_progress(const ProgressState& s) {
   std::snprintf(buf, sizeof buf, "%*lld/%lld  loss %.4f  %s tok/s  lr %.2e  ETA %s", width,
                 static_cast<long long>(s.step), static_cast<long long>(s.total), s.loss,
                 format_count(s.tokens_per_s).c_str(), s.lr, format_duration(s.eta_s).c_str());
-  if (std::isnan(s.bubble)) return buf;
+  if (std::isnan(s.bubble)) return std::string(buf) + s.routing;
   char bubble[64];
   std::snprintf(bubble, sizeof bubble, "  bubble %.0f%% (formula %.0f%%)", 100 * s.bubble,
                 100 * s.bubble_formula);
-  return std::string(buf) + bubble;
+  return std::string(buf) + bubble + s.routing;
 }
 
 ProgressBar::ProgressBar(std::ostream& out, bool tty, int64_t every)

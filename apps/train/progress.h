@@ -24,6 +24,9 @@ struct ProgressState {
   // measured one is a number).
   double bubble = std::numeric_limits<double>::quiet_NaN();
   double bubble_formula = 0;
+  // With mixture-of-experts layers: the routing since the last line (train_run's
+  // routing_summary), shown after the rest; empty otherwise.
+  std::string routing = "";
 };
 
 class ProgressBar {

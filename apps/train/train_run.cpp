@@ -204,8 +204,8 @@ class TrainingRun {
         out_dir_(o.out_dir),
         checkpoints_((out_dir_ / "checkpoints").string(), static_cast<int>(o.keep_ckpts)),
         tty_(o.progress == "bar" || (o.progress == "auto" && ProgressBar::stderr_is_tty())),
-        bar_(rank0_ ? std::cerr : null_stream_, tty_,
-             o.log_every > 0 ? o.log_every : std::max<int64_t>(1, cfg_.steps / 20)) {}
+        log_every_(o.log_every > 0 ? o.log_every : std::max<int64_t>(1, cfg_.steps / 20)),
+        bar_(rank0_ ? std::cerr : null_stream_, tty_, log_every_) {}
 
   int run() {
     prepare_output_and_resume();
@@ -378,9 +378,33 @@ class TrainingRun {
     const double eta = mean_step * static_cast<double>(cfg_.stop_at - step - 1);
     ProgressState state{step + 1, cfg_.stop_at, s.loss, rate, s.lr, eta};
     state.bubble = s.bubble;
+    state.routing = routing_summary(step + 1, s);
     state.bubble_formula = cfg_.bubble_formula();
     if (!std::isnan(s.bubble)) bubbles_.push_back(s.bubble);
     bar_.update(state);
+  }
+
+  // With experts: the mean auxiliary loss and the fewest and most tokens an expert got (summed
+  // over the sparse layers) over the steps since the last logged line, as text for the line of
+  // step `done` when one is printed there (the progress bar's rule), else "" (and kept adding).
+  std::string routing_summary(int64_t done, const StepStats& s) {
+    if (!s.tokens_per_expert.defined()) return "";
+    routing_tokens_ = routing_tokens_.defined() ? routing_tokens_ + s.tokens_per_expert
+                                                : s.tokens_per_expert.clone();
+    routing_aux_ += s.aux_loss;
+    ++routing_steps_;
+    const bool line = done % log_every_ == 0 || done == cfg_.stop_at || done == 1;
+    if (!line && !tty_) return "";
+    const std::string text = fmt("  aux %.4f", routing_aux_ / static_cast<double>(routing_steps_)) +
+                             "  tokens/expert " +
+                             std::to_string(routing_tokens_.min().item<int64_t>()) + ".." +
+                             std::to_string(routing_tokens_.max().item<int64_t>());
+    if (line) {
+      routing_tokens_ = at::Tensor();
+      routing_aux_ = 0;
+      routing_steps_ = 0;
+    }
+    return text;
   }
 
   void finish_training() {
@@ -507,6 +531,7 @@ class TrainingRun {
   std::optional<Trainer> reference_;
   std::optional<MetricsWriter> metrics_;
   const bool tty_;
+  const int64_t log_every_;  // steps between logged lines
   std::ostream null_stream_{nullptr};
   ProgressBar bar_;
 
@@ -514,6 +539,10 @@ class TrainingRun {
   int64_t step_peak_bytes_ = 0, step_peak_at_ = 0;  // see report_step_peak
   double last_val_ = std::numeric_limits<double>::quiet_NaN();
   double train_s_ = 0, eval_s_ = 0, ckpt_s_ = 0, hf_s_ = 0;
+  // routing_summary's sums since the last logged line.
+  at::Tensor routing_tokens_;
+  double routing_aux_ = 0;
+  int64_t routing_steps_ = 0;
   std::string hf_out_;
   int64_t last_ckpt_step_ = -1;
 };

@@ -8,34 +8,45 @@
 
 #include <iterator>
 #include <nlohmann/json.hpp>
+#include <type_traits>
+
+#include "dtensor/optim/capturable_adamw.h"
 
 namespace dtensor::checkpoint::detail {
 namespace {
 
 using nlohmann::json;
 
-enum class Kind { Adam, AdamW, SGD };
+// CapturableAdamW has AdamW's options and state under the same names (its step is a device
+// tensor): a checkpoint of either loads into the other.
+enum class Kind { Adam, AdamW, SGD, CapturableAdamW };
 
 Kind kind_of(const torch::optim::Optimizer& o) {
+  if (dynamic_cast<const optim::CapturableAdamW*>(&o) != nullptr) return Kind::CapturableAdamW;
   if (dynamic_cast<const torch::optim::AdamW*>(&o) != nullptr) return Kind::AdamW;
   if (dynamic_cast<const torch::optim::Adam*>(&o) != nullptr) return Kind::Adam;
   if (dynamic_cast<const torch::optim::SGD*>(&o) != nullptr) return Kind::SGD;
   TORCH_CHECK(false,
-              "checkpoint: only torch::optim::Adam, AdamW and SGD state can be saved and loaded; "
+              "checkpoint: only torch::optim::Adam, AdamW, SGD and dtensor::optim::CapturableAdamW "
+              "state can be saved and loaded; "
               "pass no optimizer to save the model alone");
 }
 
 const char* kind_name(Kind k) {
   // Indexed by Kind, in its declaration order.
-  static constexpr const char* kNames[] = {"Adam", "AdamW", "SGD"};
-  static_assert(std::size(kNames) == static_cast<size_t>(Kind::SGD) + 1);
+  static constexpr const char* kNames[] = {"Adam", "AdamW", "SGD", "AdamW"};
+  static_assert(std::size(kNames) == static_cast<size_t>(Kind::CapturableAdamW) + 1);
   return kNames[static_cast<size_t>(k)];
 }
 
 // Adam and AdamW have the same state and options fields in distinct types.
+// The step count as a checkpoint holds it: a 0-d int64 tensor.
+at::Tensor step_tensor(int64_t step) { return at::scalar_tensor(step, at::kLong); }
+at::Tensor step_tensor(const at::Tensor& step) { return step.to(at::kCPU, at::kLong); }
+
 template <typename State>
 void adam_state_tensors(const State& s, std::vector<std::pair<std::string, at::Tensor>>& out) {
-  out.emplace_back("step", at::scalar_tensor(s.step(), at::kLong));
+  out.emplace_back("step", step_tensor(s.step()));
   out.emplace_back("exp_avg", s.exp_avg());
   out.emplace_back("exp_avg_sq", s.exp_avg_sq());
   if (s.max_exp_avg_sq().defined()) out.emplace_back("max_exp_avg_sq", s.max_exp_avg_sq());
@@ -45,7 +56,12 @@ template <typename State>
 std::unique_ptr<torch::optim::OptimizerParamState> make_adam_state(
     const std::map<std::string, at::Tensor>& v) {
   auto s = std::make_unique<State>();
-  s->step(v.at("step").item<int64_t>());
+  if constexpr (std::is_same_v<State, optim::CapturableAdamWParamState>) {
+    // On the device of the moments (a DTensor's local device), as the optimizer keeps it.
+    s->step(v.at("step").to(v.at("exp_avg").device(), at::kDouble));
+  } else {
+    s->step(v.at("step").item<int64_t>());
+  }
   s->exp_avg(v.at("exp_avg"));
   s->exp_avg_sq(v.at("exp_avg_sq"));
   if (auto it = v.find("max_exp_avg_sq"); it != v.end()) s->max_exp_avg_sq(it->second);
@@ -75,6 +91,7 @@ json group_options(Kind k, const torch::optim::OptimizerOptions& o) {
     case Kind::Adam:
       return adam_options(static_cast<const torch::optim::AdamOptions&>(o));
     case Kind::AdamW:
+    case Kind::CapturableAdamW:
       return adam_options(static_cast<const torch::optim::AdamWOptions&>(o));
     case Kind::SGD: {
       const auto& s = static_cast<const torch::optim::SGDOptions&>(o);
@@ -94,6 +111,7 @@ void set_group_options(Kind k, torch::optim::OptimizerOptions& o, const json& g)
       set_adam_options(static_cast<torch::optim::AdamOptions&>(o), g);
       break;
     case Kind::AdamW:
+    case Kind::CapturableAdamW:
       set_adam_options(static_cast<torch::optim::AdamWOptions&>(o), g);
       break;
     case Kind::SGD: {
@@ -143,6 +161,10 @@ std::vector<StateTensor> state_tensors(const torch::optim::Optimizer& optimizer,
           break;
         case Kind::AdamW:
           adam_state_tensors(static_cast<const torch::optim::AdamWParamState&>(*it->second),
+                             tensors);
+          break;
+        case Kind::CapturableAdamW:
+          adam_state_tensors(static_cast<const optim::CapturableAdamWParamState&>(*it->second),
                              tensors);
           break;
         case Kind::SGD: {
@@ -210,6 +232,8 @@ std::unique_ptr<torch::optim::OptimizerParamState> make_param_state(
       return make_adam_state<torch::optim::AdamParamState>(values);
     case Kind::AdamW:
       return make_adam_state<torch::optim::AdamWParamState>(values);
+    case Kind::CapturableAdamW:
+      return make_adam_state<optim::CapturableAdamWParamState>(values);
     case Kind::SGD: {
       auto s = std::make_unique<torch::optim::SGDParamState>();
       s->momentum_buffer(values.at("momentum_buffer"));

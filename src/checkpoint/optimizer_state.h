@@ -1,5 +1,6 @@
 #pragma once
-// What a checkpoint keeps of a torch::optim optimizer (Adam, AdamW, SGD): per-parameter state
+// What a checkpoint keeps of an optimizer (torch::optim's Adam, AdamW, SGD, and
+// dtensor::optim::CapturableAdamW, saved as AdamW): per-parameter state
 // tensors keyed by parameter name (not by position, so a model whose parameters are created
 // in another order still matches), and the param groups' options.
 #include <ATen/core/Tensor.h>

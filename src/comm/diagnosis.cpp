@@ -229,8 +229,15 @@ std::string bounded_diagnosis(const WorkContext& c, const std::string& head,
   while (!done->load() && Clock::now() < until) std::this_thread::sleep_for(kPoll / 5);
   std::lock_guard<std::mutex> g(result->first);
   if (done->load()) return result->second;
-  return head + unreachable(c, "within " + c10::str(wait.count() / 1000.0) + " s (no diagnosis)") +
-         tail;
+  const std::string msg =
+      head + unreachable(c, "within " + c10::str(wait.count() / 1000.0) + " s (no diagnosis)") +
+      tail;
+  // The report is still on its way: this rank's next collective must fail already.
+  {
+    std::lock_guard<std::mutex> l(health().mu);
+    record_own_failure_locked(health().rank, msg);
+  }
+  return msg;
 }
 
 namespace {

@@ -88,6 +88,10 @@ struct Health {
   std::set<c10d::Work*> abortable;
   std::string peer_failure;
   std::atomic<bool> peer_failed{false};
+  // This rank reported its own failure: it starts no further collective (those it waits in
+  // end as before, on their own error or a peer's notice).
+  std::string own_failure;
+  std::atomic<bool> own_failed{false};
   std::atomic<bool> reported{false};
   std::atomic<bool> poisoned{false};
   // A store call failed (its host unreachable or gone): later reports skip the store rather
@@ -121,5 +125,14 @@ History deserialize(const std::string& text);
 std::string history_key(const std::string& prefix, const std::string& group, int rank);
 // What this rank's threads wait in now (collectives, MPI calls). Call with health().mu held.
 std::vector<Wait> current_waits_locked();
+
+// Records a peer's failure ("rank R failed: ..."), the first only: collectives no longer start,
+// and those waiting end. False when one was already recorded. Holds `mu`; the caller then calls
+// wake_waiters() without it.
+bool record_failure_locked(int rank, const std::string& message);
+// Records this rank's own failure: only collectives it has yet to start fail (a thread waiting
+// in one may be diagnosing it, e.g. after Gloo's thread ended on a size mismatch). Holds `mu`.
+void record_own_failure_locked(int rank, const std::string& message);
+void wake_waiters();
 
 }  // namespace dtensor::comm::detail

@@ -110,6 +110,10 @@ void report_failure(const std::string& message) {
     store = h.store;
     prefix = h.prefix;
     rank = h.rank;
+    // This rank's next collective fails too, whenever the peers hear of it: else it could run
+    // among ranks that have not polled the store yet, and the notice end a later, unrelated
+    // collective instead (which one depended on the watchdog's timing).
+    if (store) detail::record_own_failure_locked(rank, message);
     for (const auto& [name, group] : h.groups) {
       histories.emplace_back(detail::history_key(prefix, name, rank),
                              detail::serialize(group.history));

@@ -16,13 +16,15 @@
 #include "last_words.h"
 
 namespace dtensor::comm::detail {
-namespace {
 
-void wake_waiters() {
+void record_own_failure_locked(int rank, const std::string& message) {
   auto& h = health();
-  { std::lock_guard<std::mutex> g(h.wake_mu); }
-  h.wake_cv.notify_all();
+  if (h.own_failed.load()) return;
+  h.own_failure = "rank " + std::to_string(rank) + " failed: " + message;
+  h.own_failed.store(true);
 }
+
+namespace {
 
 // Wakes the threads waiting on work without a future; their wait then sees peer_failed.
 void abort_waits_locked() {
@@ -35,6 +37,28 @@ void abort_waits_locked() {
   }
 }
 
+}  // namespace
+
+void wake_waiters() {
+  auto& h = health();
+  { std::lock_guard<std::mutex> g(h.wake_mu); }
+  h.wake_cv.notify_all();
+}
+
+bool record_failure_locked(int rank, const std::string& message) {
+  auto& h = health();
+  if (h.peer_failed.load()) return false;
+  h.peer_failure = "rank " + std::to_string(rank) + " failed: " + message;
+  {
+    std::lock_guard<std::mutex> w(h.wake_mu);
+    h.peer_failed.store(true);
+  }
+  abort_waits_locked();
+  return true;
+}
+
+namespace {
+
 void handle_event(c10d::Store& store, const std::string& event) {
   auto& h = health();
   auto p = split(event, '\t', 3);
@@ -44,13 +68,7 @@ void handle_event(c10d::Store& store, const std::string& event) {
   if (p[0] == "fail") {
     {
       std::lock_guard<std::mutex> g(h.mu);
-      if (h.peer_failed.load()) return;
-      h.peer_failure = "rank " + p[1] + " failed: " + p[2];
-      {
-        std::lock_guard<std::mutex> w(h.wake_mu);
-        h.peer_failed.store(true);
-      }
-      abort_waits_locked();
+      if (!record_failure_locked(from, p[2])) return;
     }
     wake_waiters();
   } else if (p[0] == "diag") {
@@ -188,6 +206,8 @@ void health_start(c10::intrusive_ptr<c10d::Store> store, std::string prefix, int
     h.works.clear();
     h.peer_failure.clear();
     h.peer_failed.store(false);
+    h.own_failure.clear();
+    h.own_failed.store(false);
     h.reported.store(false);
     h.poisoned.store(false);
   }
@@ -236,11 +256,11 @@ bool health_poisoned() { return health().poisoned.load(); }
 
 void throw_if_peer_failed(const std::string& where) {
   auto& h = health();
-  if (!h.peer_failed.load()) return;
+  if (!h.peer_failed.load() && !h.own_failed.load()) return;
   std::string failure;
   {
     std::lock_guard<std::mutex> g(h.mu);
-    failure = h.peer_failure;
+    failure = h.peer_failed.load() ? h.peer_failure : h.own_failure;
   }
   TORCH_CHECK(false, "dtensor: rank ", h.rank, ": ", where, " not started: ", failure,
               " (every rank stops when one fails)");

@@ -335,12 +335,24 @@ at::Tensor follow_stride_order(at::Tensor local, c10::IntArrayRef global_stride)
   if (local.numel() <= 1 || static_cast<size_t>(local.dim()) != global_stride.size()) {
     return local;
   }
-  const auto want = strides_like(local.sizes(), global_stride);
+  // A dim the global tensor broadcasts (stride 0, e.g. the gradient of a sum) holds one value
+  // along it, and the shard keeps it broadcast: a view the global strides allow (any merge of
+  // broadcast dims) must stay valid on the shard after a permute, which a dense copy is not.
+  std::vector<int64_t> held(local.sizes().begin(), local.sizes().end());
   for (int64_t d = 0; d < local.dim(); ++d) {
-    if (local.size(d) > 1 && local.stride(d) != want[d]) {
-      at::Tensor laid = at::empty_strided(local.sizes(), want, local.options());
-      laid.copy_(local);
-      return laid;
+    if (global_stride[d] == 0) held[d] = 1;
+  }
+  const auto dense = strides_like(held, global_stride);
+  for (int64_t d = 0; d < local.dim(); ++d) {
+    const int64_t want = global_stride[d] == 0 ? 0 : dense[d];
+    if (local.size(d) > 1 && local.stride(d) != want) {
+      at::Tensor one = local;
+      for (int64_t b = 0; b < local.dim(); ++b) {
+        if (global_stride[b] == 0) one = one.narrow(b, 0, 1);
+      }
+      at::Tensor laid = at::empty_strided(held, dense, local.options());
+      laid.copy_(one);
+      return laid.expand(local.sizes());
     }
   }
   return local;

@@ -25,6 +25,7 @@
 #include "dtensor/core/shard_math.h"
 #include "dtensor/dispatch/explicit_redistribution.h"
 #include "dtensor/dispatch/implicit_replication.h"
+#include "leaf_gradient.h"
 #include "op_registry.h"
 
 namespace dtensor {
@@ -142,6 +143,7 @@ void add_tensor(Key& k, c10::SmallVector<Slot, 8>& slots, const at::Tensor& t, i
   }
   if (is_dtensor(t)) {
     auto* impl = dtensor_impl(t);
+    if (C10_UNLIKELY(impl->requires_grad())) watch_leaf_gradient(t);
     slots.push_back(Slot{arg, li, t, impl});
     push_word(k, -1);
     k.specs.push_back(impl->spec());

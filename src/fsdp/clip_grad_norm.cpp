@@ -1,15 +1,14 @@
 // clip_grad_norm_: see include/dtensor/nn/clip_grad.h.
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
-#include <torch/nn/utils/clip_grad.h>
 
 #include <algorithm>
-#include <cmath>
-#include <limits>
 #include <memory>
+#include <optional>
 #include <string>
 
 #include "dtensor/comm/collectives.h"
+#include "dtensor/core/api.h"
 #include "dtensor/core/dtensor_impl.h"
 #include "dtensor/dispatch/implicit_replication.h"
 #include "dtensor/fsdp/fully_shard.h"
@@ -52,7 +51,7 @@ GroupList distinct_groups(const std::vector<T>& items, GroupList T::*lists) {
 struct SquareSums {
   struct Bucket {
     GroupList over;
-    at::Tensor sum = at::zeros({}, at::kDouble);
+    at::Tensor sum;  // 0-d float64 on the gradients' device
   };
   std::vector<Bucket> buckets;
 
@@ -63,12 +62,13 @@ struct SquareSums {
     for (auto& x : buckets)
       if (x.over == over) b = &x;
     if (!b) b = &buckets.emplace_back(Bucket{std::move(over)});
-    b->sum.add_(local.to(at::kDouble).pow(2).sum());
+    const at::Tensor squares = local.to(at::kDouble).pow(2).sum();
+    b->sum = b->sum.defined() ? b->sum + squares : squares;
   }
 
   // The global sum of squares: per group (in the order first met, the same on every rank of
   // it), one all_reduce of the buckets summed over it.
-  double total() {
+  at::Tensor total() {
     for (const auto& g : distinct_groups(buckets, &Bucket::over)) {
       std::vector<Bucket*> in;
       for (auto& b : buckets)
@@ -78,8 +78,8 @@ struct SquareSums {
       const at::Tensor reduced = comm::all_reduce(at::stack(sums), ReduceOp::Sum, *g);
       for (size_t i = 0; i < in.size(); ++i) in[i]->sum = reduced[static_cast<int64_t>(i)];
     }
-    double t = 0;
-    for (const auto& b : buckets) t += b.sum.item<double>();
+    at::Tensor t = buckets.front().sum;
+    for (size_t i = 1; i < buckets.size(); ++i) t = t + buckets[i].sum;
     return t;
   }
 };
@@ -90,8 +90,9 @@ struct SquareSums {
 // a matrix into P - each block's squares summed alone in float64 (the same block shapes at
 // every layout, so the same bits), the ranks' blocks exchanged by one all_gather per group a
 // gradient is sharded over, then a fixed binary tree over each gradient's blocks. Returns one
-// sum per gradient, in order: the same bits at every layout the grid allows.
-std::vector<double> canonical_squares(const std::vector<at::Tensor>& params, int64_t segments) {
+// sum per gradient (0-d float64 on its device), in order: the same bits at every layout the grid
+// allows.
+std::vector<at::Tensor> canonical_squares(const std::vector<at::Tensor>& params, int64_t segments) {
   struct Grid {
     int64_t rows = 1, cols = 1;  // blocks along dim 0 and the last dim
     at::Tensor blocks;           // [rows * cols] float64; -1 where another rank holds the block
@@ -127,7 +128,7 @@ std::vector<double> canonical_squares(const std::vector<at::Tensor>& params, int
         " along dim 0",
         nd >= 2 ? ", " + std::to_string(grid.cols) + " along the last" : std::string(),
         ") with this rank's part inside whole blocks");
-    grid.blocks = at::full({grid.rows * grid.cols}, -1.0, at::kDouble);
+    grid.blocks = at::full({grid.rows * grid.cols}, -1.0, local.options().dtype(at::kDouble));
     const int64_t r0 = nd >= 1 ? offset[0] / row_len : 0;
     const int64_t nr = nd >= 1 ? extent[0] / row_len : 1;
     const int64_t c0 = nd >= 2 ? offset[last] / col_len : 0;
@@ -137,8 +138,8 @@ std::vector<double> canonical_squares(const std::vector<at::Tensor>& params, int
         at::Tensor block = local;
         if (nd >= 1) block = block.narrow(0, r * row_len, row_len);
         if (nd >= 2) block = block.narrow(last, c * col_len, col_len);
-        grid.blocks[(r0 + r) * grid.cols + c0 + c] =
-            block.contiguous().to(at::kDouble).pow(2).sum();
+        grid.blocks.select(0, (r0 + r) * grid.cols + c0 + c)
+            .copy_(block.contiguous().to(at::kDouble).pow(2).sum());
       }
     }
     grids.push_back(std::move(grid));
@@ -160,15 +161,16 @@ std::vector<double> canonical_squares(const std::vector<at::Tensor>& params, int
       at += grid->blocks.numel();
     }
   }
-  std::vector<double> sums;
+  std::vector<at::Tensor> sums;
   for (const auto& grid : grids) {
-    TORCH_INTERNAL_ASSERT(grid.blocks.min().item<double>() >= 0);
+    // Checked on the device: every block was held by some rank.
+    at::_assert_async(grid.blocks.min() >= 0, "clip_grad_norm_: a block of the grid is missing");
     at::Tensor level = grid.blocks;  // a power of two long: 2P x P
     while (level.numel() > 1) {
       const auto pairs = level.view({-1, 2});
       level = pairs.select(1, 0) + pairs.select(1, 1);
     }
-    sums.push_back(level.item<double>());
+    sums.push_back(level.reshape({}));
   }
   return sums;
 }
@@ -194,8 +196,8 @@ std::vector<double> in_stage_order(const std::vector<double>& mine, comm::Proces
 
 }  // namespace
 
-double clip_grad_norm_(const std::vector<at::Tensor>& params, double max_norm,
-                       const ClipGradNormOptions& options) {
+at::Tensor clip_grad_norm_on_device_(const std::vector<at::Tensor>& params, double max_norm,
+                                     const ClipGradNormOptions& options) {
   at::NoGradGuard no_grad;
   std::vector<at::Tensor> grads;
   std::vector<at::Tensor> counted;
@@ -212,39 +214,69 @@ double clip_grad_norm_(const std::vector<at::Tensor>& params, double max_norm,
     counted.push_back(p);
     any_shard = any_shard || fsdp::is_fsdp_shard(p);
   }
-  double total = 0;
+  auto device_of = [&] {
+    if (grads.empty()) return at::TensorOptions(at::kDouble);
+    const at::Tensor& g = grads.front();
+    return at::TensorOptions(at::kDouble).device((is_dtensor(g) ? local_tensor(g) : g).device());
+  };
+  // The squares of this rank's share of the norm (float64), or the norm itself where LibTorch's
+  // own arithmetic gives it (one mesh, everything counted here, no stages).
+  at::Tensor squares, norm;
   const int64_t segments = ops::layout_invariant_segments();
   if (segments > 0) {
-    std::vector<double> sums = canonical_squares(counted, segments);
-    if (options.stage_group) sums = in_stage_order(sums, *options.stage_group);
-    for (double s : sums) total += s;  // in order, as one device adds them
+    std::vector<at::Tensor> sums = canonical_squares(counted, segments);
+    if (options.stage_group) {
+      // The stages' sums are exchanged and ordered on the host (a pipeline step is not captured).
+      std::vector<double> host;
+      for (const auto& x : sums) host.push_back(x.item<double>());
+      host = in_stage_order(host, *options.stage_group);
+      double total = 0;
+      for (double x : host) total += x;  // in order, as one device adds them
+      squares = at::scalar_tensor(total, device_of());
+    } else {
+      // In order, as one device adds them.
+      squares = at::zeros({}, device_of());
+      for (const auto& x : sums) squares = squares + x;
+    }
   } else if (any_shard) {
     // FSDP's leaves live on their own meshes ("dp", or (tp, dp)): their squares are summed over
     // the groups their placements shard them over.
     SquareSums sums;
     for (const at::Tensor& p : counted) sums.add(p.grad());
-    total = sums.total();
-  } else {
-    // DTensors (one mesh) and plain tensors: LibTorch's own function, whose DTensor norms
-    // reduce a pending p-norm over the sharded dims (and follow the layout-invariant mode).
+    squares = sums.buckets.empty() ? at::zeros({}, device_of()) : sums.total();
+  } else if (!counted.empty()) {
+    // DTensors (one mesh) and plain tensors: LibTorch's clip_grad_norm_ arithmetic (norms in the
+    // gradients' dtype); DTensor norms reduce a pending p-norm over the sharded dims in the one
+    // all_reduce that replicates the total.
     ImplicitReplication plain_gradients_are_replicated;
-    if (!options.stage_group && all_counted_here)
-      return torch::nn::utils::clip_grad_norm_(counted, max_norm);
-    if (!counted.empty()) {
-      const double n =
-          torch::nn::utils::clip_grad_norm_(counted, std::numeric_limits<double>::infinity());
-      total = n * n;
-    }
+    std::vector<at::Tensor> norms;
+    for (const at::Tensor& p : counted) norms.push_back(p.grad().norm(2));
+    at::Tensor total = norms.size() == 1 ? norms[0] : at::stack(norms).norm(2);
+    if (is_dtensor(total))
+      total = local_tensor(redistribute(total, replicate_all(spec_of(total).mesh().ndim())));
+    if (options.stage_group || !all_counted_here)
+      squares = total.to(at::kDouble).pow(2);
+    else
+      norm = total;
+  } else {
+    squares = at::zeros({}, device_of());
   }
-  if (options.stage_group && segments == 0) {
-    total = comm::all_reduce(at::full({1}, total, at::kDouble), ReduceOp::Sum, *options.stage_group)
-                .item<double>();
+  if (!norm.defined()) {
+    if (options.stage_group && segments == 0)
+      squares =
+          comm::all_reduce(squares.reshape({1}), ReduceOp::Sum, *options.stage_group).reshape({});
+    norm = squares.sqrt();
   }
-  const double norm = std::sqrt(total);
-  const double coef = max_norm / (norm + 1e-6);
-  if (coef < 1)
-    for (auto& g : grads) g.mul_(coef);
+  // min(1, max_norm / (norm + 1e-6)) on the device: a factor of 1 leaves the gradients as they
+  // are.
+  const at::Tensor coef = at::clamp(max_norm / (norm + 1e-6), std::nullopt, 1.0);
+  for (auto& g : grads) g.mul_(coef);
   return norm;
+}
+
+double clip_grad_norm_(const std::vector<at::Tensor>& params, double max_norm,
+                       const ClipGradNormOptions& options) {
+  return clip_grad_norm_on_device_(params, max_norm, options).item<double>();
 }
 
 }  // namespace dtensor::nn::utils

@@ -6,6 +6,7 @@
 #include <limits>
 #include <vector>
 
+#include "dtensor/models/attention_sinks.h"
 #include "dtensor/nn/layers.h"
 #include "dtensor/ops/layout_invariant.h"
 #include "rotary.h"
@@ -106,15 +107,22 @@ at::Tensor attend_in_blocks(const at::Tensor& q, const at::Tensor& mask, const L
 }  // namespace
 
 at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                  const at::Tensor& mask, LayerCache* cache, double scale) {
+                  const at::Tensor& mask, LayerCache* cache, double scale,
+                  const at::Tensor& sinks) {
   const int64_t B = q.size(0), S = q.size(1);
   at::Tensor keys = k, values = v;
   if (cache) {
     cache->keys.narrow(1, cache->start, S).copy_(k);
     cache->values.narrow(1, cache->start, S).copy_(v);
+    TORCH_CHECK(!sinks.defined() || ops::layout_invariant_segments() == 0,
+                "attention: sinks in LayoutInvariantMode generation are not built");
     if (ops::layout_invariant_segments() > 0) return attend_in_blocks(q, mask, *cache, scale);
     keys = cache->keys.narrow(1, 0, cache->start + S);
     values = cache->values.narrow(1, 0, cache->start + S);
+  }
+  if (sinks.defined()) {
+    const double s = scale > 0 ? scale : 1.0 / std::sqrt(static_cast<double>(q.size(3)));
+    return attend_with_sinks(q, keys, values, sinks, mask, s);
   }
   const int64_t nq = q.size(2), nkv = keys.size(2);
   TORCH_CHECK(nkv > 0 && nq % nkv == 0, "attention: ", nq, " local query heads cannot share ", nkv,

@@ -52,9 +52,11 @@ at::Tensor rows_padded(const at::Tensor& x, const std::function<at::Tensor(const
 // (B, S, Hq * D). Scores are scaled by `scale` (0: 1 / sqrt(D)). In LayoutInvariantMode with a
 // cache, every query attends over the filled slots rounded up to whole kInvariantKeyBlock blocks
 // (the slots it does not see masked) with at least kInvariantMinRows queries, so a decode step
-// and a prefill's row give the same bits.
+// and a prefill's row give the same bits. With `sinks` (this rank's query heads'; gpt-oss) each
+// head's softmax has its sink logit too (attend_with_sinks); not in LayoutInvariantMode.
 at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                  const at::Tensor& mask, LayerCache* cache = nullptr, double scale = 0);
+                  const at::Tensor& mask, LayerCache* cache = nullptr, double scale = 0,
+                  const at::Tensor& sinks = {});
 
 // The gated MLP's middle: act(gate) * up, act DecoderConfig::activation's ("silu": SwiGLU,
 // "gelu_tanh": GeGLU).

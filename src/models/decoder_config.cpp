@@ -14,7 +14,7 @@ namespace dtensor::models {
 
 DecoderConfig DecoderConfig::preset(const std::string& name) {
   DecoderConfig c;
-  if (name == "tiny") {
+  if (name == "tiny" || name == "tiny-moe") {
     // Tests: GQA (2 KV heads for 4 query heads), every size divisible by 1, 2 and 4.
     c.vocab_size = 256;
     c.dim = 32;
@@ -22,6 +22,16 @@ DecoderConfig DecoderConfig::preset(const std::string& name) {
     c.n_heads = 4;
     c.n_kv_heads = 2;
     c.max_seq_len = 64;
+    if (name == "tiny-moe") {
+      // Qwen3-MoE's routing (softmax, top 2 renormalised) over 4 experts of width 16.
+      DecoderMoe moe;
+      moe.options.num_experts = 4;
+      moe.options.top_k = 2;
+      moe.options.renormalize = true;
+      moe.expert_hidden_dim = 16;
+      moe.router_aux_loss_coef = 0.01;
+      c.moe = moe;
+    }
   } else if (name == "demo") {
     // ~3.1M parameters: a byte-level model that learns visibly in a minute on 2 CPU cores.
     c.vocab_size = 256;
@@ -46,7 +56,21 @@ DecoderConfig DecoderConfig::preset(const std::string& name) {
   return c;
 }
 
-std::vector<std::string> DecoderConfig::preset_names() { return {"tiny", "demo", "bench"}; }
+std::vector<std::string> DecoderConfig::preset_names() {
+  return {"tiny", "tiny-moe", "demo", "bench"};
+}
+
+bool DecoderConfig::sparse(int64_t layer) const {
+  if (!moe) return false;
+  if (moe->sparse_layers.empty()) return true;
+  return moe->sparse_layers.at(static_cast<size_t>(layer));
+}
+
+bool DecoderConfig::has_moe() const {
+  for (int64_t l = 0; l < n_layers; ++l)
+    if (sparse(l)) return true;
+  return false;
+}
 
 int64_t DecoderConfig::kv_heads() const { return n_kv_heads > 0 ? n_kv_heads : n_heads; }
 
@@ -82,10 +106,21 @@ int64_t DecoderConfig::num_parameters() const {
   if (qkv_bias) attention += (n_heads + 2 * kv_heads()) * hd;
   if (wo_bias) attention += dim;
   if (qk_norm) attention += 2 * hd;
-  const int64_t ffn = 3 * dim * hidden_dim();
-  const int64_t block = attention + ffn + (post_norms ? 4 : 2) * dim;
+  if (attention_sinks) attention += n_heads;
+  const int64_t dense = 3 * dim * hidden_dim();
+  int64_t blocks = 0;
+  for (int64_t l = 0; l < n_layers; ++l) {
+    int64_t ffn = dense;
+    if (sparse(l)) {
+      const MoeOptions& o = moe->options;
+      const int64_t I = moe->expert_hidden_dim;
+      ffn = o.num_experts * (3 * dim * I + (o.expert_bias ? 2 * I + dim : 0)) +
+            o.num_experts * dim + (o.router_bias ? o.num_experts : 0);
+    }
+    blocks += attention + ffn + (post_norms ? 4 : 2) * dim;
+  }
   const int64_t embed = vocab_size * dim;
-  return embed + n_layers * block + dim + (tie_embeddings ? 0 : embed);
+  return embed + blocks + dim + (tie_embeddings ? 0 : embed);
 }
 
 void DecoderConfig::validate() const {
@@ -131,6 +166,27 @@ void DecoderConfig::validate() const {
               "DecoderConfig: norm_weight_offset must be finite");
   TORCH_CHECK(activation == "silu" || activation == "gelu_tanh", "DecoderConfig: activation \"",
               activation, "\" is not built; expected \"silu\" or \"gelu_tanh\"");
+  if (moe) {
+    try {
+      moe->options.validate();
+    } catch (const c10::Error& e) {
+      TORCH_CHECK(false, "DecoderConfig: moe: ", e.msg());
+    }
+    TORCH_CHECK(moe->expert_hidden_dim > 0,
+                "DecoderConfig: moe.expert_hidden_dim must be positive, got ",
+                moe->expert_hidden_dim);
+    TORCH_CHECK(
+        moe->sparse_layers.empty() || static_cast<int64_t>(moe->sparse_layers.size()) == n_layers,
+        "DecoderConfig: moe.sparse_layers has ", moe->sparse_layers.size(),
+        " entries for n_layers=", n_layers);
+  }
+  TORCH_CHECK(!(rope_scaling && rope_yarn),
+              "DecoderConfig: rope_scaling (llama3) and rope_yarn exclude each other");
+  if (rope_yarn) {
+    TORCH_CHECK(rope_yarn->factor > 0 && rope_yarn->original_max_position_embeddings > 0,
+                "DecoderConfig: rope_yarn needs a positive factor and "
+                "original_max_position_embeddings");
+  }
   if (rope_scaling) {
     const auto& r = *rope_scaling;
     TORCH_CHECK(r.factor > 0 && r.low_freq_factor > 0 && r.original_max_position_embeddings > 0,
@@ -144,7 +200,8 @@ void DecoderConfig::validate() const {
 
 std::vector<int64_t> DecoderConfig::valid_tp_degrees() const {
   std::vector<int64_t> out;
-  const int64_t g = std::gcd(n_heads, hidden_dim());
+  int64_t g = std::gcd(n_heads, hidden_dim());
+  if (moe) g = std::gcd(g, moe->expert_hidden_dim);
   for (int64_t d = 1; d <= g; ++d) {
     if (g % d == 0) out.push_back(d);
   }
@@ -161,6 +218,10 @@ void DecoderConfig::validate_tp(int64_t tp) const {
   // w1/w3 outputs meet w2's row-sharded weight as local tensors, which needs even shards.
   TORCH_CHECK(hidden_dim() % tp == 0, "the FFN hidden size ", hidden_dim(),
               " is not divisible by tp=", tp, "; valid tp degrees: ", valid());
+  // Each expert splits like a dense feed-forward (moe.h's apply_tensor_parallel).
+  TORCH_CHECK(!moe || moe->expert_hidden_dim % tp == 0, "the experts' hidden size ",
+              moe ? moe->expert_hidden_dim : 0, " is not divisible by tp=", tp,
+              "; valid tp degrees: ", valid());
 }
 
 // ---- JSON ----
@@ -198,6 +259,102 @@ json parse_object(const std::string& text) {
   }
   TORCH_CHECK(j.is_object(), "DecoderConfig JSON: expected an object, got ", j.type_name());
   return j;
+}
+
+bool as_bool(const std::string& key, const json& v) {
+  TORCH_CHECK(v.is_boolean(), "DecoderConfig JSON: '", key, "' must be true or false");
+  return v.get<bool>();
+}
+
+std::vector<bool> as_bools(const std::string& key, const json& v) {
+  TORCH_CHECK(v.is_array(), "DecoderConfig JSON: '", key, "' must be an array of booleans");
+  std::vector<bool> out;
+  for (const auto& b : v) out.push_back(as_bool(key, b));
+  return out;
+}
+
+// The router and activation types by name (config files and --config).
+const char* router_name(RouterScoring s) {
+  return s == RouterScoring::kSoftmaxThenTopK ? "softmax_topk" : "topk_softmax";
+}
+const char* expert_activation_name(ExpertActivation a) {
+  return a == ExpertActivation::kSwiGLU ? "silu" : "clamped_swiglu";
+}
+
+DecoderMoe moe_from_json(const json& v) {
+  TORCH_CHECK(v.is_object(), "DecoderConfig JSON: 'moe' must be null or an object");
+  DecoderMoe m;
+  for (const auto& [k, x] : v.items()) {
+    const std::string name = "moe." + k;
+    MoeOptions& o = m.options;
+    if (k == "num_experts") {
+      o.num_experts = as_int(name, x);
+    } else if (k == "top_k") {
+      o.top_k = as_int(name, x);
+    } else if (k == "expert_hidden_dim") {
+      m.expert_hidden_dim = as_int(name, x);
+    } else if (k == "router") {
+      TORCH_CHECK(x == "softmax_topk" || x == "topk_softmax", "DecoderConfig JSON: '", name,
+                  "': router type ", x.dump(),
+                  " is not built; built: \"softmax_topk\", \"topk_softmax\"");
+      o.scoring =
+          x == "softmax_topk" ? RouterScoring::kSoftmaxThenTopK : RouterScoring::kTopKThenSoftmax;
+    } else if (k == "renormalize") {
+      o.renormalize = as_bool(name, x);
+    } else if (k == "float32_weights") {
+      o.float32_weights = as_bool(name, x);
+    } else if (k == "router_bias") {
+      o.router_bias = as_bool(name, x);
+    } else if (k == "expert_bias") {
+      o.expert_bias = as_bool(name, x);
+    } else if (k == "activation") {
+      TORCH_CHECK(x == "silu" || x == "clamped_swiglu", "DecoderConfig JSON: '", name,
+                  "': ", x.dump(), " is not built; built: \"silu\", \"clamped_swiglu\"");
+      o.activation = x == "silu" ? ExpertActivation::kSwiGLU : ExpertActivation::kClampedSwiGLU;
+    } else if (k == "swiglu_alpha") {
+      o.swiglu_alpha = as_double(name, x);
+    } else if (k == "swiglu_limit") {
+      o.swiglu_limit = as_double(name, x);
+    } else if (k == "sparse_layers") {
+      m.sparse_layers = as_bools(name, x);
+    } else if (k == "router_aux_loss_coef") {
+      m.router_aux_loss_coef = as_double(name, x);
+    } else {
+      TORCH_CHECK(false, "DecoderConfig JSON: unknown key '", name, "'");
+    }
+  }
+  return m;
+}
+
+YarnRopeScaling yarn_from_json(const json& v) {
+  TORCH_CHECK(v.is_object(), "DecoderConfig JSON: 'rope_yarn' must be null or an object");
+  YarnRopeScaling y;
+  for (const auto& [k, x] : v.items()) {
+    const std::string name = "rope_yarn." + k;
+    if (k == "factor") {
+      y.factor = as_double(name, x);
+    } else if (k == "beta_fast") {
+      y.beta_fast = as_double(name, x);
+    } else if (k == "beta_slow") {
+      y.beta_slow = as_double(name, x);
+    } else if (k == "original_max_position_embeddings") {
+      y.original_max_position_embeddings = as_int(name, x);
+    } else if (k == "truncate") {
+      y.truncate = as_bool(name, x);
+    } else if (k == "attention_factor") {
+      if (x.is_null())
+        y.attention_factor.reset();
+      else
+        y.attention_factor = as_double(name, x);
+    } else if (k == "mscale") {
+      y.mscale = as_double(name, x);
+    } else if (k == "mscale_all_dim") {
+      y.mscale_all_dim = as_double(name, x);
+    } else {
+      TORCH_CHECK(false, "DecoderConfig JSON: unknown key '", name, "'");
+    }
+  }
+  return y;
 }
 
 }  // namespace
@@ -287,6 +444,20 @@ DecoderConfig DecoderConfig::from_json(const std::string& text) {
     } else if (key == "activation") {
       TORCH_CHECK(v.is_string(), "DecoderConfig JSON: 'activation' must be a string");
       c.activation = v.get<std::string>();
+    } else if (key == "moe") {
+      if (v.is_null())
+        c.moe.reset();
+      else
+        c.moe = moe_from_json(v);
+    } else if (key == "norm_scale_in_float32") {
+      c.norm_scale_in_float32 = as_bool(key, v);
+    } else if (key == "attention_sinks") {
+      c.attention_sinks = as_bool(key, v);
+    } else if (key == "rope_yarn") {
+      if (v.is_null())
+        c.rope_yarn.reset();
+      else
+        c.rope_yarn = yarn_from_json(v);
     } else {
       TORCH_CHECK(false, "DecoderConfig JSON: unknown key '", key, "'");
     }
@@ -332,6 +503,40 @@ std::string DecoderConfig::to_json() const {
   j["activation"] = activation;
   j["final_logit_softcap"] = final_logit_softcap;
   j["dropout"] = dropout;
+  if (moe) {
+    const MoeOptions& o = moe->options;
+    j["moe"] = {{"num_experts", o.num_experts},
+                {"top_k", o.top_k},
+                {"expert_hidden_dim", moe->expert_hidden_dim},
+                {"router", router_name(o.scoring)},
+                {"renormalize", o.renormalize},
+                {"float32_weights", o.float32_weights},
+                {"router_bias", o.router_bias},
+                {"expert_bias", o.expert_bias},
+                {"activation", expert_activation_name(o.activation)},
+                {"swiglu_alpha", o.swiglu_alpha},
+                {"swiglu_limit", o.swiglu_limit},
+                {"sparse_layers", moe->sparse_layers},
+                {"router_aux_loss_coef", moe->router_aux_loss_coef}};
+  } else {
+    j["moe"] = nullptr;
+  }
+  j["norm_scale_in_float32"] = norm_scale_in_float32;
+  j["attention_sinks"] = attention_sinks;
+  if (rope_yarn) {
+    const YarnRopeScaling& y = *rope_yarn;
+    j["rope_yarn"] = {
+        {"factor", y.factor},
+        {"beta_fast", y.beta_fast},
+        {"beta_slow", y.beta_slow},
+        {"original_max_position_embeddings", y.original_max_position_embeddings},
+        {"truncate", y.truncate},
+        {"attention_factor", y.attention_factor ? json(*y.attention_factor) : json(nullptr)},
+        {"mscale", y.mscale},
+        {"mscale_all_dim", y.mscale_all_dim}};
+  } else {
+    j["rope_yarn"] = nullptr;
+  }
   return j.dump();
 }
 

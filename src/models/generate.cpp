@@ -65,7 +65,10 @@ CachedDecoder::CachedDecoder(const TransformerImpl& model) : config_(model.confi
       case detail::TpPlacement::kRows:
         return local_part(param, 0, tp_, name);
       case detail::TpPlacement::kColumns:
+      case detail::TpPlacement::kExpertHidden:
         return local_part(param, 1, tp_, name);
+      case detail::TpPlacement::kExpertDown:
+        return local_part(param, 2, tp_, name);
       case detail::TpPlacement::kReplicated:
         return local_part(param, std::nullopt, tp_, name);
       case detail::TpPlacement::kKvRows: {
@@ -135,7 +138,8 @@ namespace {
 
 // The model's RMSNorm (dtensor::nn::rms_norm) over the last dimension.
 at::Tensor norm(const at::Tensor& x, const at::Tensor& weight, const DecoderConfig& c, double eps) {
-  return dtensor::nn::rms_norm(x, x.size(-1), weight, eps, c.norm_weight_offset);
+  return dtensor::nn::rms_norm(x, x.size(-1), weight, eps, c.norm_weight_offset,
+                               c.norm_scale_in_float32);
 }
 
 }  // namespace
@@ -218,16 +222,35 @@ at::Tensor CachedDecoder::forward(const at::Tensor& tokens_in, KVCache& cache) {
         detail::heads(column_parallel(x, W(Role::kWv), W(Role::kBv)), hd, {}, eps_, {});
     detail::LayerCache layer_cache{cache.keys(static_cast<int64_t>(l)),
                                    cache.values(static_cast<int64_t>(l)), t0};
-    const at::Tensor attn = detail::attend(q, k, v, masks.at(window), &layer_cache, scale);
+    const at::Tensor attn =
+        detail::attend(q, k, v, masks.at(window), &layer_cache, scale, W(Role::kSinks));
     at::Tensor o = row_parallel(attn, W(Role::kWo), W(Role::kBo));
     if (W(Role::kAttentionPostNorm).defined())
       o = norm(o, W(Role::kAttentionPostNorm), config_, eps_);
     h = h + o;
     x = norm(h, W(Role::kFfnNorm), config_, eps_);
-    const at::Tensor gate = column_parallel(x, W(Role::kW1), {});
-    const at::Tensor up = column_parallel(x, W(Role::kW3), {});
-    at::Tensor f =
-        row_parallel(detail::gated_activation(gate, up, config_.activation), W(Role::kW2), {});
+    at::Tensor f;
+    if (W(Role::kRouter).defined()) {
+      // A sparse layer: this rank's columns of every expert (moe.h), summed over the ranks; b2
+      // counts once, on rank 0.
+      TORCH_CHECK(tp_ == 1 || ops::layout_invariant_segments() == 0,
+                  "generate: LayoutInvariantMode with experts split over tp=", tp_,
+                  " ranks is not built");
+      const MoeOptions& o = config_.moe->options;
+      const at::Tensor flat = x.reshape({-1, x.size(-1)});
+      const Routing routing = route(flat, W(Role::kRouter), W(Role::kRouterBias), o);
+      const ExpertWeights experts{W(Role::kExpertW1),
+                                  W(Role::kExpertW2),
+                                  W(Role::kExpertW3),
+                                  W(Role::kExpertB1),
+                                  rank_ == 0 ? W(Role::kExpertB2) : at::Tensor(),
+                                  W(Role::kExpertB3)};
+      f = all_reduce(experts_forward(flat, routing, experts, o)).view(x.sizes());
+    } else {
+      const at::Tensor gate = column_parallel(x, W(Role::kW1), {});
+      const at::Tensor up = column_parallel(x, W(Role::kW3), {});
+      f = row_parallel(detail::gated_activation(gate, up, config_.activation), W(Role::kW2), {});
+    }
     if (W(Role::kFfnPostNorm).defined()) f = norm(f, W(Role::kFfnPostNorm), config_, eps_);
     h = h + f;
   }

@@ -19,9 +19,11 @@
 #include "dtensor/checkpoint/safetensors.h"
 #include "dtensor/core/api.h"
 #include "dtensor/core/dtensor_impl.h"
+#include "dtensor/models/hf_experts.h"
 #include "dtensor/models/meta_init.h"
 #include "hf_families.h"
 #include "meta_construction.h"
+#include "parameter_schema.h"
 
 namespace dtensor::models {
 
@@ -72,6 +74,12 @@ class Checkpoint {
   }
 
   const std::map<std::string, std::string>& file_of() const { return file_of_; }
+
+  // The checkpoint as hf_experts.h reads it.
+  HfTensorSource source() {
+    return {[this](const std::string& name) { return file_of_.count(name) > 0; },
+            [this](const std::string& name) { return locate(name); }};
+  }
   int64_t files_opened() const { return static_cast<int64_t>(files_.size()); }
 
   // Where `name` is; throws naming the file (or index) when it is absent or unreadable.
@@ -133,6 +141,55 @@ HfConfig read_hf_config(const std::string& dir) {
 
 namespace {
 
+// What this rank reads of `param`: the block [offset, offset + size) of its whole shape (its
+// shard under TP or FSDP), its local tensor and the device the part goes to (the CPU for a meta
+// parameter's); nullopt when the rank holds none of it (outside its mesh, or with `skip_meta` a
+// meta parameter: another pipeline stage's).
+struct RankPart {
+  std::vector<int64_t> offset, size;
+  at::Tensor local;
+  c10::Device device;
+};
+std::optional<RankPart> rank_part(const at::Tensor& param, bool skip_meta) {
+  RankPart out{std::vector<int64_t>(static_cast<size_t>(param.dim()), 0), param.sizes().vec(),
+               param, c10::kCPU};
+  if (is_dtensor(param)) {
+    const DTensorSpec& spec = spec_of(param);
+    if (!spec.mesh().contains_this_rank()) return std::nullopt;
+    const LocalShard shard = spec.local_shard();
+    out.offset = shard.offset;
+    out.size = shard.shape;
+    out.local = local_tensor(param);
+    out.device = spec.mesh().device();
+  }
+  if (skip_meta && out.local.is_meta()) return std::nullopt;
+  if (!out.local.is_meta()) out.device = out.local.device();
+  return out;
+}
+
+// This rank's part of a sparse layer's stacked expert parameter `name` (its shard of the whole
+// stacked shape), read from the family's tensors (per expert, stacked, or MXFP4 dequantised),
+// handed to `take` as read_hf_parts hands the others.
+void read_experts(
+    const HfTensorSource& source, const DecoderConfig& config, const std::string& name,
+    int64_t layer, const at::Tensor& param,
+    const std::function<void(const std::string&, const at::Tensor&, at::Tensor)>& take,
+    bool skip_meta, HfLoadStats& stats) {
+  const auto part_of = rank_part(param, skip_meta);
+  if (!part_of) return;
+  const auto& [offset, size, local, device] = *part_of;
+  const std::string sizes_note =
+      c10::str("num_experts=", config.moe->options.num_experts, ", expert intermediate size ",
+               config.moe->expert_hidden_dim, ", hidden_size=", config.dim);
+  const ExpertParam which = expert_param(name.substr(name.rfind('.') + 1));
+  at::Tensor part =
+      read_expert_part(source, detail::hf_expert_layout_for(config), layer, which, param.sizes(),
+                       offset, size, local.scalar_type(), sizes_note, &stats.bytes_read);
+  stats.checkpoint_bytes += static_cast<uint64_t>(param.numel()) * param.element_size();
+  ++stats.tensors;
+  take(name, param, part.to(local.options().device(device)));
+}
+
 // Reads this rank's part of every parameter of `model` (in the parameter's dtype, on its device;
 // the CPU for a meta parameter) and hands it to take(name, parameter, part) in order, after
 // checking every name, shape and dtype against the files. Reads one tensor at a time: what take
@@ -145,10 +202,24 @@ HfLoadStats read_hf_parts(
   Checkpoint ckpt(dir);
   HfLoadStats stats;
 
+  const HfTensorSource source = ckpt.source();
   // Names the model has no place for mean another architecture (biases, ...): refuse them.
   std::set<std::string> used;
-  for (const auto& p : model.named_parameters(/*recurse=*/true))
-    used.insert(hf_parameter_name(p.key(), config));
+  std::set<int64_t> expert_layers;
+  for (const auto& p : model.named_parameters(/*recurse=*/true)) {
+    const auto row = detail::find_parameter_row(p.key());
+    if (row && detail::is_expert_role(row->row->role))
+      expert_layers.insert(row->layer);
+    else
+      used.insert(hf_parameter_name(p.key(), config));
+  }
+  for (const int64_t layer : expert_layers) {
+    const HfExpertLayout& layout = detail::hf_expert_layout_for(config);
+    for (const std::string& name :
+         hf_expert_tensor_names(source, layout, layer, config.moe->options.num_experts,
+                                config.moe->options.expert_bias))
+      used.insert(name);
+  }
   std::vector<std::string> unexpected;
   for (const auto& [name, file] : ckpt.file_of()) {
     if (used.count(name) || name.ends_with("rotary_emb.inv_freq")) continue;
@@ -164,6 +235,11 @@ HfLoadStats read_hf_parts(
   for (const auto& p : model.named_parameters(/*recurse=*/true)) {
     const std::string& name = p.key();
     const at::Tensor& param = p.value();
+    const auto row = detail::find_parameter_row(name);
+    if (row && detail::is_expert_role(row->row->role)) {
+      read_experts(source, config, name, row->layer, param, take, skip_meta, stats);
+      continue;
+    }
     const std::string hf = hf_parameter_name(name, config);
     const auto [file, info] = ckpt.locate(hf);
     const std::string what = "safetensors file '" + file->path() + "', tensor \"" + hf + "\"";
@@ -177,20 +253,9 @@ HfLoadStats read_hf_parts(
         ", head_dim=", config.head_dim(), ", vocab_size=", config.vocab_size, ")");
     stats.checkpoint_bytes += info->nbytes();
 
-    std::vector<int64_t> offset(info->shape.size(), 0), size = info->shape;
-    at::Tensor local = param;
-    c10::Device device = c10::kCPU;  // of a meta parameter's part
-    if (is_dtensor(param)) {
-      const DTensorSpec& spec = spec_of(param);
-      if (!spec.mesh().contains_this_rank()) continue;
-      const LocalShard shard = spec.local_shard();
-      offset = shard.offset;
-      size = shard.shape;
-      local = local_tensor(param);
-      device = spec.mesh().device();
-    }
-    if (skip_meta && local.is_meta()) continue;  // another pipeline stage's
-    if (!local.is_meta()) device = local.device();
+    const auto part_of = rank_part(param, skip_meta);
+    if (!part_of) continue;
+    const auto& [offset, size, local, device] = *part_of;
     at::Tensor part = file->slice(*info, offset, size);
     stats.bytes_read += part.nbytes();
     ++stats.tensors;

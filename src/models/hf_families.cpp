@@ -12,6 +12,7 @@
 #include <optional>
 
 #include "dtensor/models/hf_checkpoint.h"
+#include "hf_moe_config_json.h"
 #include "parameter_schema.h"
 
 namespace dtensor::models {
@@ -28,6 +29,12 @@ const std::vector<HfFamily>& hf_families() {
       {"Qwen2ForCausalLM", "qwen2", false, true, false, WindowRule::kFromMaxWindowLayers},
       {"MistralForCausalLM", "mistral", false, false, false, WindowRule::kEveryLayer},
       {"Gemma3ForCausalLM", "gemma3_text", true, false, true, WindowRule::kPattern, true},
+      {"Qwen3MoeForCausalLM", "qwen3_moe", true, false, true, WindowRule::kFromMaxWindowLayers,
+       false, &kQwen3MoeExperts},
+      {"MixtralForCausalLM", "mixtral", false, false, false, WindowRule::kEveryLayer, false,
+       &kMixtralExperts},
+      {"GptOssForCausalLM", "gpt_oss", true, false, false, WindowRule::kAlternate, false,
+       &kGptOssExperts, /*sinks=*/true},
   };
   return families;
 }
@@ -119,6 +126,8 @@ HfConfigRead parse_hf_config(const json& j, const std::string& path) {
     if (family->gemma && (std::string(key) == "query_pre_attn_scalar" ||
                           std::string(key) == "final_logit_softcapping"))
       continue;
+    // The mixture-of-experts families read theirs below.
+    if (family->experts && std::string(what) == "mixture-of-experts layers") continue;
     TORCH_CHECK(!j.contains(key) || !is_set(j.at(key)), where, ": \"", key,
                 "\": ", j.at(key).dump(), " asks for ", what, ", which is not built");
   }
@@ -202,10 +211,17 @@ HfConfigRead parse_hf_config(const json& j, const std::string& path) {
       if (has(key)) pattern = get_int(key);
     TORCH_CHECK(pattern > 0, where, ": \"sliding_window_pattern\": ", pattern, " must be positive");
     for (int64_t i = 0; i < c.n_layers; ++i) c.sliding_layers.push_back((i + 1) % pattern != 0);
+  } else if (family->window == WindowRule::kAlternate && c.sliding_window > 0) {
+    for (int64_t i = 0; i < c.n_layers; ++i) c.sliding_layers.push_back(i % 2 == 0);
   } else if (family->window == WindowRule::kNone) {
     TORCH_CHECK(c.sliding_window == 0, where, ": \"sliding_window\": ", c.sliding_window, " with ",
                 family->architecture, ", which has no sliding layers");
   }
+
+  // layer_types of full layers only (as transformers 5 writes for every Qwen): no window.
+  if (c.sliding_window == 0 &&
+      std::none_of(c.sliding_layers.begin(), c.sliding_layers.end(), [](bool s) { return s; }))
+    c.sliding_layers.clear();
 
   // Only the plain rotary of a Gemma layer type is built: {"rope_type": "default", ...}.
   auto gemma_rope = [&](const json& r, const std::string& key) -> std::optional<double> {
@@ -271,10 +287,43 @@ HfConfigRead parse_hf_config(const json& j, const std::string& path) {
     s.original_max_position_embeddings =
         static_cast<int64_t>(get_double(rope, "original_max_position_embeddings", rope_key));
     c.rope_scaling = s;
+  } else if (type == "yarn" && !family->gemma) {
+    YarnRopeScaling s;
+    s.factor = get_double(rope, "factor", rope_key);
+    auto optional = [&](const char* key, double otherwise) {
+      return rope.contains(key) && !rope.at(key).is_null() ? get_double(rope, key, rope_key)
+                                                           : otherwise;
+    };
+    s.beta_fast = optional("beta_fast", 32);
+    s.beta_slow = optional("beta_slow", 1);
+    s.mscale = optional("mscale", 0);
+    s.mscale_all_dim = optional("mscale_all_dim", 0);
+    s.original_max_position_embeddings = static_cast<int64_t>(
+        optional("original_max_position_embeddings", static_cast<double>(c.max_seq_len)));
+    if (rope.contains("attention_factor") && !rope.at("attention_factor").is_null())
+      s.attention_factor = get_double(rope, "attention_factor", rope_key);
+    if (rope.contains("truncate")) {
+      TORCH_CHECK(rope.at("truncate").is_boolean(), where, ": \"", rope_key,
+                  "truncate\" must be true or false");
+      s.truncate = rope.at("truncate").get<bool>();
+    }
+    c.rope_yarn = s;
   } else {
     TORCH_CHECK(type == "default", where, ": \"", rope_key, "rope_type\": rope type \"", type,
-                "\" is not supported; supported: default, llama3");
+                "\" is not supported; supported: default, llama3, yarn");
   }
+  if (family->experts) {
+    const auto moe = parse_hf_moe_config(j, path, family->architecture, c.n_layers);
+    TORCH_CHECK(moe, where, ": ", family->architecture, " has no mixture-of-experts reader");
+    DecoderMoe m;
+    m.options = moe->options;
+    m.expert_hidden_dim = moe->expert_hidden_dim;
+    m.sparse_layers = moe->sparse_layers;
+    m.router_aux_loss_coef = moe->router_aux_loss_coef;
+    c.moe = m;
+  }
+  c.attention_sinks = family->sinks;
+  c.norm_scale_in_float32 = family->sinks;  // gpt-oss's norms ("main diff with Llama")
   for (const char* key : {"torch_dtype", "dtype"}) {
     if (has(key)) out.dtype = dtype_of_name(j.at(key).get<std::string>(), where);
   }
@@ -304,13 +353,39 @@ json number(double x) {
   return std::floor(x) == x && std::abs(x) < 1e15 ? json(static_cast<int64_t>(x)) : json(x);
 }
 
+// Whether the experts of `c` are the ones the family with `layout` has (routing, biases,
+// activation, which layers are sparse).
+bool experts_are(const DecoderConfig& c, const HfExpertLayout& layout) {
+  const MoeOptions& o = c.moe->options;
+  bool every_layer = true;
+  for (int64_t l = 0; l < c.n_layers; ++l) every_layer = every_layer && c.sparse(l);
+  const bool softmax = o.scoring == RouterScoring::kSoftmaxThenTopK;
+  const bool swiglu = o.activation == ExpertActivation::kSwiGLU;
+  if (&layout == &kQwen3MoeExperts)
+    return softmax && !o.float32_weights && !o.router_bias && !o.expert_bias && swiglu;
+  if (&layout == &kMixtralExperts)
+    return softmax && o.renormalize && o.float32_weights && !o.router_bias && !o.expert_bias &&
+           swiglu && every_layer;
+  return !softmax && o.router_bias && o.expert_bias && !swiglu && every_layer;
+}
+
 }  // namespace
+
+const HfExpertLayout& hf_expert_layout_for(const DecoderConfig& config) {
+  const HfFamily& f = hf_family_for(config);
+  TORCH_CHECK(f.experts, "Hugging Face family ", f.architecture, " has no experts");
+  return *f.experts;
+}
 
 const HfFamily& hf_family_for(const DecoderConfig& c) {
   bool every_layer_slides = true;
   for (bool s : c.sliding_layers) every_layer_slides = every_layer_slides && s;
   for (const auto& f : hf_families()) {
     if (f.qk_norm != c.qk_norm || !block_is(c, f.gemma)) continue;
+    if ((f.experts != nullptr) != c.has_moe() || f.sinks != c.attention_sinks ||
+        f.sinks != c.norm_scale_in_float32)
+      continue;
+    if (f.experts && !experts_are(c, *f.experts)) continue;
     if (f.attention_bias_key ? c.qkv_bias != c.wo_bias : (c.qkv_bias != f.qkv_bias || c.wo_bias))
       continue;
     if (f.window == WindowRule::kNone && c.sliding_window > 0) continue;
@@ -331,7 +406,9 @@ std::string hf_config_json(const DecoderConfig& c, const HfFamily& f, const std:
   const bool gemma = f.gemma;
   j[gemma ? "hidden_activation" : "hidden_act"] = gemma ? "gelu_pytorch_tanh" : "silu";
   j["hidden_size"] = c.dim;
-  j["intermediate_size"] = c.hidden_dim();
+  // Mixtral's and gpt-oss's intermediate_size is the experts' width (they have no dense layer).
+  const bool experts_width = f.experts && f.experts != &kQwen3MoeExperts;
+  j["intermediate_size"] = experts_width ? c.moe->expert_hidden_dim : c.hidden_dim();
   j["num_hidden_layers"] = c.n_layers;
   j["num_attention_heads"] = c.n_heads;
   j["num_key_value_heads"] = c.kv_heads();
@@ -353,7 +430,21 @@ std::string hf_config_json(const DecoderConfig& c, const HfFamily& f, const std:
         c.final_logit_softcap > 0 ? json(c.final_logit_softcap) : json(nullptr);
   }
   j["rope_theta"] = c.rope_theta;
-  if (c.rope_scaling) {
+  if (c.rope_yarn) {
+    const YarnRopeScaling& y = *c.rope_yarn;
+    j["rope_scaling"] = {{"rope_type", "yarn"},
+                         {"rope_theta", c.rope_theta},
+                         {"factor", y.factor},
+                         {"beta_fast", y.beta_fast},
+                         {"beta_slow", y.beta_slow},
+                         {"original_max_position_embeddings", y.original_max_position_embeddings},
+                         {"truncate", y.truncate}};
+    if (y.attention_factor) j["rope_scaling"]["attention_factor"] = *y.attention_factor;
+    if (y.mscale != 0) j["rope_scaling"]["mscale"] = y.mscale;
+    if (y.mscale_all_dim != 0) j["rope_scaling"]["mscale_all_dim"] = y.mscale_all_dim;
+    // transformers 5 reads rope_parameters.
+    j["rope_parameters"] = j["rope_scaling"];
+  } else if (c.rope_scaling) {
     j["rope_scaling"] = {
         {"rope_type", "llama3"},
         {"factor", c.rope_scaling->factor},
@@ -366,7 +457,7 @@ std::string hf_config_json(const DecoderConfig& c, const HfFamily& f, const std:
   if (f.window != WindowRule::kNone) {
     j["sliding_window"] = c.sliding_window > 0 ? json(c.sliding_window) : json(nullptr);
   }
-  if (f.window == WindowRule::kPattern) {
+  if (f.window == WindowRule::kPattern || f.window == WindowRule::kAlternate) {
     std::vector<std::string> types;
     for (int64_t i = 0; i < c.n_layers; ++i)
       types.emplace_back(c.window(i) > 0 ? "sliding_attention" : "full_attention");
@@ -385,6 +476,28 @@ std::string hf_config_json(const DecoderConfig& c, const HfFamily& f, const std:
     j["max_window_layers"] = first;
     j["layer_types"] = types;
   }
+  if (f.experts) {
+    const MoeOptions& o = c.moe->options;
+    const bool qwen = f.experts == &kQwen3MoeExperts;
+    j[qwen ? "num_experts" : "num_local_experts"] = o.num_experts;
+    j["num_experts_per_tok"] = o.top_k;
+    if (qwen) {
+      std::vector<int64_t> dense;
+      for (int64_t l = 0; l < c.n_layers; ++l)
+        if (!c.sparse(l)) dense.push_back(l);
+      j["moe_intermediate_size"] = c.moe->expert_hidden_dim;
+      j["norm_topk_prob"] = o.renormalize;
+      j["decoder_sparse_step"] = 1;
+      j["mlp_only_layers"] = dense;
+    }
+    if (f.experts == &kMixtralExperts) j["router_jitter_noise"] = 0.0;
+    if (f.experts == &kGptOssExperts) {
+      j["swiglu_alpha"] = o.swiglu_alpha;
+      j["swiglu_limit"] = o.swiglu_limit;
+    }
+    j["router_aux_loss_coef"] = c.moe->router_aux_loss_coef;
+    j["output_router_logits"] = false;
+  }
   j["tie_word_embeddings"] = c.tie_embeddings;
   j["torch_dtype"] = dtype;
   j["vocab_size"] = c.vocab_size;
@@ -402,6 +515,12 @@ std::string hf_parameter_name(const std::string& name, const DecoderConfig& conf
   const auto found = detail::find_parameter_row(name);
   TORCH_CHECK(found, "parameter \"", name, "\" has no Hugging Face counterpart");
   const detail::ParameterRow& row = *found->row;
+  TORCH_CHECK(row.hf != nullptr, "parameter \"", name,
+              "\" (stacked experts) has no single Hugging Face tensor; see hf_expert_tensors");
+  if (row.role == detail::Role::kRouter || row.role == detail::Role::kRouterBias) {
+    const HfExpertLayout& layout = detail::hf_expert_layout_for(config);
+    return hf_expert_prefix(layout, found->layer) + layout.router + "." + row.hf;
+  }
   const std::string hf = config.post_norms && row.hf_post_norms ? row.hf_post_norms : row.hf;
   if (found->layer < 0) return hf;
   return "model.layers." + std::to_string(found->layer) + "." + hf;

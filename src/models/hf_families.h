@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "dtensor/models/hf_experts.h"
 #include "dtensor/models/transformer.h"
 
 namespace dtensor::models::detail {
@@ -19,6 +20,7 @@ enum class WindowRule {
   kEveryLayer,           // sliding_window on every layer (Mistral)
   kFromMaxWindowLayers,  // use_sliding_window: layers >= max_window_layers (Qwen2, Qwen3)
   kPattern,              // all but every sliding_window_pattern-th layer (Gemma 3; default 6)
+  kAlternate,            // even layers slide, odd ones are full (gpt-oss)
 };
 
 struct HfFamily {
@@ -32,6 +34,11 @@ struct HfFamily {
   // GeGLU (hidden_activation), query_pre_attn_scalar, a rope base per layer type, tied embedding
   // by default.
   bool gemma = false;
+  // A mixture-of-experts family: where its checkpoints keep the experts (hf_experts.h); null for
+  // the dense ones.
+  const HfExpertLayout* experts = nullptr;
+  // gpt-oss's attention: per-head sinks.
+  bool sinks = false;
 };
 
 // Every family, Llama first.
@@ -52,6 +59,9 @@ const HfFamily& hf_family_for(const DecoderConfig& config);
 // config.json for `config` as `family` (transformers 4's spelling, which 5 reads as well).
 std::string hf_config_json(const DecoderConfig& config, const HfFamily& family,
                            const std::string& dtype_name);
+
+// The expert layout of the MoE family save_hf writes `config` as (hf_family_for's).
+const HfExpertLayout& hf_expert_layout_for(const DecoderConfig& config);
 
 // Whether our parameter `name` holds per-head rows in rotary order (q/k weights, biases and
 // norms): HF stores them rotate-half, we interleave pairs.

@@ -6,6 +6,7 @@
 #include <exception>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <optional>
@@ -18,7 +19,9 @@
 #include "dtensor/core/dtensor_impl.h"
 #include "dtensor/models/hf_checkpoint.h"
 #include "dtensor/util/atomic_file.h"
+#include "dtensor/models/hf_experts.h"
 #include "hf_families.h"
+#include "parameter_schema.h"
 
 namespace dtensor::models {
 
@@ -61,12 +64,29 @@ void save_hf(const std::string& dir, const TransformerImpl& model, const HfSaveO
   std::vector<Item> items;
   std::vector<safetensors::Writer::Entry> entries;
   c10::ScalarType model_dtype = at::kFloat;
+  // A sparse layer's stacked experts, written as the family stores them (hf_expert_tensors).
+  std::map<int64_t, std::map<std::string, at::Tensor>> experts;
   for (const auto& p : model.named_parameters(/*recurse=*/true)) {
     const std::string& name = p.key();
     model_dtype = p.value().scalar_type();
     const at::Tensor& t = p.value();
+    const auto row = detail::find_parameter_row(name);
+    if (row && detail::is_expert_role(row->row->role)) {
+      experts[row->layer][name.substr(name.rfind('.') + 1)] = t;
+      continue;
+    }
     items.push_back({hf_parameter_name(name, config), t, detail::has_rotary_rows(name)});
   }
+  // The experts as ExpertWeights from what `get` makes of each parameter.
+  auto expert_weights = [](const std::map<std::string, at::Tensor>& params, const auto& get) {
+    ExpertWeights w;
+    at::Tensor* members[] = {&w.w1, &w.w2, &w.w3, &w.b1, &w.b2, &w.b3};
+    for (int i = 0; i < 6; ++i) {
+      const auto it = params.find(expert_param_name(static_cast<ExpertParam>(i)));
+      if (it != params.end()) *members[i] = get(it->second);
+    }
+    return w;
+  };
   const c10::ScalarType dtype = options.dtype.value_or(model_dtype);
   // Every rank refuses an unsupported dtype or family before any collective.
   torch_dtype_name(dtype);
@@ -80,6 +100,17 @@ void save_hf(const std::string& dir, const TransformerImpl& model, const HfSaveO
   }
   for (const auto& item : items) {
     entries.push_back({item.hf_name, dtype, item.param.sizes().vec()});
+  }
+  const HfExpertLayout* layout = experts.empty() ? nullptr : family->experts;
+  TORCH_CHECK(experts.empty() || layout, "save_hf: architecture ", family->architecture,
+              " has no experts to hold the model's");
+  for (const auto& [layer, params] : experts) {
+    // Shapes only: the global shapes on the meta device.
+    const ExpertWeights shapes = expert_weights(params, [](const at::Tensor& t) {
+      return at::empty(t.sizes(), at::TensorOptions().device(at::kMeta));
+    });
+    for (const auto& [name, t] : hf_expert_tensors(*layout, layer, shapes))
+      entries.push_back({name, dtype, t.sizes().vec()});
   }
 
   const bool writes = checkpoint::detail::global_rank() == 0;
@@ -105,6 +136,20 @@ void save_hf(const std::string& dir, const TransformerImpl& model, const HfSaveO
       at::Tensor w = full.cpu().to(dtype);
       if (item.rotary) w = rotate_half_rows(w, config.head_dim());
       writer->write(w.contiguous());
+    } catch (...) {
+      error = std::current_exception();
+    }
+  }
+  for (const auto& [layer, params] : experts) {
+    // Every rank gathers (FSDP's and TP's shards), rank 0 writes.
+    const ExpertWeights whole = expert_weights(params, [&](const at::Tensor& t) {
+      const at::Tensor full = is_dtensor(t) ? full_tensor(t.detach()) : t.detach();
+      return writes ? full.cpu().to(dtype) : full;
+    });
+    if (!writes || error) continue;
+    try {
+      for (const auto& [name, t] : hf_expert_tensors(*layout, layer, whole))
+        writer->write(t.contiguous());
     } catch (...) {
       error = std::current_exception();
     }

@@ -237,6 +237,17 @@ void ParallelDims::validate(const DecoderConfig& model, const TrainingOptions& r
   validate();
   const ParallelizeOptions& o = run.parallelize;
   if (pp > 1) check_pipeline(*this, model, run);
+  // Each stage's routers give part of the auxiliary loss, which the last stage's loss does not
+  // see yet.
+  TORCH_CHECK(pp == 1 || !model.has_moe(), "pipeline parallelism (pp=", pp,
+              ") with mixture-of-experts layers is not built yet (the auxiliary loss spans the "
+              "stages)");
+  TORCH_CHECK(tp == 1 || run.layout_invariant == 0 || !model.has_moe(),
+              "the layout-invariant mode at tp=", tp,
+              " with mixture-of-experts layers is not built yet (it needs the experts "
+              "replicated)");
+  TORCH_CHECK(!o.tp.overlap_comm || (!model.has_moe() && !model.attention_sinks),
+              "overlap_comm is not built for mixture-of-experts layers or attention sinks");
   TORCH_CHECK(o.fully_shard == (dp_shard > 1), "fully_shard=", o.fully_shard ? "true" : "false",
               " disagrees with dp_shard=", dp_shard,
               ": FSDP shards the parameters over the dp_shard ranks");

@@ -12,6 +12,15 @@ bool qkv_bias(const DecoderConfig& c, int64_t) { return c.qkv_bias; }
 bool wo_bias(const DecoderConfig& c, int64_t) { return c.wo_bias; }
 bool qk_norm(const DecoderConfig& c, int64_t) { return c.qk_norm; }
 bool post_norms(const DecoderConfig& c, int64_t) { return c.post_norms; }
+bool sinks(const DecoderConfig& c, int64_t) { return c.attention_sinks; }
+bool dense(const DecoderConfig& c, int64_t layer) { return !c.sparse(layer); }
+bool sparse(const DecoderConfig& c, int64_t layer) { return c.sparse(layer); }
+bool router_bias(const DecoderConfig& c, int64_t layer) {
+  return c.sparse(layer) && c.moe->options.router_bias;
+}
+bool expert_bias(const DecoderConfig& c, int64_t layer) {
+  return c.sparse(layer) && c.moe->options.expert_bias;
+}
 
 }  // namespace
 
@@ -43,6 +52,9 @@ const std::vector<ParameterRow>& block_parameter_rows() {
       // name, HF name, HF with post norms, present, rotary rows, init, TP placement, plan, role
       {"attention_norm.weight", "input_layernorm.weight", nullptr, always, false, I::kNormScale,
        T::kReplicated, P::kNorm, R::kAttentionNorm},
+      // A parameter of the attention module itself: listed before its projections'.
+      {"attention.sinks", "self_attn.sinks", nullptr, sinks, false, I::kZeros, T::kRows,
+       P::kHeadParameter, R::kSinks},
       {"attention.wq.weight", "self_attn.q_proj.weight", nullptr, always, true, I::kProjection,
        T::kRows, P::kColwise, R::kWq},
       {"attention.wq.bias", "self_attn.q_proj.bias", nullptr, qkv_bias, true, I::kZeros, T::kRows,
@@ -69,12 +81,30 @@ const std::vector<ParameterRow>& block_parameter_rows() {
        I::kNormScale, T::kReplicated, P::kPostNorm, R::kAttentionPostNorm},
       {"ffn_norm.weight", "post_attention_layernorm.weight", "pre_feedforward_layernorm.weight",
        always, false, I::kNormScale, T::kReplicated, P::kNorm, R::kFfnNorm},
-      {"feed_forward.w1.weight", "mlp.gate_proj.weight", nullptr, always, false, I::kProjection,
+      {"feed_forward.w1.weight", "mlp.gate_proj.weight", nullptr, dense, false, I::kProjection,
        T::kRows, P::kColwise, R::kW1},
-      {"feed_forward.w2.weight", "mlp.down_proj.weight", nullptr, always, false, I::kDepthScaled,
+      {"feed_forward.w2.weight", "mlp.down_proj.weight", nullptr, dense, false, I::kDepthScaled,
        T::kColumns, P::kRowwise, R::kW2},
-      {"feed_forward.w3.weight", "mlp.up_proj.weight", nullptr, always, false, I::kDepthScaled,
+      {"feed_forward.w3.weight", "mlp.up_proj.weight", nullptr, dense, false, I::kDepthScaled,
        T::kRows, P::kColwise, R::kW3},
+      // A sparse layer's mixture of experts (the "moe" sublayer's style splits the experts and
+      // converts its input and output; moe.h).
+      {"moe.router.weight", "weight", nullptr, sparse, false, I::kProjection, T::kReplicated,
+       P::kNone, R::kRouter},
+      {"moe.router.bias", "bias", nullptr, router_bias, false, I::kZeros, T::kReplicated, P::kNone,
+       R::kRouterBias},
+      {"moe.experts.w1", nullptr, nullptr, sparse, false, I::kProjection, T::kExpertHidden,
+       P::kNone, R::kExpertW1},
+      {"moe.experts.w2", nullptr, nullptr, sparse, false, I::kDepthScaled, T::kExpertDown, P::kNone,
+       R::kExpertW2},
+      {"moe.experts.w3", nullptr, nullptr, sparse, false, I::kDepthScaled, T::kExpertHidden,
+       P::kNone, R::kExpertW3},
+      {"moe.experts.b1", nullptr, nullptr, expert_bias, false, I::kZeros, T::kExpertHidden,
+       P::kNone, R::kExpertB1},
+      {"moe.experts.b2", nullptr, nullptr, expert_bias, false, I::kZeros, T::kReplicated, P::kNone,
+       R::kExpertB2},
+      {"moe.experts.b3", nullptr, nullptr, expert_bias, false, I::kZeros, T::kExpertHidden,
+       P::kNone, R::kExpertB3},
       {"ffn_post_norm.weight", "post_feedforward_layernorm.weight", nullptr, post_norms, false,
        I::kNormScale, T::kReplicated, P::kPostNorm, R::kFfnPostNorm},
   };
@@ -82,7 +112,7 @@ const std::vector<ParameterRow>& block_parameter_rows() {
 }
 
 const std::vector<Sublayer>& block_sublayers() {
-  static const std::vector<Sublayer> sublayers{{"attention", 2}, {"feed_forward", 1}};
+  static const std::vector<Sublayer> sublayers{{"attention", 2}, {"feed_forward", 1}, {"moe", 1}};
   return sublayers;
 }
 

@@ -32,20 +32,23 @@ enum class TpPlacement {
                 // (the replicated KV projection), of which a rank keeps its query heads' KV heads
   kColumns,     // Shard(1): a row-parallel weight
   kReplicated,  // Replicate: norms, a row-parallel bias (added once, after the sum)
+  kExpertHidden,  // Shard(1): stacked experts' gate/up rows and biases, each expert's columns
+  kExpertDown,    // Shard(2): stacked experts' down projections, each expert's rows
 };
 
 // The built-in plan's entry for the parameter's module (decoder_plan); kNone: none of its own
 // (a bias goes with its module's weight).
 enum class PlanStyle {
   kNone,
-  kEmbedding,  // RowwiseParallel: vocabulary rows, output between blocks
-  kNorm,       // SequenceParallel under sequence parallelism; plain without
-  kPostNorm,   // SequenceParallel handing plain shards back to the residual sum; plain without
-  kHead,       // ColwiseParallel on the vocabulary (the tied head: its conversions only)
-  kColwise,    // ColwiseParallel
-  kKvColwise,  // ColwiseParallel when the KV heads split over tp, else ReplicatedKVProjection
-  kRowwise,    // RowwiseParallel, output between blocks
-  kHeadNorm,   // ReplicatedHeadNorm: per-head norms of replicated weights, Partial gradients
+  kEmbedding,      // RowwiseParallel: vocabulary rows, output between blocks
+  kNorm,           // SequenceParallel under sequence parallelism; plain without
+  kPostNorm,       // SequenceParallel handing plain shards back to the residual sum; plain without
+  kHead,           // ColwiseParallel on the vocabulary (the tied head: its conversions only)
+  kColwise,        // ColwiseParallel
+  kKvColwise,      // ColwiseParallel when the KV heads split over tp, else ReplicatedKVProjection
+  kRowwise,        // RowwiseParallel, output between blocks
+  kHeadNorm,       // ReplicatedHeadNorm: per-head norms of replicated weights, Partial gradients
+  kHeadParameter,  // a per-query-head parameter of its module (sinks), sharded with the heads
 };
 
 // What the parameter is to the cached decoder (CachedDecoder's local weights, by role).
@@ -70,12 +73,27 @@ enum class Role {
   kW2,
   kW3,
   kFfnPostNorm,
+  kSinks,
+  kRouter,
+  kRouterBias,
+  kExpertW1,
+  kExpertW2,
+  kExpertW3,
+  kExpertB1,
+  kExpertB2,
+  kExpertB3,
   kCount,
 };
 
+// Whether the role is one of the stacked experts' parameters, which have no single Hugging Face
+// tensor (hf_experts.h reads and writes them).
+inline bool is_expert_role(Role r) { return r >= Role::kExpertW1 && r <= Role::kExpertB3; }
+
 struct ParameterRow {
-  const char* name;           // ours; a block's under "layers.N."
-  const char* hf;             // Hugging Face's; a block's under "model.layers.N."
+  const char* name;  // ours; a block's under "layers.N."
+  // Hugging Face's; a block's under "model.layers.N."; the router's after the family's expert
+  // prefix (hf_experts.h); null for the stacked experts.
+  const char* hf;
   const char* hf_post_norms;  // Hugging Face's with post norms (Gemma), where it differs
   // Whether the configuration has it in block `layer` (-1 for the model's own): a block type's
   // rows are present in the layers of that type.

@@ -121,6 +121,76 @@ class ReplicatedHeadNorm : public tp::ParallelStyle {
   }
 };
 
+// A per-query-head parameter of its module (attention sinks): sharded with the heads, Shard(0),
+// so each rank keeps its query heads' own.
+class HeadParameter : public tp::ParallelStyle {
+ public:
+  explicit HeadParameter(std::string name) : name_(std::move(name)) {}
+  std::string repr() const override { return "HeadParameter(" + name_ + ")"; }
+
+  void validate(torch::nn::Module& module, const std::string& fqn,
+                const DeviceMesh& mesh) const override {
+    const at::Tensor* p = module.named_parameters(/*recurse=*/false).find(name_);
+    TORCH_CHECK(p != nullptr, repr(), " at '", fqn, "': the module has no parameter \"", name_,
+                "\"");
+    TORCH_CHECK(p->dim() == 1 && p->size(0) % mesh.size() == 0, repr(), " at '", fqn,
+                "': one value per head, ", p->sizes(), ", does not split over ", mesh.size(),
+                " ranks");
+  }
+
+  void apply(torch::nn::Module& module, const std::string& fqn,
+             const DeviceMesh& mesh) const override {
+    validate(module, fqn, mesh);
+    const at::Tensor p = *module.named_parameters(/*recurse=*/false).find(name_);
+    replace_parameter(module, name_,
+                      distribute_tensor(p.detach(), mesh, {Shard(0)}, src_data_rank)
+                          .requires_grad_(p.requires_grad()));
+  }
+
+ private:
+  std::string name_;
+};
+
+// A sparse layer's mixture of experts: the experts split like a dense feed-forward
+// (apply_tensor_parallel of moe.h: gate/up columns and down rows per expert; router and b2
+// replicated, their gradients Partial) and the block's input and output converted between the
+// residual stream's layout (`between`) and the whole tensor the block takes and returns on every
+// rank. Per call: forward an all-gather of the input under sequence parallelism and the block's
+// all-reduce of its output; backward the all-reduce of the input's gradient and, under sequence
+// parallelism, an all-gather of the output's.
+class MoeParallel : public tp::ParallelStyle {
+ public:
+  explicit MoeParallel(Placement between) : between_(std::move(between)) {}
+  std::string repr() const override { return "MoeParallel(between=" + between_.str() + ")"; }
+
+  void validate(torch::nn::Module& module, const std::string& fqn,
+                const DeviceMesh&) const override {
+    TORCH_CHECK(dynamic_cast<MoEImpl*>(&module) != nullptr, repr(), " at '", fqn,
+                "' needs a models::MoE, got ", module.name());
+  }
+
+  void apply(torch::nn::Module& module, const std::string& fqn,
+             const DeviceMesh& mesh) const override {
+    validate(module, fqn, mesh);
+    auto& moe = dynamic_cast<MoEImpl&>(module);
+    apply_tensor_parallel(moe, mesh);
+    const Placement between = between_;
+    moe.register_forward_pre_hook([mesh, between](torch::nn::Module&, tp::ModuleCall& call) {
+      at::Tensor x = call.args.at(0).toTensor();
+      if (!is_dtensor(x)) x = from_local(x, mesh, {between});
+      call.args[0] = to_local(redistribute(x, mesh, {Replicate()}));
+    });
+    moe.register_forward_hook([mesh, between](torch::nn::Module&, const tp::ModuleCall&,
+                                              c10::IValue& out) {
+      out =
+          to_local(redistribute(from_local(out.toTensor(), mesh, {Replicate()}), mesh, {between}));
+    });
+  }
+
+ private:
+  Placement between_;
+};
+
 }  // namespace
 
 at::Tensor kv_heads_of_rank(int64_t n_heads, int64_t n_kv_heads, int64_t rank, int64_t tp) {
@@ -150,6 +220,7 @@ struct PlanParts {
   bool head = true;
   bool head_shares_embedding = false;  // output.weight is this module's tok_embeddings.weight
   bool layers = true;
+  std::vector<int64_t> held_layers;  // the blocks present (their indices); empty: all
 };
 
 DeviceMesh tp_mesh_of(const DeviceMesh& device_mesh) {
@@ -225,6 +296,8 @@ std::optional<tp::Style> row_style(const PlanChoices& c, detail::PlanStyle style
       return RowwiseParallel({.output_layouts = c.between()});
     case PlanStyle::kHeadNorm:
       return ReplicatedHeadNorm();
+    case PlanStyle::kHeadParameter:
+      return std::nullopt;  // decoder_plan names the parameter
   }
   return std::nullopt;
 }
@@ -233,6 +306,7 @@ std::optional<tp::Style> row_style(const PlanChoices& c, detail::PlanStyle style
 // gradients then meet in one all_reduce instead of three, without SP too). With overlap the
 // sublayer gathers its sequence-sharded input itself, piece by piece.
 tp::Style sublayer_style(const PlanChoices& c, const detail::Sublayer& sub) {
+  if (sub.path == std::string("moe")) return MoeParallel(c.between());
   if (c.overlap) {
     return sub.path == std::string("attention") ? detail::overlapped_attention(c.overlap_chunks)
                                                 : detail::overlapped_feed_forward(c.overlap_chunks);
@@ -256,20 +330,35 @@ tp::ParallelizePlan decoder_plan(const PlanChoices& c) {
     if (auto style = row_style(c, row.plan)) plan.emplace_back(module_of(row.name), *style);
   }
   if (!c.parts.layers) return plan;
+  std::vector<int64_t> held = c.parts.held_layers;
+  if (held.empty())
+    for (int64_t l = 0; l < c.config.n_layers; ++l) held.push_back(l);
   std::vector<std::string> converted;
   for (const detail::ParameterRow& row : detail::block_parameter_rows()) {
-    bool present = false;  // in some block (a block type's rows are in its blocks only)
-    for (int64_t l = 0; l < c.config.n_layers && !present; ++l) present = row.present(c.config, l);
-    if (!present) continue;
+    // The blocks that have it (a block type's rows are in its blocks only): all of them as
+    // "layers.*", else each by its index, so that no entry names a module a block lacks.
+    std::vector<std::string> prefixes;
+    for (const int64_t l : held)
+      if (row.present(c.config, l)) prefixes.push_back("layers." + std::to_string(l) + ".");
+    if (prefixes.empty()) continue;
+    if (prefixes.size() == held.size()) prefixes = {"layers.*."};
     const std::string module = module_of(row.name);
-    for (const detail::Sublayer& sub : detail::block_sublayers()) {
-      if (module.rfind(std::string(sub.path) + ".", 0) != 0 ||
-          std::find(converted.begin(), converted.end(), sub.path) != converted.end())
-        continue;
-      plan.emplace_back("layers.*." + std::string(sub.path), sublayer_style(c, sub));
-      converted.emplace_back(sub.path);
+    for (const std::string& prefix : prefixes) {
+      for (const detail::Sublayer& sub : detail::block_sublayers()) {
+        const std::string path = prefix + sub.path;
+        if (module.rfind(std::string(sub.path) + ".", 0) != 0 ||
+            std::find(converted.begin(), converted.end(), path) != converted.end())
+          continue;
+        plan.emplace_back(path, sublayer_style(c, sub));
+        converted.push_back(path);
+      }
+      if (row.plan == detail::PlanStyle::kHeadParameter) {
+        const std::string name = row.name;
+        plan.emplace_back(prefix + module, HeadParameter(name.substr(module.size() + 1)));
+      } else if (auto style = row_style(c, row.plan)) {
+        plan.emplace_back(prefix + module, *style);
+      }
     }
-    if (auto style = row_style(c, row.plan)) plan.emplace_back("layers.*." + module, *style);
   }
   return plan;
 }
@@ -296,6 +385,9 @@ void apply_tensor_parallel(TransformerImpl& model, const DeviceMesh& device_mesh
     TORCH_CHECK(!options.plan,
                 "apply_tensor_parallel: overlap_comm overlaps the built-in plan's "
                 "collectives; a plan of your own has its own");
+    TORCH_CHECK(!config.has_moe() && !config.attention_sinks,
+                "apply_tensor_parallel: overlap_comm is not built for mixture-of-experts blocks "
+                "or attention sinks; set overlap_comm=false");
     try {
       detail::check_overlap_comm(config, mesh.size(), options);
     } catch (const c10::Error& e) {
@@ -307,6 +399,8 @@ void apply_tensor_parallel(TransformerImpl& model, const DeviceMesh& device_mesh
   parts.head = !model.output.is_empty();
   parts.head_shares_embedding = parts.embedding && parts.head && config.tie_embeddings;
   parts.layers = !model.layers->empty();
+  for (const TransformerBlockImpl* block : model.blocks())
+    parts.held_layers.push_back(block->layer_id);
   const PlanChoices choices{
       config, mesh.size(), sp, lp, parts, options.overlap_comm, options.overlap_chunks};
   tp::parallelize_module(model, mesh, options.plan ? *options.plan : decoder_plan(choices),

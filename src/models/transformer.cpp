@@ -130,6 +130,7 @@ AttentionImpl::AttentionImpl(const DecoderConfig& config, int64_t layer_id)
   wk = register_module("wk", linear(config.dim, n_kv_heads * head_dim, config.qkv_bias));
   wv = register_module("wv", linear(config.dim, n_kv_heads * head_dim, config.qkv_bias));
   wo = register_module("wo", linear(n_heads * head_dim, config.dim, config.wo_bias));
+  if (config.attention_sinks) sinks = register_parameter("sinks", at::zeros({n_heads}));
   if (config.qk_norm) {
     dtensor::nn::RMSNormOptions options(head_dim);
     options.eps = config.norm_eps;
@@ -158,7 +159,13 @@ at::Tensor AttentionImpl::attend(const at::Tensor& q, const at::Tensor& k, const
   const at::Tensor xv = detail::heads(v, head_dim, {}, norm_eps, {});
   const at::Tensor mask =
       detail::attention_mask(0, xq.size(1), /*padding=*/{}, window, xq.device());
-  return detail::attend(xq, xk, xv, mask, /*cache=*/nullptr, scale);
+  // Sinks are sharded with the heads: this rank's heads' own.
+  const at::Tensor local_sinks = sinks.defined() && is_dtensor(sinks) ? to_local(sinks) : sinks;
+  return detail::attend(xq, xk, xv, mask, /*cache=*/nullptr, scale, local_sinks);
+}
+
+void AttentionImpl::on_parameter_replaced(const std::string& name, const at::Tensor& value) {
+  if (name == "sinks") sinks = value;
 }
 
 TransformerBlockImpl::TransformerBlockImpl(int64_t layer_id_, const DecoderConfig& config)
@@ -166,14 +173,19 @@ TransformerBlockImpl::TransformerBlockImpl(int64_t layer_id_, const DecoderConfi
   dtensor::nn::RMSNormOptions norm_options(config.dim);
   norm_options.eps = config.norm_eps;
   norm_options.weight_offset = config.norm_weight_offset;
+  norm_options.scale_in_float32 = config.norm_scale_in_float32;
   attention_norm = register_module("attention_norm", dtensor::nn::RMSNorm(norm_options));
   attention = register_module("attention", Attention(config, layer_id));
   if (config.post_norms)
     attention_post_norm =
         register_module("attention_post_norm", dtensor::nn::RMSNorm(norm_options));
   ffn_norm = register_module("ffn_norm", dtensor::nn::RMSNorm(norm_options));
-  feed_forward = register_module("feed_forward",
-                                 FeedForward(config.dim, config.hidden_dim(), config.activation));
+  if (config.sparse(layer_id))
+    moe =
+        register_module("moe", MoE(config.dim, config.moe->expert_hidden_dim, config.moe->options));
+  else
+    feed_forward = register_module("feed_forward",
+                                   FeedForward(config.dim, config.hidden_dim(), config.activation));
   if (config.post_norms)
     ffn_post_norm = register_module("ffn_post_norm", dtensor::nn::RMSNorm(norm_options));
 }
@@ -186,7 +198,8 @@ at::Tensor TransformerBlockImpl::forward(const at::Tensor& x, const at::Tensor& 
         if (!attention_post_norm.is_empty()) a = attention_post_norm(a);
         if (drop) a = residual_dropout(a, dropout, layer_id, 0);
         const at::Tensor h = x + a;
-        at::Tensor f = feed_forward(ffn_norm(h));
+        const at::Tensor n = ffn_norm(h);
+        at::Tensor f = moe.is_empty() ? feed_forward(n) : moe(n);
         if (!ffn_post_norm.is_empty()) f = ffn_post_norm(f);
         if (drop) f = residual_dropout(f, dropout, layer_id, 1);
         return h + f;
@@ -206,6 +219,7 @@ TransformerImpl::TransformerImpl(DecoderConfig config)
   dtensor::nn::RMSNormOptions norm_options(config_.dim);
   norm_options.eps = config_.norm_eps;
   norm_options.weight_offset = config_.norm_weight_offset;
+  norm_options.scale_in_float32 = config_.norm_scale_in_float32;
   norm = register_module("norm", dtensor::nn::RMSNorm(norm_options));
   output = register_module(
       "output",
@@ -221,8 +235,11 @@ TransformerImpl::TransformerImpl(DecoderConfig config)
   auto table = [&](double theta) {
     auto freqs = at::pow(theta, -at::arange(0, hd, 2, at::kDouble).div(static_cast<double>(hd)));
     if (config_.rope_scaling) freqs = llama3_scaled_frequencies(freqs, *config_.rope_scaling);
+    if (config_.rope_yarn) freqs = yarn_inverse_frequencies(hd, theta, *config_.rope_yarn);
     auto angles = at::outer(at::arange(config_.max_seq_len, at::kDouble), freqs);
-    return at::stack({angles.cos(), angles.sin()}, -1);
+    // YaRN scales cos and sin alike (transformers' attention_scaling).
+    const double factor = config_.rope_yarn ? yarn_attention_factor(*config_.rope_yarn) : 1.0;
+    return at::stack({angles.cos() * factor, angles.sin() * factor}, -1);
   };
   rope_table_ = table(config_.rope_theta);
   if (config_.rope_local_theta > 0) local_rope_table_ = table(config_.rope_local_theta);
@@ -281,6 +298,31 @@ TransformerImpl::TransformerImpl(TransformerImpl& whole, int64_t stage, int64_t 
   }
   output = register_module("output", output);
   tied_across_stages_ = true;
+}
+
+std::vector<at::Tensor> TransformerImpl::router_logits() const {
+  std::vector<at::Tensor> out;
+  for (TransformerBlockImpl* block : blocks())
+    if (!block->moe.is_empty() && block->moe->last_router_logits().defined())
+      out.push_back(block->moe->last_router_logits());
+  return out;
+}
+
+at::Tensor TransformerImpl::aux_loss() const {
+  const std::vector<at::Tensor> logits = router_logits();
+  if (logits.empty()) return {};
+  const MoeOptions& o = config_.moe->options;
+  return load_balancing_loss(logits, o.num_experts, o.top_k);
+}
+
+at::Tensor TransformerImpl::tokens_per_expert() const {
+  at::Tensor sum;
+  for (TransformerBlockImpl* block : blocks()) {
+    if (block->moe.is_empty() || !block->moe->last_tokens_per_expert().defined()) continue;
+    const at::Tensor& t = block->moe->last_tokens_per_expert();
+    sum = sum.defined() ? sum + t : t.clone();
+  }
+  return sum;
 }
 
 TransformerBlockImpl& TransformerImpl::block(int64_t layer) const {
@@ -389,6 +431,14 @@ at::Tensor token_cross_entropy(const at::Tensor& logits, const at::Tensor& targe
               logits.sizes(), " and ", targets.sizes());
   if (!is_dtensor(logits)) return at::cross_entropy_loss(logits.flatten(0, 1), targets.flatten());
   return tp::vocab_parallel_cross_entropy(logits, targets);
+}
+
+at::Tensor training_loss(const TransformerImpl& model, const at::Tensor& logits,
+                         const at::Tensor& targets) {
+  at::Tensor loss = token_cross_entropy(logits, targets);
+  const at::Tensor aux = model.aux_loss();
+  if (!aux.defined()) return loss;
+  return loss + aux.to(loss.scalar_type()) * model.config().moe->router_aux_loss_coef;
 }
 
 at::Tensor loss_and_backward(const at::Tensor& logits, const at::Tensor& targets) {

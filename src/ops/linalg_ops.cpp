@@ -3,6 +3,7 @@
 // batch dims keep their shards, every factor sharded like the input's batch. A diagonal reads
 // across its two dims: they are replicated, the other dims keep their shards.
 #include "dtensor/ops/rule_utils.h"
+#include "strategy/iteration_space.h"
 
 namespace dtensor::ops {
 namespace {
@@ -24,6 +25,43 @@ Decision batched_matrices(const OpCall& call, const std::vector<bool>& has_value
   d.inputs = first_input_as(call, p);
   for (bool v : has_values) d.outputs.push_back(v ? p : replicate_all(call.mesh_ndim()));
   return d;
+}
+
+// linalg_solve_triangular(A, B, *, upper, left, unitriangular): one triangular solve per
+// batch. The batch dims broadcast as in an element-wise op and may be sharded (A's with B's
+// where A has them, else A replicated), the matrix dims stay whole; linear in B, so a pending
+// sum of B passes to the result (PyTorch's strategies for it).
+Decision solve_triangular(const OpCall& call) {
+  using namespace iteration;
+  const DTensorSpec& a = call.input(0);
+  const DTensorSpec& b = call.input(1);
+  TORCH_CHECK_VALUE(a.ndim() >= 2 && b.ndim() >= 2, call.name(),
+                    ": A and B must be (batches of) matrices, got inputs ", call.placements_str());
+  const int64_t batch = std::max(a.ndim(), b.ndim()) - 2;
+  // Operand dim of logical batch dim L (right-aligned), or kBroadcast where it has none.
+  auto dim_of = [&](const DTensorSpec& t, int64_t L) {
+    const int64_t d = L - (batch - (t.ndim() - 2));
+    return d < 0 ? kBroadcast : d;
+  };
+  Space s(call.num_inputs());
+  for (int64_t L = 0; L < batch; ++L) {
+    const int64_t da = dim_of(a, L), db = dim_of(b, L);
+    s.add_dim(std::max(da < 0 ? 1 : a.shape()[da], db < 0 ? 1 : b.shape()[db]), L, true);
+  }
+  // The result has B's matrix dims.
+  s.add_dim(b.shape()[b.ndim() - 2], batch, false);
+  s.add_dim(b.shape()[b.ndim() - 1], batch + 1, false);
+  s.lin = Lin::Sum;
+  for (size_t j = 0; j < 2; ++j) {
+    const DTensorSpec& t = call.input(j);
+    Operand& o = s.operand(j, /*linear=*/j == 1, /*broadcast=*/true);
+    for (int64_t L = 0; L < batch; ++L) o.dims[L] = dim_of(t, L);
+    if (j == 1) {
+      o.dims[batch] = t.ndim() - 2;
+      o.dims[batch + 1] = t.ndim() - 1;
+    }
+  }
+  return decide(call, s);
 }
 
 // diagonal(self, offset, dim1, dim2) and linalg_diagonal(A, *, offset, dim1, dim2): the other
@@ -52,6 +90,26 @@ bool linear_partial(const Placement& x) {
          (x.reduce_op() == ReduceOp::Sum || x.reduce_op() == ReduceOp::Avg);
 }
 
+// The placements of a linear op that moves input dim d to output dim to[d] (d < to.size()): such
+// shards follow, a pending sum passes, anything else is gathered. Returns {input, output}.
+std::pair<Placements, Placements> follow_dim_map(const Placements& in,
+                                                 const std::vector<int64_t>& to) {
+  Placements tgt, out;
+  for (const auto& x : in) {
+    if (x.is_shard() && x.dim() < static_cast<int64_t>(to.size())) {
+      tgt.push_back(x);
+      out.push_back(Shard(to[x.dim()]));
+    } else if (linear_partial(x)) {
+      tgt.push_back(x);
+      out.push_back(x);
+    } else {
+      tgt.push_back(Replicate());
+      out.push_back(Replicate());
+    }
+  }
+  return {tgt, out};
+}
+
 // diagonal_backward(grad_output, input_sizes, offset, dim1, dim2): zeros of input_sizes with the
 // gradient on the diagonal. The gradient's dims map back to the input's other dims; its
 // diagonal dim is replicated; a pending sum passes (the zeros add nothing).
@@ -65,19 +123,7 @@ Decision diagonal_backward(const OpCall& call) {
   for (int64_t d = 0; d < nd; ++d) {
     if (map[d]) back.push_back(d);
   }
-  Placements tgt, out;
-  for (const auto& x : grad.placements()) {
-    if (x.is_shard() && x.dim() < static_cast<int64_t>(back.size())) {
-      tgt.push_back(x);
-      out.push_back(Shard(back[x.dim()]));
-    } else if (linear_partial(x)) {
-      tgt.push_back(x);
-      out.push_back(x);
-    } else {
-      tgt.push_back(Replicate());
-      out.push_back(Replicate());
-    }
-  }
+  const auto [tgt, out] = follow_dim_map(grad.placements(), back);
   Decision d = all_outputs(call, {tgt}, out);
   d.local_args.push_back({1, c10::IValue(local_shape_of(call.mesh(), sizes, out))});
   return d;
@@ -94,19 +140,7 @@ Decision diag_embed(const OpCall& call) {
   for (int64_t d = 0; d < nd; ++d) {
     if (d != dim1 && d != dim2) to_out.push_back(d);
   }
-  Placements tgt, out;
-  for (const auto& x : in.placements()) {
-    if (x.is_shard() && x.dim() < in.ndim() - 1) {
-      tgt.push_back(x);
-      out.push_back(Shard(to_out[x.dim()]));
-    } else if (linear_partial(x)) {
-      tgt.push_back(x);
-      out.push_back(x);
-    } else {
-      tgt.push_back(Replicate());
-      out.push_back(Replicate());
-    }
-  }
+  const auto [tgt, out] = follow_dim_map(in.placements(), to_out);
   return all_outputs(call, {tgt}, out);
 }
 
@@ -134,6 +168,7 @@ DTENSOR_RULES(linalg_ops) {
     const bool q = !c.arg(1).isString() || c.arg(1).toStringRef() != "r";
     return batched_matrices(c, {q, true});
   });
+  register_rule("aten::linalg_solve_triangular", solve_triangular);
   register_rule({"aten::diagonal", "aten::diagonal_copy", "aten::linalg_diagonal"}, diagonal);
   register_rule("aten::diagonal_backward", diagonal_backward);
   register_rule("aten::diag_embed", diag_embed);

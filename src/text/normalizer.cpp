@@ -2,12 +2,12 @@
 
 #include <utf8proc.h>
 
-#include <cstdlib>
 #include <memory>
-#include <stdexcept>
+#include <utility>
 #include <vector>
 
 #include "regex.h"
+#include "unicode_normalize.h"
 #include "utf8.h"
 
 namespace dtensor::text {
@@ -18,21 +18,6 @@ namespace {
 
 constexpr std::string_view kSupported =
     "NFC, NFD, NFKC, NFKD, Lowercase, Strip, Replace, Prepend, Sequence";
-
-// A Unicode normalization form by utf8proc (its Unicode version may differ from the one HF's
-// Rust crate was built with for characters assigned since).
-std::string unicode_normalize(std::string_view s, utf8proc_option_t form) {
-  utf8proc_uint8_t* out = nullptr;
-  const utf8proc_ssize_t n = utf8proc_map(reinterpret_cast<const utf8proc_uint8_t*>(s.data()),
-                                          static_cast<utf8proc_ssize_t>(s.size()), &out,
-                                          static_cast<utf8proc_option_t>(UTF8PROC_STABLE | form));
-  if (n < 0) {
-    throw std::invalid_argument(std::string("tokenizer: Unicode normalization failed: ") +
-                                utf8proc_errmsg(n));
-  }
-  std::unique_ptr<utf8proc_uint8_t, decltype(&std::free)> owned(out, &std::free);
-  return std::string(reinterpret_cast<const char*>(out), static_cast<size_t>(n));
-}
 
 // Rust's char::to_lowercase, character by character as HF does: the simple mapping, except
 // U+0130 (İ), whose full lowercase is "i" + U+0307, the one unconditional special casing.
@@ -67,21 +52,10 @@ Normalizer make_normalizer(const json& j, const JsonKey& at) {
   if (j.is_null()) return {};
   if (!j.is_object()) at.fail("must be an object or null");
   const std::string type = type_of(j);
-  if (type == "NFC")
-    return [](std::string_view s) { return unicode_normalize(s, UTF8PROC_COMPOSE); };
-  if (type == "NFD")
-    return [](std::string_view s) { return unicode_normalize(s, UTF8PROC_DECOMPOSE); };
-  if (type == "NFKC") {
-    return [](std::string_view s) {
-      return unicode_normalize(s,
-                               static_cast<utf8proc_option_t>(UTF8PROC_COMPOSE | UTF8PROC_COMPAT));
-    };
-  }
-  if (type == "NFKD") {
-    return [](std::string_view s) {
-      return unicode_normalize(
-          s, static_cast<utf8proc_option_t>(UTF8PROC_DECOMPOSE | UTF8PROC_COMPAT));
-    };
+  for (const auto& [name, form] :
+       {std::pair{"NFC", NormalizationForm::NFC}, std::pair{"NFD", NormalizationForm::NFD},
+        std::pair{"NFKC", NormalizationForm::NFKC}, std::pair{"NFKD", NormalizationForm::NFKD}}) {
+    if (type == name) return [form](std::string_view s) { return unicode_normalize(s, form); };
   }
   if (type == "Lowercase") return lowercase;
   if (type == "Strip") {

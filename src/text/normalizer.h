@@ -1,6 +1,6 @@
 #pragma once
 // The normalizer of a tokenizer.json, as HF `tokenizers` defines each kind: NFC, NFD, NFKC,
-// NFKD (utf8proc), Lowercase, Strip, Replace, Prepend and Sequence.
+// NFKD (unicode_normalize.h), Lowercase, Strip, Replace, Prepend and Sequence.
 #include <functional>
 #include <nlohmann/json.hpp>
 #include <string>

@@ -28,17 +28,18 @@ void RMSNormImpl::reset_parameters() {
 }
 
 at::Tensor rms_norm(const at::Tensor& x, int64_t dim, const at::Tensor& weight,
-                    std::optional<double> eps, double weight_offset) {
+                    std::optional<double> eps, double weight_offset, bool scale_in_float32) {
   const bool narrow = at::isReducedFloatingType(x.scalar_type());
   if (!weight.defined()) return at::rms_norm(x, {dim}, std::nullopt, eps);
-  if (weight_offset == 0) {
+  if (weight_offset == 0 && !scale_in_float32) {
     // Half precision is normalised in float32, rounded, then scaled (HF's LlamaRMSNorm and its
     // kin); LibTorch's fused kernel would scale before rounding, a different bit in a quarter of
     // the elements.
     if (narrow) return at::rms_norm(x, {dim}, std::nullopt, eps) * weight;
     return at::rms_norm(x, {dim}, weight, eps);
   }
-  // With an offset (Gemma) half precision is normalised and scaled in float32 and rounded once.
+  // With an offset (Gemma), or asked (gpt-oss), half precision is normalised and scaled in
+  // float32 and rounded once.
   const at::Tensor scale = (narrow ? weight.to(at::kFloat) : weight) + weight_offset;
   const at::Tensor out = at::rms_norm(narrow ? x.to(at::kFloat) : x, {dim}, scale, eps);
   return narrow ? out.to(x.scalar_type()) : out;
@@ -47,7 +48,8 @@ at::Tensor rms_norm(const at::Tensor& x, int64_t dim, const at::Tensor& weight,
 at::Tensor RMSNormImpl::forward(const at::Tensor& input) {
   return call_forward(
       [this](const at::Tensor& x) {
-        return rms_norm(x, options.dim, weight, options.eps, options.weight_offset);
+        return rms_norm(x, options.dim, weight, options.eps, options.weight_offset,
+                        options.scale_in_float32);
       },
       input);
 }

@@ -21,8 +21,6 @@
 #include <utility>
 #include <vector>
 
-extern char** environ;
-
 namespace {
 
 using Clock = std::chrono::steady_clock;
@@ -340,6 +338,39 @@ sleep 60 & echo "pid $$ $!"; wait)"));
   expect_all_gone(pids);
 }
 
+// dtensor_train's and dtensor_generate's last words, "NAME: error on rank R: MESSAGE": said once
+// when several ranks say the same, a failing rank's peers given a moment to fail on their own.
+TEST(Dtrun, RanksFailingAlikePrintTheirErrorOnceNamingEveryRank) {
+  Dtrun run(sh(2, R"(if [ "$RANK" = 1 ]; then sleep 0.3; fi
+echo "prog: error on rank $RANK: cannot open /no/such/dir" >&2; exit 1)"));
+  EXPECT_EQ(run.finish(), 1) << run.err();
+  const auto err = lines_of(run.err());
+  EXPECT_EQ(std::count(err.begin(), err.end(),
+                       "prog: error on every rank (2 of 2): cannot open /no/such/dir"),
+            1)
+      << run.err();
+  EXPECT_EQ(run.err().find("error on rank"), std::string::npos) << run.err();
+  EXPECT_EQ(std::count(err.begin(), err.end(), "dtrun: rank 0 exited with code 1"), 1) << run.err();
+}
+
+TEST(Dtrun, DistinctRankErrorsArePrintedAsTheyAreAndSharedOnesOnce) {
+  Dtrun run(sh(3, R"(if [ "$RANK" = 1 ]; then m="peer rank 0 failed"; else m="bad key w"; fi
+echo "prog: error on rank $RANK: $m" >&2; exit 1)"));
+  EXPECT_EQ(run.finish(), 1) << run.err();
+  const auto err = lines_of(run.err());
+  for (const char* line : {"prog: error on ranks 0, 2 (2 of 3): bad key w",
+                           "[rank 1] prog: error on rank 1: peer rank 0 failed"}) {
+    EXPECT_EQ(std::count(err.begin(), err.end(), line), 1) << line << "\n" << run.err();
+  }
+  EXPECT_EQ(err.size(), 3u) << run.err();  // and dtrun's own line
+}
+
+TEST(Dtrun, ErrorLineFollowedByMoreOutputIsPrintedInPlace) {
+  Dtrun run(sh(1, R"(echo "prog: error on rank 0: not fatal" >&2; echo "still here" >&2)"));
+  EXPECT_EQ(run.finish(), 0) << run.err();
+  EXPECT_EQ(run.err(), "[rank 0] prog: error on rank 0: not fatal\n[rank 0] still here\n");
+}
+
 TEST(Dtrun, RankKilledBySignalGives128PlusSignal) {
   Dtrun run(sh(2, R"(if [ "$RANK" = 0 ]; then sleep 0.5; kill -KILL $$; fi
 echo "pid $$"; exec sleep 60)"));
@@ -435,6 +466,26 @@ TEST(DtrunMpi, FailingRankEndsTheJobWithAnError) {
   EXPECT_NE(code, 0) << run.err();
   EXPECT_LT(run.elapsed_s(), 20.0) << "mpirun should stop rank 0 when rank 1 fails";
   EXPECT_NE(run.err().find("dtrun: mpirun exited with code"), std::string::npos) << run.err();
+}
+
+TEST(DtrunMpi, RanksFailingAlikePrintOneErrorAndNoMpirunBanner) {
+  if (!mpirun_on_path()) GTEST_SKIP() << "mpirun is not on PATH";
+  Dtrun run(sh(2, R"(echo "prog: error on rank $OMPI_COMM_WORLD_RANK: no model" >&2; exit 1)",
+               {"--backend", "mpi"}));
+  EXPECT_EQ(run.finish(60), 1) << run.err();
+  EXPECT_EQ(lines_of(run.err()),
+            (std::vector<std::string>{"dtrun: mpirun exited with code 1",
+                                      "prog: error on every rank (2 of 2): no model"}))
+      << run.err();
+}
+
+TEST(DtrunMpi, MissingProgramFailsWithAnErrorNamingIt) {
+  if (!mpirun_on_path()) GTEST_SKIP() << "mpirun is not on PATH";
+  Dtrun run({"-n", "2", "--backend", "mpi", "dtrun-test-no-such-program"});
+  EXPECT_EQ(run.finish(60), 127);
+  EXPECT_EQ(run.err(),
+            "dtrun: cannot run 'dtrun-test-no-such-program': No such file or directory (not found "
+            "in PATH)\n");
 }
 
 TEST(Dtrun, HelpExitsZeroAndPrintsUsage) {

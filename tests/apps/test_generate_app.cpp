@@ -62,6 +62,24 @@ TEST(GenerateApp, PresetTextIsTheSameAtTP1AndTP2) {
   EXPECT_NE(text_of(one.output), text_of(other.output));
 }
 
+// --model of each mixture-of-experts family (transformers-made fixtures without a tokenizer:
+// bytes): greedy text the same at TP 1 and 2 (gpt-oss also 4; experts split over the ranks).
+TEST(GenerateApp, MoeModelsGenerateTheSameGreedyTextAtTP1And2) {
+  for (const std::string family : {"qwen3_moe", "mixtral", "gpt_oss"}) {
+    SCOPED_TRACE(family);
+    const std::string args = "--model " + std::string(DTENSOR_HF_FIXTURES) + "/moe_models/" +
+                             family + " --prompt Hello --max-new-tokens 8 --temperature 0";
+    const Result one = generate(1, args);
+    ASSERT_EQ(one.exit_code, 0) << one.output;
+    EXPECT_NE(one.output.find("output: 8 tokens"), std::string::npos) << one.output;
+    for (int tp : family == "gpt_oss" ? std::vector<int>{2, 4} : std::vector<int>{2}) {
+      const Result r = generate(tp, args);
+      ASSERT_EQ(r.exit_code, 0) << r.output;
+      EXPECT_EQ(text_of(r.output), text_of(one.output)) << "tp=" << tp;
+    }
+  }
+}
+
 // --layout-invariant P reaches the generator (whose bits tests/ops/test_layout_invariant.cpp
 // compares); a P the TP degree does not divide is refused on every rank before loading.
 TEST(GenerateApp, LayoutInvariantTextIsTheSameAtTP1AndTP2) {

@@ -2,6 +2,7 @@
 // simulates anything, each with the fix; a valid layout's plan is consistent with the model.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <fstream>
 #include <functional>
@@ -69,7 +70,7 @@ TEST(PlanValidity, FfnNotDivisibleByTp) {
 
 TEST(PlanValidity, WorldIsNotTheProductOfTheDegrees) {
   expect_refused(layout(6, {{"dp_shard", 2}}, 2), {"--world-size is 6", "--tp 3"});
-  expect_refused(layout(6, {{"pp", 4}}), {"not divisible by dp x pp = 4"});
+  expect_refused(layout(6, {{"pp", 4}}), {"pp=4 does not divide the 6 ranks"});
 }
 
 TEST(PlanValidity, MoreStagesThanLayers) {
@@ -228,6 +229,80 @@ TEST(PlanValidity, RefusesLayoutsInTheTrainersWords) {
     const plan::Plan p = plan::make_plan(l, {});
     ASSERT_EQ(p.refusals.size(), 1u);
     EXPECT_EQ(p.refusals[0], trainer);
+  }
+}
+
+namespace {
+
+// The message of the line of `output` that starts with `prefix` ("" when there is none).
+std::string line_after(const std::string& output, const std::string& prefix) {
+  for (size_t at = 0; at < output.size();) {
+    const size_t end = std::min(output.find('\n', at), output.size());
+    const std::string line = output.substr(at, end - at);
+    if (line.rfind(prefix, 0) == 0) return line.substr(prefix.size());
+    at = end + 1;
+  }
+  return "";
+}
+
+}  // namespace
+
+// The same from the command lines: dtensor_train, alone as rank 0 of WORLD_SIZE ranks (it
+// refuses before meeting the others), and dtensor_plan --world-size print the one message
+// ParallelDims::validate gives, for each rule both programs' flags reach (--dropout,
+// --overlap-comm and --layout-invariant are the trainer's alone: the test above has them).
+TEST(PlanValidity, TrainAndPlanProgramsPrintTheSameRefusal) {
+  dtensor::testing::TempDir dir;
+  models::DecoderConfig model = models::DecoderConfig::preset("tiny");
+  model.n_layers = 4;
+  const std::string config = dir.file("tiny_4_layers.json");
+  std::ofstream(config) << model.to_json();
+  const std::string plan_file = std::string(DTENSOR_TRAIN_PLANS) + "/llama_tp.json";
+  struct Case {
+    const char* rule;
+    int64_t world;
+    int64_t batch;
+    std::string flags;  // spelled alike by both programs
+    const char* words;
+  };
+  const std::vector<Case> cases = {
+      {"degrees over the world", 6, 8, "--pp 4",
+       "pp=4 does not divide the 6 ranks; tp (-1) is the ranks the others leave"},
+      {"heads over tp", 3, 8, "", "n_heads=4 is not divisible by tp=3"},
+      {"sequence over tp", 4, 8, "--seq-len 30", "sequence length 30 is not divisible by tp=4"},
+      {"blocks per stage", 8, 8, "--pp 8 --microbatches 8",
+       "needs at least one block per stage, but the model has 4 layers for 8 stages"},
+      {"micro-batches", 2, 8, "--pp 2 --microbatches 3",
+       "the batch of 8 rows does not split into microbatches=3 equal micro-batches"},
+      {"interleaved rounds", 2, 10, "--pp 2 --schedule interleaved --microbatches 5",
+       "use microbatches a multiple of 2 or below 4"},
+      {"batch over dp", 4, 6, "--dp-shard 4",
+       "the batch of 6 rows does not split over dp=4 data-parallel ranks"},
+      {"dp with dp_shard", 4, 8, "--dp 2 --dp-shard 2",
+       "(HSDP: replicas of FSDP groups) is not built yet"},
+      {"mixed precision without FSDP", 2, 8, "--mixed-precision bf16",
+       "mixed precision (fsdp.param_dtype) is FSDP's"},
+      {"mixed precision in float64", 2, 8, "--dp-shard 2 --mixed-precision bf16 --dtype float64",
+       "FSDP's mixed precision keeps float32 parameters"},
+      {"a plan file in pipeline stages", 4, 8, "--pp 2 --plan " + plan_file,
+       "a custom tensor-parallel plan (tp_plan) does not apply to pipeline parallelism (pp=2)"},
+      {"a plan file with FSDP", 4, 8, "--dp-shard 2 --plan " + plan_file,
+       "a custom tensor-parallel plan (tp_plan) does not combine with FSDP (dp_shard=2)"},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.rule);
+    const std::string world = std::to_string(c.world), batch = std::to_string(c.batch);
+    const auto train = dtensor::testing::shell("env WORLD_SIZE=" + world + " RANK=0 LOCAL_RANK=0 " +
+                                               DTENSOR_TRAIN_PATH + " --config " + config +
+                                               " --batch-size " + batch + " " + c.flags);
+    EXPECT_EQ(train.exit_code, 2) << train.output;
+    const auto plan =
+        dtensor::testing::shell(std::string(DTENSOR_PLAN_PATH) + " --config " + config +
+                                " --world-size " + world + " --batch " + batch + " " + c.flags);
+    EXPECT_EQ(plan.exit_code, 3) << plan.output;
+    const std::string said = line_after(train.output, "dtensor_train: ");
+    EXPECT_CONTAINS(said, c.words);
+    EXPECT_EQ(line_after(plan.output, "  refused: "), said) << plan.output;
   }
 }
 

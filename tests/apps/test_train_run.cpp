@@ -19,11 +19,11 @@
 #include <vector>
 
 #include "support/errors.h"
+#include "support/files.h"
 #include "support/temp_dir.h"
 #include "train/metrics.h"
 
-extern char** environ;
-
+using dtensor::testing::read_file;
 using dtensor::testing::TempDir;
 
 namespace {
@@ -93,13 +93,6 @@ size_t count(const std::string& text, const std::string& part) {
   return n;
 }
 
-std::string read_file(const std::string& path) {
-  std::ifstream in(path);
-  std::stringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
-}
-
 }  // namespace
 
 TEST(TrainRun, TwoRanksTrainTinyModelAndMatchOneDevice) {
@@ -126,6 +119,22 @@ TEST(TrainRun, TwoRanksTrainTinyModelAndMatchOneDevice) {
   EXPECT_NE(read_file(dir.file("run/config.json")).find("\"tp\": 2"), std::string::npos);
   EXPECT_NE(r.output.find("verify-tp1: PASSED"), std::string::npos) << r.output;
   EXPECT_NE(r.output.find("summary"), std::string::npos) << r.output;
+}
+
+// --preset tiny-moe: experts split over 2 ranks train as one device does (the loss includes the
+// auxiliary loss), and each logged line adds the auxiliary loss and the fewest and most tokens an
+// expert got since the previous line.
+TEST(TrainRun, TinyMoeTrainsAtTp2AsOneDeviceAndLogsTheRouting) {
+  TempDir dir;
+  const auto r =
+      run({DTRUN_PATH, "-n", "2", "--backend", "gloo", DTENSOR_TRAIN_PATH, "--preset", "tiny-moe",
+           "--steps", "4", "--log-every", "2", "--out", dir.file("run"), "--verify-tp1"});
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("verify-tp1: PASSED"), std::string::npos) << r.output;
+  // Steps 1, 2 and 4 are logged.
+  EXPECT_EQ(count(r.output, "  aux "), 3u) << r.output;
+  EXPECT_EQ(count(r.output, "  tokens/expert "), 3u) << r.output;
+  EXPECT_NE(read_file(dir.file("run/config.json")).find("\"num_experts\":4"), std::string::npos);
 }
 
 TEST(TrainRun, ResumedRunRepeatsTheUninterruptedRunExactly) {

@@ -356,7 +356,7 @@ TEST(TrainOptions, RejectsUnknownFlagsAndBadValuesClearly) {
       {{"--steps", "0"}, "--steps must be at least 1"},
       {{"--lr", "-1"}, "--lr must be in"},
       {{"--lr", "nan"}, "--lr expects a number"},
-      {{"--preset", "huge"}, "--preset expects one of tiny, demo, bench, got 'huge'"},
+      {{"--preset", "huge"}, "--preset expects one of tiny, tiny-moe, demo, bench, got 'huge'"},
       {{"--dtype", "half"}, "--dtype expects one of float32, float64"},
       {{"--progress", "fancy"}, "--progress expects one of auto, bar, lines"},
       {{"--ac", "some"}, "--ac expects one of none, full, selective, got 'some'"},

@@ -32,6 +32,7 @@
 #include "dtensor/dtensor.h"
 #include "support/distributed.h"
 #include "support/errors.h"
+#include "support/files.h"
 #include "support/temp_dir.h"
 
 using namespace dtensor;
@@ -317,6 +318,58 @@ TEST(Checkpoint, ResumedTrainingContinuesExactlyLikeAnUninterruptedRun) {
   }
 }
 
+// dtensor::optim::CapturableAdamW saves as AdamW: its checkpoint resumes torch::optim::AdamW and
+// AdamW's resumes it (the step count back in a float64 tensor on the parameter's device), at
+// TP 2, each resumed run continuing as the uninterrupted one.
+TEST(Checkpoint, CapturableAdamWStateInterchangesWithAdamW) {
+  TempDir dir;
+  const auto options = torch::optim::AdamWOptions(0.05).weight_decay(0.01).amsgrad(true);
+  auto make = [&](bool capturable, const torch::nn::Sequential& m)
+      -> std::unique_ptr<torch::optim::Optimizer> {
+    if (capturable) return std::make_unique<optim::CapturableAdamW>(m->parameters(), options);
+    return std::make_unique<torch::optim::AdamW>(m->parameters(), options);
+  };
+  run_ranks(2, [&](int) {
+    auto mesh = init_device_mesh("cpu", {2});
+    for (bool saved_by_capturable : {true, false}) {
+      SCOPED_TRACE(saved_by_capturable ? "CapturableAdamW -> AdamW" : "AdamW -> CapturableAdamW");
+      const std::string path = dir.file(saved_by_capturable ? "c.safetensors" : "a.safetensors");
+      auto model = mlp(kDim, kHidden, 0, at::kDouble);
+      shard(*model, mesh, kMegatron);
+      auto opt = make(saved_by_capturable, model);
+      train(model, *opt, mesh, 0, 3);
+      save_checkpoint(path, *model, opt.get(), {.step = 3});
+      train(model, *opt, mesh, 3, 3);
+      const auto uninterrupted = global_values(*model);
+
+      auto resumed = mlp(kDim, kHidden, /*seed=*/1, at::kDouble);
+      shard(*resumed, mesh, kMegatron);
+      auto resumed_opt = make(!saved_by_capturable, resumed);
+      load_checkpoint(path, *resumed, resumed_opt.get());
+      if (saved_by_capturable) {
+        for (const auto& p : resumed->parameters()) {
+          const auto& s = dynamic_cast<const torch::optim::AdamWParamState&>(
+              *resumed_opt->state().at(p.unsafeGetTensorImpl()));
+          EXPECT_EQ(s.step(), 3);
+        }
+      } else {
+        for (const auto& p : resumed->parameters()) {
+          const auto& s = dynamic_cast<const optim::CapturableAdamWParamState&>(
+              *resumed_opt->state().at(p.unsafeGetTensorImpl()));
+          EXPECT_EQ(s.step().scalar_type(), at::kDouble);
+          EXPECT_EQ(s.step().device(), local_tensor(p).device());
+          EXPECT_EQ(s.step().item<double>(), 3);
+          EXPECT_EQ(placements(s.max_exp_avg_sq()), placements(p));
+        }
+      }
+      train(resumed, *resumed_opt, mesh, 3, 3);
+      for (const auto& [name, t] : global_values(*resumed)) {
+        EXPECT_TENSOR_CLOSE(t, uninterrupted.at(name), 1e-12, 1e-12);
+      }
+    }
+  });
+}
+
 TEST(Checkpoint, TrainingResumesAtAnotherTpDegree) {
   TempDir dir;
   const std::string path = dir.file("adamw.safetensors");
@@ -570,23 +623,15 @@ TEST(Checkpoint, ChecksumsAreCrc32cOfEachTensorsBytes) {
 
 namespace {
 
-std::string read_bytes(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  return {std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
-}
-void write_bytes(const std::string& path, const std::string& bytes) {
-  std::ofstream(path, std::ios::binary | std::ios::trunc) << bytes;
-}
-
 // Replaces the first `from` in the file's bytes by `to` (same length), e.g. a digit of the
 // header's metadata; fails the test when `from` is absent.
 void edit_bytes(const std::string& path, const std::string& from, const std::string& to) {
-  std::string bytes = read_bytes(path);
+  std::string bytes = read_file(path);
   const size_t at = bytes.find(from);
   ASSERT_NE(at, std::string::npos) << "\"" << from << "\" not in " << path;
   ASSERT_EQ(from.size(), to.size());
   bytes.replace(at, from.size(), to);
-  write_bytes(path, bytes);
+  write_file(path, bytes);
 }
 
 // A small model after one AdamW step at lr 0.001, saved at step 1.
@@ -699,7 +744,7 @@ TEST(Checkpoint, NoSingleBitFlipLoadsSilentlyChangedValues) {
   const std::string good = dir.file("good.safetensors");
   save_trained(good);
   const Loaded expected = load_everything(good);
-  const std::string bytes = read_bytes(good);
+  const std::string bytes = read_file(good);
   const uint64_t header_end = checkpoint::safetensors::File(good).data_offset();
 
   std::mt19937_64 rng(20261124);
@@ -711,7 +756,7 @@ TEST(Checkpoint, NoSingleBitFlipLoadsSilentlyChangedValues) {
     const uint64_t bit = rng() % (bytes.size() * 8);
     std::string damaged = bytes;
     damaged[bit / 8] = static_cast<char>(damaged[bit / 8] ^ (1u << (bit % 8)));
-    write_bytes(path, damaged);
+    write_file(path, damaged);
     ++runs;
     in_header += bit / 8 < header_end;
     Loaded got;

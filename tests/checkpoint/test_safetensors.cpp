@@ -20,23 +20,19 @@
 
 #include "dtensor/checkpoint/safetensors.h"
 #include "support/errors.h"
+#include "support/files.h"
 #include "support/temp_dir.h"
 
 namespace fs = std::filesystem;
 namespace st = dtensor::checkpoint::safetensors;
 
 using dtensor::testing::message_of;
+using dtensor::testing::read_file;
 using dtensor::testing::TempDir;
+using dtensor::testing::write_file;
 
 namespace {
 
-std::string read_bytes(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  return {std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
-}
-void write_bytes(const std::string& path, const std::string& bytes) {
-  std::ofstream(path, std::ios::binary) << bytes;
-}
 std::string le64(uint64_t n) {
   std::string s(8, '\0');
   for (int i = 0; i < 8; ++i) s[i] = static_cast<char>((n >> (8 * i)) & 0xFF);
@@ -159,7 +155,7 @@ bool python_imports(const std::string& module) {
 int run_python(const TempDir& dir, const std::string& mode, const std::string& path,
                std::string& output) {
   const std::string script = dir.file("check.py");
-  write_bytes(script, kPythonCheck);
+  write_file(script, kPythonCheck);
   std::string shapes = "{";
   for (const auto& [dtype, shape] : kCases) {
     if (shapes.size() > 1) shapes += ", ";
@@ -172,7 +168,7 @@ int run_python(const TempDir& dir, const std::string& mode, const std::string& p
   const std::string cmd =
       python() + " " + script + " " + mode + " " + path + " '" + shapes + "' >" + out + " 2>&1";
   const int rc = std::system(cmd.c_str());
-  output = read_bytes(out);
+  output = read_file(out);
   return rc;
 }
 
@@ -271,7 +267,7 @@ TEST(Safetensors, ReadsAHandMadeFileWithUnsortedEntriesAndNoPadding) {
   std::string data(16, '\0');
   std::memcpy(data.data(), &b, 8);
   std::memcpy(data.data() + 8, a, 8);
-  write_bytes(path, raw_file(header, data));
+  write_file(path, raw_file(header, data));
   st::File f(path);
   ASSERT_EQ(f.tensors().size(), 3u);
   EXPECT_EQ(f.tensors()[0].name, "b");  // file order
@@ -289,7 +285,7 @@ TEST(Safetensors, ReadsAPlainFileWhoseMetadataIsFormatPt) {
   const std::string header = R"({"__metadata__":{"format":"pt"},)"
                              R"("w":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}})";
   const float w[2] = {1.5f, -2.0f};
-  write_bytes(path, raw_file(header, std::string(reinterpret_cast<const char*>(w), 8)));
+  write_file(path, raw_file(header, std::string(reinterpret_cast<const char*>(w), 8)));
   st::File f(path);
   EXPECT_EQ(f.metadata(), (st::Metadata{{"format", "pt"}}));
   EXPECT_TRUE(same_bytes(f.tensor("w"), at::tensor({1.5f, -2.0f})));
@@ -337,12 +333,12 @@ TEST(Safetensors, MalformedFilesGiveErrorsNamingTheFileAndTheProblem) {
   for (const auto& c : cases) {
     SCOPED_TRACE(c.label);
     const std::string path = dir.file("bad.safetensors");
-    write_bytes(path, c.bytes);
+    write_file(path, c.bytes);
     const std::string err = message_of([&] { st::File f(path); });
     EXPECT_NE(err.find(path), std::string::npos) << err;
     EXPECT_NE(err.find(c.expected), std::string::npos) << err;
   }
-  write_bytes(dir.file("ok.safetensors"), raw_file(good, data8));
+  write_file(dir.file("ok.safetensors"), raw_file(good, data8));
   EXPECT_NO_THROW(st::File(dir.file("ok.safetensors")));
   EXPECT_NE(message_of([&] { st::File(dir.file("absent.safetensors")); }).find("cannot open"),
             std::string::npos);
@@ -352,7 +348,7 @@ TEST(Safetensors, AnUnfinishedWriterLeavesThePreviousFileAndNoTemporary) {
   TempDir dir;
   const std::string path = dir.file("model.safetensors");
   st::save_file({{"w", at::ones({4})}}, path);
-  const std::string before = read_bytes(path);
+  const std::string before = read_file(path);
   {
     st::Writer w(path, {{"w", at::kFloat, {4}}, {"v", at::kFloat, {2}}}, {});
     w.write(at::zeros({4}));
@@ -362,12 +358,12 @@ TEST(Safetensors, AnUnfinishedWriterLeavesThePreviousFileAndNoTemporary) {
               std::string::npos);
     EXPECT_NE(message_of([&] { w.finish({}); }).find("only 1 of 2 tensors"), std::string::npos);
   }  // destroyed unfinished, as when an exception unwinds a save
-  EXPECT_EQ(read_bytes(path), before);
+  EXPECT_EQ(read_file(path), before);
   EXPECT_EQ(dir.entries(), std::vector<std::string>{"model.safetensors"});
 
   st::Writer w(path, {{"w", at::kFloat, {4}}}, {{"sum", "00000000"}});
   w.write(at::full({4}, 2.0f));
-  EXPECT_EQ(read_bytes(path), before);  // still the old file until finish()
+  EXPECT_EQ(read_file(path), before);  // still the old file until finish()
   w.finish({{"sum", "12345678"}});
   EXPECT_TRUE(same_bytes(st::load_file(path).at("w"), at::full({4}, 2.0f)));
   EXPECT_EQ(st::File(path).metadata().at("sum"), "12345678");

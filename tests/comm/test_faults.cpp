@@ -26,11 +26,14 @@
 #include "support/errors.h"
 #include "support/rank_outcomes.h"
 #include "support/temp_dir.h"
+#include "support/timing.h"
 
 using namespace dtensor;
 using dtensor::testing::describe_outcomes;
+using dtensor::testing::now;
 using dtensor::testing::RankOutcome;
 using dtensor::testing::run_ranks_collect;
+using dtensor::testing::seconds_since;
 
 namespace {
 
@@ -50,11 +53,6 @@ dtensor::testing::RunOptions no_init(std::chrono::seconds connect = std::chrono:
 // take, so a test passing under it shows the fault ended the rendezvous, not the bound.
 constexpr auto kArrivalBound = std::chrono::seconds(30);
 constexpr double kFaultSeenWithin = 10.0;
-
-std::chrono::steady_clock::time_point now() { return std::chrono::steady_clock::now(); }
-double seconds_since(std::chrono::steady_clock::time_point t) {
-  return std::chrono::duration<double>(now() - t).count();
-}
 
 // Rank `rank` of a job whose store rank 0 hosts at `port` (as without torchrun's agent).
 void claim(int rank, int world_size, int port) {
@@ -391,6 +389,25 @@ TEST(CollectiveFaults, ReportFailureStopsAPeerInABarrier) {
   EXPECT_TRUE(exited(out[0], 2)) << describe_outcomes(out);
   EXPECT_CONTAINS(out[0].message, "barrier not started: rank 1 failed: rank 1 gave up on purpose");
   EXPECT_LT(out[0].seconds, 1.5) << describe_outcomes(out);
+}
+
+// The rank that failed starts no further collective itself, whenever its peers read the
+// notice: before, its next all_reduce ran with a peer that had not polled the store yet, and the
+// notice ended some later collective instead, one the watchdog's timing chose.
+TEST(CollectiveFaults, AFailedRanksNextCollectiveFailsAtOnceOnItAndItsPeers) {
+  auto out = traced(run_ranks_collect(
+      2,
+      [](int rank) {
+        loop(2, [](int) {});
+        if (rank == 1) comm::report_failure("rank 1 gave up on purpose");
+        comm::all_reduce(at::ones({4}), ReduceOp::Sum, *comm::world_group());
+      },
+      kOpts));
+  EXPECT_TRUE(exited(out[0], 2) && exited(out[1], 2)) << describe_outcomes(out);
+  EXPECT_CONTAINS(out[1].message,
+                  "all_reduce float32[4] (collective #3 on group world) not started: rank 1 "
+                  "failed: rank 1 gave up on purpose");
+  EXPECT_CONTAINS(out[0].message, "rank 1 failed: rank 1 gave up on purpose");
 }
 
 // A receive that a failure stops before it starts names its end of the channel and the peer.

@@ -11,9 +11,12 @@
 #include "support/distributed.h"
 #include "support/errors.h"
 #include "support/mpi_job.h"
+#include "support/timing.h"
 
 using namespace dtensor;
+using dtensor::testing::now;
 using dtensor::testing::run_ranks;
+using dtensor::testing::seconds_since;
 
 namespace {
 
@@ -46,11 +49,6 @@ void clear_launch_env(EnvGuard& g) {
         "PMI_SIZE", "MASTER_ADDR", "MASTER_PORT"}) {
     g.set(k, nullptr);
   }
-}
-
-std::chrono::steady_clock::time_point now() { return std::chrono::steady_clock::now(); }
-double seconds_since(std::chrono::steady_clock::time_point t) {
-  return std::chrono::duration<double>(now() - t).count();
 }
 
 }  // namespace

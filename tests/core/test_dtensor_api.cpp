@@ -7,17 +7,13 @@
 #include <torch/csrc/autograd/generated/variable_factories.h>
 
 #include "dtensor/dtensor.h"
+#include "support/comm_counts.h"
 #include "support/distributed.h"
 #include "support/errors.h"
 
 using namespace dtensor;
+using dtensor::testing::counts;
 using dtensor::testing::run_ranks;
-
-namespace {
-CommCounts counts(std::initializer_list<std::pair<const CommType, int64_t>> l) {
-  return CommCounts(l);
-}
-}  // namespace
 
 TEST(FromLocal, ShardZeroGivesGlobalRowsAndReplicateKeepsShape) {
   run_ranks(4, [](int rank) {

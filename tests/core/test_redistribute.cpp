@@ -4,16 +4,15 @@
 #include <gtest/gtest.h>
 
 #include "dtensor/dtensor.h"
+#include "support/comm_counts.h"
 #include "support/distributed.h"
 
 using namespace dtensor;
+using dtensor::testing::counts;
 using dtensor::testing::run_ranks;
 
 namespace {
 
-CommCounts counts(std::initializer_list<std::pair<const CommType, int64_t>> l) {
-  return CommCounts(l);
-}
 const CommCounts kNone{};
 
 // The local shard this rank must hold of `global` laid out as `p`, by torch.chunk over each

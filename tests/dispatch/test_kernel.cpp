@@ -274,7 +274,9 @@ TEST(Kernel, ComplexAndInt16ResultsOfShardedInputsMatchOneDeviceOrAreRefusedClea
                           "does not have a sharding strategy registered");
           EXPECT_EQ(comm.get_total_counts(), 0);
         }
-        if (got.defined()) EXPECT_TENSOR_CLOSE(full_tensor(got), f(g), 1e-5, 1e-5);
+        if (got.defined()) {
+          EXPECT_TENSOR_CLOSE(full_tensor(got), f(g), 1e-5, 1e-5);
+        }
         EXPECT_TENSOR_EQ(full_tensor(x * 2), g * 2);
       }
     }

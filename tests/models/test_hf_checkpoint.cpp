@@ -290,11 +290,12 @@ TEST(HfCheckpoint, BadInputNamesTheFileAndTensor) {
   {
     Copy c("single");
     auto j = c.config();
-    j["rope_parameters"]["rope_type"] = "yarn";
+    j["rope_parameters"]["rope_type"] = "longrope";
     c.set_config(j);
     const auto msg = message_of([&] { load_hf(c.dir); });
     EXPECT_CONTAINS(msg, c.dir + "/config.json");
-    EXPECT_CONTAINS(msg, "rope type \"yarn\" is not supported; supported: default, llama3");
+    EXPECT_CONTAINS(msg,
+                    "rope type \"longrope\" is not supported; supported: default, llama3, yarn");
   }
   {
     Copy c("llama3_rope");  // transformers 4's rope_scaling form

@@ -14,6 +14,7 @@
 #include "dtensor/dtensor.h"
 #include "dtensor/models/meta_init.h"
 #include "dtensor/models/transformer.h"
+#include "support/comm_counts.h"
 #include "support/distributed.h"
 #include "support/memory.h"
 #include "support/model_compare.h"
@@ -74,10 +75,13 @@ void expect_training_matches(const DeviceMesh& mesh, const Case& c) {
     auto targets = at::randint(c.config.vocab_size, {2, c.seqlen}, at::kLong);
     ref_opt.zero_grad();
     tp_opt.zero_grad();
-    auto ref_loss = loss_and_backward(ref->forward(tokens), targets);
+    // With experts, the loss includes the auxiliary loss (training_loss).
+    at::Tensor ref_loss = training_loss(*ref, ref->forward(tokens), targets);
+    ref_loss.backward();
     auto logits = model->forward(tokens);
     EXPECT_EQ(is_dtensor(logits), c.options.loss_parallel);
-    auto loss = loss_and_backward(logits, targets);
+    at::Tensor loss = training_loss(*model, logits, targets);
+    loss.backward();
     reduce_partial_grads(*model);
     EXPECT_TRUE(close_to_scale(loss, ref_loss, c.tol)) << "loss";
     for (const auto& [name, p] : tp_params) {
@@ -327,10 +331,6 @@ void expect_counts(const StepCounts& got, const StepCounts& want) {
   EXPECT_EQ(format_comm_counts(got.optimizer), format_comm_counts(want.optimizer)) << "optimizer";
 }
 
-constexpr auto AR = CommType::all_reduce;
-constexpr auto AG = CommType::all_gather_into_tensor;
-constexpr auto RS = CommType::reduce_scatter_tensor;
-
 }  // namespace
 
 // Per block with SP: forward 2 all_gathers (attention and FFN inputs) + 2 reduce_scatters
@@ -371,6 +371,65 @@ TEST(LlamaTp, TrainingStepIssuesTheAnalyticMinimumOfCollectives) {
         }
         // Every op's local result came back in the layout its rule announced: no extra copies.
         EXPECT_EQ(dispatch::cache_stats().layout_copies - copies_before, 0);
+      }
+    });
+  }
+}
+
+// Mixture-of-experts decoders (all layers sparse, and a dense layer before a sparse one): three
+// AdamW steps in float64 with the auxiliary loss equal one device's (loss, every gradient, every
+// parameter within 1e-9), with and without sequence parallelism, and built on the meta device.
+TEST(LlamaTp, MoeDecoderTrainingMatchesOneDeviceAuxLossIncluded) {
+  for (int tp : {2, 4}) {
+    run_ranks(tp, [](int) {
+      auto mesh = init_device_mesh("cpu", {comm::get_world_size()});
+      DecoderConfig moe = DecoderConfig::preset("tiny-moe");
+      DecoderConfig mixed = moe;
+      mixed.moe->sparse_layers = {false, true};
+      expect_training_matches(mesh, {"MoE SP + LP", moe, kSpLp});
+      expect_training_matches(mesh, {"MoE LP, dense layer 0", mixed, kLp});
+      expect_training_matches(mesh, {"MoE empty SP + LP", mixed, kSpLp, at::kDouble, 1e-9, 8,
+                                     /*empty=*/true});
+    });
+  }
+}
+
+// Mixture-of-experts blocks (the "moe" sublayer's MoeParallel style, experts split like dense
+// feed-forwards). Per sparse block, against a dense one's 2 all-gathers and 2 reduce-scatters
+// each way: with SP the attention's as before, the block's input all-gathered and its output
+// all-reduced forward (then cut to this rank's sequence shard), its output's gradient
+// all-gathered and its input's gradient all-reduced backward; without SP one all-reduce each
+// way. The router's Partial gradients join reduce_partial_grads' one all-reduce.
+TEST(LlamaTp, MoeTrainingStepIssuesCollectivesByFormula) {
+  for (int tp : {2, 4}) {
+    run_ranks(tp, [](int) {
+      auto mesh = init_device_mesh("cpu", {comm::get_world_size()});
+      for (const std::vector<bool>& sparse : {std::vector<bool>{true, true}, {false, true}}) {
+        DecoderConfig c = DecoderConfig::preset("tiny-moe");
+        c.moe->sparse_layers = sparse;
+        const int64_t L = c.n_layers, S = std::count(sparse.begin(), sparse.end(), true), D = L - S;
+        for (const auto& options : {kSpLp, kLp}) {
+          SCOPED_TRACE(c10::str("tp=", mesh.size(), " sparse layers ", S,
+                                " sp=", options.sequence_parallel));
+          Transformer model(c);
+          model->to(at::kDouble);
+          apply_tensor_parallel(*model, mesh, options);
+          torch::optim::AdamW opt(model->parameters(), torch::optim::AdamWOptions(1e-3));
+          StepCounts want;
+          if (options.sequence_parallel) {
+            want.forward = {{RS, 1 + 2 * D + S}, {AG, 2 * L + 1}, {AR, S}};
+            want.backward = {{AG, 1 + 2 * L}, {RS, 1 + 2 * D + S}, {AR, S}};
+          } else {
+            want.forward = {{AR, 1 + 2 * L}};
+            want.backward = {{AR, 1 + 2 * L}};
+          }
+          want.reduce = {{AR, 1}};
+          want.loss = {{AR, 3}};
+          for (int step = 0; step < 2; ++step) {
+            SCOPED_TRACE(step);
+            expect_counts(count_step(model, opt, c.vocab_size), want);
+          }
+        }
       }
     });
   }

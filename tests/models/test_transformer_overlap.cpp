@@ -12,6 +12,7 @@
 #include "dtensor/dtensor.h"
 #include "dtensor/models/transformer.h"
 #include "dtensor/tp/overlap.h"
+#include "support/comm_counts.h"
 #include "support/distributed.h"
 #include "support/errors.h"
 #include "support/model_compare.h"
@@ -21,10 +22,6 @@ using namespace dtensor::models;
 using namespace dtensor::testing;
 
 namespace {
-
-constexpr auto AR = CommType::all_reduce;
-constexpr auto AG = CommType::all_gather_into_tensor;
-constexpr auto RS = CommType::reduce_scatter_tensor;
 
 DecoderConfig tiny(int64_t n_kv_heads) {
   auto c = DecoderConfig::preset("tiny");

@@ -8,19 +8,14 @@
 #include <torch/optim/sgd.h>
 
 #include "dtensor/dtensor.h"
+#include "support/comm_counts.h"
 #include "support/distributed.h"
 #include "support/op_check.h"
 
 using namespace dtensor;
 using namespace dtensor::testing;
 
-namespace {
-
-CommCounts counts(std::initializer_list<std::pair<const CommType, int64_t>> l) {
-  return CommCounts(l);
-}
-
-}  // namespace
+namespace {}  // namespace
 
 TEST(EmbeddingSweep, LookupAndGradientMatchOneDevice) {
   for (int world : {1, 2, 3, 4}) {

@@ -7,6 +7,7 @@
 #include <torch/nn/functional/loss.h>
 
 #include "dtensor/dtensor.h"
+#include "support/comm_counts.h"
 #include "support/distributed.h"
 #include "support/op_check.h"
 
@@ -63,10 +64,6 @@ F::NLLLossFuncOptions nll_options(Reduce r, bool weighted, const at::Tensor& wei
   if (weighted) o.weight(weight);
   o.ignore_index(ignore);
   return o;
-}
-
-CommCounts counts(std::initializer_list<std::pair<const CommType, int64_t>> l) {
-  return CommCounts(l);
 }
 
 }  // namespace

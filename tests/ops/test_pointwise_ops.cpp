@@ -189,3 +189,29 @@ TEST(PointwiseShift, AScalarAddedToAPartialKeepsItOnlyWhereTheReductionCommutesW
     }
   });
 }
+
+// Element-wise ops whose backward calls another element-wise op: hardswish_backward,
+// hardsigmoid_backward, logit_backward, and mvlgamma's in-place digamma_.
+TEST(PointwiseBackward, BackwardOnlyElementWiseOpsMatchOneDevice) {
+  run_ranks(2, [](int rank) {
+    auto mesh = init_device_mesh("cpu", {2});
+    SweepCounter n;
+    const std::vector<NamedOp> ops = {
+        {"hardswish", 1,
+         [](const auto& x) { return std::vector<at::Tensor>{at::hardswish(x[0] * 4)}; }},
+        {"hardsigmoid", 1,
+         [](const auto& x) { return std::vector<at::Tensor>{at::hardsigmoid(x[0] * 4)}; }},
+        {"logit", 1,
+         [](const auto& x) { return std::vector<at::Tensor>{at::logit(x[0].sigmoid(), 0.1)}; }},
+        {"mvlgamma", 1,
+         [](const auto& x) { return std::vector<at::Tensor>{at::mvlgamma(x[0].abs() + 2, 2)}; }},
+    };
+    const at::Tensor a = at::randn({5, 4}, at::kDouble);
+    for (const auto& op : ops) {
+      for (const auto& p : placements_1d(a.dim(), true)) {
+        n.add(check_op(mesh, op.name + " " + to_string(p), op.fn, {a}, {p}));
+      }
+    }
+    n.expect_cases(4 * 4, rank, "backward-only element-wise ops");  // ops x R, S(0), S(1), P
+  });
+}

@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include "dtensor/dtensor.h"
+#include "support/comm_counts.h"
 #include "support/distributed.h"
 #include "support/op_check.h"
 
@@ -29,10 +30,6 @@ OpFn unary(const SoftmaxOp& op, int64_t dim) {
   return [op, dim](const std::vector<at::Tensor>& x) {
     return std::vector<at::Tensor>{op.fn(x[0], dim)};
   };
-}
-
-CommCounts counts(std::initializer_list<std::pair<const CommType, int64_t>> l) {
-  return CommCounts(l);
 }
 
 }  // namespace

@@ -22,20 +22,24 @@ struct OpCheckOptions {
   // Also compare the sizes and strides of every DTensor output and gradient with the plain
   // result's (strides of dims with one element are not compared: any value is valid there).
   bool layout = true;
+  // Backward from the plain sum of the outputs instead of the weighted one: each output's
+  // gradient is then a broadcast of ones (every stride 0), as `loss.sum().backward()` gives.
+  bool sum_loss = false;
 };
 
 // Whether `actual` has `expected`'s sizes and, on dims of more than one element, its strides.
 ::testing::AssertionResult same_layout(const at::Tensor& actual, const at::Tensor& expected);
 
 // Whether `grad`, the gradient of `leaf`, is a DTensor on the leaf's mesh when the leaf is a
-// DTensor (undefined gradients, plain leaves and the empty gradient of a legacy empty [0]
-// leaf, which cat's backward formula builds as a plain tensor, pass).
+// DTensor (undefined gradients and plain leaves pass), also where the derivative formula builds
+// it as a plain tensor (cat's zeros for a legacy empty [0] operand).
 ::testing::AssertionResult grad_on_leaf_mesh(const at::Tensor& grad, const at::Tensor& leaf);
 
 // Distributes `inputs` (global tensors, identical on every rank) with `placements` (a Partial
 // input holds value/n per rank), runs `fn` on them and on the plain tensors, and compares
 // full_tensor() of every output and, with backward, every input gradient of
-// sum_i <out_i, w_i> for fixed random weights w_i (each a DTensor on the input's mesh). Returns
+// sum_i <out_i, w_i> for fixed random weights w_i (each a DTensor on the input's mesh), or of
+// sum_i sum(out_i) with `sum_loss`. Returns
 // false (and records gtest failures) on any mismatch. `label` names the case in failures.
 bool check_op(const DeviceMesh& mesh, const std::string& label, const OpFn& fn,
               const std::vector<at::Tensor>& inputs, const std::vector<Placements>& placements,

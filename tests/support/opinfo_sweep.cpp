@@ -375,7 +375,8 @@ std::vector<CaseResult> sweep(const SampleSet& set, const std::vector<size_t>& s
                 fd, c10::str("E ", c, " ", static_cast<int>(r.forward), " ",
                              static_cast<int>(r.backward), " ", r.altered ? 1 : 0, " ", r.message));
             // Every rank reaches the next case together, on a group that still works: a
-            // case that left it broken (or ranks on different paths) ends this world here.
+            // case that left it broken (a collective failed on some rank, which then starts
+            // none, or ranks on different paths) ends this world here.
             try {
               comm::all_reduce(at::ones({1}), ReduceOp::Max, mesh.group(0));
             } catch (const std::exception&) {
@@ -470,32 +471,52 @@ Outcome OpSummary::worst_backward() const {
   return w;
 }
 
+std::string OpSummary::message() const {
+  if (forward_message.empty() || backward_message.empty())
+    return forward_message + backward_message;
+  return forward_message + "; " + backward_message;
+}
+
 std::vector<OpSummary> summarize(const SampleSet& set, const std::vector<size_t>& samples,
-                                 const std::vector<std::vector<CaseResult>>& per_world) {
+                                 const std::vector<std::vector<CaseResult>>& per_world,
+                                 const std::vector<int>& worlds) {
   const size_t layouts = layout_names().size();
   const size_t settings = per_world.size() * layouts;
   std::vector<OpSummary> ops;
   std::map<std::string, size_t> index;
-  std::map<std::string, Outcome> worst_seen;
+  // The outcome whose message an op shows, forward and backward apart.
+  std::map<std::string, std::pair<Outcome, Outcome>> shown;
+  // A sample that fails on plain tensors says least about us: any other failure's message wins.
+  auto rank = [](Outcome o) { return o == Outcome::Skipped ? 0 : static_cast<int>(o); };
   for (size_t i = 0; i < samples.size(); ++i) {
     const Sample& s = set.samples[samples[i]];
     auto [it, fresh] = index.emplace(s.key(), ops.size());
     if (fresh) {
       ops.push_back({s.key(), std::vector<Outcome>(settings, Outcome::NotRun),
-                     std::vector<Outcome>(settings, Outcome::NotRun), ""});
+                     std::vector<Outcome>(settings, Outcome::NotRun), "", ""});
     }
     OpSummary& op = ops[it->second];
+    auto& [fwd_shown, bwd_shown] = shown[s.key()];
     for (size_t w = 0; w < per_world.size(); ++w) {
       for (size_t l = 0; l < layouts; ++l) {
         const CaseResult& r = per_world[w][i * layouts + l];
         const size_t k = w * layouts + l;
         op.forward[k] = std::max(op.forward[k], r.forward);
         op.backward[k] = std::max(op.backward[k], r.backward);
-        const Outcome worst = std::max(r.forward, r.backward);
-        if (!r.message.empty() && worst != Outcome::Pass &&
-            (op.message.empty() || worst > worst_seen[s.key()])) {
-          op.message = r.message;
-          worst_seen[s.key()] = worst;
+        if (r.message.empty()) continue;
+        const std::string where =
+            c10::str(worlds.at(w), " ranks, ", layout_names()[l], ", sample ", s.index, ": ");
+        // A case's message is its forward's unless the forward passed.
+        if (r.forward != Outcome::Pass && r.forward != Outcome::NotRun) {
+          if (op.forward_message.empty() || rank(r.forward) > rank(fwd_shown)) {
+            op.forward_message = where + r.message;
+            fwd_shown = r.forward;
+          }
+        } else if (r.forward == Outcome::Pass && r.backward > Outcome::Pass) {
+          if (op.backward_message.empty() || r.backward > bwd_shown) {
+            op.backward_message = where + r.message;
+            bwd_shown = r.backward;
+          }
         }
       }
     }
@@ -557,7 +578,8 @@ std::string markdown_table(const SampleSet& set, const std::vector<OpSummary>& o
   md << "Columns per world size, the layouts ";
   for (const auto& l : layout_names()) md << l << " ";
   md << "(P pass, R refused, W wrong, H hang, C crash, s fails on plain tensors too, - not run);"
-        " the note is the worst case's message.\n\n";
+        " the note is the worst failing forward case's message, then the worst backward "
+        "case's.\n\n";
   md << "| OpInfo | PyTorch | forward";
   for (int w : worlds) md << " " << w << " ranks";
   md << " | backward | note |\n|---|---|---|---|---|\n";
@@ -572,9 +594,14 @@ std::string markdown_table(const SampleSet& set, const std::vector<OpSummary>& o
   };
   for (const auto& op : ops) {
     const auto it = pytorch_fails.find(op.key);
-    std::string note = op.message;
-    for (char& c : note) c = c == '|' ? '/' : c;
-    if (note.size() > 160) note = note.substr(0, 160) + "...";
+    auto shortened = [](std::string m) {
+      for (char& c : m) c = c == '|' ? '/' : c;
+      return m.size() > 160 ? m.substr(0, 160) + "..." : m;
+    };
+    std::string note = shortened(op.forward_message);
+    if (!op.backward_message.empty()) {
+      note += (note.empty() ? "" : "; ") + shortened(op.backward_message);
+    }
     md << "| `" << op.key << "` | " << (it == pytorch_fails.end() ? "pass" : it->second) << " | "
        << letters(op.forward) << " | " << letters(op.backward) << " | " << note << " |\n";
   }

@@ -49,20 +49,26 @@ std::vector<CaseResult> sweep(const SampleSet& set, const std::vector<size_t>& s
 std::map<std::string, std::string> load_pytorch_fails(const std::string& path);
 
 /// Per OpInfo: the worst forward and backward outcome over its samples, for each world size and
-/// layout, and the message of its worst case.
+/// layout, and the messages of its worst forward case and of its worst backward case (each
+/// naming the world size and layout it ran on).
 struct OpSummary {
   std::string key;
   std::vector<Outcome> forward;   ///< per (world, layout)
   std::vector<Outcome> backward;  ///< per (world, layout)
-  std::string message;
+  std::string forward_message;    ///< empty when every forward passed
+  std::string backward_message;   ///< empty when every backward that ran passed
   Outcome worst_forward() const;
   Outcome worst_backward() const;
+  /// The forward's message, then the backward's: a refused forward is never hidden behind a
+  /// worse backward elsewhere.
+  std::string message() const;
 };
 
 /// One summary per OpInfo of `samples`, in first-seen order, from the per-world results
 /// (`per_world[w]` as sweep() returned them for world `worlds[w]`).
 std::vector<OpSummary> summarize(const SampleSet& set, const std::vector<size_t>& samples,
-                                 const std::vector<std::vector<CaseResult>>& per_world);
+                                 const std::vector<std::vector<CaseResult>>& per_world,
+                                 const std::vector<int>& worlds);
 
 /// Totals and the table, as docs/OPINFO.md shows them.
 struct SideBySide {

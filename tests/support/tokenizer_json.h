@@ -11,6 +11,9 @@
 
 namespace dtensor::testing {
 
+// SentencePiece's word-boundary mark "▁" (U+2581), which Metaspace pre-tokenizers and decoders use.
+inline const std::string kMeta = "\xE2\x96\x81";
+
 inline nlohmann::json word_tokenizer_json(const std::vector<std::string>& words) {
   nlohmann::json vocab = nlohmann::json::object();
   const auto add = [&](const std::string& t) {

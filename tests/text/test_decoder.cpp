@@ -11,6 +11,7 @@
 #include "support/errors.h"
 #include "support/tokenizer_json.h"
 
+using dtensor::testing::kMeta;
 using dtensor::testing::message_of;
 using dtensor::testing::word_tokenizer_json;
 using dtensor::text::BpeTokenizer;
@@ -18,7 +19,6 @@ using nlohmann::json;
 
 namespace {
 
-const std::string kMeta = "\xE2\x96\x81";  // ▁
 const std::string kReplacementChar = "\xEF\xBF\xBD";
 
 // Decodes `tokens` (all in the vocabulary) with `decoder`.

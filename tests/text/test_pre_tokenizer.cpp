@@ -12,6 +12,7 @@
 #include "support/errors.h"
 #include "support/tokenizer_json.h"
 
+using dtensor::testing::kMeta;
 using dtensor::testing::message_of;
 using dtensor::testing::tokens_of;
 using dtensor::testing::word_tokenizer_json;
@@ -20,8 +21,6 @@ using nlohmann::json;
 using Tokens = std::vector<std::string>;
 
 namespace {
-
-const std::string kMeta = "\xE2\x96\x81";  // ▁
 
 BpeTokenizer with_pre_tokenizer(const json& pre, const std::vector<std::string>& words,
                                 const json& added = json::array()) {

@@ -8,6 +8,7 @@
 
 #include "dtensor/dtensor.h"
 #include "dtensor/tp/overlap.h"
+#include "support/comm_counts.h"
 #include "support/distributed.h"
 #include "support/errors.h"
 #include "support/mpi_job.h"
@@ -16,9 +17,6 @@ using namespace dtensor;
 using namespace dtensor::testing;
 
 namespace {
-
-constexpr auto AG = CommType::all_gather_into_tensor;
-constexpr auto RS = CommType::reduce_scatter_tensor;
 
 // Whole tensors drawn alike on every rank (run_ranks seeds them the same).
 struct Data {

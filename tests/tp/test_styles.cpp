@@ -11,6 +11,7 @@
 #include <torch/nn/modules/normalization.h>
 
 #include "dtensor/dtensor.h"
+#include "support/comm_counts.h"
 #include "support/distributed.h"
 #include "support/errors.h"
 
@@ -23,7 +24,6 @@ namespace {
 
 constexpr double kTol = 1e-10;
 
-CommCounts counts(std::initializer_list<std::pair<const CommType, int64_t>> c) { return c; }
 constexpr CommType kAllReduce = CommType::all_reduce;
 constexpr CommType kAllGather = CommType::all_gather_into_tensor;
 constexpr CommType kReduceScatter = CommType::reduce_scatter_tensor;

@@ -13,17 +13,17 @@
 
 #include "dtensor/dtensor.h"
 #include "dtensor/tp/partial_grads.h"
+#include "support/comm_counts.h"
 #include "support/distributed.h"
 
 using namespace dtensor;
 using namespace dtensor::tp;
+using dtensor::testing::AG;
+using dtensor::testing::AR;
+using dtensor::testing::RS;
 using dtensor::testing::run_ranks;
 
 namespace {
-
-constexpr CommType AR = CommType::all_reduce;
-constexpr CommType AG = CommType::all_gather_into_tensor;
-constexpr CommType RS = CommType::reduce_scatter_tensor;
 
 // ---- models (torch.testing._internal.distributed._tensor.common_dtensor) ----
 

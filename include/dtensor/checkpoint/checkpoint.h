@@ -7,7 +7,8 @@
 //   auto meta = load_checkpoint("ckpt.safetensors", *model, &optimizer);  // any TP degree
 //
 // File contents: each parameter and buffer under its name ("layers.0.attention.wq.weight");
-// the optimizer state under "optim.state.<parameter name>.<key>" (Adam/AdamW: exp_avg,
+// the optimizer state under "optim.state.<parameter name>.<key>" (Adam/AdamW and
+// dtensor::optim::CapturableAdamW, which saves as AdamW: exp_avg,
 // exp_avg_sq, max_exp_avg_sq, step; SGD: momentum_buffer); and __metadata__ entries
 // (checkpoint_keys): "format": "pt" (as Hugging Face writes), our format name and version, the
 // caller's config string, step, the TP degree and world size that saved it, each DTensor's

@@ -16,7 +16,7 @@
 namespace dtensor::comm {
 
 /// Tells every other rank that this one failed (a no-op without a process group, and after the
-/// first call). Never throws.
+/// first call); this rank's own later collectives fail at once, naming it. Never throws.
 void report_failure(const std::string& message);
 
 }  // namespace dtensor::comm

@@ -38,7 +38,8 @@ comm::PendingResult redistribute_local(const at::Tensor& local, const DTensorSpe
                                        const RedistributeLocalOptions& options = {});
 
 /// `local`, or a copy of it, laid out in the dim order of `global_stride` (the layout every
-/// DTensor's local tensor has; see strides_like).
+/// DTensor's local tensor has; see strides_like), broadcast (stride 0) along the dims the global
+/// strides broadcast.
 at::Tensor follow_stride_order(at::Tensor local, c10::IntArrayRef global_stride);
 
 /// Placements a gradient is reduced to in backward: each Partial becomes Replicate.

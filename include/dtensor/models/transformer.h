@@ -34,7 +34,10 @@
 #include <utility>
 #include <vector>
 
+#include "dtensor/core/distribute_module.h"
 #include "dtensor/mesh/device_mesh.h"
+#include "dtensor/models/moe.h"
+#include "dtensor/models/yarn_rope.h"
 #include "dtensor/nn/layers.h"
 #include "dtensor/tp/parallelize_module.h"
 #include "dtensor/tp/partial_grads.h"
@@ -50,6 +53,19 @@ struct Llama3RopeScaling {
   double low_freq_factor = 1;
   double high_freq_factor = 4;
   int64_t original_max_position_embeddings = 8192;
+};
+
+/// The mixture-of-experts feed-forward of the sparse layers (Qwen3-MoE, Mixtral, gpt-oss;
+/// docs/ARCHITECTURE.md, "Mixtures of experts"): each sparse layer's feed-forward is a MoE block
+/// (router and stacked experts) instead of the dense gated MLP.
+struct DecoderMoe {
+  MoeOptions options;             ///< Routing, experts, activation (validate() checks it).
+  int64_t expert_hidden_dim = 0;  ///< Each expert's width I (HF moe_intermediate_size).
+  /// Which layers are sparse (the others keep the dense feed-forward); empty: every layer.
+  std::vector<bool> sparse_layers;
+  /// The training loss adds this times the load-balancing loss over the sparse layers (HF
+  /// router_aux_loss_coef).
+  double router_aux_loss_coef = 0.001;
 };
 
 /// Model hyperparameters of the decoder (torchtitan's ModelArgs, plus the features other
@@ -85,6 +101,9 @@ struct DecoderConfig {
   double query_pre_attn_scalar = 0;
   /// Every RMSNorm scales by norm_weight_offset + weight (Gemma: 1, weights stored around 0).
   double norm_weight_offset = 0;
+  /// In half precision every RMSNorm scales in float32 before rounding (gpt-oss), not after
+  /// (Llama); see dtensor::nn::rms_norm.
+  bool norm_scale_in_float32 = false;
   /// A norm after attention and after the feed-forward too, before each joins the residual
   /// (Gemma's post_attention_layernorm and post_feedforward_layernorm).
   bool post_norms = false;
@@ -100,11 +119,18 @@ struct DecoderConfig {
   /// with this probability before they join the residual stream (models/residual_dropout.h);
   /// 0: none (Llama's and the HF families' pretrained configs).
   double dropout = 0;
+  /// Mixture-of-experts feed-forwards in the sparse layers; nullopt: every layer dense.
+  std::optional<DecoderMoe> moe;
+  /// Each query head's softmax has one learned logit more, its sink (gpt-oss; attention_sinks.h).
+  bool attention_sinks = false;
+  /// YaRN rotary scaling (HF rope_type "yarn", gpt-oss); exclusive with rope_scaling.
+  std::optional<YarnRopeScaling> rope_yarn;
 
-  /// "tiny" (tests: dim 32, 2 layers, 4 heads, 2 KV heads), "demo" (~3M parameters, trains
-  /// visibly in a minute at TP=2 on 2 CPU cores), "bench" (~30M parameters).
+  /// "tiny" (tests: dim 32, 2 layers, 4 heads, 2 KV heads), "tiny-moe" (tiny with 4 experts of
+  /// width 16, top 2, in both layers), "demo" (~3M parameters, trains visibly in a minute at TP=2
+  /// on 2 CPU cores), "bench" (~30M parameters).
   static DecoderConfig preset(const std::string& name);
-  /// The preset names: "tiny", "demo", "bench".
+  /// The preset names: "tiny", "tiny-moe", "demo", "bench".
   static std::vector<std::string> preset_names();
   /// A JSON object with any of the fields above (others keep their defaults); unknown keys
   /// are an error. to_json() writes every field, resolved values included.
@@ -122,6 +148,10 @@ struct DecoderConfig {
   /// The attention score scale: query_pre_attn_scalar^-1/2, or head_dim^-1/2 when it is 0.
   double attention_scale() const;
   int64_t hidden_dim() const;  // ffn_hidden_dim resolved
+  /// Whether layer `layer`'s feed-forward is a mixture of experts.
+  bool sparse(int64_t layer) const;
+  /// Whether any layer is.
+  bool has_moe() const;
   /// Total parameter count (tied weights counted once).
   int64_t num_parameters() const;
   /// Throws naming the field when the configuration is inconsistent.
@@ -153,7 +183,7 @@ TORCH_MODULE(FeedForward);
 /// Causal multi-head attention with grouped KV heads and rotary embeddings. Heads are inferred
 /// from the projections' (local) widths: view(bs, seqlen, -1, head_dim), and each query head uses
 /// KV head (local index) * n_kv / n_q, so the same code runs whole or with heads sharded.
-class AttentionImpl : public dtensor::nn::Module {
+class AttentionImpl : public dtensor::nn::Module, public ParameterSwapTarget {
  public:
   /// Projections (biases as config says) and q/k norms of layer `layer_id` of `config`.
   explicit AttentionImpl(const DecoderConfig& config, int64_t layer_id = 0);
@@ -178,6 +208,11 @@ class AttentionImpl : public dtensor::nn::Module {
   /// Per-head RMSNorms (head_dim) of queries and keys; null unless config.qk_norm. Under TP their
   /// weights are replicated and their gradients Partial (summed by reduce_partial_grads).
   dtensor::nn::RMSNorm q_norm{nullptr}, k_norm{nullptr};
+  /// Per-query-head sink logits (n_heads) with config.attention_sinks, else undefined. Under TP
+  /// sharded with the heads (Shard(0)).
+  at::Tensor sinks;
+  /// Keeps `sinks` in step with dtensor::replace_parameter (TP, FSDP).
+  void on_parameter_replaced(const std::string& name, const at::Tensor& value) override;
 };
 /// Module holder of AttentionImpl.
 TORCH_MODULE(Attention);
@@ -198,7 +233,8 @@ class TransformerBlockImpl : public dtensor::nn::Module {
   Attention attention{nullptr};                       ///< Self-attention.
   dtensor::nn::RMSNorm attention_post_norm{nullptr};  ///< After attention; null without post_norms.
   dtensor::nn::RMSNorm ffn_norm{nullptr};             ///< Norm before the feed-forward.
-  FeedForward feed_forward{nullptr};                  ///< Gated feed-forward.
+  FeedForward feed_forward{nullptr};  ///< Gated feed-forward; null in sparse layers.
+  MoE moe{nullptr};  ///< Mixture-of-experts feed-forward of a sparse layer; null in dense ones.
   dtensor::nn::RMSNorm ffn_post_norm{
       nullptr};  ///< After the feed-forward; null without post_norms.
 };
@@ -249,6 +285,17 @@ class TransformerImpl : public dtensor::nn::Module {
   /// tok_embeddings.weight and it registers no parameter of its own, so parameters() lists the
   /// shared weight once.
   dtensor::nn::Linear output{nullptr};
+
+  /// The router logits (T, E) of this model's sparse blocks in their last forward, in layer order
+  /// (empty without them).
+  std::vector<at::Tensor> router_logits() const;
+  /// load_balancing_loss over router_logits() (transformers' aux_loss, which the training loss
+  /// adds config().moe->router_aux_loss_coef times: training_loss); undefined without sparse
+  /// blocks. Under tensor parallelism every rank computes it whole, its gradient counted once
+  /// (MoEImpl).
+  at::Tensor aux_loss() const;
+  /// Tokens routed to each expert (E) in the last forward, summed over the sparse blocks.
+  at::Tensor tokens_per_expert() const;
 
   /// The block of `layer` (its index in the whole model), which this model must hold.
   TransformerBlockImpl& block(int64_t layer) const;
@@ -359,5 +406,11 @@ at::Tensor token_cross_entropy(const at::Tensor& logits, const at::Tensor& targe
 
 /// token_cross_entropy + backward; returns the detached loss.
 at::Tensor loss_and_backward(const at::Tensor& logits, const at::Tensor& targets);
+
+/// The training loss of `model`'s last forward, which gave `logits`: token_cross_entropy plus,
+/// with sparse blocks, router_aux_loss_coef times model.aux_loss() (transformers' loss with
+/// output_router_logits).
+at::Tensor training_loss(const TransformerImpl& model, const at::Tensor& logits,
+                         const at::Tensor& targets);
 
 }  // namespace dtensor::models

@@ -51,4 +51,14 @@ struct ClipGradNormOptions {
 double clip_grad_norm_(const std::vector<at::Tensor>& params, double max_norm,
                        const ClipGradNormOptions& options = {});
 
+/// clip_grad_norm_ without reading anything back to the host (as PyTorch's Python function,
+/// which returns a tensor): the norm is a 0-d tensor on the gradients' device (plain, equal on
+/// every rank; float64, or the gradients' dtype on LibTorch's one-mesh path) and the gradients
+/// are scaled by min(1, max_norm / (norm + 1e-6)) computed there, so a step using it can be
+/// captured in a CUDA graph. The same values and collectives as clip_grad_norm_, which is this
+/// function followed by item(). One exception reads the host: the layout-invariant mode with a
+/// stage group (pipelines are not captured).
+at::Tensor clip_grad_norm_on_device_(const std::vector<at::Tensor>& params, double max_norm,
+                                     const ClipGradNormOptions& options = {});
+
 }  // namespace dtensor::nn::utils

@@ -61,14 +61,18 @@ struct RMSNormOptions {
   /// The scale is weight_offset + weight (Gemma's norms: 1, weights stored around 0); see
   /// rms_norm() for the precision it is applied in.
   double weight_offset = 0;
+  /// In half precision scale in float32 before rounding once, as with an offset (gpt-oss's
+  /// norms); see rms_norm().
+  bool scale_in_float32 = false;
 };
 
 /// at::rms_norm over the last `dim` elements scaled by weight_offset + weight (undefined: no
 /// scale). In bfloat16 and float16 a plain norm is normalised in float32, rounded, then scaled,
-/// as HF's Llama computes it; with a nonzero offset the norm and the scale are applied in float32
-/// before rounding once, as Gemma computes them.
+/// as HF's Llama computes it; with a nonzero offset or `scale_in_float32` the norm and the scale
+/// are applied in float32 before rounding once, as Gemma and gpt-oss compute them.
 at::Tensor rms_norm(const at::Tensor& input, int64_t dim, const at::Tensor& weight,
-                    std::optional<double> eps, double weight_offset = 0);
+                    std::optional<double> eps, double weight_offset = 0,
+                    bool scale_in_float32 = false);
 
 /// Root-mean-square norm over the last dimension (torch.nn.RMSNorm, which LibTorch's C++ API
 /// lacks), computed with at::rms_norm.
