@@ -28,6 +28,7 @@
 #include "dtensor/core/shard_math.h"
 #include "dtensor/cp/context_attention.h"
 #include "dtensor/cp/context_layout.h"
+#include "dtensor/cp/context_parallel.h"
 #include "dtensor/dispatch/cache.h"
 #include "dtensor/dispatch/explicit_redistribution.h"
 #include "dtensor/dispatch/implicit_replication.h"

@@ -35,6 +35,11 @@ void checkpoint_and_shard(TransformerImpl& root, const ParallelDims& dims,
     // (A "dp" of one rank has nothing to average.)
     if (const auto dp = dims.mesh("dp_replicate"); dp && dp->size() > 1)
       fsdp::replicate(root, *dp, o.replicate);
+    // The cp ranks hold the same parameters and each computes on its slots of the sequence:
+    // like data parallelism, their gradients are averaged (each rank's loss scaled to the
+    // mean: context_parallel_loss). ParallelDims refuses cp with dp so far.
+    if (const auto cp = dims.mesh("cp"); cp && cp->size() > 1)
+      fsdp::replicate(root, *cp, o.replicate);
     return;
   }
   const DeviceMesh dp = fsdp_mesh_of(dims);
