@@ -253,10 +253,11 @@ void ParallelDims::validate() const {
               " with dp_shard=", dp_shard,
               " (HSDP: replicas of FSDP groups) is not built yet; use plain data parallelism "
               "(dp_replicate) or FSDP (dp_shard)");
-  // Context parallelism's gradients are averaged over "cp" alone so far (fsdp::replicate).
-  TORCH_CHECK(cp == 1 || (dp() == 1 && pp == 1), "context parallelism (cp=", cp, ") with ",
+  // Context parallelism's gradients are averaged over "cp" (fsdp::replicate), or FSDP shards
+  // over dp_shard x cp (parallelize); not yet with plain data parallelism or pipeline stages.
+  TORCH_CHECK(cp == 1 || (dp_replicate == 1 && pp == 1), "context parallelism (cp=", cp, ") with ",
               product_of(*this, /*with_tp=*/false),
-              " is not built yet: cp composes with tensor parallelism (tp) only");
+              " is not built yet: cp composes with tensor parallelism (tp) and FSDP (dp_shard)");
   // Experts add no ranks: they fold over the dense ranks of a stage and replica.
   TORCH_CHECK(expert_fold() % ep == 0, "expert parallelism (ep=", ep,
               ") folds over the dp_shard x cp x tp = ", expert_fold(),

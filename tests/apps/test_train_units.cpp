@@ -499,6 +499,8 @@ TEST(TrainRunConfig, ContextParallelLayoutAndRefusals) {
   expect_error({"--preset", "tiny", "--pack-documents"}, 2, "--pack-documents attends within");
   expect_error({"--preset", "tiny", "--cp", "2", "--dp", "2"}, 4,
                "context parallelism (cp=2) with dp_replicate=2 x cp=2 is not built yet");
+  expect_error({"--preset", "tiny", "--cp", "2", "--dp-shard", "2"}, 4,
+               "--cp with --dp-shard is not built into dtensor_train yet");
   expect_error({"--preset", "tiny-moe", "--cp", "2"}, 2,
                "context parallelism (cp=2) with mixture-of-experts layers is not built yet");
   expect_error({"--preset", "tiny", "--cp", "2", "--seq-len", "36"}, 4,

@@ -74,11 +74,12 @@ TEST(ParallelDims, HsdpIsNotBuiltYet) {
                  {"dp_replicate=2 with dp_shard=2", "HSDP", "not built yet"});
 }
 
-TEST(ParallelDims, ContextParallelismComposesWithTensorParallelismOnly) {
+TEST(ParallelDims, ContextParallelismComposesWithTensorParallelismAndFsdp) {
   EXPECT_NO_THROW((ParallelDims{.cp = 2, .tp = 2, .world_size = 4}.validate()));
-  ParallelDims d{.dp_shard = 2, .cp = 2, .world_size = 4};
-  EXPECT_ERROR(d.validate(), c10::Error, "context parallelism (cp=2) with dp_shard=2 x cp=2",
-               "cp composes with tensor parallelism (tp) only");
+  EXPECT_NO_THROW((ParallelDims{.dp_shard = 2, .cp = 2, .world_size = 4}.validate()));
+  ParallelDims d{.dp_replicate = 2, .cp = 2, .world_size = 4};
+  EXPECT_ERROR(d.validate(), c10::Error, "context parallelism (cp=2) with dp_replicate=2 x cp=2",
+               "cp composes with tensor parallelism (tp) and FSDP (dp_shard)");
   d = ParallelDims{.cp = 2, .pp = 2, .world_size = 4};
   EXPECT_ERROR(d.validate(), c10::Error, "context parallelism (cp=2) with pp=2 x cp=2");
 }

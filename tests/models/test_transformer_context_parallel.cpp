@@ -70,10 +70,12 @@ Batch draw_batch(int step) {
 }
 
 // One device: each document through the model alone (positions from 0, attention within it),
-// the cross entropy summed over the batch's real targets and divided by their number.
-at::Tensor one_device_loss(Transformer& model, const Batch& b) {
+// the cross entropy summed over the real targets of rows [first, first + rows) and divided by
+// their number.
+at::Tensor one_device_loss(Transformer& model, const Batch& b, int64_t first = 0,
+                           int64_t rows = kBatch) {
   at::Tensor sum = at::zeros({}, at::kDouble);
-  for (int64_t r = 0; r < kBatch; ++r) {
+  for (int64_t r = first; r < first + rows; ++r) {
     int64_t start = 0;
     for (int64_t l : b.lengths[r]) {
       const at::Tensor logits = model->forward(b.tokens[r].narrow(0, start, l).unsqueeze(0));
@@ -82,7 +84,7 @@ at::Tensor one_device_loss(Transformer& model, const Batch& b) {
       start += l;
     }
   }
-  return sum / b.targets.ne(-100).sum().item<double>();
+  return sum / b.targets.narrow(0, first, rows).ne(-100).sum().item<double>();
 }
 
 // The attention's collectives of one forward per layer (context_attention's formula).
@@ -99,20 +101,29 @@ CommCounts plus(CommCounts a, const CommCounts& b) {
 struct Layout {
   int64_t cp, tp;
   RotateMethod rotate;
-  bool balanced;  // balanced_layout, else head_tail_layout
+  bool balanced;         // balanced_layout, else head_tail_layout
+  int64_t dp_shard = 1;  // FSDP over dp_shard x cp; each dp rank trains on its rows
 };
 
 void expect_training_matches_one_device(const Layout& l) {
-  run_ranks(static_cast<int>(l.cp * l.tp), [=](int) {
-    ParallelDims dims{.cp = l.cp, .tp = l.tp, .world_size = l.cp * l.tp};
+  run_ranks(static_cast<int>(l.dp_shard * l.cp * l.tp), [=](int) {
+    ParallelDims dims{
+        .dp_shard = l.dp_shard, .cp = l.cp, .tp = l.tp, .world_size = l.dp_shard * l.cp * l.tp};
     const DeviceMesh mesh = dims.build_mesh("cpu");
-    const int64_t r = mesh.get_local_rank("cp");
+    const int64_t r = mesh.get_local_rank("cp"), rows = kBatch / l.dp_shard;
+    const int64_t first = l.dp_shard > 1 ? mesh.get_local_rank("dp") * rows : 0;
     Transformer ref(tiny()), model(tiny());
     for (auto* m : {&ref, &model}) {
       (*m)->to(at::kDouble);
       (*m)->init_weights(3);
     }
-    parallelize(*model, mesh, {});
+    parallelize(*model, mesh, {.fully_shard = l.dp_shard > 1});
+    if (l.dp_shard > 1) {  // every parameter sharded over the dp x cp ranks
+      for (const auto& p : model->parameters()) {
+        EXPECT_TRUE(fsdp::is_fsdp_shard(p));
+        EXPECT_EQ(device_mesh(p).size(), l.dp_shard * l.cp * l.tp);
+      }
+    }
     const auto opt = torch::optim::AdamWOptions(1e-2).weight_decay(0.1);
     torch::optim::AdamW ref_opt(ref->parameters(), opt), model_opt(model->parameters(), opt);
     const Params ref_params = params_of(*ref), params = params_of(*model);
@@ -121,19 +132,24 @@ void expect_training_matches_one_device(const Layout& l) {
     for (int step = 0; step < 3; ++step) {
       SCOPED_TRACE("step " + std::to_string(step));
       const Batch b = draw_batch(step);
-      const at::Tensor ids = cp::document_ids_from_lengths(b.lengths, kSeq);
-      const cp::ContextLayout layout = l.balanced ? cp::balanced_layout(ids, l.cp)
-                                                  : cp::head_tail_layout(kBatch, kSeq, l.cp, ids);
-      const at::Tensor tokens = layout.shard(b.tokens, r),
-                       targets = layout.shard(b.targets, r, 1, -100);
+      // This dp rank's rows.
+      const at::Tensor ids = cp::document_ids_from_lengths(b.lengths, kSeq).narrow(0, first, rows);
+      const cp::ContextLayout layout =
+          l.balanced ? cp::balanced_layout(ids, l.cp) : cp::head_tail_layout(rows, kSeq, l.cp, ids);
+      const at::Tensor tokens = layout.shard(b.tokens.narrow(0, first, rows), r),
+                       targets = layout.shard(b.targets.narrow(0, first, rows), r, 1, -100);
       ref_opt.zero_grad();
       model_opt.zero_grad();
-      const at::Tensor ref_loss = one_device_loss(ref, b);
+      // Data parallelism's loss: the mean over the dp ranks of each one's mean.
+      at::Tensor ref_loss = at::zeros({}, at::kDouble);
+      for (int64_t d = 0; d < l.dp_shard; ++d)
+        ref_loss = ref_loss + one_device_loss(ref, b, d * rows, rows) / l.dp_shard;
       ref_loss.backward();
 
-      // Tensor parallelism's own collectives of this forward: the same slots without the scope.
+      // Tensor parallelism's own collectives of this forward: the same slots without the scope
+      // (FSDP's gathers differ without gradients: only the ring's exchanges are counted then).
       CommCounts tp_forward;
-      if (l.tp > 1) {
+      if (l.tp > 1 && l.dp_shard == 1) {
         at::NoGradGuard no_grad;
         CommDebugMode counts;
         model->forward(tokens);
@@ -142,16 +158,22 @@ void expect_training_matches_one_device(const Layout& l) {
       cp::ContextParallelScope scope({layout, mesh.get_group("cp"), l.rotate});
       CommDebugMode counts;
       const at::Tensor logits = model->forward(tokens);
-      EXPECT_EQ(counts.get_comm_counts(),
-                plus(tp_forward, attention_forward(l.rotate, l.cp, layers)));
+      if (l.dp_shard == 1) {
+        EXPECT_EQ(counts.get_comm_counts(),
+                  plus(tp_forward, attention_forward(l.rotate, l.cp, layers)));
+      } else {
+        for (CommType type : {CommType::send, CommType::recv})
+          EXPECT_EQ(counts.get_comm_counts()[type], (l.cp - 1) * layers);
+      }
       counts.exit();
-      const at::Tensor loss =
-          context_parallel_loss(logits, targets, l.cp, b.targets.ne(-100).sum().item<int64_t>());
+      const at::Tensor loss = context_parallel_loss(
+          logits, targets, l.cp, b.targets.narrow(0, first, rows).ne(-100).sum().item<int64_t>());
       loss.backward();
       reduce_partial_grads(*model);
+      // The mean over every rank (TP's ranks agree).
       const double mean_loss =
-          comm::all_reduce(loss.detach(), ReduceOp::Sum, *mesh.get_group("cp")).item<double>() /
-          l.cp;
+          comm::all_reduce(loss.detach(), ReduceOp::Sum, *comm::world_group()).item<double>() /
+          static_cast<double>(l.dp_shard * l.cp * l.tp);
       EXPECT_NEAR(mean_loss, ref_loss.item<double>(), 1e-9) << "loss";
       for (const auto& [name, p] : params) {
         SCOPED_TRACE(name);
@@ -180,6 +202,17 @@ TEST(TransformerContextParallel, RingTrainingMatchesOneDeviceOnPackedDocumentsCp
 TEST(TransformerContextParallel, AllGatherTrainingMatchesOneDeviceOnPackedDocumentsCp2) {
   if (world_sizes_to_run({2}).empty()) GTEST_SKIP() << "runs with 2 ranks";
   expect_training_matches_one_device({2, 1, RotateMethod::all_gather, false});
+}
+
+TEST(TransformerContextParallel, RingTrainingMatchesOneDeviceCp4) {
+  if (world_sizes_to_run({4}).empty()) GTEST_SKIP() << "runs with 4 ranks";
+  expect_training_matches_one_device({4, 1, RotateMethod::ring, true});
+}
+
+// FSDP shards over the dp x cp ranks (torchtitan's dp_shard_cp); each dp rank its own row.
+TEST(TransformerContextParallel, FsdpFoldedOverContextParallelismMatchesOneDeviceDp2Cp2) {
+  if (world_sizes_to_run({4}).empty()) GTEST_SKIP() << "runs with 4 ranks";
+  expect_training_matches_one_device({2, 1, RotateMethod::ring, true, /*dp_shard=*/2});
 }
 
 TEST(TransformerContextParallel, TrainingWithTensorParallelismMatchesOneDeviceCp2Tp2) {

@@ -12,8 +12,8 @@
 //
 // Degrees: pp (pipeline stages), dp_replicate (plain data parallelism: replicas whose gradients
 // are averaged), dp_shard (FSDP: ranks that shard the parameters), cp (context parallelism: the
-// sequence split over ranks, src/cp; with tp only so far), tp (tensor parallelism), ep (expert
-// parallelism; not built yet). The dense layout is pp x dp_replicate x dp_shard x cp x tp =
+// sequence split over ranks, src/cp; with tp and dp_shard so far), tp (tensor parallelism), ep
+// (expert parallelism; not built yet). The dense layout is pp x dp_replicate x dp_shard x cp x tp =
 // world_size ranks, in that order (tp innermost, so that a TP group is neighbouring ranks). Experts
 // do not add ranks: ep folds over the dp_shard x cp x tp ranks of a pipeline stage and replica
 // (torchtitan's sparse mesh [dp_replicate, efsdp, ep] with efsdp x ep = dp_shard x cp x tp), so ep
@@ -62,8 +62,8 @@ struct ParallelDims {
   ParallelDims resolved() const;
 
   /// The degrees alone: each at least 1, their product world_size, and what is not built yet
-  /// (cp with dp or pp, ep, dp_replicate with dp_shard) refused with where it will go. Throws
-  /// naming the degree.
+  /// (cp with dp_replicate or pp, ep, dp_replicate with dp_shard) refused with where it will go.
+  /// Throws naming the degree.
   void validate() const;
   /// validate() and every rule of composing these degrees with a model and a run's options
   /// (tensor parallelism's divisibility, sequence parallelism, pipeline stages and micro-batches,
