@@ -68,6 +68,10 @@ optimization:
 data:
   --data FILE            train on this text file (default: the built-in corpus)
   --val-fraction X       held-out tail of the text for validation (default 0.1)
+  --pack-documents       each row packs whole documents (the text's paragraphs, split at
+                         blank lines) from a document's start up to --seq-len, and attention
+                         stays within each document (positions restart at each; a document's
+                         last token predicts nothing); needs --cp N
 
 evaluation and output:
   --eval-every N         validation loss every N steps and at the end; 0: only at the end
@@ -108,6 +112,12 @@ parallelism and numerics:
                          and gathers a block's parameters while it runs; ranks form a
                          dp_shard x tp mesh (not with --dp or --plan); checkpoints hold
                          the global tensors and resume at any --dp-shard/--dp/TP layout
+  --cp N                 context parallelism: each sequence split over N ranks (balanced by
+                         attention work: head-tail for whole rows, per document with
+                         --pack-documents); ranks form a cp x tp mesh (not with --dp,
+                         --dp-shard or --pp)
+  --cp-rotate M          how --cp moves keys and values: ring (default; cp - 1 exchanges per
+                         layer) | allgather (2 all-gathers per layer)
   --pp N                 pipeline parallelism: the blocks split over N stages (the first
                          also holds the embedding, the last the norm and output head), TP
                          without sequence parallelism inside each; ranks form a pp x tp
@@ -184,6 +194,7 @@ void add_optimization_options(CLI::App& app, TrainOptions& o) {
 void add_data_and_output_options(CLI::App& app, TrainOptions& o) {
   app.add_option("--data", o.data_path)->check(cli::non_empty());
   app.add_option("--val-fraction", o.val_fraction)->check(cli::number(0, 0.5, true));
+  app.add_flag("--pack-documents", o.pack_documents);
   add_optional(app, "--eval-every", o.eval_every)->check(cli::integer(0));
   app.add_option("--eval-batches", o.eval_batches)->check(cli::integer(1));
   app.add_option("--out", o.out_dir)->check(cli::non_empty());
@@ -210,6 +221,8 @@ void add_parallel_options(CLI::App& app, TrainOptions& o) {
   app.add_option("--dp", o.dp)->check(cli::integer(1));
   app.add_option("--dp-shard", o.dp_shard)->check(cli::integer(1));
   app.add_option("--pp", o.pp)->check(cli::integer(1));
+  app.add_option("--cp", o.cp)->check(cli::integer(1));
+  add_optional(app, "--cp-rotate", o.cp_rotate)->check(cli::one_of({"ring", "allgather"}));
   add_optional(app, "--schedule", o.schedule)->check(cli::one_of({"gpipe", "1f1b", "interleaved"}));
   add_optional(app, "--virtual-stages", o.virtual_stages)->check(cli::integer(1));
   add_optional(app, "--microbatches", o.microbatches)->check(cli::integer(1));

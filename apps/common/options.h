@@ -38,6 +38,9 @@ struct TrainOptions {
   // Data.
   std::string data_path;  // empty: the built-in corpus
   double val_fraction = 0.1;
+  // Rows of whole documents (the text's paragraphs) packed up to --seq-len, attention within
+  // each document (--pack-documents).
+  bool pack_documents = false;
 
   // Evaluation and output.
   std::optional<int64_t> eval_every;  // default steps / 5; 0 = only at the end
@@ -67,6 +70,11 @@ struct TrainOptions {
   // --layout-invariant P: the same bits at every TP degree dividing P (ops::LayoutInvariantMode
   // with P segments); 0: off.
   int64_t layout_invariant = 0;
+
+  // Context parallelism: --cp ranks split each sequence, keys and values passed round a ring
+  // or all-gathered (--cp-rotate); 1: off.
+  int64_t cp = 1;
+  std::optional<std::string> cp_rotate;
 
   // Pipeline parallelism: --pp stages, ranks form a pp x tp mesh; 1: off.
   int64_t pp = 1;

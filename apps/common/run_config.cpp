@@ -167,6 +167,20 @@ void resolve_parallelism(const TrainOptions& o, int64_t world_size, RunConfig& c
   if (o.pp == 1 && (o.schedule || o.microbatches))
     bad("--schedule and --microbatches apply to pipeline parallelism: add --pp N (N > 1)");
   if (o.pp > 1) resolve_pipeline(o, c);
+  if (o.cp_rotate && o.cp == 1)
+    bad("--cp-rotate says how context parallelism moves keys and values: add --cp N (N > 1)");
+  if (o.pack_documents && o.cp == 1)
+    bad("--pack-documents attends within each document through context parallelism's "
+        "attention: add --cp N (N > 1)");
+  if (o.pack_documents && o.verify_tp1)
+    bad("--verify-tp1 runs plain attention on one device, which crosses document boundaries: "
+        "drop it with --pack-documents");
+  if (o.cp > 1 && o.dp_shard > 1)
+    bad("--cp with --dp-shard is not built into dtensor_train yet (models::parallelize folds cp "
+        "into FSDP): use --cp with TP alone");
+  c.cp = o.cp;
+  c.cp_rotate = o.cp_rotate.value_or("ring") == "allgather" ? "all_gather" : "ring";
+  c.pack_documents = o.pack_documents;
   if (!o.plan_path.empty()) {
     c.plan = read_plan_file(o.plan_path);
     c.sequence_parallel = c.plan->sequence_parallel;
@@ -182,6 +196,7 @@ void resolve_parallelism(const TrainOptions& o, int64_t world_size, RunConfig& c
     // TP takes the ranks the other degrees leave.
     dims = models::ParallelDims{.dp_replicate = o.dp,
                                 .dp_shard = o.dp_shard,
+                                .cp = o.cp,
                                 .tp = -1,
                                 .pp = o.pp,
                                 .world_size = world_size,
@@ -217,7 +232,7 @@ RunConfig resolve_run_config(const TrainOptions& o, int64_t world_size) {
 
 RunConfig one_device(const RunConfig& config) {
   RunConfig one = config;
-  one.world_size = one.dp = one.tp = one.pp = one.virtual_stages = 1;
+  one.world_size = one.dp = one.cp = one.tp = one.pp = one.virtual_stages = 1;
   one.fsdp = false;
   one.bf16 = false;          // FSDP's mixed precision: one device runs (and checks against) float32
   one.layout_invariant = 0;  // plain LibTorch: no DTensor sums to make canonical
@@ -243,6 +258,8 @@ std::string RunConfig::to_json() const {
      << ", \"sequence_parallel\": " << (sequence_parallel ? "true" : "false")
      << ", \"loss_parallel\": " << (loss_parallel ? "true" : "false") << ", \"ac\": \"" << ac
      << "\"" << (ac_replay_collectives ? "" : ", \"ac_recompute_collectives\": true");
+  if (cp > 1) js << ", \"cp\": " << cp << ", \"cp_rotate\": \"" << cp_rotate << "\"";
+  if (pack_documents) js << ", \"pack_documents\": true";
   if (layout_invariant > 0) js << ", \"layout_invariant\": " << layout_invariant;
   if (plan) js << ", \"plan\": " << std::quoted(plan->path);
   if (!hf_dir.empty()) js << ", \"hf\": " << std::quoted(hf_dir);
@@ -251,7 +268,8 @@ std::string RunConfig::to_json() const {
 }
 
 models::ParallelDims RunConfig::parallel_dims() const {
-  models::ParallelDims d{.tp = tp, .pp = pp, .world_size = world_size, .world_mesh = std::nullopt};
+  models::ParallelDims d{
+      .cp = cp, .tp = tp, .pp = pp, .world_size = world_size, .world_mesh = std::nullopt};
   (fsdp ? d.dp_shard : d.dp_replicate) = dp;
   return d;
 }

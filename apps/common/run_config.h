@@ -62,6 +62,12 @@ struct RunConfig {
   // pipeline stages are told their boundary activations instead of exchanging their shapes.
   bool meta = false;
 
+  // --cp: ranks splitting each sequence (world_size = cp x tp), how keys and values move
+  // (cp::RotateMethod's name); --pack-documents: rows of whole documents, attended within each.
+  int64_t cp = 1;
+  std::string cp_rotate = "ring";
+  bool pack_documents = false;
+
   // --pp: pipeline stages (world_size = pp x dp x tp), their schedule and micro-batches.
   int64_t pp = 1;
   std::string pp_schedule = "1f1b";  // gpipe | 1f1b | interleaved

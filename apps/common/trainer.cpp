@@ -115,6 +115,39 @@ double Trainer::mean_over_dp(double v) const {
          static_cast<double>(config_.dp);
 }
 
+std::unique_ptr<cp::ContextParallelScope> Trainer::context_parallel(const Batch& batch) const {
+  if (!mesh_ || config_.cp == 1) return nullptr;
+  const std::optional<DeviceMesh> cp_mesh = dims_.mesh("cp");
+  TORCH_CHECK(cp_mesh, "--cp ", config_.cp, ": the mesh has no \"cp\" dimension");
+  const int64_t rows = batch.inputs.size(0), seq = batch.inputs.size(1);
+  cp::ContextLayout layout = batch.documents.defined()
+                                 ? cp::balanced_layout(batch.documents, config_.cp)
+                                 : cp::head_tail_layout(rows, seq, config_.cp);
+  return std::make_unique<cp::ContextParallelScope>(cp::ContextParallel{
+      std::move(layout), cp_mesh->get_group(0), cp::parse_rotate_method(config_.cp_rotate)});
+}
+
+at::Tensor Trainer::local_part(const at::Tensor& t, double pad) const {
+  if (const cp::ContextParallel* c = cp::ContextParallelScope::current())
+    return c->layout.shard(t, c->rank(), /*seq_dim=*/1, pad);
+  return dp_slice(t);
+}
+
+at::Tensor Trainer::loss_of(const Batch& batch, const at::Tensor& logits) const {
+  if (!cp::ContextParallelScope::current())
+    return models::training_loss(*model_, logits, dp_slice(batch.targets));
+  // Each cp rank's share scaled to a mean, which the gradients' average over cp completes.
+  const int64_t tokens = batch.targets.ne(-100).sum().item<int64_t>();
+  return models::context_parallel_loss(logits, local_part(batch.targets, -100), config_.cp, tokens);
+}
+
+double Trainer::mean_over_cp(double v) const {
+  if (!mesh_ || config_.cp == 1) return v;
+  auto t = at::full({1}, v, at::kDouble);
+  return comm::all_reduce(t, ReduceOp::Sum, dims_.mesh("cp")->group(0)).item<double>() /
+         static_cast<double>(config_.cp);
+}
+
 // One function for every layout (FSDP shards, DTensors, plain tensors, pipeline stages).
 double Trainer::clip_grad_norm(double max_norm) {
   return nn::utils::clip_grad_norm_(params_, max_norm,
@@ -142,9 +175,10 @@ at::Tensor Trainer::forward_backward(const Batch& global_batch) {
     return loss;
   }
   const models::DropoutKeyScope key(dropout_key(dp_first_row()));  // backward's recomputations too
-  auto logits = logits_for_loss(config_, model_->forward(dp_slice(global_batch.inputs)));
+  const auto context = context_parallel(global_batch);             // and theirs
+  auto logits = logits_for_loss(config_, model_->forward(local_part(global_batch.inputs)));
   // With experts: plus router_aux_loss_coef times the auxiliary loss.
-  at::Tensor loss = models::training_loss(*model_, logits, dp_slice(global_batch.targets));
+  at::Tensor loss = loss_of(global_batch, logits);
   loss.backward();
   loss = loss.detach();
   record_routing();
@@ -225,7 +259,7 @@ StepStats Trainer::train_step(int64_t step, const Batch& global_batch) {
     stats.loss = mean_over_dp(r.loss);
     stats.bubble = r.bubble;
   } else {
-    stats.loss = mean_over_dp(loss.item<double>());
+    stats.loss = mean_over_dp(mean_over_cp(loss.item<double>()));
   }
   if (routing_.tokens_per_expert.defined()) {
     stats.aux_loss = mean_over_dp(routing_.aux_loss);
@@ -316,12 +350,15 @@ double Trainer::evaluate(const BatchSampler& val, int64_t n_batches) {
       if (logits.defined()) total += models::token_cross_entropy(logits, b.targets).item<double>();
       continue;
     }
-    auto logits = logits_for_loss(config_, model_->forward(dp_slice(b.inputs)));
-    total += models::token_cross_entropy(logits, dp_slice(b.targets)).item<double>();
+    const auto context = context_parallel(b);
+    auto logits = logits_for_loss(config_, model_->forward(local_part(b.inputs)));
+    total +=
+        (context ? loss_of(b, logits) : models::token_cross_entropy(logits, dp_slice(b.targets)))
+            .item<double>();
   }
   module().train();
   if (pp_) return pp_->from_last_stage(total / static_cast<double>(n_batches));
-  return mean_over_dp(total / static_cast<double>(n_batches));
+  return mean_over_dp(mean_over_cp(total / static_cast<double>(n_batches)));
 }
 
 std::vector<int64_t> Trainer::generate(const std::vector<int64_t>& prompt, int64_t n_tokens,

@@ -11,6 +11,7 @@
 #include <optional>
 
 #include "corpus.h"
+#include "dtensor/cp/context_parallel.h"
 #include "dtensor/mesh/device_mesh.h"
 #include "dtensor/models/parallel_dims.h"
 #include "dtensor/models/residual_dropout.h"
@@ -105,6 +106,17 @@ class Trainer {
   std::optional<DeviceMesh> dp_mesh() const;
   double clip_grad_norm(double max_norm);  // returns the global norm before clipping
   double mean_over_dp(double v) const;
+  // --cp: the scope this rank runs `batch` context-parallel in (its layout: balanced per
+  // document with --pack-documents, head-tail otherwise), or nullptr without --cp.
+  std::unique_ptr<cp::ContextParallelScope> context_parallel(const Batch& batch) const;
+  // The loss of `batch` from its logits: under --cp this rank's share (context_parallel_loss),
+  // else models::training_loss.
+  at::Tensor loss_of(const Batch& batch, const at::Tensor& logits) const;
+  // This rank's part of a per-token tensor of the batch: its dp rows, or inside a
+  // context_parallel scope its slots of the layout (padding `pad`).
+  at::Tensor local_part(const at::Tensor& t, double pad = 0) const;
+  // The mean of `v` over the cp ranks (each holds its share of the loss); v without --cp.
+  double mean_over_cp(double v) const;
   // Keeps the last forward's auxiliary loss and tokens per expert for the step's stats.
   void record_routing();
   // --layout-invariant: this rank's segments of the global batch (kLayoutInvariantBatchSegments

@@ -26,10 +26,10 @@
 #include "common/trainer.h"
 #include "dtensor/comm/backend.h"
 #include "dtensor/comm/collectives.h"
-#include "dtensor/util/error_message.h"
 #include "dtensor/comm/process_group.h"
 #include "dtensor/mesh/device_mesh.h"
 #include "dtensor/pp/pipeline.h"
+#include "dtensor/util/error_message.h"
 #include "hf_export.h"
 #include "loss_plot.h"
 #include "metrics.h"
@@ -166,7 +166,8 @@ std::string parallel_line(const RunConfig& c, int64_t threads) {
       << (c.loss_parallel ? "loss parallel" : "gathered logits") << ")";
   }
   s << invariant_description(c) << ac_description(c);
-  s << (c.dp > 1 ? " x DP=" + std::to_string(c.dp) : std::string()) << " on " << c.world_size
+  s << (c.dp > 1 ? " x DP=" + std::to_string(c.dp) : std::string())
+    << (c.cp > 1 ? " x CP=" + std::to_string(c.cp) : std::string()) << " on " << c.world_size
     << " CPU rank" << (c.world_size > 1 ? "s" : "") << ", " << threads << " thread"
     << (threads > 1 ? "s" : "") << " each, " << (c.dtype == c10::kDouble ? "float64" : "float32");
   if (c.world_size > 1) s << ", collectives on " << dtensor::comm::cpu_backend_name();
@@ -195,11 +196,11 @@ class TrainingRun {
         rank0_(env.rank == 0),
         wall_start_(wall_start),
         tokenizer_(std::move(tokenizer)),
-        split_(split_tokens(
-            tokenizer_.encode(o.data_path.empty() ? default_corpus() : read_text_file(o.data_path)),
-            o.val_fraction, cfg_.seq_len)),
-        train_batches_(&split_.train, cfg_.batch_size, cfg_.seq_len, cfg_.seed, kTrainStream),
-        val_batches_(&split_.val, cfg_.batch_size, cfg_.seq_len, cfg_.seed, kValStream),
+        split_(read_tokens(o, cfg_, tokenizer_)),
+        train_batches_(&split_.train, cfg_.batch_size, cfg_.seq_len, cfg_.seed, kTrainStream,
+                       cfg_.pack_documents ? &split_.train_starts : nullptr),
+        val_batches_(&split_.val, cfg_.batch_size, cfg_.seq_len, cfg_.seed, kValStream,
+                     cfg_.pack_documents ? &split_.val_starts : nullptr),
         trainer_(cfg_, join_ranks(env, cfg_)),
         out_dir_(o.out_dir),
         checkpoints_((out_dir_ / "checkpoints").string(), static_cast<int>(o.keep_ckpts)),
@@ -219,6 +220,17 @@ class TrainingRun {
   }
 
  private:
+  // The text's tokens, with --pack-documents encoded document by document.
+  static TokenSplit read_tokens(const TrainOptions& o, const RunConfig& cfg,
+                                const TextTokenizer& tokenizer) {
+    const std::string text = o.data_path.empty() ? default_corpus() : read_text_file(o.data_path);
+    if (!cfg.pack_documents)
+      return split_tokens(tokenizer.encode(text), o.val_fraction, cfg.seq_len);
+    std::vector<std::vector<int64_t>> documents;
+    for (const std::string& d : split_documents(text)) documents.push_back(tokenizer.encode(d));
+    return split_document_tokens(documents, o.val_fraction, cfg.seq_len);
+  }
+
   // The ranks meet here (every rank has read the same data first). Alone (no launcher
   // variables) any free port does for the store.
   static DeviceMesh join_ranks(const comm::LaunchEnv& env, const RunConfig& cfg) {
@@ -261,11 +273,31 @@ class TrainingRun {
                                       : std::string());
   }
 
+  // --cp: the token slots each rank holds and the balance of the attention work over the cp
+  // ranks (max / mean attended pairs) on the first batch, beside the head-tail split's.
+  std::string context_line() const {
+    const Batch b = train_batches_.get(start_step_);
+    const int64_t rows = b.inputs.size(0), seq = b.inputs.size(1);
+    const cp::ContextLayout head_tail = cp::head_tail_layout(rows, seq, cfg_.cp, b.documents);
+    const cp::ContextLayout layout =
+        b.documents.defined() ? cp::balanced_layout(b.documents, cfg_.cp) : head_tail;
+    std::ostringstream s;
+    s << "CP=" << cfg_.cp << " (" << (cfg_.cp_rotate == "ring" ? "ring" : "all-gather")
+      << " of keys and values); per rank " << rows << " x " << layout.local_len()
+      << " token slots of the " << rows << " x " << seq << " batch (activations about 1/" << cfg_.cp
+      << " of one device's); " << (b.documents.defined() ? "packed documents, " : "")
+      << fmt("balance max/mean %.4f", layout.imbalance());
+    if (b.documents.defined()) s << fmt(" (head-tail %.4f)", head_tail.imbalance());
+    s << " on the first batch";
+    return s.str();
+  }
+
   void print_header() const {
     std::printf("dtensor_train\n");
     print_row("model", model_line(cfg_));
     print_row("parallelism", parallel_line(cfg_, o_.threads));
     print_row("memory", memory_line());
+    if (cfg_.cp > 1) print_row("context", context_line());
     print_row("data", (o_.data_path.empty() ? std::string("built-in corpus") : o_.data_path) +
                           ": " + grouped(static_cast<int64_t>(split_.train.size())) + " train / " +
                           grouped(static_cast<int64_t>(split_.val.size())) +

@@ -10,7 +10,7 @@
 
 #include "backends.h"
 #include "dtensor/comm/comm_debug_mode.h"
-#include "dtensor/comm/error_message.h"
+#include "dtensor/util/error_message.h"
 #include "dtype_transport.h"
 #include "health.h"
 #include "tape.h"

@@ -130,6 +130,34 @@ void check_layout_invariant(const ParallelDims& d, const DecoderConfig& m,
   }
 }
 
+// What context parallelism (src/cp) runs: the decoder's attention, dense or sliding, of any
+// family but gpt-oss's sinks, over sequences of at least cp tokens.
+void check_context_parallel(const ParallelDims& d, const DecoderConfig& m,
+                            const TrainingOptions& run) {
+  const std::string at_cp = c10::str("context parallelism (cp=", d.cp, ")");
+  TORCH_CHECK(run.seq_len == 0 || run.seq_len >= d.cp, "the sequence of ", run.seq_len,
+              " tokens is shorter than cp=", d.cp, ": ", at_cp,
+              " gives every rank a part of each sequence");
+  TORCH_CHECK(!m.attention_sinks, at_cp,
+              " does not support attention sinks (gpt-oss): the blocks' merge has no sink logit");
+  TORCH_CHECK(!m.has_moe(), at_cp,
+              " with mixture-of-experts layers is not built yet (routing statistics and the "
+              "auxiliary loss span the cp ranks)");
+  TORCH_CHECK(run.layout_invariant == 0, at_cp,
+              " does not combine with the layout-invariant mode (a query's bits would depend on "
+              "how its keys are cut into blocks)");
+  TORCH_CHECK(m.dropout == 0, at_cp,
+              " does not combine with residual dropout, whose masks are keyed by whole sequences");
+  // Sequence parallelism splits each rank's slots over tp: both layouts then give cp equal
+  // parts of seq_len / cp slots.
+  const bool sequence_parallel = d.tp > 1 && run.parallelize.tp.sequence_parallel;
+  TORCH_CHECK(!sequence_parallel || run.seq_len == 0 || run.seq_len % (2 * d.cp * d.tp) == 0, at_cp,
+              " with sequence parallelism (tp=", d.tp, ") needs a sequence length ",
+              "divisible by 2 x cp x tp = ", 2 * d.cp * d.tp,
+              " (each rank's slots split over tp), ", "got ", run.seq_len,
+              "; or turn sequence parallelism off");
+}
+
 }  // namespace
 
 namespace detail {
@@ -225,7 +253,11 @@ void ParallelDims::validate() const {
               " with dp_shard=", dp_shard,
               " (HSDP: replicas of FSDP groups) is not built yet; use plain data parallelism "
               "(dp_replicate) or FSDP (dp_shard)");
-  TORCH_CHECK(cp == 1, "context parallelism (cp=", cp, ") is not built yet");
+  // Context parallelism's gradients are averaged over "cp" (fsdp::replicate), or FSDP shards
+  // over dp_shard x cp (parallelize); not yet with plain data parallelism or pipeline stages.
+  TORCH_CHECK(cp == 1 || (dp_replicate == 1 && pp == 1), "context parallelism (cp=", cp, ") with ",
+              product_of(*this, /*with_tp=*/false),
+              " is not built yet: cp composes with tensor parallelism (tp) and FSDP (dp_shard)");
   // Experts add no ranks: they fold over the dense ranks of a stage and replica.
   TORCH_CHECK(expert_fold() % ep == 0, "expert parallelism (ep=", ep,
               ") folds over the dp_shard x cp x tp = ", expert_fold(),
@@ -263,6 +295,7 @@ void ParallelDims::validate(const DecoderConfig& model, const TrainingOptions& r
   TORCH_CHECK(run.batch_size == 0 || run.batch_size % dp() == 0, "the batch of ", run.batch_size,
               " rows does not split over dp=", dp(), " data-parallel ranks");
   model.validate_tp(tp);
+  if (cp > 1) check_context_parallel(*this, model, run);
   if (run.layout_invariant != 0) check_layout_invariant(*this, model, run);
   if (o.tp.overlap_comm) {
     TORCH_CHECK(!custom_plan(o),

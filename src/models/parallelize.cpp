@@ -35,6 +35,11 @@ void checkpoint_and_shard(TransformerImpl& root, const ParallelDims& dims,
     // (A "dp" of one rank has nothing to average.)
     if (const auto dp = dims.mesh("dp_replicate"); dp && dp->size() > 1)
       fsdp::replicate(root, *dp, o.replicate);
+    // The cp ranks hold the same parameters and each computes on its slots of the sequence:
+    // like data parallelism, their gradients are averaged (each rank's loss scaled to the
+    // mean: context_parallel_loss). ParallelDims refuses cp with dp so far.
+    if (const auto cp = dims.mesh("cp"); cp && cp->size() > 1)
+      fsdp::replicate(root, *cp, o.replicate);
     return;
   }
   const DeviceMesh dp = fsdp_mesh_of(dims);
@@ -45,15 +50,31 @@ void checkpoint_and_shard(TransformerImpl& root, const ParallelDims& dims,
   fsdp::fully_shard(root, dp, unit);
 }
 
+// FSDP with context parallelism shards over the dp x cp ranks (torchtitan's dp_shard_cp): the
+// cp ranks hold the same parameters, so they shard them too, and FSDP's averaged reduce-scatter
+// is the average over cp the losses need (context_parallel_loss). TP and FSDP then run on a
+// ("dp", "tp") mesh of the same ranks whose "dp" is dp x cp (new groups: every rank builds it);
+// the attention keeps the "cp" dim's groups of `mesh`.
+DeviceMesh fold_cp_into_dp(const DeviceMesh& mesh, const ParallelDims& dims) {
+  const int64_t tp = dims.tp;
+  return DeviceMesh(mesh.device_type(), {mesh.size() / tp, tp}, mesh.ranks(), {"dp", "tp"});
+}
+
 }  // namespace
 
-void parallelize(TransformerImpl& model, const DeviceMesh& mesh, const ParallelizeOptions& options,
+void parallelize(TransformerImpl& model, const DeviceMesh& given_mesh,
+                 const ParallelizeOptions& options,
                  const std::function<void(TransformerImpl&)>& after_tensor_parallel) {
   const bool stage = model.is_pipeline_stage();
   TORCH_CHECK(!stage || !options.tp_plan,
               "parallelize: a pipeline stage runs the built-in plan (without sequence "
               "parallelism); tp_plan applies to whole models");
-  const ParallelDims dims = ParallelDims::from_mesh(mesh, options.fully_shard);
+  const ParallelDims given = ParallelDims::from_mesh(given_mesh, options.fully_shard);
+  const bool fold = options.fully_shard && given.cp > 1;
+  TORCH_CHECK(!fold || given.pp == 1, "parallelize: FSDP over context parallelism (cp=", given.cp,
+              ") with pipeline stages is not built yet");
+  const DeviceMesh mesh = fold ? fold_cp_into_dp(given_mesh, given) : given_mesh;
+  const ParallelDims dims = fold ? ParallelDims::from_mesh(mesh, true) : given;
   if (const auto tp = tp_to_apply(dims, options)) {
     if (options.tp_plan) {
       options.tp_plan(model, *tp);

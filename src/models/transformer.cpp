@@ -10,6 +10,7 @@
 #include "block_math.h"
 #include "dtensor/core/api.h"
 #include "dtensor/core/dtensor_impl.h"
+#include "dtensor/cp/context_parallel.h"
 #include "dtensor/models/residual_dropout.h"
 #include "dtensor/pp/pipeline.h"
 #include "dtensor/tp/loss_parallel.h"
@@ -92,6 +93,25 @@ at::Tensor initial_value(detail::Init init, at::IntArrayRef shape, int64_t layer
   TORCH_CHECK(false, "Transformer::init_weights: unknown initialisation");
 }
 
+// Context parallelism's rotary rows: for this rank's `batch` x `slots` of the scope's layout,
+// the rows of `table` at their positions within their documents, (B, n, head_dim / 2, 2).
+at::Tensor context_rope(const at::Tensor& table, const cp::ContextParallel& context, int64_t batch,
+                        int64_t slots, const at::TensorOptions& options) {
+  const cp::ContextLayout& layout = context.layout;
+  TORCH_CHECK(batch == layout.batch() && slots == layout.local_len(),
+              "Transformer under context parallelism (cp=", layout.cp_size(),
+              "): expected this rank's slots of the layout, (", layout.batch(), ", ",
+              layout.local_len(), ") tokens (layout.shard), got (", batch, ", ", slots, ")");
+  const at::Tensor positions = context.local_positions();
+  const int64_t longest = positions.numel() > 0 ? positions.max().item<int64_t>() + 1 : 0;
+  TORCH_CHECK(
+      longest <= table.size(0), "sequence length ", longest,
+      " (a document's positions under context parallelism) exceeds max_seq_len=", table.size(0));
+  return table.index_select(0, positions.flatten())
+      .view({positions.size(0), positions.size(1), table.size(1), 2})
+      .to(options);
+}
+
 }  // namespace
 
 // ---- modules ----
@@ -153,10 +173,18 @@ at::Tensor AttentionImpl::forward(const at::Tensor& x, const at::Tensor& rope) {
 
 at::Tensor AttentionImpl::attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                  const at::Tensor& rope) {
-  const at::Tensor r = rope.unsqueeze(0);
+  // (S, ..) one table for every row; (B, S, ..) context parallelism's rows of positions.
+  const at::Tensor r = rope.dim() == 3 ? rope.unsqueeze(0) : rope;
   const at::Tensor xq = detail::heads(q, head_dim, norm_weight(q_norm), norm_eps, r, norm_offset);
   const at::Tensor xk = detail::heads(k, head_dim, norm_weight(k_norm), norm_eps, r, norm_offset);
   const at::Tensor xv = detail::heads(v, head_dim, {}, norm_eps, {});
+  if (const cp::ContextParallel* context = cp::ContextParallelScope::current()) {
+    TORCH_CHECK(!sinks.defined(),
+                "attention sinks are not supported under context parallelism (cp=",
+                context->layout.cp_size(), "): the blocks' merge has no sink logit");
+    return cp::context_attention(xq, xk, xv, context->layout, context->group,
+                                 {.window = window, .scale = scale, .rotate = context->rotate});
+  }
   const at::Tensor mask =
       detail::attention_mask(0, xq.size(1), /*padding=*/{}, window, xq.device());
   // Sinks are sharded with the heads: this rank's heads' own.
@@ -378,10 +406,17 @@ at::Tensor TransformerImpl::forward(const at::Tensor& input) {
         const at::Tensor& local = is_dtensor(h) ? local_tensor(h) : h;
         const int64_t seqlen = tok_embeddings.is_empty() ? local.size(1) : input.size(1);
         // The global table, and the sliding layers' own when their base differs.
-        const at::Tensor rope_table = rope(seqlen, local.options());
-        const at::Tensor local_table =
-            local_rope_table_.defined() ? local_rope_table_.slice(0, 0, seqlen).to(local.options())
-                                        : rope_table;
+        at::Tensor rope_table = rope(seqlen, local.options());
+        at::Tensor local_table = local_rope_table_.defined()
+                                     ? local_rope_table_.slice(0, 0, seqlen).to(local.options())
+                                     : rope_table;
+        if (const cp::ContextParallel* context = cp::ContextParallelScope::current()) {
+          const int64_t rows = local.size(0);  // seqlen: this rank's slots of each row
+          rope_table = context_rope(rope_table_, *context, rows, seqlen, local.options());
+          local_table = local_rope_table_.defined() ? context_rope(local_rope_table_, *context,
+                                                                   rows, seqlen, local.options())
+                                                    : rope_table;
+        }
         for (TransformerBlockImpl* block : blocks()) {
           const bool slides = config_.window(block->layer_id) > 0;
           h = block->forward(h, slides ? local_table : rope_table);
@@ -431,6 +466,21 @@ at::Tensor token_cross_entropy(const at::Tensor& logits, const at::Tensor& targe
               logits.sizes(), " and ", targets.sizes());
   if (!is_dtensor(logits)) return at::cross_entropy_loss(logits.flatten(0, 1), targets.flatten());
   return tp::vocab_parallel_cross_entropy(logits, targets);
+}
+
+at::Tensor context_parallel_loss(const at::Tensor& logits, const at::Tensor& targets, int64_t cp,
+                                 int64_t tokens) {
+  TORCH_CHECK(logits.dim() == 3 && targets.dim() == 2 && logits.size(0) == targets.size(0) &&
+                  logits.size(1) == targets.size(1),
+              "context_parallel_loss: expected logits (B, n, V) and targets (B, n), got ",
+              logits.sizes(), " and ", targets.sizes());
+  TORCH_CHECK(cp >= 1 && tokens >= 1, "context_parallel_loss: cp (", cp, ") and the batch's ",
+              "real targets (", tokens, ") must be at least 1");
+  const at::Tensor sum = is_dtensor(logits)
+                             ? tp::vocab_parallel_cross_entropy(logits, targets, at::Reduction::Sum)
+                             : at::cross_entropy_loss(logits.flatten(0, 1), targets.flatten(),
+                                                      /*weight=*/{}, at::Reduction::Sum);
+  return sum * (static_cast<double>(cp) / static_cast<double>(tokens));
 }
 
 at::Tensor training_loss(const TransformerImpl& model, const at::Tensor& logits,

@@ -17,11 +17,12 @@ namespace {
 // alias of the logits) is built in forward and differentiated in backward.
 struct VocabParallelCrossEntropy : torch::autograd::Function<VocabParallelCrossEntropy> {
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& logits,
-                            const at::Tensor& targets) {
+                            const at::Tensor& targets, int64_t reduction) {
     at::AutoGradMode enable_grad(true);
     LossParallel loss_parallel;
     auto x = logits.detach().requires_grad_(logits.requires_grad());
-    auto loss = at::cross_entropy_loss(x.flatten(0, -2), targets.flatten());
+    auto loss =
+        at::cross_entropy_loss(x.flatten(0, -2), targets.flatten(), /*weight=*/{}, reduction);
     ctx->saved_data["x"] = x;
     ctx->saved_data["loss"] = loss;
     return local_tensor(loss).clone();
@@ -39,18 +40,21 @@ struct VocabParallelCrossEntropy : torch::autograd::Function<VocabParallelCrossE
                              placements(loss));
     }
     auto grad_x = torch::autograd::grad({loss}, {x}, {grad_loss})[0];
-    return {grad_x, at::Tensor()};
+    return {grad_x, at::Tensor(), at::Tensor()};
   }
 };
 
 }  // namespace
 
-at::Tensor vocab_parallel_cross_entropy(const at::Tensor& logits, const at::Tensor& targets) {
+at::Tensor vocab_parallel_cross_entropy(const at::Tensor& logits, const at::Tensor& targets,
+                                        int64_t reduction) {
   TORCH_CHECK(is_dtensor(logits),
               "vocab_parallel_cross_entropy: expected logits that are a "
               "DTensor sharded on the class (last) dim, got a plain tensor of shape ",
               logits.sizes(), "; use at::cross_entropy_loss for plain logits");
   const at::Tensor plain_targets = is_dtensor(targets) ? full_tensor(targets) : targets;
+  TORCH_CHECK(reduction == at::Reduction::Mean || reduction == at::Reduction::Sum,
+              "vocab_parallel_cross_entropy: reduction must be Mean or Sum");
   // Logits whole on every rank (split over one rank, e.g. TP=1): plain LibTorch's loss on the
   // local tensor, its ops and bits, instead of the vocab-parallel pieces. Not in the
   // layout-invariant mode, whose canonical sum over the classes is the same at every degree.
@@ -64,9 +68,9 @@ at::Tensor vocab_parallel_cross_entropy(const at::Tensor& logits, const at::Tens
     const Placements grad = clear_partial(spec.placements());
     return at::cross_entropy_loss(
         to_local(logits, std::vector<Placement>(grad.begin(), grad.end())).flatten(0, -2),
-        plain_targets.flatten());
+        plain_targets.flatten(), /*weight=*/{}, reduction);
   }
-  return VocabParallelCrossEntropy::apply(logits, plain_targets);
+  return VocabParallelCrossEntropy::apply(logits, plain_targets, reduction);
 }
 
 }  // namespace dtensor::tp

@@ -137,6 +137,35 @@ TEST(TrainRun, TinyMoeTrainsAtTp2AsOneDeviceAndLogsTheRouting) {
   EXPECT_NE(read_file(dir.file("run/config.json")).find("\"num_experts\":4"), std::string::npos);
 }
 
+// --cp 2: each sequence split over 2 ranks (head-tail, the ring) trains as one device does
+// (--verify-tp1: plain attention over whole rows); --pack-documents at cp 2 x tp 2 with the
+// all-gather packs the paragraphs of a file and shows the balance of the attention work.
+TEST(TrainRun, ContextParallelTrainsAsOneDeviceAndPacksDocuments) {
+  TempDir dir;
+  auto r = train(2, {"--cp", "2", "--steps", "3", "--seq-len", "32", "--out", dir.file("run"),
+                     "--verify-tp1"});
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("verify-tp1: PASSED"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("CP=2 (ring of keys and values); per rank 4 x 16 token slots"),
+            std::string::npos)
+      << r.output;
+  std::string text;
+  for (int d = 0; d < 300; ++d)
+    text += std::string(3 + (d * 37) % 90, static_cast<char>('a' + d % 26)) + "\n\n";
+  dtensor::testing::write_file(dir.file("docs.txt"), text);
+  r = train(4, {"--cp", "2", "--cp-rotate", "allgather", "--pack-documents", "--data",
+                dir.file("docs.txt"), "--steps", "2", "--seq-len", "64", "--batch-size", "2",
+                "--out", dir.file("packed")});
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("CP=2 (all-gather of keys and values)"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("packed documents, balance max/mean 1.0"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("(head-tail "), std::string::npos) << r.output;
+  // Too short a sequence for the ranks: one clear line, before the ranks meet.
+  r = train(2, {"--cp", "2", "--seq-len", "1", "--steps", "1"});
+  EXPECT_EQ(r.exit_code, 2) << r.output;
+  EXPECT_EQ(count(r.output, "the sequence of 1 tokens is shorter than cp=2"), 1u) << r.output;
+}
+
 TEST(TrainRun, ResumedRunRepeatsTheUninterruptedRunExactly) {
   TempDir dir;
   const auto whole = train(2, {"--steps", "6", "--out", dir.file("whole")});

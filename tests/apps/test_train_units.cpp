@@ -158,6 +158,34 @@ TEST(TrainCorpus, BatchesArePureFunctionsOfSeedAndStep) {
   EXPECT_LT(low, 140);
 }
 
+// --pack-documents: rows start at a document's start, each token carries its document, and a
+// document's last token predicts nothing (target -100), so no target crosses a boundary.
+TEST(TrainCorpus, PackedRowsStartAtDocumentsAndKeepTheirBoundaries) {
+  EXPECT_EQ(split_documents("one\ntwo\n\n\nthree\n\n"),
+            (std::vector<std::string>{"one\ntwo", "three"}));
+  std::vector<std::vector<int64_t>> documents;
+  for (int64_t d = 0; d < 60; ++d) documents.emplace_back(1 + (d * 7) % 13, d);  // d, d, ...
+  const TokenSplit split = split_document_tokens(documents, 0.2, 16);
+  ASSERT_FALSE(split.train_starts.empty());
+  EXPECT_EQ(split.train_starts[0], 0);
+  EXPECT_EQ(split.val_starts[0], 0);
+  const BatchSampler sampler(&split.train, 4, 16, 7, kTrainStream, &split.train_starts);
+  const Batch b = sampler.get(3);
+  ASSERT_TRUE(b.documents.defined());
+  for (int64_t r = 0; r < 4; ++r) {
+    const int64_t off = sampler.offset(3, r);
+    EXPECT_TRUE(std::binary_search(split.train_starts.begin(), split.train_starts.end(), off));
+    for (int64_t t = 0; t < 16; ++t) {
+      // Every token of document d is d: the document id follows the token's value.
+      const int64_t token = b.inputs[r][t].item<int64_t>(), first = b.inputs[r][0].item<int64_t>();
+      EXPECT_EQ(b.documents[r][t].item<int64_t>(), token - first);
+      const int64_t next = split.train[off + t + 1];
+      EXPECT_EQ(b.targets[r][t].item<int64_t>(), next == token ? next : -100);
+    }
+  }
+  EXPECT_FALSE(BatchSampler(&split.train, 4, 16, 7, kTrainStream).get(3).documents.defined());
+}
+
 TEST(TrainSchedule, WarmupThenCosineToMinLr) {
   LrSchedule s{/*lr=*/1e-2, /*min_lr=*/1e-3, /*warmup=*/10, /*total_steps=*/110};
   EXPECT_DOUBLE_EQ(s.at(0), 1e-3);  // (0+1)/10 of the peak
@@ -452,6 +480,35 @@ TEST(TrainPlanFile, TheShippedPlanParsesInFileOrder) {
 
 // --pp N --schedule S --microbatches M: world = pp x tp; combinations the pipeline trainer does
 // not implement are refused naming the option.
+TEST(TrainRunConfig, ContextParallelLayoutAndRefusals) {
+  int code = -1;
+  auto o = parse({"--preset", "tiny", "--cp", "2", "--cp-rotate", "allgather", "--pack-documents",
+                  "--seq-len", "32"},
+                 code);
+  ASSERT_TRUE(o);
+  const RunConfig c = resolve_run_config(*o, 4);
+  EXPECT_EQ(c.cp, 2);
+  EXPECT_EQ(c.tp, 2);
+  EXPECT_EQ(c.cp_rotate, "all_gather");
+  EXPECT_TRUE(c.pack_documents);
+  EXPECT_EQ(c.parallel_dims().cp, 2);
+  EXPECT_NE(c.to_json().find("\"cp\": 2, \"cp_rotate\": \"all_gather\""), std::string::npos);
+  expect_error({"--preset", "tiny", "--cp", "4", "--seq-len", "3"}, 4,
+               "the sequence of 3 tokens is shorter than cp=4");
+  expect_error({"--preset", "tiny", "--cp-rotate", "ring"}, 2, "--cp-rotate says how");
+  expect_error({"--preset", "tiny", "--pack-documents"}, 2, "--pack-documents attends within");
+  expect_error({"--preset", "tiny", "--cp", "2", "--dp", "2"}, 4,
+               "context parallelism (cp=2) with dp_replicate=2 x cp=2 is not built yet");
+  expect_error({"--preset", "tiny", "--cp", "2", "--dp-shard", "2"}, 4,
+               "--cp with --dp-shard is not built into dtensor_train yet");
+  expect_error({"--preset", "tiny-moe", "--cp", "2"}, 2,
+               "context parallelism (cp=2) with mixture-of-experts layers is not built yet");
+  expect_error({"--preset", "tiny", "--cp", "2", "--seq-len", "36"}, 4,
+               "needs a sequence length divisible by 2 x cp x tp = 8");
+  expect_error({"--preset", "tiny", "--cp", "2", "--pack-documents", "--verify-tp1"}, 2,
+               "--verify-tp1 runs plain attention on one device");
+}
+
 TEST(TrainRunConfig, PipelineLayoutAndRefusals) {
   int code = -1;
   auto o =

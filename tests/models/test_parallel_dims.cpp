@@ -74,9 +74,28 @@ TEST(ParallelDims, HsdpIsNotBuiltYet) {
                  {"dp_replicate=2 with dp_shard=2", "HSDP", "not built yet"});
 }
 
-TEST(ParallelDims, ContextParallelismHasItsPlaceButIsNotBuiltYet) {
-  ParallelDims d{.cp = 2, .world_size = 2};
-  EXPECT_ERROR(d.validate(), c10::Error, "context parallelism (cp=2) is not built yet");
+TEST(ParallelDims, ContextParallelismComposesWithTensorParallelismAndFsdp) {
+  EXPECT_NO_THROW((ParallelDims{.cp = 2, .tp = 2, .world_size = 4}.validate()));
+  EXPECT_NO_THROW((ParallelDims{.dp_shard = 2, .cp = 2, .world_size = 4}.validate()));
+  ParallelDims d{.dp_replicate = 2, .cp = 2, .world_size = 4};
+  EXPECT_ERROR(d.validate(), c10::Error, "context parallelism (cp=2) with dp_replicate=2 x cp=2",
+               "cp composes with tensor parallelism (tp) and FSDP (dp_shard)");
+  d = ParallelDims{.cp = 2, .pp = 2, .world_size = 4};
+  EXPECT_ERROR(d.validate(), c10::Error, "context parallelism (cp=2) with pp=2 x cp=2");
+}
+
+TEST(ParallelDimsValidate, ContextParallelismRefusesWhatItCannotRun) {
+  const ParallelDims d{.cp = 4, .world_size = 4};
+  EXPECT_NO_THROW(d.validate(tiny(), run_for(d, 8, 4)));
+  expect_refused(d, tiny(), run_for(d, 8, 3), {"the sequence of 3 tokens is shorter than cp=4"});
+  DecoderConfig m = tiny();
+  m.attention_sinks = true;
+  expect_refused(d, m, run_for(d), {"context parallelism (cp=4)", "attention sinks"});
+  expect_refused(d, DecoderConfig::preset("tiny-moe"), run_for(d),
+                 {"context parallelism (cp=4) with mixture-of-experts layers"});
+  m = tiny();
+  m.dropout = 0.1;
+  expect_refused(d, m, run_for(d), {"residual dropout"});
 }
 
 // ep folds over dp_shard x cp x tp, as torchtitan's sparse mesh: it must divide them.

@@ -12,12 +12,12 @@
 //
 // Degrees: pp (pipeline stages), dp_replicate (plain data parallelism: replicas whose gradients
 // are averaged), dp_shard (FSDP: ranks that shard the parameters), cp (context parallelism: the
-// sequence split over ranks; not built yet), tp (tensor parallelism), ep (expert parallelism; not
-// built yet). The dense layout is pp x dp_replicate x dp_shard x cp x tp = world_size ranks, in
-// that order (tp innermost, so that a TP group is neighbouring ranks). Experts do not add ranks:
-// ep folds over the dp_shard x cp x tp ranks of a pipeline stage and replica (torchtitan's sparse
-// mesh [dp_replicate, efsdp, ep] with efsdp x ep = dp_shard x cp x tp), so ep must divide that
-// product.
+// sequence split over ranks, src/cp; with tp and dp_shard so far), tp (tensor parallelism), ep
+// (expert parallelism; not built yet). The dense layout is pp x dp_replicate x dp_shard x cp x tp =
+// world_size ranks, in that order (tp innermost, so that a TP group is neighbouring ranks). Experts
+// do not add ranks: ep folds over the dp_shard x cp x tp ranks of a pipeline stage and replica
+// (torchtitan's sparse mesh [dp_replicate, efsdp, ep] with efsdp x ep = dp_shard x cp x tp), so ep
+// must divide that product.
 //
 // Mesh dimension names: "pp", "dp" (the data-parallel dimension: replicated or sharded, whichever
 // is in use), "cp", "tp"; a dimension of one rank is left out, except "tp", which the plans
@@ -43,7 +43,7 @@ inline constexpr int64_t kLayoutInvariantBatchSegments = 2;
 struct ParallelDims {
   int64_t dp_replicate = 1;  ///< Plain data parallelism: replicas averaging their gradients.
   int64_t dp_shard = 1;      ///< FSDP: ranks sharding the parameters (fully_shard).
-  int64_t cp = 1;            ///< Context parallelism (not built yet).
+  int64_t cp = 1;            ///< Context parallelism: the sequence split over ranks.
   int64_t tp = 1;            ///< Tensor parallelism.
   int64_t pp = 1;            ///< Pipeline stages.
   int64_t ep = 1;  ///< Expert parallelism (not built yet), folded over dp_shard x cp x tp.
@@ -62,7 +62,8 @@ struct ParallelDims {
   ParallelDims resolved() const;
 
   /// The degrees alone: each at least 1, their product world_size, and what is not built yet
-  /// (cp, ep, dp_replicate with dp_shard) refused with where it will go. Throws naming the degree.
+  /// (cp with dp_replicate or pp, ep, dp_replicate with dp_shard) refused with where it will go.
+  /// Throws naming the degree.
   void validate() const;
   /// validate() and every rule of composing these degrees with a model and a run's options
   /// (tensor parallelism's divisibility, sequence parallelism, pipeline stages and micro-batches,

@@ -404,6 +404,16 @@ using tp::reduce_partial_grads;
 /// Returns a plain 0-d tensor equal on every rank.
 at::Tensor token_cross_entropy(const at::Tensor& logits, const at::Tensor& targets);
 
+/// The loss of this rank's slots under context parallelism (cp ranks, dtensor/cp/
+/// context_parallel.h): cross entropy of its logits (B, n, V) against its targets (B, n)
+/// (layout.shard of the batch's, padding -100) summed over the targets other than -100 (padding,
+/// a packed document's last token), times cp / `tokens`, the number of such targets in the
+/// whole batch (or this rank's data-parallel slice of it). Its mean over the cp ranks - which
+/// parallelize averages the gradients over - is one device's token_cross_entropy of the batch.
+/// Plain or vocab-sharded logits, as token_cross_entropy.
+at::Tensor context_parallel_loss(const at::Tensor& logits, const at::Tensor& targets, int64_t cp,
+                                 int64_t tokens);
+
 /// token_cross_entropy + backward; returns the detached loss.
 at::Tensor loss_and_backward(const at::Tensor& logits, const at::Tensor& targets);
 

@@ -19,6 +19,7 @@
 // softmax correction): cross_entropy_loss on DTensor logits with label_smoothing > 0 is taken
 // over inside the guard, and its smoothing term costs one more all_reduce of N elements
 // forward, none backward (src/tp/loss_parallel_smoothing.cpp).
+#include <ATen/core/Reduction.h>
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
@@ -46,8 +47,10 @@ class LossParallel {
 /// (last) dim of a 1-D mesh, against int64 `targets` (...) (a plain tensor or a DTensor, used
 /// whole): LossParallel's computation wrapped in an autograd function whose backward re-enters
 /// LossParallel, so loss.backward() needs no guard. Returns a plain 0-d tensor, equal on every
-/// rank.
-at::Tensor vocab_parallel_cross_entropy(const at::Tensor& logits, const at::Tensor& targets);
+/// rank. `reduction` as at::cross_entropy_loss's (at::Reduction::Mean or Sum); targets of -100
+/// are ignored either way.
+at::Tensor vocab_parallel_cross_entropy(const at::Tensor& logits, const at::Tensor& targets,
+                                        int64_t reduction = at::Reduction::Mean);
 
 /// Whether a LossParallel is alive on this thread.
 inline bool loss_parallel_enabled() {
