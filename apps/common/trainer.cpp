@@ -101,8 +101,8 @@ models::DropoutKey Trainer::dropout_key(int64_t first_row) const {
 }
 
 void Trainer::record_routing() {
-  const at::Tensor aux = model_->aux_loss();
-  if (!aux.defined()) return;
+  const at::Tensor& aux = model_->last_aux_loss();
+  if (!aux.defined() || aux.is_meta()) return;  // dtensor_plan's step has no values to read
   routing_.aux_loss = aux.item<double>();
   routing_.tokens_per_expert = model_->tokens_per_expert().cpu();
 }
@@ -143,8 +143,10 @@ at::Tensor Trainer::forward_backward(const Batch& global_batch) {
   }
   const models::DropoutKeyScope key(dropout_key(dp_first_row()));  // backward's recomputations too
   auto logits = logits_for_loss(config_, model_->forward(dp_slice(global_batch.inputs)));
-  // With experts: plus router_aux_loss_coef times the auxiliary loss.
-  at::Tensor loss = models::training_loss(*model_, logits, dp_slice(global_batch.targets));
+  // With experts: plus router_aux_loss_coef times the auxiliary loss of the whole batch (pooled
+  // over dp, as one device computes it).
+  at::Tensor loss =
+      models::training_loss(*model_, logits, dp_slice(global_batch.targets), dp_mesh());
   loss.backward();
   loss = loss.detach();
   record_routing();
