@@ -54,7 +54,8 @@ same run (bench/hf_generate.py; left out when python3 cannot import transformers
 
 options:
   --preset NAME    model preset with random weights (default bench; tiny, demo), or qwen3:
-                   Qwen3-0.6B's layer shape (head_dim 128, q/k norms, tied) with 6 layers
+                   Qwen3-0.6B's layer shape (head_dim 128, q/k norms, tied) with 6 layers,
+                   or qwen3-moe: those layers with Qwen3-MoE's experts (32 of width 384, top 4)
   --batch N        prompts (default 1)
   --prompt N       tokens per prompt (default 128)
   --new N          new tokens per prompt (default 64, at least 2)
@@ -104,10 +105,25 @@ models::DecoderConfig qwen3_shaped() {
   return c;
 }
 
+// qwen3_shaped with Qwen3-MoE's sparse feed-forward in every layer, scaled down as the layers
+// are: 32 experts of width 384 (Qwen3-30B-A3B: 128 of 768 at twice the width), top 4 of them
+// renormalised. save_hf writes it as Qwen3MoeForCausalLM.
+models::DecoderConfig qwen3_moe_shaped() {
+  models::DecoderConfig c = qwen3_shaped();
+  models::DecoderMoe moe;
+  moe.options.num_experts = 32;
+  moe.options.top_k = 4;
+  moe.options.renormalize = true;
+  moe.expert_hidden_dim = 384;
+  c.moe = moe;
+  return c;
+}
+
 // The same model on every rank and in the HF copy: the preset, parameters from seed 0.
 models::Transformer make_model(const Options& o) {
-  return models::Transformer(o.preset == "qwen3" ? qwen3_shaped()
-                                                 : models::DecoderConfig::preset(o.preset));
+  if (o.preset == "qwen3") return models::Transformer(qwen3_shaped());
+  if (o.preset == "qwen3-moe") return models::Transformer(qwen3_moe_shaped());
+  return models::Transformer(models::DecoderConfig::preset(o.preset));
 }
 
 // The prompts: seed 1, uniform token ids.
@@ -289,7 +305,8 @@ int main(int argc, char** argv) {
   namespace cli = dtensor::cli;
   Options o;
   CLI::App app("", "bench_generate");
-  app.add_option("--preset", o.preset)->check(cli::one_of({"tiny", "demo", "bench", "qwen3"}));
+  app.add_option("--preset", o.preset)
+      ->check(cli::one_of({"tiny", "demo", "bench", "qwen3", "qwen3-moe"}));
   app.add_option("--batch", o.batch)->check(cli::integer(1));
   app.add_option("--prompt", o.prompt)->check(cli::integer(1));
   app.add_option("--new", o.new_tokens)->check(cli::integer(2));

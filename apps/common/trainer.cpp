@@ -101,8 +101,8 @@ models::DropoutKey Trainer::dropout_key(int64_t first_row) const {
 }
 
 void Trainer::record_routing() {
-  const at::Tensor aux = model_->aux_loss();
-  if (!aux.defined()) return;
+  const at::Tensor& aux = model_->last_aux_loss();
+  if (!aux.defined() || aux.is_meta()) return;  // dtensor_plan's step has no values to read
   routing_.aux_loss = aux.item<double>();
   routing_.tokens_per_expert = model_->tokens_per_expert().cpu();
 }
@@ -135,7 +135,7 @@ at::Tensor Trainer::local_part(const at::Tensor& t, double pad) const {
 
 at::Tensor Trainer::loss_of(const Batch& batch, const at::Tensor& logits) const {
   if (!cp::ContextParallelScope::current())
-    return models::training_loss(*model_, logits, dp_slice(batch.targets));
+    return models::training_loss(*model_, logits, dp_slice(batch.targets), dp_mesh());
   // Each cp rank's share scaled to a mean, which the gradients' average over cp completes.
   const int64_t tokens = batch.targets.ne(-100).sum().item<int64_t>();
   return models::context_parallel_loss(logits, local_part(batch.targets, -100), config_.cp, tokens);
@@ -177,7 +177,8 @@ at::Tensor Trainer::forward_backward(const Batch& global_batch) {
   const models::DropoutKeyScope key(dropout_key(dp_first_row()));  // backward's recomputations too
   const auto context = context_parallel(global_batch);             // and theirs
   auto logits = logits_for_loss(config_, model_->forward(local_part(global_batch.inputs)));
-  // With experts: plus router_aux_loss_coef times the auxiliary loss.
+  // With experts: plus router_aux_loss_coef times the auxiliary loss of the whole batch (pooled
+  // over dp, as one device computes it).
   at::Tensor loss = loss_of(global_batch, logits);
   loss.backward();
   loss = loss.detach();

@@ -16,6 +16,7 @@
 #include "dtensor/models/hf_checkpoint.h"
 #include "dtensor/util/error_message.h"
 #include "estimate.h"
+#include "published_models.h"
 
 namespace {
 
@@ -35,7 +36,10 @@ Prints the layout's validity (with the fix), memory per rank, every collective o
 is not simulated.
 
 Model (one of):
-  --model NAME           llama3-8b | llama3-70b | llama3-405b (Meta's shapes), or
+  --model NAME           llama3-8b | llama3-70b | llama3-405b (Meta's shapes), or the
+                         mixtures of experts qwen3-30b-a3b | qwen3-235b-a22b | mixtral-8x7b |
+                         gpt-oss-120b (their published config.json; routing taken as
+                         uniform: the meta device has no router values), or
   --preset NAME          dtensor_train's presets: tiny | demo | bench (default demo)
   --config PATH          a DecoderConfig JSON file (as dtensor_train --config)
   --hf-config PATH       a Hugging Face config.json (or its folder); no weights are read
@@ -281,8 +285,11 @@ void print_plan(const Plan& p, const Hardware& hw, std::ostream& out) {
 // The command line's options, into `cli` (and its layout's TrainOptions).
 void add_options(CLI::App& app, Cli& cli) {
   auto& o = cli.layout.options;
-  app.add_option("--model", cli.model)
-      ->check(dtensor::cli::one_of({"llama3-8b", "llama3-70b", "llama3-405b"}));
+  app.add_option("--model", cli.model)->check(dtensor::cli::one_of([] {
+    std::vector<std::string> names = {"llama3-8b", "llama3-70b", "llama3-405b"};
+    for (const auto& n : dtensor::plan::published_moe_models()) names.push_back(n);
+    return names;
+  }()));
   app.add_option("--preset", o.preset)->check(dtensor::cli::one_of({"tiny", "demo", "bench"}));
   app.add_option("--config", o.config_path)->check(dtensor::cli::non_empty());
   app.add_option("--hf-config", cli.hf_config)->check(dtensor::cli::non_empty());
@@ -493,7 +500,12 @@ int main(int argc, char** argv) {
   if (auto code = dtensor::cli::parse(app, argc, argv, kUsage)) return *code;
   if (auto bad = parse_mfu(cli)) return dtensor::cli::usage_error(app, *bad);
   try {
-    if (!cli.model.empty()) apply_model(cli.model, o);
+    if (cli.model.rfind("llama3-", 0) == 0) {
+      apply_model(cli.model, o);
+    } else if (!cli.model.empty()) {
+      o.model_config = dtensor::plan::published_moe_model(cli.model);
+      if (!o.seq_len) o.seq_len = 4096;
+    }
     if (!cli.hf_config.empty()) o.model_config = config_from_hf(cli.hf_config);
   } catch (const std::exception& e) {
     std::cerr << "dtensor_plan: " << dtensor::util::error_message(e) << "\n";

@@ -27,6 +27,16 @@ at::Tensor index_select(const at::Tensor& self, int64_t dim, const at::Tensor& i
   return at::empty(shape, self.options());
 }
 
+// The MoE experts' rows -> tokens (experts_forward).
+at::Tensor floor_divide(const at::Tensor& self, const at::Tensor& other) {
+  return at::empty(at::infer_size(self.sizes(), other.sizes()),
+                   self.options().dtype(at::result_type(self, other)));
+}
+
+at::Tensor floor_divide_scalar(const at::Tensor& self, const at::Scalar& other) {
+  return at::empty(self.sizes(), self.options().dtype(at::result_type(self, other)));
+}
+
 at::Tensor embedding_dense_backward(const at::Tensor& grad, const at::Tensor&, c10::SymInt num,
                                     c10::SymInt, bool) {
   return at::empty({num.expect_int(), grad.size(-1)}, grad.options());
@@ -72,6 +82,8 @@ TORCH_LIBRARY_IMPL(aten, Meta, m) {
   m.impl("logical_and.out", logical_out);
   m.impl("logical_not.out", logical_not_out);
   m.impl("index_select", index_select);
+  m.impl("floor_divide", floor_divide);
+  m.impl("floor_divide.Scalar", floor_divide_scalar);
   m.impl("embedding_dense_backward", embedding_dense_backward);
   m.impl("where.self", where);
   m.impl("_fused_sdp_choice", fused_sdp_choice);

@@ -43,7 +43,8 @@ StepRecord record_step(train::Trainer& trainer, const train::Batch& batch,
 
 std::vector<std::string> not_simulated(const train::RunConfig& c) {
   std::vector<std::string> out;
-  const std::string clip = "gradient-norm clipping (nn::utils::clip_grad_norm_) reads the global norm";
+  const std::string clip =
+      "gradient-norm clipping (nn::utils::clip_grad_norm_) reads the global norm";
   if (c.pp > 1) {
     out.push_back(clip +
                   (c.tp > 1 ? ": the DTensor-aware norm's all_reduce(s) over tp, then " : ": ") +
@@ -63,6 +64,11 @@ std::vector<std::string> not_simulated(const train::RunConfig& c) {
     if (c.dp > 1)
       out.push_back("loss averaged over dp (Trainer::mean_over_dp): 1 all_reduce of 1 float64");
   }
+  if (c.model.has_moe() && c.dp > 1)
+    out.push_back(
+        "the routing statistics of the log (Trainer::train_step): 1 all_reduce of 1 float64 (the "
+        "auxiliary loss) and 1 of " +
+        std::to_string(c.model.moe->options.num_experts) + " float64 (tokens per expert) over dp");
   out.push_back(
       "the first step's one-time messages: the pipeline's activation shapes, the TP "
       "plan's cross-rank check (one all_gather at parallelize time)");

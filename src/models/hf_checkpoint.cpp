@@ -36,16 +36,21 @@ using nlohmann::json;
 constexpr const char* kSingleFile = "model.safetensors";
 constexpr const char* kIndexFile = "model.safetensors.index.json";
 
+// `text` as JSON; `source` (a path) names it in the error.
+json parse_json(const std::string& text, const std::string& what, const std::string& source) {
+  try {
+    return json::parse(text);
+  } catch (const json::exception& e) {
+    TORCH_CHECK(false, what, " '", source, "' is not valid JSON: ", e.what());
+  }
+}
+
 json read_json(const std::string& path, const std::string& what) {
   std::ifstream in(path, std::ios::binary);
   TORCH_CHECK(in.good(), "cannot open ", what, " '", path, "'");
   std::stringstream ss;
   ss << in.rdbuf();
-  try {
-    return json::parse(ss.str());
-  } catch (const json::exception& e) {
-    TORCH_CHECK(false, what, " '", path, "' is not valid JSON: ", e.what());
-  }
+  return parse_json(ss.str(), what, path);
 }
 
 // The checkpoint's files, opened on first use, and which file holds each tensor.
@@ -126,17 +131,25 @@ at::Tensor interleave_rotary_rows(const at::Tensor& rows, int64_t head_dim) {
   return rows.reshape({n / head_dim, 2, head_dim / 2, -1}).transpose(1, 2).reshape(rows.sizes());
 }
 
-}  // namespace
-
-HfConfig read_hf_config(const std::string& dir) {
-  const std::string path = (fs::path(dir) / "config.json").string();
-  const detail::HfConfigRead read =
-      detail::parse_hf_config(read_json(path, "Hugging Face config"), path);
+// The HfConfig of a parsed config.json; `source` names it in errors.
+HfConfig hf_config_of(const json& j, const std::string& source) {
+  const detail::HfConfigRead read = detail::parse_hf_config(j, source);
   HfConfig out;
   out.config = read.config;
   out.dtype = read.dtype;
   out.architecture = read.family->architecture;
   return out;
+}
+
+}  // namespace
+
+HfConfig read_hf_config(const std::string& dir) {
+  const std::string path = (fs::path(dir) / "config.json").string();
+  return hf_config_of(read_json(path, "Hugging Face config"), path);
+}
+
+HfConfig hf_config_from_json(const std::string& text, const std::string& source) {
+  return hf_config_of(parse_json(text, "Hugging Face config", source), source);
 }
 
 namespace {

@@ -8,6 +8,7 @@
 #include <utility>
 
 #include "block_math.h"
+#include "dtensor/comm/collectives.h"
 #include "dtensor/core/api.h"
 #include "dtensor/core/dtensor_impl.h"
 #include "dtensor/ops/layout_invariant.h"
@@ -113,6 +114,23 @@ at::Tensor expert_activation(const at::Tensor& gate, const at::Tensor& up,
   return (u + 1) * glu;
 }
 
+namespace {
+
+// Each expert's rows of the `rows` (token, choice) pairs, from their counts. On the meta device
+// (dtensor_plan's simulated step) counts have no values: routing is taken as uniform, the rows
+// spread as evenly as they go, so that the plan sees a balanced router's shapes and FLOPs.
+std::vector<int64_t> expert_rows(const at::Tensor& counts, int64_t rows) {
+  const int64_t E = counts.size(0);
+  std::vector<int64_t> sizes(static_cast<size_t>(E));
+  const at::Tensor host = counts.is_meta() ? at::Tensor() : counts.cpu();
+  for (int64_t e = 0; e < E; ++e)
+    sizes[static_cast<size_t>(e)] =
+        host.defined() ? host[e].item<int64_t>() : rows / E + (e < rows % E ? 1 : 0);
+  return sizes;
+}
+
+}  // namespace
+
 at::Tensor experts_forward(const at::Tensor& x, const Routing& routing, const ExpertWeights& w,
                            const MoeOptions& options) {
   TORCH_CHECK(x.dim() == 2, "experts_forward: expected (tokens, hidden), got ", x.sizes());
@@ -136,10 +154,7 @@ at::Tensor experts_forward(const at::Tensor& x, const Routing& routing, const Ex
       return at::_grouped_mm(a, weight.transpose(-2, -1), offsets);
     };
   } else {
-    std::vector<int64_t> sizes(counts.size(0));
-    const at::Tensor host = counts.cpu();
-    for (int64_t e = 0; e < E; ++e) sizes[static_cast<size_t>(e)] = host[e].item<int64_t>();
-    product = [sizes](const at::Tensor& a, const at::Tensor& weight) {
+    product = [sizes = expert_rows(counts, T * k)](const at::Tensor& a, const at::Tensor& weight) {
       // unbind, not select per expert: select's backward writes each expert's gradient into a
       // zero tensor of all experts' size, unbind's stacks them once.
       const std::vector<at::Tensor> experts = weight.unbind(0);
@@ -172,7 +187,7 @@ at::Tensor experts_forward(const at::Tensor& x, const Routing& routing, const Ex
 }
 
 at::Tensor load_balancing_loss(const std::vector<at::Tensor>& router_logits, int64_t num_experts,
-                               int64_t top_k) {
+                               int64_t top_k, const std::optional<DeviceMesh>& data_parallel) {
   TORCH_CHECK(!router_logits.empty(), "load_balancing_loss: no router logits");
   const c10::ScalarType acc = routing_precision(router_logits.front().scalar_type());
   const auto options = router_logits.front().options().dtype(acc);
@@ -191,8 +206,27 @@ at::Tensor load_balancing_loss(const std::vector<at::Tensor>& router_logits, int
     probabilities = probabilities + p.to(acc).sum(0);
     rows += static_cast<double>(logits.size(0));
   }
-  const at::Tensor f = choices / rows;
-  const at::Tensor P = probabilities / rows;
+  at::Tensor f, P;
+  if (data_parallel && data_parallel->size() > 1) {
+    TORCH_CHECK(data_parallel->ndim() == 1,
+                "load_balancing_loss: the data-parallel mesh must be 1-D, got ",
+                data_parallel->str());
+    // The whole batch's sums; the gradient stays this rank's (its tokens' part of one device's)
+    // times the ranks, which the gradients' average over them divides back. The rows stay a
+    // tensor: no value is read, so that dtensor_plan's meta step runs it too.
+    const at::Tensor pooled =
+        comm::all_reduce(at::cat({choices, probabilities.detach(), at::full({1}, rows, options)}),
+                         ReduceOp::Sum, data_parallel->group(0));
+    const auto ranks = static_cast<double>(data_parallel->size());
+    const at::Tensor all_rows = pooled.narrow(0, 2 * num_experts, 1);
+    f = pooled.narrow(0, 0, num_experts) / all_rows;
+    P = (pooled.narrow(0, num_experts, num_experts) +
+         (probabilities - probabilities.detach()) * ranks) /
+        all_rows;
+  } else {
+    f = choices / rows;
+    P = probabilities / rows;
+  }
   return (f * P.unsqueeze(0)).sum() * num_experts;
 }
 

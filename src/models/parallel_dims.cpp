@@ -269,11 +269,12 @@ void ParallelDims::validate(const DecoderConfig& model, const TrainingOptions& r
   validate();
   const ParallelizeOptions& o = run.parallelize;
   if (pp > 1) check_pipeline(*this, model, run);
-  // Each stage's routers give part of the auxiliary loss, which the last stage's loss does not
-  // see yet.
+  // The load-balancing loss is a product of sums over every sparse layer's routers: no stage's
+  // part adds to the loss alone, and the last stage's loss does not see the others'.
   TORCH_CHECK(pp == 1 || !model.has_moe(), "pipeline parallelism (pp=", pp,
-              ") with mixture-of-experts layers is not built yet (the auxiliary loss spans the "
-              "stages)");
+              ") with mixture-of-experts layers is not built yet: the auxiliary "
+              "(load-balancing) loss multiplies sums over every stage's routers, which no stage's "
+              "loss sees; use tp and dp/dp_shard for MoE models");
   TORCH_CHECK(tp == 1 || run.layout_invariant == 0 || !model.has_moe(),
               "the layout-invariant mode at tp=", tp,
               " with mixture-of-experts layers is not built yet (it needs the experts "

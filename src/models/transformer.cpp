@@ -336,11 +336,13 @@ std::vector<at::Tensor> TransformerImpl::router_logits() const {
   return out;
 }
 
-at::Tensor TransformerImpl::aux_loss() const {
+at::Tensor TransformerImpl::aux_loss(const std::optional<DeviceMesh>& data_parallel) const {
   const std::vector<at::Tensor> logits = router_logits();
   if (logits.empty()) return {};
   const MoeOptions& o = config_.moe->options;
-  return load_balancing_loss(logits, o.num_experts, o.top_k);
+  at::Tensor aux = load_balancing_loss(logits, o.num_experts, o.top_k, data_parallel);
+  last_aux_loss_ = aux.detach();
+  return aux;
 }
 
 at::Tensor TransformerImpl::tokens_per_expert() const {
@@ -484,9 +486,10 @@ at::Tensor context_parallel_loss(const at::Tensor& logits, const at::Tensor& tar
 }
 
 at::Tensor training_loss(const TransformerImpl& model, const at::Tensor& logits,
-                         const at::Tensor& targets) {
+                         const at::Tensor& targets,
+                         const std::optional<DeviceMesh>& data_parallel) {
   at::Tensor loss = token_cross_entropy(logits, targets);
-  const at::Tensor aux = model.aux_loss();
+  const at::Tensor aux = model.aux_loss(data_parallel);
   if (!aux.defined()) return loss;
   return loss + aux.to(loss.scalar_type()) * model.config().moe->router_aux_loss_coef;
 }

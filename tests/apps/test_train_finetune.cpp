@@ -195,9 +195,8 @@ TEST(TrainFinetune, Qwen2AtTp3EqualsOneDeviceBiasGradientsIncluded) {
 // Mixture-of-experts checkpoints at TP 2: the loss includes router_aux_loss_coef times the
 // auxiliary loss, the experts split over the ranks (sequence parallel between blocks). Qwen3-MoE
 // has a dense layer among its sparse ones, gpt-oss sinks, biases and a router bias. Under
-// FSDP 2 x TP 2 each dp rank's auxiliary loss is of its own half of the batch (as transformers
-// computes it under data parallelism), which is not one device's of the whole batch: that case
-// runs with router_aux_loss_coef 0, checking the experts' rows sharded over dp.
+// FSDP 2 x TP 2 the auxiliary loss is pooled over dp (the whole batch's, as one device's), and the
+// experts' rows are sharded over dp.
 TEST(TrainFinetune, MoeCheckpointsAtTp2AndFsdp2xTp2EqualOneDevice) {
   const std::string moe = kFixtures + "/moe_models/";
   expect_finetune_like_one_device(
@@ -207,12 +206,7 @@ TEST(TrainFinetune, MoeCheckpointsAtTp2AndFsdp2xTp2EqualOneDevice) {
   const std::vector<std::string> oss = {"layers.0.attention.sinks", "layers.1.moe.router.bias",
                                         "layers.0.moe.experts.b2", "layers.1.moe.experts.b1"};
   expect_finetune_like_one_device("gpt_oss", 2, oss, moe);
-  FixtureCopy copy(moe, "gpt_oss");
-  auto j = copy.config();
-  j["router_aux_loss_coef"] = 0.0;
-  copy.set_config(j);
-  const std::string dir = fs::path(copy.dir).parent_path().string() + "/";
-  expect_finetune_like_one_device("gpt_oss", 4, oss, dir, /*dp_shard=*/2);
+  expect_finetune_like_one_device("gpt_oss", 4, oss, moe, /*dp_shard=*/2);
 }
 
 // The app on a mixture-of-experts checkpoint (Qwen3-MoE, with a byte-level tokenizer.json of

@@ -8,7 +8,8 @@
 // other tokens chose its experts. With the experts split over TP 2 and 4 ranks, three AdamW steps
 // of a float64 block (loss with the auxiliary loss) give one device's loss, every gradient and
 // every parameter within 1e-9, with one all-reduce forward, one backward and one for the
-// router's (and b2's) Partial gradients.
+// router's (and b2's) Partial gradients; under FSDP 2 x TP 2 the auxiliary loss pooled over dp is
+// the whole batch's, and the step one device's.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <gtest/gtest.h>
@@ -19,6 +20,7 @@
 #include <string>
 
 #include "dtensor/checkpoint/safetensors.h"
+#include "dtensor/comm/collectives.h"
 #include "dtensor/comm/comm_debug_mode.h"
 #include "dtensor/core/api.h"
 #include "dtensor/fsdp/fully_shard.h"
@@ -433,10 +435,14 @@ TEST(MoeTp, ReplicatedExpertsInLayoutInvariantModeGiveOneDevicesBitsAtTp2And4) {
   }
 }
 
-// FSDP over 2 dp ranks on top of TP 2 (4 ranks): each dp rank runs half of the batch (its own
-// auxiliary loss over its tokens) and FSDP averages the gradients, as one device averaging the
-// halves' losses does.
-TEST(MoeTp, ThreeAdamWStepsAtFsdp2xTp2EqualOneDevice) {
+// FSDP over 2 dp ranks on top of TP 2 (4 ranks): each dp rank runs half of the batch, its loss
+// the mean over its tokens plus the auxiliary loss pooled over dp (the whole batch's, as one
+// device computes it); FSDP's average of the gradients is then one device's over the whole
+// batch. Per step: forward one all-gather of the block's shards (kept for the backward: the block
+// is its root unit), one all-reduce of the output (tp) and one of the routers' statistics (dp);
+// backward one all-reduce of the input's gradient and one of each Partial gradient (tp), one
+// reduce-scatter of the gradients (dp).
+TEST(MoeTp, ThreeAdamWStepsAtFsdp2xTp2WithTheWholeBatchsAuxLossEqualOneDevice) {
   run_ranks(4, [](int) {
     auto mesh = init_device_mesh("cpu", {2, 2}, {"dp", "tp"});
     const int64_t dp_rank = mesh.get_local_rank("dp");
@@ -450,27 +456,52 @@ TEST(MoeTp, ThreeAdamWStepsAtFsdp2xTp2EqualOneDevice) {
       at::manual_seed(9);
       const at::Tensor x0 = at::randn({4, 6, 32}, at::kDouble);
       const at::Tensor upstream = at::randn({4, 6, 32}, at::kDouble);
-      auto half_loss = [&](MoE& block, int64_t half, at::Tensor& input) {
-        input = x0.narrow(0, 2 * half, 2).clone().requires_grad_(true);
+      // The mean of y * upstream over the tokens of `rows` plus 0.1 times the auxiliary loss;
+      // `aux` gets the latter's value.
+      auto loss_of = [&](MoE& block, int64_t first, int64_t rows, at::Tensor& input,
+                         const std::optional<DeviceMesh>& dp, double& aux) {
+        input = x0.narrow(0, first, rows).clone().requires_grad_(true);
         const at::Tensor y = block->forward(input);
-        const at::Tensor aux =
-            load_balancing_loss({block->last_router_logits()}, o.num_experts, o.top_k);
-        return (y * upstream.narrow(0, 2 * half, 2)).sum() + 0.1 * aux;
+        const at::Tensor a =
+            load_balancing_loss({block->last_router_logits()}, o.num_experts, o.top_k, dp);
+        aux = a.item<double>();
+        return (y * upstream.narrow(0, first, rows)).sum() / (rows * 6) + 0.1 * a;
       };
       for (int step = 0; step < 3; ++step) {
         SCOPED_TRACE(c10::str("step ", step));
         ref_opt.zero_grad();
         opt.zero_grad();
-        at::Tensor ref_inputs[2], input;
-        const at::Tensor ref_halves[] = {half_loss(ref, 0, ref_inputs[0]),
-                                         half_loss(ref, 1, ref_inputs[1])};
-        ((ref_halves[0] + ref_halves[1]) / 2).backward();
-        const at::Tensor loss = half_loss(moe, dp_rank, input);
+        at::Tensor ref_input, input;
+        double ref_aux = 0, aux = 0;
+        const at::Tensor ref_loss = loss_of(ref, 0, 4, ref_input, std::nullopt, ref_aux);
+        ref_loss.backward();
+        CommDebugMode comm;
+        const at::Tensor loss = loss_of(moe, 2 * dp_rank, 2, input, mesh["dp"], aux);
+        const CommCounts forward = comm.get_comm_counts();
+        CommDebugMode comm2;
         loss.backward();
+        const CommCounts backward = comm2.get_comm_counts();
+        CommDebugMode comm3;
         tp::reduce_partial_grads(*moe);
-        EXPECT_NEAR(loss.item<double>(), ref_halves[dp_rank].item<double>(), 1e-9);
+        EXPECT_EQ(
+            format_comm_counts(forward),
+            format_comm_counts({{CommType::all_gather_into_tensor, 1}, {CommType::all_reduce, 2}}))
+            << "forward: the shards, the output (tp), the routers' statistics (dp)";
+        // The router's weight, with biases also the router's bias and b2.
+        const int64_t partial = o.expert_bias ? 3 : 1;
+        EXPECT_EQ(format_comm_counts(backward),
+                  format_comm_counts(
+                      {{CommType::all_reduce, 1 + partial}, {CommType::reduce_scatter_tensor, 1}}))
+            << "backward: the input's gradient and each Partial gradient (tp), the gradients (dp)";
+        EXPECT_EQ(comm3.get_total_counts(), 0) << "FSDP's backward summed the Partial gradients";
+        EXPECT_NEAR(aux, ref_aux, 1e-12) << "every rank's auxiliary loss is the whole batch's";
+        // The ranks' losses average to one device's.
+        const at::Tensor mean =
+            comm::all_reduce(loss.detach().reshape({1}), ReduceOp::Sum, mesh["dp"].group(0)) / 2;
+        EXPECT_NEAR(mean.item<double>(), ref_loss.item<double>(), 1e-9);
         // The input's gradient is that of this rank's half in the averaged loss.
-        EXPECT_TRUE(close_to_scale(input.grad() / 2, ref_inputs[dp_rank].grad(), 1e-9));
+        EXPECT_TRUE(
+            close_to_scale(input.grad() / 2, ref_input.grad().narrow(0, 2 * dp_rank, 2), 1e-9));
         expect_like_one_device(moe, ref, /*after_step=*/false);
         ref_opt.step();
         opt.step();

@@ -160,6 +160,12 @@ TEST(ParallelDimsValidate, PipelineStagesTakeNoOverlapComm) {
                  {"overlap_comm does not apply to pipeline parallelism (pp=2)"});
 }
 
+TEST(ParallelDimsValidate, PipelineStagesRefuseMixtureOfExpertsLayers) {
+  expect_refused(dims(2, 1, 1, 2), DecoderConfig::preset("tiny-moe"), run_for(dims(2, 1, 1, 2)),
+                 {"pipeline parallelism (pp=2) with mixture-of-experts layers is not built yet",
+                  "auxiliary (load-balancing) loss", "use tp and dp/dp_shard"});
+}
+
 TEST(ParallelDimsValidate, PipelineNeedsABlockPerStage) {
   expect_refused(dims(4, 1, 1, 1), tiny(), run_for(dims(4, 1, 1, 1)),
                  {"at least one block per stage", "the model has 2 layers for 4 stages"});

@@ -53,6 +53,8 @@ struct HfConfig {
 /// for an unsupported architecture, rope type, activation, layer type or a feature that is not
 /// built (mixture of experts, MLP biases, attention soft-capping, ...).
 HfConfig read_hf_config(const std::string& dir);
+/// read_hf_config of a config.json's text; `source` names it in the errors (as the path does).
+HfConfig hf_config_from_json(const std::string& text, const std::string& source);
 
 struct HfLoadOptions {
   std::optional<c10::ScalarType> dtype;  // the model's dtype; default: config.json's

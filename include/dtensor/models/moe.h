@@ -128,8 +128,16 @@ at::Tensor tokens_per_expert(const at::Tensor& experts, int64_t num_experts);
 /// went to expert e and P_e the mean over all layers' tokens of its softmax probability,
 /// E * sum_e f_e * P_e. Computed in float32 (float64 for float64 logits); differentiable through
 /// the probabilities. The training loss adds router_aux_loss_coef times it.
+///
+/// With `data_parallel` (the 1-D mesh whose ranks each run their own part of the batch and
+/// average their gradients: FSDP's or replication's "dp"), the choices, the probability sums and
+/// the rows are summed over its ranks first (one all-reduce of 2E + 1 values), so that every
+/// rank's value is the whole batch's, as one device computes it. The gradient reaches this rank's
+/// own tokens only, times the ranks: the data-parallel average of the gradients then gives one
+/// device's. No collective in the backward.
 at::Tensor load_balancing_loss(const std::vector<at::Tensor>& router_logits, int64_t num_experts,
-                               int64_t top_k);
+                               int64_t top_k,
+                               const std::optional<DeviceMesh>& data_parallel = std::nullopt);
 
 /// The stacked experts as parameters: w1, w3 (E, I, H), w2 (E, H, I), and b1, b3 (E, I), b2
 /// (E, H) when options.expert_bias.

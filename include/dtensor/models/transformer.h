@@ -292,8 +292,11 @@ class TransformerImpl : public dtensor::nn::Module {
   /// load_balancing_loss over router_logits() (transformers' aux_loss, which the training loss
   /// adds config().moe->router_aux_loss_coef times: training_loss); undefined without sparse
   /// blocks. Under tensor parallelism every rank computes it whole, its gradient counted once
-  /// (MoEImpl).
-  at::Tensor aux_loss() const;
+  /// (MoEImpl). With `data_parallel` (the run's "dp": the batch split over its ranks, their
+  /// gradients averaged), it is the whole batch's (load_balancing_loss pools over the ranks).
+  at::Tensor aux_loss(const std::optional<DeviceMesh>& data_parallel = std::nullopt) const;
+  /// The value of the last aux_loss() (detached), for statistics; undefined before one.
+  const at::Tensor& last_aux_loss() const { return last_aux_loss_; }
   /// Tokens routed to each expert (E) in the last forward, summed over the sparse blocks.
   at::Tensor tokens_per_expert() const;
 
@@ -323,7 +326,8 @@ class TransformerImpl : public dtensor::nn::Module {
   int64_t stage_ = 0, num_stages_ = 1, first_layer_ = 0, end_layer_ = 0;
   bool pipeline_stage_ = false, tied_across_stages_ = false;
   at::Tensor rope_table_;  // (max_seq_len, head_dim/2, 2) float64; not a buffer, never sharded
-  at::Tensor local_rope_table_;  // the same for rope_local_theta; undefined when it is unset
+  at::Tensor local_rope_table_;       // the same for rope_local_theta; undefined when it is unset
+  mutable at::Tensor last_aux_loss_;  // aux_loss()'s last value, detached
 };
 /// Module holder of TransformerImpl.
 TORCH_MODULE(Transformer);
@@ -419,8 +423,10 @@ at::Tensor loss_and_backward(const at::Tensor& logits, const at::Tensor& targets
 
 /// The training loss of `model`'s last forward, which gave `logits`: token_cross_entropy plus,
 /// with sparse blocks, router_aux_loss_coef times model.aux_loss() (transformers' loss with
-/// output_router_logits).
+/// output_router_logits). `data_parallel`: as TransformerImpl::aux_loss (the cross entropy stays
+/// this rank's mean, which the gradients' average over the ranks makes the batch's).
 at::Tensor training_loss(const TransformerImpl& model, const at::Tensor& logits,
-                         const at::Tensor& targets);
+                         const at::Tensor& targets,
+                         const std::optional<DeviceMesh>& data_parallel = std::nullopt);
 
 }  // namespace dtensor::models
