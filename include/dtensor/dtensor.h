@@ -36,6 +36,7 @@
 #include "dtensor/fsdp/replicate.h"
 #include "dtensor/mesh/device_mesh.h"
 #include "dtensor/models/attention_sinks.h"
+#include "dtensor/models/expert_parallel.h"
 #include "dtensor/models/generate.h"
 #include "dtensor/models/hf_checkpoint.h"
 #include "dtensor/models/hf_experts.h"

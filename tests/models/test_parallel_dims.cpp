@@ -80,13 +80,26 @@ TEST(ParallelDims, ContextParallelismHasItsPlaceButIsNotBuiltYet) {
 }
 
 // ep folds over dp_shard x cp x tp, as torchtitan's sparse mesh: it must divide them.
-TEST(ParallelDims, ExpertParallelismFoldsOverTheDenseRanksAndIsNotBuiltYet) {
+TEST(ParallelDims, ExpertParallelismFoldsOverTheDenseRanks) {
   ParallelDims d{.dp_shard = 2, .tp = 2, .ep = 3, .world_size = 4};
   EXPECT_ERROR(d.validate(), c10::Error,
                "expert parallelism (ep=3) folds over the dp_shard x cp x tp = 4 ranks",
                "must divide them");
   d.ep = 4;
-  EXPECT_ERROR(d.validate(), c10::Error, "expert parallelism (ep=4) is not built yet");
+  EXPECT_NO_THROW(d.validate());
+}
+
+// Before anything is built or loaded: the experts must divide by ep, and a dense model has none.
+TEST(ParallelDimsValidate, ExpertsMustDivideByEpAndTheDecoderPlanDoesNotTakeEpYet) {
+  ParallelDims d = dims(1, 1, 1, 4);
+  d.ep = 4;
+  DecoderConfig moe = DecoderConfig::preset("tiny-moe");
+  moe.moe->options.num_experts = 6;
+  expect_refused(d, moe, run_for(d), {"num_experts 6 is not divisible by ep=4"});
+  expect_refused(d, tiny(), run_for(d), {"expert parallelism (ep=4) needs mixture-of-experts"});
+  moe.moe->options.num_experts = 8;
+  expect_refused(d, moe, run_for(d),
+                 {"expert parallelism (ep=4) in the decoder's plan", "not built yet"});
 }
 
 // ---- tensor parallelism ----
