@@ -26,10 +26,10 @@
 #include "common/trainer.h"
 #include "dtensor/comm/backend.h"
 #include "dtensor/comm/collectives.h"
-#include "dtensor/util/error_message.h"
 #include "dtensor/comm/process_group.h"
 #include "dtensor/mesh/device_mesh.h"
 #include "dtensor/pp/pipeline.h"
+#include "dtensor/util/error_message.h"
 #include "hf_export.h"
 #include "loss_plot.h"
 #include "metrics.h"
@@ -135,6 +135,18 @@ std::string pipeline_line(const RunConfig& c, int64_t threads) {
   s << " on " << c.world_size << " CPU ranks, " << threads << " thread" << (threads > 1 ? "s" : "")
     << " each, " << (c.dtype == c10::kDouble ? "float64" : "float32") << ", collectives on "
     << dtensor::comm::cpu_backend_name();
+  return s.str();
+}
+
+// --ep: "EP=2 over the TP ranks: 2 of 4 experts per rank, dropless dispatch".
+std::string experts_line(const RunConfig& c) {
+  const int64_t experts = c.model.moe->options.num_experts;
+  std::ostringstream s;
+  s << "EP=" << c.ep << " over the TP ranks: " << experts / c.ep << " of " << experts
+    << " experts per rank, " << models::moe_dispatch_name(c.expert_parallel.dispatch)
+    << " dispatch";
+  if (c.expert_parallel.dispatch == models::MoeDispatch::kCapacity)
+    s << " (capacity factor " << c.expert_parallel.capacity_factor << ")";
   return s.str();
 }
 
@@ -265,6 +277,7 @@ class TrainingRun {
     std::printf("dtensor_train\n");
     print_row("model", model_line(cfg_));
     print_row("parallelism", parallel_line(cfg_, o_.threads));
+    if (cfg_.ep > 1) print_row("experts", experts_line(cfg_));
     print_row("memory", memory_line());
     print_row("data", (o_.data_path.empty() ? std::string("built-in corpus") : o_.data_path) +
                           ": " + grouped(static_cast<int64_t>(split_.train.size())) + " train / " +

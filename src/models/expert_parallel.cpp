@@ -15,6 +15,7 @@
 #include "dtensor/core/api.h"
 #include "dtensor/core/dtensor_impl.h"
 #include "dtensor/ops/layout_invariant.h"
+#include "dtensor/tp/module_hooks.h"
 
 namespace dtensor::models {
 namespace {
@@ -213,7 +214,12 @@ void ExpertParallel::validate(torch::nn::Module& module, const std::string& fqn,
 void ExpertParallel::apply(torch::nn::Module& module, const std::string& fqn,
                            const DeviceMesh& mesh) const {
   validate(module, fqn, mesh);
-  apply_expert_parallel(dynamic_cast<MoEImpl&>(module), mesh, options_);
+  auto& moe = dynamic_cast<MoEImpl&>(module);
+  apply_expert_parallel(moe, mesh, options_);
+  moe.register_forward_pre_hook([](torch::nn::Module&, tp::ModuleCall& call) {
+    const at::Tensor x = call.args.at(0).toTensor();
+    if (is_dtensor(x)) call.args[0] = to_local(x);
+  });
 }
 
 }  // namespace dtensor::models

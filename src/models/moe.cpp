@@ -295,7 +295,23 @@ at::Tensor MoEImpl::forward(const at::Tensor& x) {
                     " ranks is not built (the down projections' sums over the split columns "
                     "would need the mode's canonical order); replicate the experts "
                     "(MoeTensorParallelOptions::replicate_experts)");
-        const bool first = !tp_mesh || tp_mesh->get_local_rank() == 0;
+        // EP folded over TP ranks: the ranks share one replica's tokens and its auxiliary loss.
+        const ExpertDispatch* shared =
+            expert_dispatch && expert_dispatch->options.tokens != ExpertTokens::kOwn
+                ? expert_dispatch.get()
+                : nullptr;
+        const bool tp_first = !tp_mesh || tp_mesh->get_local_rank() == 0;
+        const bool first = shared ? shared->mesh.get_local_rank() == 0 : tp_first;
+        const bool split = shared && shared->options.tokens == ExpertTokens::kReplicated;
+        if (split) {
+          // Every rank holds all the tokens and routes its 1/ep of them: the input's gradient is
+          // each rank's rows, all-reduced on the way back.
+          const DeviceMesh& m = shared->mesh;
+          TORCH_CHECK(flat.size(0) % m.size() == 0, "MoE: ", flat.size(0),
+                      " tokens do not split over ep=", m.size(), " ranks");
+          flat = to_local(from_local(flat, m, {Replicate()}), std::vector<Placement>{Partial()})
+                     .chunk(m.size())[m.get_local_rank()];
+        }
         // The input enters whole; its gradient is each rank's part (its experts' columns), so it
         // is all-reduced on the way back (from_local of a Replicate with a Partial gradient).
         if (tp_mesh)
@@ -304,15 +320,18 @@ at::Tensor MoEImpl::forward(const at::Tensor& x) {
         const Routing routing = route(flat, with_partial_grad(router->weight),
                                       with_partial_grad(router->bias), options);
         // Every rank computes the auxiliary loss whole: its gradient counts on rank 0 only.
-        last_router_logits_ =
-            first ? routing.logits
-                  : routing.logits.detach() + (routing.logits - routing.logits.detach()) * 0;
+        at::Tensor logits = routing.logits;
+        if (shared)  // all the replica's logits; rank 0's gradient reduce-scattered back
+          logits =
+              to_local(redistribute(from_local(logits, shared->mesh, {Shard(0)}), {Replicate()}),
+                       std::vector<Placement>{Partial()});
+        last_router_logits_ = first ? logits : logits.detach() + (logits - logits.detach()) * 0;
         last_tokens_per_expert_ = tokens_per_expert(routing.experts, options.num_experts);
         const ExpertWeights w = experts->weights();
         // b2 counts once in the sum over the ranks: rank 0 adds it, the others add zeros (so
         // every rank has its Partial gradient, as reduce_partial_grads needs).
         at::Tensor b2 = with_partial_grad(w.b2);
-        if (b2.defined() && !first) b2 = b2 * 0;
+        if (b2.defined() && !tp_first) b2 = b2 * 0;
         const ExpertWeights local{
             local_of(w.w1), local_of(w.w2), local_of(w.w3), local_of(w.b1), b2, local_of(w.b3)};
         // This rank's part of the sum over the experts' columns; under expert parallelism the
@@ -320,6 +339,9 @@ at::Tensor MoEImpl::forward(const at::Tensor& x) {
         const at::Tensor part =
             expert_dispatch ? dispatch_to_experts(*expert_dispatch, flat, routing, local, options)
                             : experts_forward(flat, routing, local, options);
+        if (split)
+          return to_local(redistribute(from_local(part, shared->mesh, {Shard(0)}), {Replicate()}))
+              .view(x.sizes());
         if (!tp_mesh) return part.view(x.sizes());
         return to_local(redistribute(from_local(part, *tp_mesh, {Partial()}), {Replicate()}))
             .view(x.sizes());

@@ -240,10 +240,14 @@ void ParallelDims::validate(const DecoderConfig& model, const TrainingOptions& r
     const int64_t experts = model.moe->options.num_experts;
     TORCH_CHECK(experts % ep == 0, "num_experts ", experts, " is not divisible by ep=", ep,
                 " (each rank holds num_experts / ep whole experts)");
-    // The blocks take it (ExpertParallel, expert_parallel.h); the decoder's plan does not yet.
-    TORCH_CHECK(false, "expert parallelism (ep=", ep,
-                ") in the decoder's plan is not built yet (ExpertParallel parallelizes MoE "
-                "blocks alone)");
+    // The decoder's plan folds it over the tp ranks (TensorParallelOptions::ep).
+    TORCH_CHECK(ep == tp, "expert parallelism (ep=", ep,
+                ") folds over the tp ranks only yet: ", "it must equal tp=", tp,
+                " (over dp_shard and cp it is not built yet)");
+    TORCH_CHECK(dp_shard == 1, "expert parallelism (ep=", ep, ") with FSDP (dp_shard=", dp_shard,
+                ") is not built yet");
+    TORCH_CHECK(run.parallelize.tp.ep == ep, "expert parallelism: ParallelDims has ep=", ep,
+                " but the run's TensorParallelOptions::ep is ", run.parallelize.tp.ep);
   }
   const ParallelizeOptions& o = run.parallelize;
   if (pp > 1) check_pipeline(*this, model, run);

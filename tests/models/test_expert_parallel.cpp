@@ -197,6 +197,49 @@ TEST(ExpertParallel, ThreeAdamWStepsAtEp2xTp2EqualOneDeviceInEveryDispatchMode) 
   });
 }
 
+// EP folded over the tensor-parallel ranks of one replica: the ep ranks hold the same tokens
+// (each routes its 1/ep, the output gathered) or each its sequence shard, and the auxiliary loss
+// is the replica's (the router logits gathered, its gradient counted once). The gradients summed
+// over the ranks' losses equal one device's for the whole batch, and so do the outputs and the
+// auxiliary loss.
+TEST(ExpertParallel, TokensSharedOverTheEpRanksGiveOneDevicesGradients) {
+  run_ranks(2, [](int) {
+    auto mesh = init_device_mesh("cpu", {2}, {"ep"});
+    const int64_t rank = mesh.get_local_rank();
+    for (ExpertTokens tokens : {ExpertTokens::kReplicated, ExpertTokens::kSequenceShard}) {
+      for (const MoeOptions& o : moe_variants()) {
+        SCOPED_TRACE(c10::str("experts=", o.num_experts,
+                              " sequence shards=", tokens == ExpertTokens::kSequenceShard));
+        MoE ref = seeded_block(o, 5), moe = seeded_block(o, 5);
+        tp::parallelize_module(*moe, mesh, ExpertParallel({.tokens = tokens}), std::nullopt);
+        at::manual_seed(9);
+        const at::Tensor x0 = at::randn({2, kTokens, 32}, at::kDouble);
+        const at::Tensor upstream = at::randn({2, kTokens, 32}, at::kDouble);
+        const at::Tensor ref_input = x0.clone().requires_grad_(true);
+        const at::Tensor ref_y = ref->forward(ref_input);
+        const at::Tensor ref_aux =
+            load_balancing_loss({ref->last_router_logits()}, o.num_experts, o.top_k);
+        ((ref_y * upstream).sum() + kAuxCoef * ref_aux).backward();
+
+        const bool shard = tokens == ExpertTokens::kSequenceShard;
+        const int64_t half = kTokens / 2;
+        auto mine = [&](const at::Tensor& t) { return shard ? t.narrow(1, rank * half, half) : t; };
+        const at::Tensor input = mine(x0).clone().requires_grad_(true);
+        const at::Tensor y = moe->forward(input);
+        const at::Tensor aux =
+            load_balancing_loss({moe->last_router_logits()}, o.num_experts, o.top_k);
+        // The replica's loss: under sequence shards each rank holds its part of the product.
+        ((y * mine(upstream)).sum() + kAuxCoef * aux).backward();
+        tp::reduce_partial_grads(*moe);
+        EXPECT_TRUE(close_to_scale(y, mine(ref_y).detach(), 1e-9)) << "output";
+        EXPECT_NEAR(aux.item<double>(), ref_aux.item<double>(), 1e-9) << "auxiliary loss";
+        EXPECT_TRUE(close_to_scale(input.grad(), mine(ref_input.grad()), 1e-9)) << "input grad";
+        expect_like_one_device(moe, ref, /*after_step=*/false);
+      }
+    }
+  });
+}
+
 // A capacity-mode step reads nothing back to the host (CUDA graph capture's condition); the
 // dropless one does (its split sizes), the rehearsal's control.
 TEST(ExpertParallel, CapacityStepHasNoHostReadAndDroplessHasOne) {

@@ -40,11 +40,26 @@ MoeDispatch parse_moe_dispatch(const std::string& name);
 /// "dropless" or "capacity".
 const char* moe_dispatch_name(MoeDispatch dispatch);
 
+/// Where the ep ranks' tokens come from.
+enum class ExpertTokens {
+  /// Each rank's input is its own (EP folded over data-parallel ranks), and so is its auxiliary
+  /// loss.
+  kOwn,
+  /// The ep ranks are the tensor-parallel ranks of one model replica (torchtitan's EP folded over
+  /// TP): each holds its sequence shard (sequence parallelism); the router logits are gathered
+  /// so that every rank's auxiliary loss is the replica's.
+  kSequenceShard,
+  /// As kSequenceShard, but each rank holds all the tokens (TP without sequence parallelism):
+  /// each routes its 1/ep of them and the block's output is gathered.
+  kReplicated,
+};
+
 /// Options of expert parallelism.
 struct ExpertParallelOptions {
   MoeDispatch dispatch = MoeDispatch::kDropless;
   /// kCapacity: each expert's rows per source rank, as a multiple of an even share.
   double capacity_factor = 1.0;
+  ExpertTokens tokens = ExpertTokens::kOwn;
 };
 
 /// The rows each expert takes from one rank in capacity mode: ceil(capacity_factor * T * k / E),
@@ -80,7 +95,9 @@ void apply_expert_parallel(MoEImpl& moe, const DeviceMesh& mesh,
                            const ExpertParallelOptions& options = {});
 
 /// apply_expert_parallel as a parallel style, for parallelize_module on a models::MoE over a 1-D
-/// "ep" mesh. Its input is this rank's own tokens and its output theirs: no layout conversion.
+/// "ep" mesh. Its input and output are plain tensors of this rank's tokens (a DTensor input is
+/// taken as its local tensor), as options.tokens says. The decoder's plan uses it for its sparse
+/// layers when TensorParallelOptions::ep is the tp degree.
 class ExpertParallel : public tp::ParallelStyle {
  public:
   explicit ExpertParallel(ExpertParallelOptions options = {}) : options_(options) {}

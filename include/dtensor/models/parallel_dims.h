@@ -47,7 +47,8 @@ struct ParallelDims {
   int64_t tp = 1;            ///< Tensor parallelism.
   int64_t pp = 1;            ///< Pipeline stages.
   /// Expert parallelism, folded over dp_shard x cp x tp: num_experts must divide by it
-  /// (validate(model, run)); MoE blocks take it (expert_parallel.h), the decoder's plan not yet.
+  /// (validate(model, run)); the decoder's plan folds it over the tp ranks only yet (ep == tp).
+
   int64_t ep = 1;
   /// Ranks in all. One degree (not ep) may be -1 until resolved(): the ranks the others leave.
   int64_t world_size = 1;
