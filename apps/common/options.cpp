@@ -118,6 +118,15 @@ parallelism and numerics:
                          --dp-shard or --pp)
   --cp-rotate M          how --cp moves keys and values: ring (default; cp - 1 exchanges per
                          layer) | allgather (2 all-gathers per layer)
+  --ep N                 expert parallelism (mixture-of-experts models), folded over the TP
+                         ranks (N = the TP degree): each rank holds num_experts / N whole
+                         experts and the sparse layers send each token to the ranks holding
+                         its experts by all-to-all; num_experts must divide by N
+  --moe-dispatch M       with --ep: dropless (default: per-expert counts exchanged, then an
+                         uneven all-to-all) | capacity (fixed buffers per expert, no read back
+                         to the host; choices beyond the capacity are dropped)
+  --capacity-factor F    capacity dispatch: each expert takes ceil(F x tokens x top_k /
+                         num_experts) rows from each rank (default 1)
   --pp N                 pipeline parallelism: the blocks split over N stages (the first
                          also holds the embedding, the last the norm and output head), TP
                          without sequence parallelism inside each; ranks form a pp x tp
@@ -220,6 +229,9 @@ void add_parallel_options(CLI::App& app, TrainOptions& o) {
   app.add_flag("--print-plan", o.print_plan);
   app.add_option("--dp", o.dp)->check(cli::integer(1));
   app.add_option("--dp-shard", o.dp_shard)->check(cli::integer(1));
+  app.add_option("--ep", o.ep)->check(cli::integer(1));
+  app.add_option("--moe-dispatch", o.moe_dispatch)->check(cli::one_of({"dropless", "capacity"}));
+  app.add_option("--capacity-factor", o.capacity_factor)->check(cli::number(0, 1e6, true));
   app.add_option("--pp", o.pp)->check(cli::integer(1));
   app.add_option("--cp", o.cp)->check(cli::integer(1));
   add_optional(app, "--cp-rotate", o.cp_rotate)->check(cli::one_of({"ring", "allgather"}));

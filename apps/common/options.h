@@ -62,6 +62,9 @@ struct TrainOptions {
   bool print_plan = false;  // print the TP plan the run would apply (as a --plan file), exit
   int64_t dp = 1;
   int64_t dp_shard = 1;                   // FSDP degree (fully_shard over that many ranks); 1: off
+  int64_t ep = 1;                         // expert parallelism, folded over the TP ranks; 1: off
+  std::string moe_dispatch = "dropless";  // --moe-dispatch: dropless | capacity
+  double capacity_factor = 1.0;           // --capacity-factor (capacity dispatch)
   std::string ac = "none";                // activation checkpointing: none | full | selective
   bool ac_recompute_collectives = false;  // the recompute communicates instead of replaying
   std::string mixed_precision = "none";   // none | bf16 (with --dp-shard)

@@ -199,6 +199,7 @@ void resolve_parallelism(const TrainOptions& o, int64_t world_size, RunConfig& c
                                 .cp = o.cp,
                                 .tp = -1,
                                 .pp = o.pp,
+                                .ep = o.ep,
                                 .world_size = world_size,
                                 .world_mesh = std::nullopt}
                .resolved();
@@ -209,6 +210,13 @@ void resolve_parallelism(const TrainOptions& o, int64_t world_size, RunConfig& c
   c.fsdp = dims.dp_shard > 1;
   c.dp = dims.dp();
   c.tp = dims.tp;
+  c.ep = dims.ep;
+  try {
+    c.expert_parallel = {.dispatch = models::parse_moe_dispatch(o.moe_dispatch),
+                         .capacity_factor = o.capacity_factor};
+  } catch (const std::exception& e) {
+    bad(util::error_message(e));
+  }
   // --layout-invariant: the micro-batches are the batch segments of a dp rank.
   if (c.pp > 1 && o.layout_invariant > 0 && !o.microbatches)
     c.microbatches = std::max<int64_t>(1, models::kLayoutInvariantBatchSegments / c.dp);
@@ -232,7 +240,7 @@ RunConfig resolve_run_config(const TrainOptions& o, int64_t world_size) {
 
 RunConfig one_device(const RunConfig& config) {
   RunConfig one = config;
-  one.world_size = one.dp = one.cp = one.tp = one.pp = one.virtual_stages = 1;
+  one.world_size = one.dp = one.cp = one.tp = one.ep = one.pp = one.virtual_stages = 1;
   one.fsdp = false;
   one.bf16 = false;          // FSDP's mixed precision: one device runs (and checks against) float32
   one.layout_invariant = 0;  // plain LibTorch: no DTensor sums to make canonical
@@ -251,7 +259,7 @@ std::string RunConfig::to_json() const {
      << ", \"eval_every\": " << eval_every << ", \"eval_batches\": " << eval_batches
      << ", \"dtype\": \"" << (dtype == c10::kDouble ? "float64" : "float32") << "\""
      << ", \"world_size\": " << world_size << ", \"dp\": " << dp << ", \"tp\": " << tp
-     << ", \"fsdp\": " << (fsdp ? "true" : "false")
+     << ", \"ep\": " << ep << ", \"fsdp\": " << (fsdp ? "true" : "false")
      << (bf16 ? ", \"mixed_precision\": \"bf16\"" : "") << ", \"pp\": " << pp
      << ", \"pp_schedule\": \"" << pp_schedule << "\", \"microbatches\": " << microbatches
      << ", \"virtual_stages\": " << virtual_stages
@@ -269,7 +277,7 @@ std::string RunConfig::to_json() const {
 
 models::ParallelDims RunConfig::parallel_dims() const {
   models::ParallelDims d{
-      .cp = cp, .tp = tp, .pp = pp, .world_size = world_size, .world_mesh = std::nullopt};
+      .cp = cp, .tp = tp, .pp = pp, .ep = ep, .world_size = world_size, .world_mesh = std::nullopt};
   (fsdp ? d.dp_shard : d.dp_replicate) = dp;
   return d;
 }
@@ -292,6 +300,8 @@ models::ParallelizeOptions parallelize_options(const RunConfig& config) {
   o.tp.sequence_parallel = config.sequence_parallel;
   o.tp.loss_parallel = config.loss_parallel;
   o.tp.overlap_comm = config.overlap_comm;
+  o.tp.ep = config.ep;
+  o.tp.expert_parallel = config.expert_parallel;
   if (config.plan) {
     o.tp_plan = [plan = *config.plan](models::TransformerImpl& model, const DeviceMesh& tp_mesh) {
       apply_plan_file(model, tp_mesh, plan);

@@ -45,6 +45,8 @@ struct RunConfig {
   int64_t eval_batches = 0;
   c10::ScalarType dtype = c10::kFloat;
   int64_t world_size = 1, dp = 1, tp = 1;
+  int64_t ep = 1;                                 // --ep: expert parallelism over the tp ranks
+  models::ExpertParallelOptions expert_parallel;  // --moe-dispatch, --capacity-factor
   // --dp-shard: the dp ranks shard the parameters (fully_shard); --dp: they replicate them
   bool fsdp = false;
   bool sequence_parallel = true;

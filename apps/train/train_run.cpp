@@ -138,6 +138,18 @@ std::string pipeline_line(const RunConfig& c, int64_t threads) {
   return s.str();
 }
 
+// --ep: "EP=2 over the TP ranks: 2 of 4 experts per rank, dropless dispatch".
+std::string experts_line(const RunConfig& c) {
+  const int64_t experts = c.model.moe->options.num_experts;
+  std::ostringstream s;
+  s << "EP=" << c.ep << " over the TP ranks: " << experts / c.ep << " of " << experts
+    << " experts per rank, " << models::moe_dispatch_name(c.expert_parallel.dispatch)
+    << " dispatch";
+  if (c.expert_parallel.dispatch == models::MoeDispatch::kCapacity)
+    s << " (capacity factor " << c.expert_parallel.capacity_factor << ")";
+  return s.str();
+}
+
 std::string parallel_line(const RunConfig& c, int64_t threads) {
   if (c.pp > 1) return pipeline_line(c, threads);
   std::ostringstream s;
@@ -296,6 +308,7 @@ class TrainingRun {
     std::printf("dtensor_train\n");
     print_row("model", model_line(cfg_));
     print_row("parallelism", parallel_line(cfg_, o_.threads));
+    if (cfg_.ep > 1) print_row("experts", experts_line(cfg_));
     print_row("memory", memory_line());
     if (cfg_.cp > 1) print_row("context", context_line());
     print_row("data", (o_.data_path.empty() ? std::string("built-in corpus") : o_.data_path) +

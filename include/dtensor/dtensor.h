@@ -41,6 +41,7 @@
 #include "dtensor/mesh/device_mesh.h"
 #include "dtensor/models/attention_sinks.h"
 #include "dtensor/models/captured_step.h"
+#include "dtensor/models/expert_parallel.h"
 #include "dtensor/models/generate.h"
 #include "dtensor/models/hf_checkpoint.h"
 #include "dtensor/models/hf_experts.h"

@@ -273,6 +273,57 @@ at::Tensor all_to_all_single(const at::Tensor& t, int64_t split_dim, int64_t con
       .wait();
 }
 
+at::Tensor all_to_all_single(const at::Tensor& t, const std::vector<int64_t>& output_split_sizes,
+                             const std::vector<int64_t>& input_split_sizes, ProcessGroup& pg) {
+  auto splits_str = [](const std::vector<int64_t>& v) { return c10::str(c10::ArrayRef(v)); };
+  if (detail::tape_open())
+    return detail::taped(
+        tape_key("all_to_all_single out " + splits_str(output_split_sizes) + " in " +
+                     splits_str(input_split_sizes),
+                 t, pg),
+        [&] { return all_to_all_single(t, output_split_sizes, input_split_sizes, pg); });
+  const int64_t k = pg.size();
+  TORCH_CHECK(t.dim() >= 1, "dtensor: all_to_all_single with split sizes needs a tensor of rows");
+  TORCH_CHECK(static_cast<int64_t>(output_split_sizes.size()) == k &&
+                  static_cast<int64_t>(input_split_sizes.size()) == k,
+              "dtensor: all_to_all_single on group ", pg.name(), " of ", k,
+              " ranks needs one split size per rank, got ", output_split_sizes.size(),
+              " output and ", input_split_sizes.size(), " input split sizes");
+  int64_t sent = 0, received = 0;
+  for (int64_t i = 0; i < k; ++i) {
+    TORCH_CHECK(input_split_sizes[i] >= 0 && output_split_sizes[i] >= 0,
+                "dtensor: all_to_all_single split sizes must not be negative");
+    sent += input_split_sizes[i];
+    received += output_split_sizes[i];
+  }
+  TORCH_CHECK(sent == t.size(0), "dtensor: all_to_all_single input split sizes ",
+              splits_str(input_split_sizes), " add up to ", sent, " rows, the input has ",
+              t.size(0));
+  std::vector<int64_t> out_shape = t.sizes().vec();
+  out_shape[0] = received;
+  at::Tensor in = detail::dense(t).contiguous();
+  at::Tensor out = at::empty(out_shape, in.options());
+  if (k == 1) {
+    record(CommType::all_to_all_single, t, pg);
+    return in.clone();
+  }
+  // The engines count split sizes in rows of dim 0 of the tensors they get: the byte view of a
+  // dtype an engine lacks has as many rows, each row_bytes wide.
+  const int64_t row = t.size(0) > 0 ? t.numel() / t.size(0) : 0;
+  auto rows_of = [&](const at::Tensor& x, int64_t n) {
+    at::Tensor m = detail::movable(x.view({-1}));
+    return m.view({n, n > 0 ? m.numel() / n : row});
+  };
+  at::Tensor engine_in = rows_of(in, t.size(0));
+  at::Tensor engine_out = rows_of(out, received);
+  std::vector<int64_t> out_splits = output_split_sizes, in_splits = input_split_sizes;
+  return launch("all_to_all_single", CommType::all_to_all_single, pg, t, out, nullptr,
+                [&](c10d::Backend& b) {
+                  return b.alltoall_base(engine_out, engine_in, out_splits, in_splits);
+                })
+      .wait();
+}
+
 at::Tensor broadcast(const at::Tensor& t, int src, ProcessGroup& pg) {
   if (detail::tape_open())
     return detail::taped(tape_key("broadcast from " + std::to_string(src), t, pg),

@@ -11,6 +11,7 @@
 #include "dtensor/comm/collectives.h"
 #include "dtensor/core/api.h"
 #include "dtensor/core/dtensor_impl.h"
+#include "dtensor/models/expert_parallel.h"
 #include "dtensor/ops/layout_invariant.h"
 
 namespace dtensor::models {
@@ -139,12 +140,11 @@ at::Tensor experts_forward(const at::Tensor& x, const Routing& routing, const Ex
                   w.w2.size(2) == w.w1.size(1) && w.w1.size(2) == x.size(1),
               "experts_forward: expert weights w1 ", w.w1.sizes(), ", w3 ", w.w3.sizes(), ", w2 ",
               w.w2.sizes(), " do not fit hidden size ", x.size(1));
-  const int64_t T = x.size(0), k = routing.experts.size(1), E = w.w1.size(0);
-  // Each (token, choice) pair becomes a row; rows are grouped by expert (stable: in token order).
-  const at::Tensor ids = routing.experts.reshape(-1);
-  const auto [sorted_ids, perm] = at::sort(ids, /*stable=*/true, /*dim=*/0, /*descending=*/false);
-  const at::Tensor rows = x.index_select(0, at::floor_divide(perm, k));
-  const at::Tensor counts = tokens_per_expert(ids, E);
+  const int64_t E = w.w1.size(0);
+  const ExpertRows grouped = rows_by_expert(x, routing.experts);
+  const at::Tensor& sorted_ids = grouped.sorted_ids;
+  const at::Tensor& rows = grouped.rows;
+  const at::Tensor counts = tokens_per_expert(sorted_ids, E);
 
   const ExpertCompute compute = expert_compute_for(w, x.scalar_type(), options);
   std::function<at::Tensor(const at::Tensor&, const at::Tensor&)> product;
@@ -179,11 +179,26 @@ at::Tensor experts_forward(const at::Tensor& x, const Routing& routing, const Ex
   const at::Tensor gate = with_bias(product(rows, w.w1), w.b1);
   const at::Tensor up = with_bias(product(rows, w.w3), w.b3);
   const at::Tensor out = with_bias(product(expert_activation(gate, up, options), w.w2), w.b2);
+  return combine_expert_rows(out, grouped, routing, x.scalar_type());
+}
+
+ExpertRows rows_by_expert(const at::Tensor& x, const at::Tensor& experts) {
+  // Each (token, choice) pair becomes a row; rows are grouped by expert (stable: in token order).
+  auto [sorted_ids, perm] =
+      at::sort(experts.reshape(-1), /*stable=*/true, /*dim=*/0, /*descending=*/false);
+  at::Tensor rows = x.index_select(0, at::floor_divide(perm, experts.size(1)));
+  return {std::move(sorted_ids), std::move(perm), std::move(rows)};
+}
+
+at::Tensor combine_expert_rows(const at::Tensor& out, const ExpertRows& rows,
+                               const Routing& routing, c10::ScalarType dtype) {
+  const at::Tensor& perm = rows.perm;
+  const int64_t T = routing.experts.size(0), k = routing.experts.size(1);
   const at::Tensor weighted = out * routing.weights.reshape(-1).index_select(0, perm).unsqueeze(-1);
   // Back to (token, choice) order, then each token's k outputs summed in one reduction.
   const at::Tensor inverse =
       at::empty_like(perm).index_put_({perm}, at::arange(perm.size(0), perm.options()));
-  return weighted.index_select(0, inverse).view({T, k, -1}).sum(1).to(x.scalar_type());
+  return weighted.index_select(0, inverse).view({T, k, -1}).sum(1).to(dtype);
 }
 
 at::Tensor load_balancing_loss(const std::vector<at::Tensor>& router_logits, int64_t num_experts,
@@ -270,11 +285,14 @@ MoEImpl::MoEImpl(int64_t dim, int64_t hidden_dim, MoeOptions options_)
 
 namespace {
 
-// A replicated parameter's local value, entering with a Partial gradient: under tensor
-// parallelism each rank's experts give part of it (summed by reduce_partial_grads).
+// A parameter's local value whose gradient is Partial over the mesh dims it is replicated on:
+// under tensor parallelism each rank's expert columns give part of it, under expert
+// parallelism each rank's tokens (summed by reduce_partial_grads).
 at::Tensor with_partial_grad(const at::Tensor& p) {
   if (!p.defined() || !is_dtensor(p)) return p;
-  return to_local(p, std::vector<Placement>{Partial()});
+  std::vector<Placement> grad;
+  for (const Placement& pl : placements(p)) grad.push_back(pl.is_replicate() ? Partial() : pl);
+  return to_local(p, grad);
 }
 
 at::Tensor local_of(const at::Tensor& p) {
@@ -288,13 +306,12 @@ at::Tensor MoEImpl::forward(const at::Tensor& x) {
   return call_forward(
       [this](const at::Tensor& x) {
         at::Tensor flat = x.reshape({-1, x.size(-1)});
-        if (!tp_mesh) {
+        if (!tp_mesh && !expert_dispatch) {
           const Routing routing = route(flat, router->weight, router->bias, options);
           last_router_logits_ = routing.logits;
           last_tokens_per_expert_ = tokens_per_expert(routing.experts, options.num_experts);
           return experts_forward(flat, routing, experts->weights(), options).view(x.sizes());
         }
-        const DeviceMesh& mesh = *tp_mesh;
         if (experts_replicated) {
           // Every rank computes the whole block from the same values: nothing to communicate.
           const ExpertWeights w = experts->weights();
@@ -306,35 +323,71 @@ at::Tensor MoEImpl::forward(const at::Tensor& x) {
                                     local_of(w.b1), local_of(w.b2), local_of(w.b3)};
           return experts_forward(flat, routing, local, options).view(x.sizes());
         }
-        TORCH_CHECK(mesh.size() == 1 || ops::layout_invariant_segments() == 0,
-                    "MoE: LayoutInvariantMode with experts split over tp=", mesh.size(),
+        const int64_t tp = tp_mesh ? tp_mesh->size() : 1;
+        TORCH_CHECK(tp == 1 || ops::layout_invariant_segments() == 0,
+                    "MoE: LayoutInvariantMode with experts split over tp=", tp,
                     " ranks is not built (the down projections' sums over the split columns "
                     "would need the mode's canonical order); replicate the experts "
                     "(MoeTensorParallelOptions::replicate_experts)");
-        const bool first = mesh.get_local_rank() == 0;
+        // EP folded over TP ranks: the ranks share one replica's tokens and its auxiliary loss.
+        const ExpertDispatch* shared =
+            expert_dispatch && expert_dispatch->options.tokens != ExpertTokens::kOwn
+                ? expert_dispatch.get()
+                : nullptr;
+        const bool tp_first = !tp_mesh || tp_mesh->get_local_rank() == 0;
+        const bool first = shared ? shared->mesh.get_local_rank() == 0 : tp_first;
+        const bool split = shared && shared->options.tokens == ExpertTokens::kReplicated;
+        if (split) {
+          // Every rank holds all the tokens and routes its 1/ep of them: the input's gradient is
+          // each rank's rows, all-reduced on the way back.
+          const DeviceMesh& m = shared->mesh;
+          TORCH_CHECK(flat.size(0) % m.size() == 0, "MoE: ", flat.size(0),
+                      " tokens do not split over ep=", m.size(), " ranks");
+          flat = to_local(from_local(flat, m, {Replicate()}), std::vector<Placement>{Partial()})
+                     .chunk(m.size())[m.get_local_rank()];
+        }
         // The input enters whole; its gradient is each rank's part (its experts' columns), so it
         // is all-reduced on the way back (from_local of a Replicate with a Partial gradient).
-        flat = to_local(from_local(flat, mesh, {Replicate()}), std::vector<Placement>{Partial()});
+        if (tp_mesh)
+          flat = to_local(from_local(flat, *tp_mesh, {Replicate()}),
+                          std::vector<Placement>{Partial()});
         const Routing routing = route(flat, with_partial_grad(router->weight),
                                       with_partial_grad(router->bias), options);
         // Every rank computes the auxiliary loss whole: its gradient counts on rank 0 only.
-        last_router_logits_ =
-            first ? routing.logits
-                  : routing.logits.detach() + (routing.logits - routing.logits.detach()) * 0;
+        at::Tensor logits = routing.logits;
+        if (shared)  // all the replica's logits; rank 0's gradient reduce-scattered back
+          logits =
+              to_local(redistribute(from_local(logits, shared->mesh, {Shard(0)}), {Replicate()}),
+                       std::vector<Placement>{Partial()});
+        last_router_logits_ = first ? logits : logits.detach() + (logits - logits.detach()) * 0;
         last_tokens_per_expert_ = tokens_per_expert(routing.experts, options.num_experts);
         const ExpertWeights w = experts->weights();
         // b2 counts once in the sum over the ranks: rank 0 adds it, the others add zeros (so
         // every rank has its Partial gradient, as reduce_partial_grads needs).
         at::Tensor b2 = with_partial_grad(w.b2);
-        if (b2.defined() && !first) b2 = b2 * 0;
+        if (b2.defined() && !tp_first) b2 = b2 * 0;
         const ExpertWeights local{
             local_of(w.w1), local_of(w.w2), local_of(w.w3), local_of(w.b1), b2, local_of(w.b3)};
-        // This rank's part of the sum over the experts' columns.
-        const at::Tensor part = experts_forward(flat, routing, local, options);
-        return to_local(redistribute(from_local(part, mesh, {Partial()}), {Replicate()}))
+        // This rank's part of the sum over the experts' columns; under expert parallelism the
+        // tokens travel to the ranks holding their experts and back.
+        const at::Tensor part =
+            expert_dispatch ? dispatch_to_experts(*expert_dispatch, flat, routing, local, options)
+                            : experts_forward(flat, routing, local, options);
+        if (split)
+          return to_local(redistribute(from_local(part, shared->mesh, {Shard(0)}), {Replicate()}))
+              .view(x.sizes());
+        if (!tp_mesh) return part.view(x.sizes());
+        return to_local(redistribute(from_local(part, *tp_mesh, {Partial()}), {Replicate()}))
             .view(x.sizes());
       },
       x);
+}
+
+const std::vector<std::pair<std::string, Placement>>& expert_tensor_parallel_placements() {
+  static const std::vector<std::pair<std::string, Placement>> placements{
+      {"w1", Shard(1)}, {"w3", Shard(1)}, {"w2", Shard(2)},
+      {"b1", Shard(1)}, {"b3", Shard(1)}, {"b2", Replicate()}};
+  return placements;
 }
 
 void apply_tensor_parallel(MoEImpl& moe, const DeviceMesh& mesh_,
@@ -350,13 +403,7 @@ void apply_tensor_parallel(MoEImpl& moe, const DeviceMesh& mesh_,
         .requires_grad_(p.requires_grad());
   };
   GroupedExpertsImpl& e = *moe.experts;
-  for (const auto& [name, placement] :
-       std::vector<std::pair<std::string, Placement>>{{"w1", Shard(1)},
-                                                      {"w3", Shard(1)},
-                                                      {"w2", Shard(2)},
-                                                      {"b1", Shard(1)},
-                                                      {"b3", Shard(1)},
-                                                      {"b2", Replicate()}}) {
+  for (const auto& [name, placement] : expert_tensor_parallel_placements()) {
     const auto params = e.named_parameters(/*recurse=*/false);
     if (const at::Tensor* p = params.find(name))
       replace_parameter(e, name, spread(*p, replicate ? Replicate() : placement));

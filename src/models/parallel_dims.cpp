@@ -262,11 +262,25 @@ void ParallelDims::validate() const {
   TORCH_CHECK(expert_fold() % ep == 0, "expert parallelism (ep=", ep,
               ") folds over the dp_shard x cp x tp = ", expert_fold(),
               " ranks of each pipeline stage and replica, so it must divide them");
-  TORCH_CHECK(ep == 1, "expert parallelism (ep=", ep, ") is not built yet");
 }
 
 void ParallelDims::validate(const DecoderConfig& model, const TrainingOptions& run) const {
   validate();
+  if (ep > 1) {
+    TORCH_CHECK(model.has_moe(), "expert parallelism (ep=", ep,
+                ") needs mixture-of-experts layers; the model has none");
+    const int64_t experts = model.moe->options.num_experts;
+    TORCH_CHECK(experts % ep == 0, "num_experts ", experts, " is not divisible by ep=", ep,
+                " (each rank holds num_experts / ep whole experts)");
+    // The decoder's plan folds it over the tp ranks (TensorParallelOptions::ep).
+    TORCH_CHECK(ep == tp, "expert parallelism (ep=", ep,
+                ") folds over the tp ranks only yet: ", "it must equal tp=", tp,
+                " (over dp_shard and cp it is not built yet)");
+    TORCH_CHECK(dp_shard == 1, "expert parallelism (ep=", ep, ") with FSDP (dp_shard=", dp_shard,
+                ") is not built yet");
+    TORCH_CHECK(run.parallelize.tp.ep == ep, "expert parallelism: ParallelDims has ep=", ep,
+                " but the run's TensorParallelOptions::ep is ", run.parallelize.tp.ep);
+  }
   const ParallelizeOptions& o = run.parallelize;
   if (pp > 1) check_pipeline(*this, model, run);
   // The load-balancing loss is a product of sums over every sparse layer's routers: no stage's

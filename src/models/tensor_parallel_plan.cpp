@@ -11,6 +11,7 @@
 #include "dtensor/core/api.h"
 #include "dtensor/core/distribute_module.h"
 #include "dtensor/core/dtensor_impl.h"
+#include "dtensor/models/expert_parallel.h"
 #include "dtensor/models/parallel_dims.h"
 #include "dtensor/models/transformer.h"
 #include "dtensor/tp/parallelize_module.h"
@@ -246,6 +247,8 @@ struct PlanChoices {
   PlanParts parts;
   bool overlap = false;
   int64_t overlap_chunks = 2;
+  int64_t ep = 1;  // expert parallelism over the tp ranks (1: experts split like feed-forwards)
+  ExpertParallelOptions expert_parallel;
   // Activations between blocks: sequence shards (SP) or whole (Megatron).
   Placement between() const { return sp ? Placement(Shard(1)) : Placement(Replicate()); }
 };
@@ -306,7 +309,12 @@ std::optional<tp::Style> row_style(const PlanChoices& c, detail::PlanStyle style
 // gradients then meet in one all_reduce instead of three, without SP too). With overlap the
 // sublayer gathers its sequence-sharded input itself, piece by piece.
 tp::Style sublayer_style(const PlanChoices& c, const detail::Sublayer& sub) {
-  if (sub.path == std::string("moe")) return MoeParallel(c.between());
+  if (sub.path == std::string("moe")) {
+    if (c.ep == 1) return MoeParallel(c.between());
+    ExpertParallelOptions o = c.expert_parallel;
+    o.tokens = c.sp ? ExpertTokens::kSequenceShard : ExpertTokens::kReplicated;
+    return ExpertParallel(o);
+  }
   if (c.overlap) {
     return sub.path == std::string("attention") ? detail::overlapped_attention(c.overlap_chunks)
                                                 : detail::overlapped_feed_forward(c.overlap_chunks);
@@ -401,8 +409,26 @@ void apply_tensor_parallel(TransformerImpl& model, const DeviceMesh& device_mesh
   parts.layers = !model.layers->empty();
   for (const TransformerBlockImpl* block : model.blocks())
     parts.held_layers.push_back(block->layer_id);
-  const PlanChoices choices{
-      config, mesh.size(), sp, lp, parts, options.overlap_comm, options.overlap_chunks};
+  TORCH_CHECK(options.ep == 1 || options.ep == mesh.size(),
+              "apply_tensor_parallel: ep=", options.ep, " must be 1 or the tp degree ", mesh.size(),
+              " (expert parallelism folds over the tp ranks)");
+  TORCH_CHECK(options.ep == 1 || !options.plan,
+              "apply_tensor_parallel: ep > 1 is the built-in plan's; a plan of your own says "
+              "its own styles");
+  TORCH_CHECK(
+      options.ep == 1 || (config.has_moe() && config.moe->options.num_experts % options.ep == 0),
+      "apply_tensor_parallel: ep=", options.ep, " needs mixture-of-experts layers whose ",
+      "num_experts divides by it, got ", config.has_moe() ? config.moe->options.num_experts : 0,
+      " experts");
+  const PlanChoices choices{config,
+                            mesh.size(),
+                            sp,
+                            lp,
+                            parts,
+                            options.overlap_comm,
+                            options.overlap_chunks,
+                            options.ep,
+                            options.expert_parallel};
   tp::parallelize_module(model, mesh, options.plan ? *options.plan : decoder_plan(choices),
                          options.src_data_rank);
   if (parts.head_shares_embedding) model.tie_output_to_embedding();
@@ -425,7 +451,8 @@ tp::ParallelizePlan tensor_parallel_plan(const DecoderConfig& config, int64_t tp
   parts.head_shares_embedding = config.tie_embeddings;
   parts.layers = config.n_layers > 0;
   return decoder_plan({config, tp, options.sequence_parallel, options.loss_parallel, parts,
-                       options.overlap_comm, options.overlap_chunks});
+                       options.overlap_comm, options.overlap_chunks, options.ep,
+                       options.expert_parallel});
 }
 
 }  // namespace dtensor::models

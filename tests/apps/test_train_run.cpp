@@ -166,6 +166,30 @@ TEST(TrainRun, ContextParallelTrainsAsOneDeviceAndPacksDocuments) {
   EXPECT_EQ(count(r.output, "the sequence of 1 tokens is shorter than cp=2"), 1u) << r.output;
 }
 
+// --ep 2: the experts sharded over the 2 TP ranks (2 of 4 whole experts per rank) train as one
+// device does in both dispatch modes (capacity with room for every choice), and the header says
+// so; a model without experts is refused in one line before anything is built.
+TEST(TrainRun, TinyMoeWithExpertParallelismTrainsAsOneDeviceInBothDispatchModes) {
+  for (const std::string dispatch : {"dropless", "capacity"}) {
+    TempDir dir;
+    const auto r = run({DTRUN_PATH, "-n", "2", "--backend", "gloo", DTENSOR_TRAIN_PATH, "--preset",
+                        "tiny-moe", "--ep", "2", "--moe-dispatch", dispatch, "--capacity-factor",
+                        "4", "--steps", "3", "--out", dir.file("run"), "--verify-tp1"});
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    EXPECT_NE(r.output.find("verify-tp1: PASSED"), std::string::npos) << r.output;
+    EXPECT_NE(r.output.find("2 of 4 experts per rank, " + dispatch + " dispatch"),
+              std::string::npos)
+        << r.output;
+  }
+  TempDir dir;
+  const auto dense = run({DTRUN_PATH, "-n", "2", "--backend", "gloo", DTENSOR_TRAIN_PATH,
+                          "--preset", "tiny", "--ep", "2", "--steps", "1", "--out", dir.file("d")});
+  EXPECT_NE(dense.exit_code, 0);
+  EXPECT_NE(dense.output.find("expert parallelism (ep=2) needs mixture-of-experts layers"),
+            std::string::npos)
+      << dense.output;
+}
+
 TEST(TrainRun, ResumedRunRepeatsTheUninterruptedRunExactly) {
   TempDir dir;
   const auto whole = train(2, {"--steps", "6", "--out", dir.file("whole")});

@@ -228,6 +228,11 @@ TEST(MpiBackend, EveryC10dOperationMatchesLocalComputation) {
       expect_done(b.alltoall_base(got, rows, recv_rows, send_rows));
       EXPECT_TENSOR_EQ(got, at::cat({at::full({recv_rows[0], 2}, 0.0 + rank),
                                      at::full({recv_rows[1], 2}, 100.0 + rank)}));
+      // Through the comm layer (expert parallelism's dispatch): bfloat16, which MPI carries as
+      // bytes, still split in rows.
+      EXPECT_TENSOR_EQ(
+          comm::all_to_all_single(rows.to(at::kBFloat16), recv_rows, send_rows, pg).to(at::kFloat),
+          got);
     }
     // broadcast, reduce, gather, scatter, barrier.
     {

@@ -228,6 +228,24 @@ TEST(Collectives, ReduceOpsGatherScatterAndBroadcastMatchLocalComputation) {
     EXPECT_TENSOR_EQ(got, at::cat({at::zeros({1, 2}, at::kDouble), at::ones({1, 2}, at::kDouble),
                                    at::full({1, 2}, 2.0, at::kDouble)},
                                   1));
+    // Uneven: rank r sends r + i rows to rank i (zero rows included); its row j holds 100 r + j.
+    auto rows_of = [](int r, int64_t first, int64_t n) {
+      return (at::arange(first, first + n, at::kDouble) + 100 * r).unsqueeze(1).repeat({1, 2});
+    };
+    for (at::ScalarType dtype : {at::kDouble, at::kBFloat16, at::kLong}) {
+      std::vector<int64_t> sent, received;
+      std::vector<at::Tensor> expected;
+      for (int i = 0; i < 3; ++i) {
+        sent.push_back(rank + i);
+        received.push_back(i + rank);
+        int64_t first = 0;  // rank i's first row for this rank
+        for (int j = 0; j < rank; ++j) first += i + j;
+        expected.push_back(rows_of(i, first, i + rank));
+      }
+      const at::Tensor rows = rows_of(rank, 0, 3 * rank + 3).to(dtype);
+      EXPECT_TENSOR_EQ(comm::all_to_all_single(rows, received, sent, g).to(at::kDouble),
+                       at::cat(expected));
+    }
     EXPECT_TENSOR_EQ(comm::broadcast(mine, 2, g), at::arange(6, at::kDouble).view({2, 3}) + 2);
     std::vector<at::Tensor> parts;
     if (rank == 1) {

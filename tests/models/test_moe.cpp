@@ -32,6 +32,7 @@
 #include "support/distributed.h"
 #include "support/errors.h"
 #include "support/model_compare.h"
+#include "support/moe_blocks.h"
 
 using namespace dtensor;
 using namespace dtensor::models;
@@ -315,46 +316,11 @@ TEST(Moe, ModuleRoutesEveryTokenAndKeepsItsRouterLogits) {
 
 // ---- tensor parallelism ----
 
-// A block of `options` in float64 with every parameter drawn from `seed` (biases too).
-MoE seeded_block(const MoeOptions& options, uint64_t seed) {
-  at::manual_seed(seed);
-  MoE moe(/*dim=*/32, /*hidden_dim=*/16, options);
-  moe->to(at::kDouble);
-  at::NoGradGuard no_grad;
-  for (auto& p : moe->named_parameters()) p.value().normal_(0.0, 0.3);
-  return moe;
-}
-
-// Every parameter's gradient (after_step false) or value of the parallelized `moe` equals the
-// one-device `ref`'s within 1e-9.
-void expect_like_one_device(const MoE& moe, const MoE& ref, bool after_step) {
-  const auto rp = params_of(*ref);
-  for (const auto& [name, p] : params_of(*moe)) {
-    if (after_step) {
-      EXPECT_TRUE(close_to_scale(whole(p), rp.at(name), 1e-9)) << name << " after step";
-      continue;
-    }
-    ASSERT_TRUE(p.grad().defined()) << name;
-    EXPECT_TRUE(close_to_scale(whole(p.grad()), rp.at(name).grad(), 1e-9)) << name << " gradient";
-  }
-}
-
-std::vector<MoeOptions> tp_variants() {
-  return {{.num_experts = 8, .top_k = 2, .renormalize = true},  // Qwen3-MoE-like
-          {.num_experts = 4,
-           .top_k = 2,
-           .scoring = RouterScoring::kTopKThenSoftmax,
-           .router_bias = true,
-           .expert_bias = true,
-           .activation = ExpertActivation::kClampedSwiGLU,
-           .swiglu_limit = 0.5}};  // gpt-oss-like
-}
-
 TEST(MoeTp, ThreeAdamWStepsAtTp2And4EqualOneDevice) {
   for (int tp : {2, 4}) {
     run_ranks(tp, [](int) {
       auto mesh = init_device_mesh("cpu", {comm::get_world_size()});
-      for (const MoeOptions& o : tp_variants()) {
+      for (const MoeOptions& o : moe_variants()) {
         SCOPED_TRACE(c10::str("tp=", mesh.size(), " experts=", o.num_experts));
         MoE ref = seeded_block(o, 5), moe = seeded_block(o, 5);
         apply_tensor_parallel(*moe, mesh);
@@ -405,7 +371,7 @@ TEST(MoeTp, ReplicatedExpertsInLayoutInvariantModeGiveOneDevicesBitsAtTp2And4) {
     run_ranks(tp, [](int) {
       auto mesh = init_device_mesh("cpu", {comm::get_world_size()});
       ops::LayoutInvariantMode mode(4);
-      for (const MoeOptions& o : tp_variants()) {
+      for (const MoeOptions& o : moe_variants()) {
         SCOPED_TRACE(c10::str("tp=", mesh.size(), " experts=", o.num_experts));
         MoE ref = seeded_block(o, 5), moe = seeded_block(o, 5);
         ref->to(at::kFloat);
@@ -446,7 +412,7 @@ TEST(MoeTp, ThreeAdamWStepsAtFsdp2xTp2WithTheWholeBatchsAuxLossEqualOneDevice) {
   run_ranks(4, [](int) {
     auto mesh = init_device_mesh("cpu", {2, 2}, {"dp", "tp"});
     const int64_t dp_rank = mesh.get_local_rank("dp");
-    for (const MoeOptions& o : tp_variants()) {
+    for (const MoeOptions& o : moe_variants()) {
       SCOPED_TRACE(c10::str("experts=", o.num_experts));
       MoE ref = seeded_block(o, 5), moe = seeded_block(o, 5);
       apply_tensor_parallel(*moe, mesh);
@@ -514,7 +480,7 @@ TEST(MoeTp, ThreeAdamWStepsAtFsdp2xTp2WithTheWholeBatchsAuxLossEqualOneDevice) {
 TEST(MoeTp, ForwardIssuesOneAllReduce) {
   run_ranks(2, [](int) {
     auto mesh = init_device_mesh("cpu", {2});
-    MoE moe = seeded_block(tp_variants()[0], 3);
+    MoE moe = seeded_block(moe_variants()[0], 3);
     apply_tensor_parallel(*moe, mesh);
     CommDebugMode comm;
     moe->forward(at::randn({2, 4, 32}, at::kDouble));
@@ -529,7 +495,7 @@ TEST(MoeTp, RefusesWidthsThatDoNotSplitAndTheLayoutInvariantModeAtTpAbove1) {
     MoE narrow(32, 6, MoeOptions{.num_experts = 4, .top_k = 2});
     EXPECT_ERROR(apply_tensor_parallel(*narrow, mesh), c10::Error, "experts' width 6",
                  "not divisible by tp=4");
-    MoE moe = seeded_block(tp_variants()[0], 3);
+    MoE moe = seeded_block(moe_variants()[0], 3);
     apply_tensor_parallel(*moe, mesh);
     ops::LayoutInvariantMode mode(4);
     EXPECT_ERROR(moe->forward(at::randn({1, 4, 32}, at::kDouble)), c10::Error,

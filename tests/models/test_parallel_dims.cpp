@@ -99,13 +99,37 @@ TEST(ParallelDimsValidate, ContextParallelismRefusesWhatItCannotRun) {
 }
 
 // ep folds over dp_shard x cp x tp, as torchtitan's sparse mesh: it must divide them.
-TEST(ParallelDims, ExpertParallelismFoldsOverTheDenseRanksAndIsNotBuiltYet) {
+TEST(ParallelDims, ExpertParallelismFoldsOverTheDenseRanks) {
   ParallelDims d{.dp_shard = 2, .tp = 2, .ep = 3, .world_size = 4};
   EXPECT_ERROR(d.validate(), c10::Error,
                "expert parallelism (ep=3) folds over the dp_shard x cp x tp = 4 ranks",
                "must divide them");
   d.ep = 4;
-  EXPECT_ERROR(d.validate(), c10::Error, "expert parallelism (ep=4) is not built yet");
+  EXPECT_NO_THROW(d.validate());
+}
+
+// Before anything is built or loaded: the experts must divide by ep, a dense model has none, and
+// the decoder's plan folds ep over the tp ranks only.
+TEST(ParallelDimsValidate, ExpertsMustDivideByEpWhichFoldsOverTheTpRanks) {
+  ParallelDims d = dims(1, 1, 1, 4);
+  d.ep = 4;
+  TrainingOptions run = run_for(d);
+  run.parallelize.tp.ep = 4;
+  DecoderConfig moe = DecoderConfig::preset("tiny-moe");
+  moe.moe->options.num_experts = 6;
+  expect_refused(d, moe, run, {"num_experts 6 is not divisible by ep=4"});
+  expect_refused(d, tiny(), run, {"expert parallelism (ep=4) needs mixture-of-experts"});
+  moe.moe->options.num_experts = 8;
+  EXPECT_NO_THROW(d.validate(moe, run));
+  d.ep = 2;
+  run.parallelize.tp.ep = 2;
+  expect_refused(d, moe, run,
+                 {"expert parallelism (ep=2) folds over the tp ranks only yet", "must equal tp=4"});
+  ParallelDims fsdp = dims(1, 1, 2, 2);
+  fsdp.ep = 2;
+  TrainingOptions fsdp_run = run_for(fsdp);
+  fsdp_run.parallelize.tp.ep = 2;
+  expect_refused(fsdp, moe, fsdp_run, {"(ep=2) with FSDP (dp_shard=2) is not built yet"});
 }
 
 // ---- tensor parallelism ----

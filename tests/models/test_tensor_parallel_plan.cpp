@@ -394,6 +394,27 @@ TEST(LlamaTp, MoeDecoderTrainingMatchesOneDeviceAuxLossIncluded) {
   }
 }
 
+// Expert parallelism folded over the tp ranks (TensorParallelOptions::ep = tp): each rank holds
+// num_experts / tp whole experts and routes its sequence shard (SP) or its 1/tp of the tokens
+// (without SP) to them by all-to-all; the router logits are gathered so that the auxiliary loss
+// is the whole batch's. Three AdamW steps in float64 equal one device's (1e-9), dropless and with
+// a capacity that drops nothing.
+TEST(LlamaTp, MoeDecoderWithExpertParallelismMatchesOneDevice) {
+  run_ranks(2, [](int) {
+    auto mesh = init_device_mesh("cpu", {comm::get_world_size()});
+    DecoderConfig moe = DecoderConfig::preset("tiny-moe");
+    DecoderConfig mixed = moe;
+    mixed.moe->sparse_layers = {false, true};
+    TensorParallelOptions sp = kSpLp, plain = kLp;
+    sp.ep = plain.ep = 2;
+    TensorParallelOptions capacity = sp;
+    capacity.expert_parallel = {.dispatch = MoeDispatch::kCapacity, .capacity_factor = 4.0};
+    expect_training_matches(mesh, {"MoE EP SP + LP", moe, sp});
+    expect_training_matches(mesh, {"MoE EP LP, dense layer 0", mixed, plain});
+    expect_training_matches(mesh, {"MoE EP capacity SP + LP", moe, capacity});
+  });
+}
+
 // Mixture-of-experts blocks (the "moe" sublayer's MoeParallel style, experts split like dense
 // feed-forwards). Per sparse block, against a dense one's 2 all-gathers and 2 reduce-scatters
 // each way: with SP the attention's as before, the block's input all-gathered and its output
@@ -433,4 +454,41 @@ TEST(LlamaTp, MoeTrainingStepIssuesCollectivesByFormula) {
       }
     });
   }
+}
+
+// Expert parallelism over the tp ranks (dropless), per sparse block against MoeParallel's: with
+// SP no input all-gather and no output all-reduce, but the router logits' all-gather (for the
+// auxiliary loss; this step's loss has none, so no reduce-scatter back) and the counts,
+// dispatch and combine all-to-alls forward, the dispatch's and combine's backward; without SP the
+// output's all-gather instead of its all-reduce forward, the input gradient's all-reduce as
+// before. The router's Partial gradients join reduce_partial_grads' one all-reduce.
+TEST(LlamaTp, MoeTrainingStepWithExpertParallelismIssuesCollectivesByFormula) {
+  run_ranks(2, [](int) {
+    auto mesh = init_device_mesh("cpu", {comm::get_world_size()});
+    constexpr auto A2A = CommType::all_to_all_single;
+    for (const std::vector<bool>& sparse : {std::vector<bool>{true, true}, {false, true}}) {
+      DecoderConfig c = DecoderConfig::preset("tiny-moe");
+      c.moe->sparse_layers = sparse;
+      const int64_t L = c.n_layers, S = std::count(sparse.begin(), sparse.end(), true), D = L - S;
+      for (TensorParallelOptions options : {kSpLp, kLp}) {
+        options.ep = 2;
+        SCOPED_TRACE(c10::str("sparse layers ", S, " sp=", options.sequence_parallel));
+        Transformer model(c);
+        model->to(at::kDouble);
+        apply_tensor_parallel(*model, mesh, options);
+        torch::optim::AdamW opt(model->parameters(), torch::optim::AdamWOptions(1e-3));
+        StepCounts want;
+        if (options.sequence_parallel) {
+          want.forward = {{RS, 1 + 2 * D + S}, {AG, 2 * L + 1}, {A2A, 3 * S}};
+          want.backward = {{AG, 1 + 2 * D + S}, {RS, 1 + 2 * D + S}, {A2A, 2 * S}};
+        } else {
+          want.forward = {{AR, 1 + L + D}, {AG, 2 * S}, {A2A, 3 * S}};
+          want.backward = {{AR, 1 + 2 * L}, {A2A, 2 * S}};
+        }
+        want.reduce = {{AR, 1}};
+        want.loss = {{AR, 3}};
+        expect_counts(count_step(model, opt, c.vocab_size), want);
+      }
+    }
+  });
 }

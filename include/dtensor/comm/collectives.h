@@ -64,6 +64,13 @@ PendingResult reduce_scatter_tensor_async(const at::Tensor& t, int64_t dim, Redu
 at::Tensor all_to_all_single(const at::Tensor& t, int64_t split_dim, int64_t concat_dim,
                              ProcessGroup& pg);
 
+/// Uneven all-to-all along dim 0 (PyTorch's all_to_all_single with split sizes): this rank's
+/// rows of `t` go in consecutive blocks of input_split_sizes[i] rows to group rank i; it receives
+/// output_split_sizes[i] rows from rank i, concatenated in rank order. Every rank's input split
+/// for rank j must equal rank j's output split for it (exchange the counts first).
+at::Tensor all_to_all_single(const at::Tensor& t, const std::vector<int64_t>& output_split_sizes,
+                             const std::vector<int64_t>& input_split_sizes, ProcessGroup& pg);
+
 /// Returns group rank `src`'s tensor on every rank (others pass a tensor of the same shape).
 at::Tensor broadcast(const at::Tensor& t, int src, ProcessGroup& pg);
 

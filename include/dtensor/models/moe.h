@@ -19,8 +19,10 @@
 #include <torch/nn/pimpl.h>
 
 #include <cstdint>
+#include <memory>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "dtensor/core/distribute_module.h"
@@ -116,6 +118,23 @@ ExpertCompute expert_compute_for(const ExpertWeights& w, c10::ScalarType dtype,
 at::Tensor experts_forward(const at::Tensor& x, const Routing& routing, const ExpertWeights& w,
                            const MoeOptions& options);
 
+/// Each (token, choice) of `experts` (T, k) as a row of x (T, H), the rows grouped by expert
+/// (stably: in token order): the first step of experts_forward and of the expert-parallel
+/// dispatch.
+struct ExpertRows {
+  at::Tensor sorted_ids;  ///< (T * k) the rows' experts, ascending.
+  at::Tensor perm;        ///< (T * k) row i is choice perm[i], of token perm[i] / k.
+  at::Tensor rows;        ///< (T * k, H) x's rows in that order.
+};
+/// x's rows for the choices `experts` (T, k), grouped by expert.
+ExpertRows rows_by_expert(const at::Tensor& x, const at::Tensor& experts);
+
+/// The last step of experts_forward: the experts' outputs `out` (T * k, H), in `rows`' order, times
+/// their routing weights, back in token order, each token's k outputs summed in one reduction,
+/// in `dtype`.
+at::Tensor combine_expert_rows(const at::Tensor& out, const ExpertRows& rows,
+                               const Routing& routing, c10::ScalarType dtype);
+
 /// The expert MLP's middle, act(gate) * up, as options.activation says.
 at::Tensor expert_activation(const at::Tensor& gate, const at::Tensor& up,
                              const MoeOptions& options);
@@ -154,6 +173,8 @@ class GroupedExpertsImpl : public dtensor::nn::Module, public ParameterSwapTarge
 /// Module holder of GroupedExpertsImpl.
 TORCH_MODULE(GroupedExperts);
 
+struct ExpertDispatch;
+
 /// A mixture-of-experts feed-forward: router (a Linear dim -> num_experts) and experts.
 class MoEImpl : public dtensor::nn::Module {
  public:
@@ -178,6 +199,9 @@ class MoEImpl : public dtensor::nn::Module {
   std::optional<DeviceMesh> tp_mesh;
   /// Set by apply_tensor_parallel: every rank holds and computes every expert whole.
   bool experts_replicated = false;
+  /// Set by apply_expert_parallel (expert_parallel.h): the experts this rank holds, and how
+  /// tokens reach them.
+  std::shared_ptr<ExpertDispatch> expert_dispatch;
 
  private:
   at::Tensor last_router_logits_, last_tokens_per_expert_;
@@ -192,6 +216,10 @@ struct MoeTensorParallelOptions {
   /// memory and compute). Default: the experts split over the ranks.
   bool replicate_experts = false;
 };
+
+/// How apply_tensor_parallel splits each of GroupedExperts' parameters over "tp": the gate and up
+/// columns (w1, w3, b1, b3: Shard(1)), the down projection's rows (w2: Shard(2)), b2 replicated.
+const std::vector<std::pair<std::string, Placement>>& expert_tensor_parallel_placements();
 
 /// Splits `moe`'s experts over the ranks of `mesh` (1-D, or its "tp" dim) as the Megatron plan
 /// splits a dense feed-forward, in place and without communication (every rank keeps its chunk

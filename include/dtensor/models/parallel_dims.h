@@ -46,7 +46,9 @@ struct ParallelDims {
   int64_t cp = 1;            ///< Context parallelism: the sequence split over ranks.
   int64_t tp = 1;            ///< Tensor parallelism.
   int64_t pp = 1;            ///< Pipeline stages.
-  int64_t ep = 1;  ///< Expert parallelism (not built yet), folded over dp_shard x cp x tp.
+  /// Expert parallelism, folded over dp_shard x cp x tp: num_experts must divide by it
+  /// (validate(model, run)); the decoder's plan folds it over the tp ranks only yet (ep == tp).
+  int64_t ep = 1;
   /// Ranks in all. One degree (not ep) may be -1 until resolved(): the ranks the others leave.
   int64_t world_size = 1;
   /// The mesh the roles are read from: set by build_mesh() or from_mesh().
@@ -61,9 +63,9 @@ struct ParallelDims {
   /// not divide it. Then validate()s the degrees.
   ParallelDims resolved() const;
 
-  /// The degrees alone: each at least 1, their product world_size, and what is not built yet
-  /// (cp with dp_replicate or pp, ep, dp_replicate with dp_shard) refused with where it will go.
-  /// Throws naming the degree.
+  /// The degrees alone: each at least 1, their product world_size, ep dividing the ranks it folds
+  /// over, and what is not built yet (cp with dp_replicate or pp, dp_replicate with dp_shard)
+  /// refused with where it will go. Throws naming the degree.
   void validate() const;
   /// validate() and every rule of composing these degrees with a model and a run's options
   /// (tensor parallelism's divisibility, sequence parallelism, pipeline stages and micro-batches,

@@ -36,6 +36,7 @@
 
 #include "dtensor/core/distribute_module.h"
 #include "dtensor/mesh/device_mesh.h"
+#include "dtensor/models/expert_parallel.h"
 #include "dtensor/models/moe.h"
 #include "dtensor/models/yarn_rope.h"
 #include "dtensor/nn/layers.h"
@@ -362,6 +363,13 @@ struct TensorParallelOptions {
   /// checks of sequence parallelism are installed with it), the logits are vocab-sharded or not
   /// as its "output" entry says, and overlap_comm is refused.
   std::optional<tp::ParallelizePlan> plan;
+  /// Expert parallelism folded over the tp ranks (1: off; else the tp degree): each rank holds
+  /// num_experts / tp whole experts instead of 1 / tp of every expert's columns, and the sparse
+  /// layers' tokens travel to them by all-to-all (ExpertParallel, expert_parallel.h), each rank
+  /// routing its sequence shard (or, without sequence parallelism, its 1/tp of the tokens).
+  int64_t ep = 1;
+  /// The dispatch of expert parallelism (its `tokens` is the plan's to set).
+  ExpertParallelOptions expert_parallel;
 };
 
 /// Parallelizes `model` over `mesh` (1-D, or the dimension named "tp" of an N-D mesh) with the
