@@ -7,8 +7,8 @@
 #include <sstream>
 #include <stdexcept>
 
-#include "dtensor/util/error_message.h"
 #include "dtensor/tp/parse_style.h"
+#include "dtensor/util/error_message.h"
 
 namespace dtensor::train {
 
@@ -83,7 +83,9 @@ void apply_plan_file(models::TransformerImpl& model, const DeviceMesh& tp_mesh,
     models::apply_tensor_parallel(model, tp_mesh,
                                   {.sequence_parallel = plan.sequence_parallel,
                                    .src_data_rank = std::nullopt,
-                                   .plan = plan.plan});
+                                   .plan = plan.plan,
+                                   .ep = 1,
+                                   .expert_parallel = {}});
   } catch (const std::exception& e) {
     throw std::runtime_error("--plan " + plan.path + ": " + util::error_message(e));
   }

@@ -154,7 +154,8 @@ at::Tensor experts_forward(const at::Tensor& x, const Routing& routing, const Ex
       return at::_grouped_mm(a, weight.transpose(-2, -1), offsets);
     };
   } else {
-    product = [sizes = expert_rows(counts, T * k)](const at::Tensor& a, const at::Tensor& weight) {
+    product = [sizes = expert_rows(counts, rows.size(0))](const at::Tensor& a,
+                                                          const at::Tensor& weight) {
       // unbind, not select per expert: select's backward writes each expert's gradient into a
       // zero tensor of all experts' size, unbind's stacks them once.
       const std::vector<at::Tensor> experts = weight.unbind(0);
