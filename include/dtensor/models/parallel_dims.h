@@ -13,11 +13,11 @@
 // Degrees: pp (pipeline stages), dp_replicate (plain data parallelism: replicas whose gradients
 // are averaged), dp_shard (FSDP: ranks that shard the parameters), cp (context parallelism: the
 // sequence split over ranks, src/cp; with tp and dp_shard so far), tp (tensor parallelism), ep
-// (expert parallelism; not built yet). The dense layout is pp x dp_replicate x dp_shard x cp x tp =
-// world_size ranks, in that order (tp innermost, so that a TP group is neighbouring ranks). Experts
-// do not add ranks: ep folds over the dp_shard x cp x tp ranks of a pipeline stage and replica
-// (torchtitan's sparse mesh [dp_replicate, efsdp, ep] with efsdp x ep = dp_shard x cp x tp), so ep
-// must divide that product.
+// (expert parallelism: folded over the tp ranks so far). The dense layout is pp x dp_replicate x
+// dp_shard x cp x tp = world_size ranks, in that order (tp innermost, so that a TP group is
+// neighbouring ranks). Experts do not add ranks: ep folds over the dp_shard x cp x tp ranks of a
+// pipeline stage and replica (torchtitan's sparse mesh [dp_replicate, efsdp, ep] with efsdp x ep =
+// dp_shard x cp x tp), so ep must divide that product.
 //
 // Mesh dimension names: "pp", "dp" (the data-parallel dimension: replicated or sharded, whichever
 // is in use), "cp", "tp"; a dimension of one rank is left out, except "tp", which the plans
